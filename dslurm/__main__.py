@@ -1,0 +1,5 @@
+import sys
+
+from dslurm.cli import main
+
+sys.exit(main())

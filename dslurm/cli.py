@@ -1,0 +1,73 @@
+"""The `dslurm` command line.
+
+Each subcommand lives in the module of its link of the chain and exposes
+`register(subparsers)`, which adds its parser and sets `func=run(args) -> int`.
+Those modules must stay light to import (no torch, no matplotlib at module level):
+the CLI is meant to answer instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from dslurm import __version__
+from dslurm.errors import UserError
+
+# Order is the order `dslurm --help` lists them.
+_COMMAND_MODULES = (
+    "dslurm.sbatch_cli",
+    "dslurm.submit",
+    "dslurm.launch",
+    "dslurm.cluster",
+    "dslurm.preflight.cli",
+    "dslurm.checkpoint_cli",
+    "dslurm.plan.cli",
+    "dslurm.doctor",
+    "dslurm.report",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dslurm",
+        description="Slurm-native toolkit for distributed PyTorch training.",
+    )
+    parser.add_argument("--version", action="version", version=f"dslurm {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # A link of the chain that is not built yet; only its own absence is tolerated.
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"dslurm {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
