@@ -1,0 +1,325 @@
+"""The one validated config tree: a site (the cluster) and a job (what to run on it).
+
+`load_site` / `load_job` read YAML and return frozen-in-spirit dataclasses; `resolve`
+checks the two together and computes the numbers every later link uses (nodes,
+processes per node, world size, the parallel layout), once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from dslurm.errors import UserError
+from dslurm.models import PRESETS, ModelShape, shape_from
+from dslurm.schema import apply_overrides, build, field, load_yaml
+
+# ----------------------------------------------------------------------------- site
+
+
+@dataclass(kw_only=True, slots=True)
+class SlurmSpec:
+    partition: str = field(help="partition (queue) to submit to")
+    account: str | None = field(None, help="account to charge (--account)")
+    qos: str | None = field(None, help="quality of service (--qos)")
+    gpu_directive: Literal["gpus-per-node", "gres", "none"] = field(
+        "gpus-per-node", help="how this site asks for GPUs: --gpus-per-node=N, --gres=NAME:N, or not at all")
+    gres_name: str = field("gpu", help="gres name for gpu_directive=gres, e.g. gpu or gpu:h100")
+    constraint: str | None = field(None, help="node feature constraint (--constraint)")
+    default_time: str = field("01:00:00", help="time limit when the job gives none (Slurm format)")
+    log_dir: str = field("logs", help="where --output/--error files go (relative to the submit dir)")
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeSpec:
+    gpus: int = field(help="GPUs per node (0 for CPU-only nodes)")
+    cpus: int = field(help="CPU cores per node")
+    mem_gb: int = field(help="memory per node in GB (informational: jobs ask for --mem=0, all of it)")
+    procs_per_node: int | None = field(None, help="training processes per node; default: one per GPU")
+    gpu_model: str | None = field(None, help="GPU model, e.g. H100-SXM5-80GB")
+    gpu_mem_gb: float = field(0.0, help="memory per GPU in GB")
+    peak_tflops_bf16: float = field(0.0, help="dense bf16 peak TFLOP/s per GPU (for MFU); 0 = unknown")
+    nvlink_domain: int = field(1, help="GPUs that share one NVLink/NVSwitch domain (TP stays inside it)")
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "cpus", "mem_gb", "nvlink_domain"):
+            if getattr(self, name) < (0 if name == "gpus" else 1):
+                raise ValueError(f"node.{name}={getattr(self, name)} is out of range")
+        if self.procs_per_node is not None and self.procs_per_node < 1:
+            raise ValueError(f"node.procs_per_node={self.procs_per_node} must be at least 1")
+        if self.gpus == 0 and self.procs_per_node is None:
+            raise ValueError("node.gpus=0 needs node.procs_per_node (how many CPU processes per node)")
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkSpec:
+    backend: Literal["nccl", "gloo"] = field("nccl", help="torch.distributed backend")
+    intra_node_gbytes_per_s: float = field(0.0, help="per-GPU bandwidth inside a node (NVLink), GB/s")
+    inter_node_gbytes_per_s: float = field(0.0, help="per-node bandwidth between nodes, GB/s")
+
+
+@dataclass(kw_only=True, slots=True)
+class SiteRequeueSpec:
+    enabled: bool = field(True, help="ask Slurm to requeue jobs on preemption/time limit")
+    signal_lead_s: int = field(120, help="seconds before the time limit that USR2 is sent")
+    max_restarts: int = field(5, help="restart budget per job")
+    no_progress_limit: int = field(3, help="stop after this many starts without the pointer advancing")
+
+
+@dataclass(kw_only=True, slots=True)
+class StorageSpec:
+    durable: str = field("checkpoints", help="root of run directories (checkpoints, ledger); shared by all nodes")
+    scratch: str | None = field(None, help="node-local fast storage, if any")
+
+
+@dataclass(kw_only=True, slots=True)
+class BurninSpec:
+    gemm_min_fraction_of_peak: float = field(0.6, help="GEMM TFLOP/s below this fraction of peak fails")
+    cpu_gemm_min_gflops: float = field(0.5, help="CPU smoke-test GEMM floor in GFLOP/s")
+    busbw_intra_min_gbytes_per_s: float = field(0.0, help="all-reduce busbw floor inside a node, GB/s")
+    busbw_inter_min_gbytes_per_s: float = field(0.0, help="all-reduce busbw floor across nodes, GB/s")
+    slow_link_factor: float = field(3.0, help="a link slower than this x the median is flagged")
+    max_temp_c: int = field(85, help="GPU temperature ceiling, C")
+    max_ecc_uncorrected: int = field(0, help="uncorrected ECC errors tolerated")
+    min_pcie_gen: int = field(0, help="minimum PCIe link generation (0 = do not check)")
+    min_free_mem_fraction: float = field(0.9, help="minimum free fraction of GPU memory before the run")
+    allow_drain: bool = field(False, help="may a job drain bad nodes (needs Slurm operator rights)")
+
+
+@dataclass(kw_only=True, slots=True)
+class SiteConfig:
+    name: str = field(help="short name of the cluster")
+    description: str = field("", help="free text")
+    slurm: SlurmSpec = field(help="scheduler settings")
+    node: NodeSpec = field(help="what one node has")
+    network: NetworkSpec = field(factory=NetworkSpec, help="interconnect")
+    env: dict[str, str] = field(factory=dict, help="environment exported in every job (NCCL_* etc.)")
+    setup: list[str] = field(factory=list, help="shell lines run before launch (modules, venv, container)")
+    python: str = field("python3", help="Python interpreter inside the job (after setup)")
+    requeue: SiteRequeueSpec = field(factory=SiteRequeueSpec, help="requeue policy")
+    storage: StorageSpec = field(factory=StorageSpec, help="where run state lives")
+    burnin: BurninSpec = field(factory=BurninSpec, help="pre-flight thresholds")
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.node.procs_per_node or self.node.gpus
+
+
+# ------------------------------------------------------------------------------ job
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSpec:
+    preset: str = field("tiny", help=f"named shape: {', '.join(PRESETS)}")
+    dim: int | None = field(None, help="override the preset's hidden size")
+    n_layers: int | None = field(None, help="override the number of layers")
+    n_heads: int | None = field(None, help="override attention heads")
+    n_kv_heads: int | None = field(None, help="override key/value heads (GQA)")
+    ffn_dim: int | None = field(None, help="override the SwiGLU hidden size")
+    vocab_size: int | None = field(None, help="override the vocabulary size")
+    seq_len: int | None = field(None, help="override the sequence length")
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+
+    def shape(self) -> ModelShape:
+        return shape_from(self.preset, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+                          n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
+                          vocab_size=self.vocab_size, seq_len=self.seq_len)
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelSpec:
+    dp_replicate: int = field(1, help="HSDP replicas (data-parallel groups that each hold a full shard set)")
+    dp_shard: int = field(-1, help="FSDP shard degree; -1 = all ranks left after the others")
+    tp: int = field(1, help="tensor (+sequence) parallel degree; stays inside the NVLink domain")
+    pp: int = field(1, help="pipeline stages")
+    cp: int = field(1, help="context parallel degree (GPU only)")
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = field("1F1B", help="pipeline schedule")
+    microbatches: int = field(1, help="microbatches per step for the pipeline (>= stages)")
+    allow_tp_outside_nvlink: bool = field(False, help="accept tp larger than the NVLink domain")
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "cp", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}={getattr(self, name)} must be at least 1")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(f"parallel.dp_shard={self.dp_shard} must be -1 (the rest) or at least 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSpec:
+    steps: int = field(100, help="optimizer steps in total (across restarts)")
+    global_batch: int = field(8, help="sequences per optimizer step, all ranks together")
+    grad_accum: int = field(1, help="gradient accumulation steps per optimizer step")
+    lr: float = field(3e-3, help="peak learning rate (AdamW)")
+    min_lr_ratio: float = field(0.1, help="cosine floor as a fraction of lr")
+    warmup_steps: int = field(10, help="linear warmup steps")
+    weight_decay: float = field(0.1, help="AdamW weight decay")
+    grad_clip: float = field(1.0, help="max global grad norm (0 = off)")
+    seed: int = field(0, help="seed for init and data order")
+    dtype: Literal["fp32", "bf16"] = field("fp32", help="parameter dtype for compute (bf16 needs a GPU)")
+    activation_checkpoint: Literal["none", "selective", "full"] = field("none", help="recomputation")
+    compile: bool = field(False, help="torch.compile each block")
+    log_every: int = field(10, help="steps between log lines and metrics")
+    straggler_every: int = field(50, help="steps between gathers of per-rank step times")
+    step_sleep_s: float = field(0.0, help="sleep per step (demos and tests that need a long run)")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "grad_accum", "log_every", "straggler_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be at least 1")
+        if self.lr <= 0 or self.warmup_steps < 0 or self.grad_clip < 0 or self.step_sleep_s < 0:
+            raise ValueError("train.lr must be > 0; warmup_steps, grad_clip, step_sleep_s >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSpec:
+    path: str | None = field(None, help="HDF5 token file; null = a synthetic corpus made in the run dir")
+    synthetic_tokens: int = field(1 << 20, help="tokens in the synthetic corpus")
+    policy: Literal["drop", "pad"] = field("drop", help="uneven tail across data-parallel ranks")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSpec:
+    run_dir: str | None = field(None, help="run directory; default <site.storage.durable>/<job name>")
+    interval: int = field(50, help="steps between saves")
+    keep: int = field(2, help="verified generations kept (>= 2)")
+    keep_every: int | None = field(None, help="also keep every generation whose step is a multiple")
+    async_save: bool = field(False, help="stage to host memory and write in the background")
+    on_inflight: Literal["wait", "skip"] = field("wait", help="a save asked while one is in flight")
+    on_error: Literal["continue", "stop"] = field("continue", help="a save that fails (disk full)")
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"checkpoint.interval={self.interval} must be at least 1")
+        if self.keep < 2:
+            raise ValueError(f"checkpoint.keep={self.keep} must be at least 2 (the newest may be mid-write)")
+
+
+@dataclass(kw_only=True, slots=True)
+class PreflightSpec:
+    enabled: bool = field(True, help="run the burn-in before training")
+
+
+@dataclass(kw_only=True, slots=True)
+class RequeueSpec:
+    enabled: bool | None = field(None, help="requeue on preemption/time limit; null = the site's policy")
+    signal_lead: int | Literal["auto"] | None = field(
+        None, help="seconds of warning before the time limit, or 'auto'; null = the site's")
+    max_restarts: int | None = field(None, help="restart budget; null = the site's")
+    no_progress_limit: int | None = field(None, help="starts without progress before giving up")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    name: str = field(help="job name (letters, digits, - _ . only)")
+    nodes: int = field(help="whole nodes to allocate")
+    time: str | None = field(None, help="time limit, Slurm format (MM, HH:MM:SS, D-HH:MM...)")
+    procs_per_node: int | None = field(None, help="override the site's processes per node")
+    launch: Literal["torchrun", "srun"] = field(
+        "torchrun", help="torchrun: one task per node; srun: one task per process")
+    model: ModelSpec = field(factory=ModelSpec, help="model shape")
+    parallel: ParallelSpec = field(factory=ParallelSpec, help="parallel degrees")
+    train: TrainSpec = field(factory=TrainSpec, help="optimisation")
+    data: DataSpec = field(factory=DataSpec, help="data")
+    checkpoint: CheckpointSpec = field(factory=CheckpointSpec, help="checkpoints")
+    preflight: PreflightSpec = field(factory=PreflightSpec, help="pre-flight burn-in")
+    requeue: RequeueSpec = field(factory=RequeueSpec, help="requeue")
+    dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
+    env: dict[str, str] = field(factory=dict, help="extra environment for this job")
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name):
+            raise ValueError(
+                f"name={self.name!r} may only hold letters, digits, '-', '_' and '.' (max 64, "
+                "no spaces, quotes or newlines) because it names files and Slurm jobs")
+        if self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes} must be at least 1")
+        if self.procs_per_node is not None and self.procs_per_node < 1:
+            raise ValueError(f"procs_per_node={self.procs_per_node} must be at least 1")
+        if self.dependency is not None and not re.fullmatch(r"[a-z]+(:[0-9_+]+)+([,?][a-z]+(:[0-9_+]+)+)*|singleton", self.dependency):
+            raise ValueError(f"dependency={self.dependency!r} is not a Slurm dependency like afterany:1234")
+        for key in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"env key {key!r} is not a valid environment variable name")
+
+
+# ------------------------------------------------------------------------ loading
+
+
+def _check_site_values(site: SiteConfig, source: str) -> None:
+    """Values that land in #SBATCH lines or `export` lines must be single-line and sane."""
+    directive_values = {
+        "slurm.partition": site.slurm.partition, "slurm.account": site.slurm.account,
+        "slurm.qos": site.slurm.qos, "slurm.gres_name": site.slurm.gres_name,
+        "slurm.constraint": site.slurm.constraint, "slurm.log_dir": site.slurm.log_dir,
+    }
+    for name, value in directive_values.items():
+        if value is not None and (not value.strip() or any(c in value for c in "\n\r\t\0 ")):
+            raise UserError(f"{source}: field '{name}': {value!r} must be one non-empty word "
+                            "without spaces or newlines. Fix: use the name Slurm shows for it")
+    for key in site.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise UserError(f"{source}: field 'env': {key!r} is not a valid environment variable name")
+    for i, line in enumerate(site.setup):
+        if "\0" in line or "\n" in line:
+            raise UserError(f"{source}: field 'setup.{i}': one shell line per list item, no newlines")
+    parse_time(site.slurm.default_time, f"{source}: field 'slurm.default_time'")
+
+
+def load_site(path: str | Path, overrides: list[str] | None = None) -> SiteConfig:
+    """Read and validate a site config (a YAML file)."""
+    source = str(path)
+    data = apply_overrides(load_yaml(path), overrides or [], "--site-set")
+    site = build(SiteConfig, data, source)
+    _check_site_values(site, source)
+    return site
+
+
+def load_job(path: str | Path | None = None, overrides: list[str] | None = None,
+             data: dict[str, Any] | None = None) -> JobSpec:
+    """Read and validate a job spec from a YAML file (or a dict), with `key=value` overrides."""
+    source = str(path) if path is not None else "job"
+    raw = load_yaml(path) if path is not None else dict(data or {})
+    raw = apply_overrides(raw, overrides or [])
+    job = build(JobSpec, raw, source)
+    if job.time is not None:
+        parse_time(job.time, f"{source}: field 'time'")
+    problems = job.model.shape().problems()
+    if problems:
+        raise UserError(f"{source}: field 'model': {'; '.join(problems)}. Fix: change the overrides")
+    return job
+
+
+_TIME_FORMS = re.compile(
+    r"(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?)"  # D-H[:M[:S]]
+    r"|(?P<h>\d+):(?P<hm>\d+):(?P<hs>\d+)"  # H:M:S
+    r"|(?P<m>\d+)(?::(?P<ms>\d+))?"  # M[:S]
+)
+
+
+def parse_time(value: str, where: str = "time") -> int:
+    """Slurm time limit -> seconds. Accepts M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    m = _TIME_FORMS.fullmatch(value.strip()) if isinstance(value, str) else None
+    if not m:
+        raise UserError(f"{where}: {value!r} is not a Slurm time. Fix: use MM, HH:MM:SS or D-HH:MM:SS, "
+                        "e.g. 00:30:00")
+    g = {k: int(v) if v else 0 for k, v in m.groupdict().items()}
+    seconds = (g["d"] * 86400 + g["dh"] * 3600 + g["dm"] * 60 + g["ds"]
+               + g["h"] * 3600 + g["hm"] * 60 + g["hs"] + g["m"] * 60 + g["ms"])
+    if seconds <= 0:
+        raise UserError(f"{where}: {value!r} is zero. Fix: give a positive time limit")
+    return seconds
+
+
+def format_time(seconds: int) -> str:
+    """Seconds -> Slurm's D-HH:MM:SS (rounded up to whole minutes: Slurm's granularity)."""
+    minutes = math.ceil(seconds / 60)
+    d, rem = divmod(minutes, 1440)
+    h, mi = divmod(rem, 60)
+    return f"{d}-{h:02d}:{mi:02d}:00" if d else f"{h:02d}:{mi:02d}:00"

@@ -1,0 +1,196 @@
+"""Check a site and a job together and compute, once, the numbers every link uses.
+
+Node count, processes per node, world size, the resolved parallel degrees, the time
+limit, the signal lead and the run directory are decided here and nowhere else: the
+sbatch renderer, the launcher, the trainer and the notebook API all read them from a
+`Resolved`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dslurm.config import JobSpec, SiteConfig, format_time, parse_time
+from dslurm.errors import UserError
+from dslurm.models import ModelShape
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Parallel degrees with dp_shard resolved. Ranks are laid out as a grid
+    (pp, dp_replicate, dp_shard, tp) with tp fastest, so a TP group is consecutive
+    ranks, i.e. inside one node."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> mesh coordinates; pure, the inverse of `rank_of`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        out = {}
+        for name, size in reversed(self.dims()):
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name, _ in self.dims()}
+
+    def rank_of(self, **coords: int) -> int:
+        rank = 0
+        for name, size in self.dims():
+            rank = rank * size + coords.get(name, 0)
+        return rank
+
+    def dims(self) -> list[tuple[str, int]]:
+        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                ("cp", self.cp), ("tp", self.tp)]
+
+
+def layout_for(par, world_size: int, where: str = "job") -> Layout:
+    """Resolve dp_shard=-1 and check the product against the world size, with the numbers."""
+    fixed = par.dp_replicate * par.tp * par.pp * par.cp
+    if par.dp_shard == -1:
+        if world_size % fixed:
+            raise UserError(
+                f"{where}: field 'parallel': dp_replicate({par.dp_replicate})*tp({par.tp})*pp({par.pp})"
+                f"*cp({par.cp})={fixed} does not divide world_size({world_size}). Fix: choose degrees "
+                f"whose product divides {world_size}")
+        dp_shard = world_size // fixed
+    else:
+        dp_shard = par.dp_shard
+    layout = Layout(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, cp=par.cp)
+    if layout.world_size != world_size:
+        raise UserError(
+            f"{where}: field 'parallel': dp_replicate({par.dp_replicate})*dp_shard({dp_shard})*tp({par.tp})"
+            f"*pp({par.pp})*cp({par.cp})={layout.world_size} != world_size({world_size}). Fix: make the "
+            f"product equal nodes x processes per node, or set dp_shard: -1")
+    return layout
+
+
+def check_model_layout(shape: ModelShape, layout: Layout, par, where: str = "job") -> None:
+    """Layout constraints that depend on the model shape (before any process group work)."""
+    msgs = []
+    if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
+        msgs.append(f"tp({layout.tp}) must divide n_heads({shape.n_heads}) and n_kv_heads({shape.n_kv_heads})")
+    if shape.ffn_dim % layout.tp:
+        msgs.append(f"tp({layout.tp}) must divide ffn_dim({shape.ffn_dim})")
+    if layout.tp > 1 and shape.seq_len % layout.tp:
+        msgs.append(f"tp({layout.tp}) must divide seq_len({shape.seq_len}) for sequence parallel")
+    if layout.pp > 1:
+        stages = layout.pp * (2 if par.pp_schedule == "Interleaved1F1B" else 1)
+        if shape.n_layers < stages:
+            msgs.append(f"n_layers({shape.n_layers}) < pipeline stages({stages})")
+        if par.microbatches < stages:
+            msgs.append(f"microbatches({par.microbatches}) < pipeline stages({stages}); "
+                        f"set parallel.microbatches >= {stages}")
+    if msgs:
+        raise UserError(f"{where}: field 'parallel': " + "; ".join(msgs))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resolved:
+    site: SiteConfig
+    job: JobSpec
+    site_path: str
+    job_path: str
+    nnodes: int
+    procs_per_node: int
+    layout: Layout
+    time_s: int
+    signal_lead_s: int | None  # None when lead is "auto": the launcher measures it
+    requeue: bool
+    max_restarts: int
+    no_progress_limit: int
+    run_dir: Path
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.procs_per_node
+
+    @property
+    def time_str(self) -> str:
+        return format_time(self.time_s)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.job.model.shape()
+
+
+def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path: str = "job",
+            base_dir: str | Path | None = None) -> Resolved:
+    """Cross-field checks of site + job; every message names the file, field and numbers."""
+    ppn = job.procs_per_node or site.procs_per_node
+    if site.node.gpus and ppn > site.node.gpus:
+        raise UserError(f"{job_path}: field 'procs_per_node': {ppn} > GPUs per node ({site.node.gpus}) "
+                        f"on site {site.name!r}. Fix: at most {site.node.gpus}")
+    world = job.nodes * ppn
+    par = job.parallel
+    layout = layout_for(par, world, job_path)
+    if par.tp > site.node.nvlink_domain and not par.allow_tp_outside_nvlink:
+        raise UserError(
+            f"{job_path}: field 'parallel.tp': tp({par.tp}) > NVLink domain({site.node.nvlink_domain}) of "
+            f"site {site.name!r}: tensor parallel would cross the slow network every layer. Fix: lower tp, "
+            f"or set parallel.allow_tp_outside_nvlink: true if you mean it")
+    if par.tp > 1 and ppn % par.tp:
+        raise UserError(f"{job_path}: field 'parallel.tp': tp({par.tp}) does not divide processes per "
+                        f"node({ppn}), so a TP group would span nodes. Fix: pick a divisor of {ppn}")
+    if par.cp > 1 and site.node.gpus == 0:
+        raise UserError(f"{job_path}: field 'parallel.cp': context parallel needs GPUs (the CPU attention op "
+                        f"has no sharding rule); site {site.name!r} has none. Fix: set cp: 1")
+    check_model_layout(job.model.shape(), layout, par, job_path)
+    if job.train.global_batch % (layout.dp * job.train.grad_accum):
+        raise UserError(f"{job_path}: field 'train.global_batch': {job.train.global_batch} is not divisible by "
+                        f"dp({layout.dp}) x grad_accum({job.train.grad_accum}). Fix: use a multiple of "
+                        f"{layout.dp * job.train.grad_accum}")
+    if layout.pp > 1 and (job.train.global_batch // (layout.dp * job.train.grad_accum)) % par.microbatches:
+        raise UserError(f"{job_path}: field 'parallel.microbatches': per-rank batch "
+                        f"{job.train.global_batch // (layout.dp * job.train.grad_accum)} is not divisible by "
+                        f"microbatches({par.microbatches})")
+    if site.node.gpus == 0 and job.train.dtype == "bf16":
+        raise UserError(f"{job_path}: field 'train.dtype': bf16 training needs GPUs; site {site.name!r} has "
+                        "none. Fix: dtype: fp32")
+    time_s = parse_time(job.time or site.slurm.default_time, f"{job_path}: field 'time'")
+    rq = job.requeue
+    lead = rq.signal_lead if rq.signal_lead is not None else site.requeue.signal_lead_s
+    if lead != "auto" and not 0 <= lead < time_s:
+        raise UserError(f"{job_path}: field 'requeue.signal_lead': {lead}s must be below the time limit "
+                        f"({time_s}s). Fix: lower the lead or raise the time")
+    return Resolved(
+        site=site, job=job, site_path=site_path, job_path=job_path, nnodes=job.nodes,
+        procs_per_node=ppn, layout=layout, time_s=time_s,
+        signal_lead_s=None if lead == "auto" else int(lead),
+        requeue=site.requeue.enabled if rq.enabled is None else rq.enabled,
+        max_restarts=site.requeue.max_restarts if rq.max_restarts is None else rq.max_restarts,
+        no_progress_limit=(site.requeue.no_progress_limit if rq.no_progress_limit is None
+                           else rq.no_progress_limit),
+        run_dir=run_dir_for(site, job, base_dir),
+    )
+
+
+def run_dir_for(site: SiteConfig, job: JobSpec, base_dir: str | Path | None = None) -> Path:
+    """The run directory: explicit, else <durable storage>/<job name>. `~` and $VARS expand
+    here (not in the shell) so the value is the same on every node."""
+    raw = job.checkpoint.run_dir or os.path.join(site.storage.durable, job.name)
+    p = Path(os.path.expandvars(os.path.expanduser(raw)))
+    return p if p.is_absolute() or base_dir is None else Path(base_dir) / p
+
+
+def load(site_path: str | Path, job_path: str | Path, overrides: list[str] | None = None,
+         site_overrides: list[str] | None = None, base_dir: str | Path | None = None) -> Resolved:
+    from dslurm.config import load_job, load_site
+
+    site = load_site(site_path, site_overrides)
+    job = load_job(job_path, overrides)
+    return resolve(site, job, site_path=str(site_path), job_path=str(job_path), base_dir=base_dir)

@@ -1,0 +1,246 @@
+"""The one wrapper for every Slurm command, plus thin helpers on top of it.
+
+`run_cmd` is the only place that runs sbatch/scontrol/squeue/sacct/scancel: it turns every
+failure into `SlurmError` carrying Slurm's own stderr. Parsing lives in pure functions
+(`parse_*`) that the unit tests drive with captured Slurm 22.05 output.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from dslurm.errors import SlurmError
+
+log = logging.getLogger(__name__)
+
+TERMINAL_STATES = frozenset({
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+    "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
+})
+_HINT_UP = "is the cluster up? try `dslurm cluster up`"
+# Phrases Slurm prints when it cannot reach slurmctld/slurmdbd or authenticate (munge).
+_UNREACHABLE = (
+    "Unable to contact slurm controller", "Socket timed out", "Connection refused",
+    "Unable to establish connection", "Zero Bytes were transmitted",
+    "Munge encode failed", "munge", "Could not establish a configuration source",
+    "Invalid user for SlurmUser", "Could not open", "No such file or directory",
+)
+
+
+def run_cmd(args: Sequence[str], *, timeout: float = 60, check: bool = True,
+            input: str | None = None, env: Mapping[str, str] | None = None,
+            ) -> subprocess.CompletedProcess[str]:
+    """Run one Slurm command; on failure raise SlurmError with Slurm's reason.
+
+    `env` is added on top of os.environ (e.g. SLURM_CONF from ClusterInfo.env()).
+    """
+    cmd = [str(a) for a in args]
+    full_env = {**os.environ, **env} if env else None
+    log.debug("run: %s", shlex.join(cmd))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              input=input, env=full_env, check=False)
+    except FileNotFoundError as exc:
+        raise SlurmError(
+            f"`{cmd[0]}` is not installed (PATH={os.environ.get('PATH', '')}); install the "
+            "Slurm client (`apt-get install slurm-client`, or scripts/install-system-deps.sh) "
+            f"and start a cluster: {_HINT_UP}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmError(f"`{shlex.join(cmd)}` did not answer within {timeout:g} s; "
+                         f"{_HINT_UP}") from exc
+    if check and proc.returncode != 0:
+        raise SlurmError(failure_message(cmd, proc.returncode, proc.stderr, proc.stdout))
+    return proc
+
+
+def failure_message(cmd: Sequence[str], returncode: int, stderr: str, stdout: str = "") -> str:
+    """Message for a failed Slurm command: the command, Slurm's reason, and a hint if down."""
+    reason = (stderr or stdout).strip() or "(no output)"
+    msg = f"`{shlex.join(cmd)}` failed (exit {returncode}): {reason}"
+    if any(p.lower() in reason.lower() for p in _UNREACHABLE):
+        msg += f"\n  {_HINT_UP}"
+    return msg
+
+
+# ---------------------------------------------------------------- pure parsers
+
+def parse_parsable_job_id(stdout: str) -> int:
+    """`sbatch --parsable` prints `jobid` or `jobid;cluster`."""
+    first = stdout.strip().splitlines()[0] if stdout.strip() else ""
+    head = first.split(";", 1)[0].strip()
+    if not head.isdigit():
+        raise SlurmError(f"sbatch --parsable printed {stdout!r}; expected a job id")
+    return int(head)
+
+
+def parse_kv_line(line: str) -> dict[str, str]:
+    """Parse one `scontrol show ... -o` record: space-separated Key=Value pairs.
+
+    Values may contain spaces (e.g. Command=, Reason=) — a token without '=' belongs to the
+    previous value.
+    """
+    out: dict[str, str] = {}
+    key: str | None = None
+    for token in line.strip().split(" "):
+        if "=" in token and not token.startswith("="):
+            key, _, value = token.partition("=")
+            out[key] = value
+        elif key is not None and token:
+            out[key] += " " + token
+    return out
+
+
+def parse_scontrol_records(stdout: str) -> list[dict[str, str]]:
+    """Every non-empty line of `scontrol -o show job|node` as one dict."""
+    return [parse_kv_line(ln) for ln in stdout.splitlines() if ln.strip()]
+
+
+def job_info_from_scontrol(rec: Mapping[str, str]) -> dict[str, object]:
+    """Normalise one `scontrol -o show job` record."""
+    state = rec.get("JobState", "UNKNOWN")
+    reason = rec.get("Reason", "None")
+    return {
+        "job_id": int(rec.get("JobId", "0")),
+        "name": rec.get("JobName", ""),
+        "state": state,
+        "nodes": rec.get("NodeList", "(null)") if rec.get("NodeList") != "(null)" else "",
+        "num_nodes": _int(rec.get("NumNodes", "0").split("-")[0]),
+        "restarts": _int(rec.get("Restarts", "0")),
+        "exit_code": rec.get("ExitCode", ""),
+        "reason": "" if reason == "None" else reason,
+        "source": "scontrol",
+    }
+
+
+def parse_sacct(stdout: str) -> dict[str, object] | None:
+    """Parse `sacct -X -n -P -o JobID,JobName,State,NodeList,ExitCode,Reason,NNodes`."""
+    for line in stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) < 7 or not parts[0].split("_")[0].isdigit():
+            continue
+        # "CANCELLED by 0" -> "CANCELLED"
+        state = parts[2].split(" ")[0]
+        return {
+            "job_id": int(parts[0].split("_")[0]), "name": parts[1], "state": state,
+            "nodes": "" if parts[3] in ("None assigned", "") else parts[3],
+            "num_nodes": _int(parts[6]), "restarts": None, "exit_code": parts[4],
+            "reason": "" if parts[5] == "None" else parts[5], "source": "sacct",
+        }
+    return None
+
+
+def parse_sinfo_nodes(stdout: str) -> list[dict[str, object]]:
+    """Parse `sinfo -N -h -o '%N|%T|%c|%m|%P'` (one line per node and partition)."""
+    seen: dict[str, dict[str, object]] = {}
+    for line in stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 5:
+            continue
+        name, state, cpus, mem, part = parts[:5]
+        node = seen.setdefault(name, {"name": name, "state": state.rstrip("*"),
+                                      "responding": not state.endswith("*"),
+                                      "cpus": _int(cpus), "memory_mb": _int(mem),
+                                      "partitions": []})
+        node["partitions"].append(part.rstrip("*"))  # type: ignore[union-attr]
+    return list(seen.values())
+
+
+def parse_squeue(stdout: str) -> list[dict[str, object]]:
+    """Parse `squeue -h -o '%i|%j|%T|%D|%R|%u|%M'`."""
+    jobs = []
+    for line in stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 7:
+            continue
+        jobs.append({"job_id": parts[0], "name": parts[1], "state": parts[2],
+                     "num_nodes": _int(parts[3]), "nodes_or_reason": parts[4],
+                     "user": parts[5], "time": parts[6]})
+    return jobs
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 0
+
+
+# ---------------------------------------------------------------- thin helpers
+
+def sbatch(script_path: str | os.PathLike[str], extra_args: Iterable[str] = (),
+           cwd: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+           ) -> int:
+    """Submit a batch script; return its job id."""
+    args = ["sbatch", "--parsable", *extra_args]
+    if cwd is not None:
+        args.append(f"--chdir={os.fspath(cwd)}")
+    args.append(os.fspath(script_path))
+    return parse_parsable_job_id(run_cmd(args, env=env).stdout)
+
+
+def job_info(job_id: int | str, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """State, nodes, restarts, exit code, reason of a job (scontrol, else sacct)."""
+    proc = run_cmd(["scontrol", "-o", "show", "job", str(job_id)], check=False, env=env)
+    if proc.returncode == 0:
+        recs = parse_scontrol_records(proc.stdout)
+        if recs:
+            return job_info_from_scontrol(recs[0])
+    elif "Invalid job id" not in proc.stderr:
+        raise SlurmError(failure_message(["scontrol", "show", "job", str(job_id)],
+                                         proc.returncode, proc.stderr))
+    # Gone from the controller (older than MinJobAge): ask accounting, if there is any.
+    acct = run_cmd(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o",
+                    "JobID,JobName,State,NodeList,ExitCode,Reason,NNodes"],
+                   check=False, env=env)
+    info = parse_sacct(acct.stdout) if acct.returncode == 0 else None
+    if info is None:
+        raise SlurmError(f"job {job_id} is unknown to slurmctld and to accounting (sacct: "
+                         f"{(acct.stderr or acct.stdout).strip() or 'no record'})")
+    return info
+
+
+def wait_job(job_id: int | str, states: Iterable[str] = TERMINAL_STATES, timeout: float = 300,
+             poll: float = 0.25, env: Mapping[str, str] | None = None) -> str:
+    """Poll until the job reaches one of `states`; return that state."""
+    wanted = set(states)
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    while True:
+        state = str(job_info(job_id, env=env)["state"])
+        if state in wanted:
+            return state
+        if time.monotonic() > deadline:
+            raise SlurmError(f"job {job_id} still {state} after {timeout:g} s "
+                             f"(waiting for {sorted(wanted)})")
+        time.sleep(poll)
+
+
+def cancel(job_id: int | str, env: Mapping[str, str] | None = None) -> None:
+    run_cmd(["scancel", str(job_id)], env=env)
+
+
+def requeue(job_id: int | str, env: Mapping[str, str] | None = None) -> None:
+    run_cmd(["scontrol", "requeue", str(job_id)], env=env)
+
+
+def nodes(env: Mapping[str, str] | None = None) -> list[dict[str, object]]:
+    """Every node: name, state (idle/allocated/down...), responding, cpus, memory, partitions."""
+    out = run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], env=env).stdout
+    return parse_sinfo_nodes(out)
+
+
+def squeue(user: str | None = None, job_ids: Iterable[int | str] = (),
+           env: Mapping[str, str] | None = None) -> list[dict[str, object]]:
+    """Jobs the controller knows that are pending/running (squeue's default states)."""
+    args = ["squeue", "-h", "-o", "%i|%j|%T|%D|%R|%u|%M"]
+    if user:
+        args += ["-u", user]
+    ids = [str(j) for j in job_ids]
+    if ids:
+        args += ["-j", ",".join(ids)]
+    return parse_squeue(run_cmd(args, env=env).stdout)
