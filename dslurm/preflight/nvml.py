@@ -235,8 +235,8 @@ def check_gpu(nv: Any, index: int, th: Thresholds) -> GpuHealth:
     return gpu
 
 
-def check_node(host: str, th: Thresholds, xids: dict[int, list[int]] | None = None) -> NodeHealth:
-    """All NVML checks of this node. `xids` maps GPU index -> Xid codes seen (XidWatcher)."""
+def check_node(host: str, th: Thresholds) -> NodeHealth:
+    """All NVML checks of this node (Xids are added at the end with `add_xids`)."""
     nv = _load_nvml()
     if nv is None:
         return _no_gpus(host, th)
@@ -248,9 +248,6 @@ def check_node(host: str, th: Thresholds, xids: dict[int, list[int]] | None = No
         node.findings.append(_count_finding(count, th))
         for i in range(count):
             node.gpus.append(check_gpu(nv, i, th))
-        for idx, codes in (xids or {}).items():
-            if 0 <= idx < count:
-                node.gpus[idx].findings.append(xid_finding(codes))
         return node
     finally:
         nv.nvmlShutdown()
@@ -280,3 +277,15 @@ def xid_finding(codes: list[int]) -> Finding:
     if hw:
         return Finding("xid", "fail", f"hardware Xid {hw} during burn-in")
     return Finding("xid", "warn", f"Xid {sorted(set(codes))} during burn-in")
+
+
+def add_xids(health: dict[str, Any], xids: dict[int, list[int]] | None) -> dict[str, Any]:
+    """Append Xid findings (drained at the end of the burn-in) to a NodeHealth.to_dict()."""
+    if xids is None:
+        return health
+    for gpu in health["gpus"]:
+        gpu["findings"].append(asdict(xid_finding(xids.get(gpu["index"], []))))
+    sev = [f["severity"] for f in health["findings"]]
+    sev += [f["severity"] for g in health["gpus"] for f in g["findings"]]
+    health["severity"] = worst(sev)
+    return health

@@ -1,0 +1,152 @@
+"""The verdict: thresholds applied to measured results, the JSON report, the table a person reads.
+
+Everything here works on the plain-dict report (what rank 0 gathered), so it is pure and
+testable without a process group. Exit codes: see dslurm.preflight (EXIT_*).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dslurm.preflight import EXIT_BAD_NODES, EXIT_OK, EXIT_UNLOCALIZED
+from dslurm.preflight.thresholds import Thresholds
+
+SCHEMA = "dslurm.burnin/1"
+
+
+def _judge_node(node: dict[str, Any], th: Thresholds) -> tuple[list[str], list[str]]:
+    """(fail reasons, warn reasons) of one node from its own measurements."""
+    fails: list[str] = []
+    warns: list[str] = []
+    nvml = node.get("nvml") or {}
+    for f in nvml.get("findings", []):
+        {"fail": fails, "warn": warns}.get(f["severity"], []).append(f["reason"])
+    for g in nvml.get("gpus", []):
+        for f in g["findings"]:
+            {"fail": fails, "warn": warns}.get(f["severity"], []).append(
+                f"gpu{g['index']} {f['reason']}")
+    peak = th.gpu_peak_tflops
+    for rank, g in zip(node.get("ranks", []), node.get("gemm", [])):
+        # Peak is a GPU datasheet number: a CPU smoke GEMM is measured, never judged.
+        if peak and g["device"].startswith("cuda") and g["tflops"] < th.gemm_min_fraction_of_peak * peak:
+            fails.append(f"rank{rank} GEMM {g['tflops']:.0f} TFLOP/s = {g['tflops'] / peak:.0%} "
+                         f"of peak {peak:.0f} < {th.gemm_min_fraction_of_peak:.0%}")
+    intra = node.get("intra_busbw_gbps")
+    if intra is not None and th.busbw_intra_min_gbps is not None and intra < th.busbw_intra_min_gbps:
+        fails.append(f"intra-node busbw {intra:.1f} GB/s < {th.busbw_intra_min_gbps} GB/s")
+    return fails, warns
+
+
+def judge(report: dict[str, Any], th: Thresholds) -> dict[str, Any]:
+    """Verdict: {"ok", "bad_nodes": {host: [why]}, "warnings": {host: [why]}, "problems": [..]}."""
+    bad: dict[str, list[str]] = {}
+    warn: dict[str, list[str]] = {}
+    problems: list[str] = []
+    for node in report["nodes"]:
+        fails, warns = _judge_node(node, th)
+        if fails:
+            bad[node["host"]] = fails
+        if warns:
+            warn[node["host"]] = warns
+    loc = report.get("localization") or {}
+    for host in loc.get("culprits", []):
+        bad.setdefault(host, []).append(
+            f"slow communication: both ring neighbour exchanges > {th.slow_link_factor}x the "
+            f"fastest pair ({loc['baseline_s'] * 1e3:.2f} ms)")
+    inter = (report.get("inter") or {}).get("busbw_gbps")
+    inter_low = (inter is not None and th.busbw_inter_min_gbps is not None
+                 and inter < th.busbw_inter_min_gbps)
+    for a, b in loc.get("slow_links", []):
+        # One slow link cannot tell which end is at fault: fail both only when it matters.
+        for host, other in ((a, b), (b, a)):
+            (bad if inter_low else warn).setdefault(host, []).append(f"slow link to {other}")
+    if inter_low and not bad:
+        problems.append(f"inter-node busbw {inter:.1f} GB/s < {th.busbw_inter_min_gbps} GB/s "
+                        "and no node localized")
+    return {"ok": not bad and not problems, "bad_nodes": bad, "warnings": warn,
+            "problems": problems}
+
+
+def exit_code(verdict: dict[str, Any]) -> int:
+    if verdict["bad_nodes"]:
+        return EXIT_BAD_NODES
+    return EXIT_UNLOCALIZED if verdict["problems"] else EXIT_OK
+
+
+def bad_nodes(report: dict[str, Any]) -> list[str]:
+    """Hostnames to exclude (sorted); the lead's launcher feeds these to --exclude/requeue."""
+    return sorted(report["verdict"]["bad_nodes"])
+
+
+def write_report(path: str | Path, report: dict[str, Any]) -> Path:
+    """Atomic: temp file in the same directory, fsync, rename over, fsync the directory, so a
+    reader sees the old report or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(report, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return path
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    report = json.loads(Path(path).read_text())
+    if report.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {report.get('schema')!r}, expected {SCHEMA!r}")
+    return report
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """A short per-node table plus the verdict, as plain text (rich, imported here only)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    verdict = report["verdict"]
+    table = Table(title=f"burn-in: {len(report['nodes'])} node(s), {report['world_size']} ranks, "
+                        f"{report['backend']}")
+    for col in ("node", "ranks", "NVML", "GEMM TFLOP/s (min)", "intra busbw GB/s", "verdict"):
+        table.add_column(col)
+    for node in report["nodes"]:
+        host = node["host"]
+        gemm = min((g["tflops"] for g in node["gemm"]), default=None)
+        nvml = node["nvml"]
+        state = nvml["note"] if nvml["nvml"] == "skipped" else nvml["severity"]
+        why = verdict["bad_nodes"].get(host) or verdict["warnings"].get(host) or []
+        mark = "BAD" if host in verdict["bad_nodes"] else ("warn" if why else "ok")
+        table.add_row(host, str(len(node["ranks"])), state, _fmt(gemm, ".3f"),
+                      _fmt(node.get("intra_busbw_gbps"), ".2f"),
+                      mark + ("" if not why else ": " + "; ".join(why)))
+    console = Console(file=io.StringIO(), width=140, record=True)
+    console.print(table)
+    inter = report.get("inter") or {}
+    console.print(f"inter-node busbw: {_fmt(inter.get('busbw_gbps'), '.2f')} GB/s over "
+                  f"{inter.get('ranks', 0)} ranks")
+    loc = report.get("localization") or {}
+    if loc.get("note"):
+        console.print(f"localization: {loc['note']}")
+    for p in verdict["problems"]:
+        console.print(f"problem: {p}")
+    console.print("PASS" if verdict["ok"] else f"FAIL: bad nodes {sorted(verdict['bad_nodes'])}")
+    return console.export_text()
