@@ -1,0 +1,152 @@
+"""Propose a parallel layout, or check a requested one (seed 000 table 2.2, seed 004).
+
+Order of preference, cheapest communication first: pipeline stages only when nothing
+without them fits (they cost bubbles); tensor parallelism only inside the NVLink domain
+and as small as fits (it communicates in every layer); full recomputation only when
+activations still do not fit (+1/3 arithmetic); then the smallest data-parallel shard
+group that holds the state: DDP, HSDP, FSDP over everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from dslurm.errors import UserError
+from dslurm.models import ModelShape
+from dslurm.plan.layout import (Cluster, Layout, Plan, Workload, _budget, _gb, _microbatches,
+                                memory_per_gpu)
+from dslurm.plan.memory import GB
+from dslurm.plan.pipeline import bubble_fraction
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_options(model: ModelShape, cluster: Cluster) -> list[int]:
+    """Powers of two inside one node's NVLink domain that split the heads evenly."""
+    limit = min(cluster.nvlink_domain or cluster.gpus_per_node, cluster.gpus_per_node)
+    out, tp = [], 1
+    while tp <= limit:
+        if cluster.gpus_per_node % tp == 0 and model.n_heads % tp == 0 and model.n_kv_heads % tp == 0:
+            out.append(tp)
+        tp *= 2
+    return out
+
+
+def _pp_options(model: ModelShape, cluster: Cluster) -> list[int]:
+    """Stage counts that give each stage whole nodes (pipeline traffic tolerates InfiniBand)."""
+    return [p for p in _divisors(cluster.nodes) if p <= model.n_layers]
+
+
+def _candidates(model: ModelShape, cluster: Cluster,
+                work: Workload) -> Iterator[tuple[Layout | tuple[int, int, str], str]]:
+    """Layouts in order of preference; a (pp, tp, recompute) key and a note where the batch rules one out."""
+    recomputes = [work.recompute] if work.recompute else ["none", "full"]
+    for pp in _pp_options(model, cluster):
+        for rc in recomputes:
+            for tp in _tp_options(model, cluster):
+                dp = cluster.world // (tp * pp)
+                m = _microbatches(pp, dp, work)
+                if m is None:
+                    yield (pp, tp, rc), (f"global_batch={work.global_batch} does not split into "
+                                         f"dp({dp}) x micro_batch({work.micro_batch}) x >= {pp} microbatches")
+                    continue
+                for g in _divisors(dp):
+                    yield Layout(tp=tp, pp=pp, dp_shard=g, dp_replicate=dp // g, recompute=rc,
+                                 microbatches=m), ""
+
+
+def _reasons(chosen: Layout, mem: dict[str, float], cluster: Cluster,
+             rejected: dict[tuple[int, int, str], tuple[float, str]], budget: float) -> dict[str, str]:
+    """One sentence per degree: why it is this and not the cheaper one."""
+    def need(pp: int, tp: int, rc: str) -> str:
+        total, note = rejected.get((pp, tp, rc), (0.0, "not tried"))
+        return note or f"needs {total / GB:.1f} GB per GPU even fully sharded > {budget / GB:.1f} GB"
+
+    r: dict[str, str] = {}
+    r["pp"] = ("1: the layer stack fits without pipeline stages" if chosen.pp == 1 else
+               f"{chosen.pp} stages of {cluster.nodes // chosen.pp} node(s): without a pipeline it "
+               f"does not fit ({need(1, chosen.tp, chosen.recompute)})")
+    r["tp"] = (f"1: activations of {mem['activations'] / GB:.1f} GB fit unsplit" if chosen.tp == 1 else
+               f"{chosen.tp}, inside the NVLink domain of {cluster.nvlink_domain}: tp={chosen.tp // 2} "
+               f"{need(chosen.pp, chosen.tp // 2, chosen.recompute)}")
+    r["recompute"] = ("none: activations fit without recomputation" if chosen.recompute == "none" else
+                      "full: costs ~1/3 more arithmetic; without it "
+                      + need(chosen.pp, chosen.tp, "none") if chosen.recompute == "full" else
+                      f"{chosen.recompute}: requested")
+    state = mem["state"] / GB
+    if chosen.dp_shard == 1:
+        r["dp"] = f"DDP x{chosen.dp_replicate}: a full replica ({state:.1f} GB of state) fits; cheapest sync"
+    elif chosen.dp_replicate == 1:
+        r["dp"] = (f"FSDP over all {chosen.dp_shard} data-parallel ranks: no smaller shard group "
+                   f"fits ({state:.1f} GB of state per GPU)")
+    else:
+        where = "inside one node" if chosen.dp_shard * chosen.tp <= cluster.gpus_per_node else \
+            f"over {chosen.dp_shard * chosen.tp // cluster.gpus_per_node} nodes"
+        r["dp"] = (f"HSDP: shard over {chosen.dp_shard} ({where}), replicate x{chosen.dp_replicate}: "
+                   f"the smallest shard group that fits ({state:.1f} GB of state per GPU)")
+    return r
+
+
+def propose_layout(model: ModelShape, cluster: Cluster, work: Workload | None = None) -> Plan:
+    """The cheapest layout that fits, with a reason per degree; UserError when none does."""
+    work = work or Workload()
+    budget = _budget(cluster, work)
+    rejected: dict[tuple[int, int, str], tuple[float, str]] = {}
+    notes: list[str] = []
+    for lay, note in _candidates(model, cluster, work):
+        if not isinstance(lay, Layout):
+            rejected[lay] = (float("inf"), note)
+            notes.append(f"pp={lay[0]} tp={lay[1]}: {note}")
+            continue
+        mem = memory_per_gpu(model, lay, work)
+        if mem["total"] <= budget:
+            return Plan(layout=lay, memory_gb=_gb(mem), budget_gb=round(budget / GB, 2),
+                        bubble=bubble_fraction(lay.pp, lay.microbatches),
+                        reasons=_reasons(lay, mem, cluster, rejected, budget))
+        key = (lay.pp, lay.tp, lay.recompute)
+        # Keep the smallest need per (pp, tp, recompute): the fully sharded one.
+        if mem["total"] < rejected.get(key, (float("inf"), ""))[0]:
+            rejected[key] = (mem["total"], "")
+    best = min((v[0] for v in rejected.values() if v[0] < float("inf")), default=float("inf"))
+    need = (f"the smallest need is {best / GB:.1f} GB per GPU > {budget / GB:.1f} GB usable"
+            if best < float("inf") else "no layout splits the global batch")
+    raise UserError(
+        f"no layout fits {model.num_params() / 1e9:.1f}B parameters on {cluster.nodes} node(s) x "
+        f"{cluster.gpus_per_node} GPU(s) of {cluster.gpu_mem_gb} GB: {need}"
+        + (f" ({'; '.join(notes[:2])})" if notes else "")
+        + ". Fix: more nodes, a smaller micro_batch or seq_len, or a larger global_batch")
+
+
+def validate_layout(model: ModelShape, cluster: Cluster, layout: Layout,
+                    work: Workload | None = None) -> Plan:
+    """Check a requested layout: it must divide the world (else UserError), and fit memory."""
+    work = work or Workload()
+    if layout.world != cluster.world:
+        raise UserError(f"tp({layout.tp}) x pp({layout.pp}) x dp_shard({layout.dp_shard}) x "
+                        f"dp_replicate({layout.dp_replicate}) = {layout.world} != world size "
+                        f"{cluster.world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)")
+    for name, total in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads)):
+        if total % layout.tp:
+            raise UserError(f"tp={layout.tp} does not divide model.{name}={total}; choose a divisor")
+    if layout.pp > model.n_layers:
+        raise UserError(f"pp={layout.pp} exceeds model.n_layers={model.n_layers}")
+    budget = _budget(cluster, work)
+    mem = memory_per_gpu(model, layout, work)
+    problems, warnings = [], []
+    if mem["total"] > budget:
+        problems.append(f"needs {mem['total'] / GB:.1f} GB per GPU > {budget / GB:.1f} GB usable "
+                        f"({cluster.gpu_mem_gb} GB less {work.reserve:.0%} reserve)")
+    if layout.pp > 1 and layout.microbatches < layout.pp:
+        problems.append(f"microbatches={layout.microbatches} < pp={layout.pp}: the schedule needs at "
+                        "least one microbatch per stage")
+    domain = cluster.nvlink_domain or cluster.gpus_per_node
+    if layout.tp > domain or domain % layout.tp:
+        warnings.append(f"tp={layout.tp} leaves the NVLink domain of {domain} GPUs: its per-layer "
+                        "collectives cross the slower inter-node network")
+    bubble = bubble_fraction(layout.pp, max(layout.microbatches, 1))
+    if bubble > 0.25:
+        warnings.append(f"pipeline bubble {bubble:.0%}: raise microbatches (bubble = (p-1)/(m+p-1))")
+    return Plan(layout=layout, memory_gb=_gb(mem), budget_gb=round(budget / GB, 2), bubble=bubble,
+                reasons={"layout": "requested"}, problems=problems, warnings=warnings)

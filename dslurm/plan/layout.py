@@ -1,0 +1,186 @@
+"""Memory per GPU of a parallel layout, and the choice of layout.
+
+Seed 000 table 2.2: "parallelism selection begins with the resource that does not fit".
+The search tries layouts from the cheapest communication upward and keeps the first that
+fits: no pipeline before a pipeline (bubbles), small tensor parallelism inside the NVLink
+domain before large (per-layer collectives), no recomputation before full recomputation
+(+1/3 arithmetic), and the smallest data-parallel shard group that fits (DDP, then HSDP,
+then FSDP over all ranks), because wider shard groups all-gather over slower links.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dslurm.errors import UserError
+from dslurm.models import ModelShape
+from dslurm.plan._check import count, fraction, non_negative, positive
+from dslurm.plan.memory import GB, RECOMPUTES, ByteLayout, activation_bytes, logits_bytes
+
+
+@dataclass(kw_only=True, slots=True)
+class Cluster:
+    """What the job runs on."""
+
+    nodes: int
+    """Whole nodes in the allocation."""
+    gpus_per_node: int = 8
+    """GPUs (training processes) per node."""
+    gpu_mem_gb: float = 80.0
+    """Memory of one GPU (decimal GB)."""
+    nvlink_domain: int | None = None
+    """GPUs sharing one NVLink/NVSwitch domain; None = one node."""
+    peak_tflops: float = 0.0
+    """Dense BF16 peak per GPU (TFLOP/s) for MFU; 0 = unknown."""
+
+    def __post_init__(self) -> None:
+        count("nodes", self.nodes)
+        count("gpus_per_node", self.gpus_per_node)
+        positive("gpu_mem_gb", self.gpu_mem_gb)
+        non_negative("peak_tflops", self.peak_tflops)
+        if self.nvlink_domain is None:
+            self.nvlink_domain = self.gpus_per_node
+        count("nvlink_domain", self.nvlink_domain)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    """The per-step shape of the training work and the memory rules."""
+
+    micro_batch: int = 1
+    """Sequences per GPU per forward pass."""
+    seq_len: int | None = None
+    """Tokens per sequence; None = the model's own."""
+    global_batch: int | None = None
+    """Sequences per optimizer step; bounds data parallelism when given."""
+    microbatches: int | None = None
+    """Pipeline microbatches per step; None = from the global batch, or a ≤10% bubble."""
+    recompute: str | None = None
+    """Force "none", "selective" or "full"; None = let the planner choose."""
+    bytes: ByteLayout = field(default_factory=ByteLayout)
+    """Persistent bytes per parameter (default 2+2+4+8)."""
+    reserve: float = 0.10
+    """Share of GPU memory kept free for the CUDA context, NCCL buffers, fragmentation."""
+
+    def __post_init__(self) -> None:
+        count("micro_batch", self.micro_batch)
+        for name in ("seq_len", "global_batch", "microbatches"):
+            if getattr(self, name) is not None:
+                count(name, getattr(self, name))
+        if self.recompute is not None and self.recompute not in RECOMPUTES:
+            raise UserError(f"recompute={self.recompute!r} is unknown; choose one of {', '.join(RECOMPUTES)}")
+        fraction("reserve", self.reserve)
+
+
+@dataclass(kw_only=True, slots=True)
+class Layout:
+    """Parallel degrees; their product is the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    dp_shard: int = 1
+    """FSDP shard group size (1 = replicated state, DDP)."""
+    dp_replicate: int = 1
+    """Replicas of the shard group (HSDP when both dp degrees exceed 1)."""
+    recompute: str = "none"
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp_shard", "dp_replicate", "microbatches"):
+            count(name, getattr(self, name))
+        if self.recompute not in RECOMPUTES:
+            raise UserError(f"recompute={self.recompute!r} is unknown; choose one of {', '.join(RECOMPUTES)}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp_shard * self.dp_replicate
+
+    @property
+    def dp(self) -> int:
+        return self.dp_shard * self.dp_replicate
+
+    def describe(self) -> str:
+        kind = ("DDP" if self.dp_shard == 1 else "FSDP" if self.dp_replicate == 1 else "HSDP")
+        return (f"tp={self.tp} pp={self.pp} dp_shard={self.dp_shard} dp_replicate={self.dp_replicate}"
+                f" ({kind}), recompute={self.recompute}, microbatches={self.microbatches}")
+
+
+def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload) -> dict[str, float]:
+    """Bytes per GPU by kind for `layout` (the worst pipeline stage), and their total."""
+    b = work.bytes
+    params = model.num_params()
+    state = params * b.total / (layout.tp * layout.pp * layout.dp_shard)
+    # FSDP gathers the largest unit (a block, or the vocabulary matrix) and prefetches the
+    # next; backward holds unsharded gradients of the same size before reduce-scatter.
+    block = (params - 2 * model.vocab_size * model.dim) / model.n_layers
+    unit = max(block, model.vocab_size * model.dim)
+    buffers = 2 * unit * (b.weights + b.grads) / layout.tp if layout.dp_shard > 1 else 0.0
+    seq = work.seq_len or model.seq_len
+    shape = dict(seq_len=seq, micro_batch=work.micro_batch, dim=model.dim, ffn_dim=model.ffn_dim,
+                 n_heads=model.n_heads, kv_dim=model.n_kv_heads * model.head_dim, tp=layout.tp)
+    per_stage = math.ceil(model.n_layers / layout.pp)
+    # 1F1B: the first stage holds min(p, m) microbatches in flight, the last stage one plus the logits.
+    in_flight = min(layout.pp, layout.microbatches)
+    first = in_flight * activation_bytes(layers=per_stage, recompute=layout.recompute, **shape)
+    last = (activation_bytes(layers=per_stage, recompute=layout.recompute, **shape)
+            + logits_bytes(seq_len=seq, micro_batch=work.micro_batch, vocab_size=model.vocab_size,
+                           tp=layout.tp))
+    acts = max(first, last) if layout.pp > 1 else last
+    return {"state": state, "fsdp_buffers": buffers, "activations": acts,
+            "total": state + buffers + acts}
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    """A layout with its memory, bubble, and the reason for each choice."""
+
+    layout: Layout
+    memory_gb: dict[str, float]
+    budget_gb: float
+    bubble: float
+    reasons: dict[str, str]
+    problems: list[str] = field(default_factory=list)
+    """Why the layout cannot run (empty when it fits)."""
+    warnings: list[str] = field(default_factory=list)
+    """What will run but slowly (tp across NVLink domains)."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, object]:
+        lay = self.layout
+        return {"layout": {"tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
+                           "dp_replicate": lay.dp_replicate, "recompute": lay.recompute,
+                           "microbatches": lay.microbatches},
+                "memory_gb": self.memory_gb, "budget_gb": self.budget_gb, "bubble": self.bubble,
+                "fits": self.fits, "reasons": self.reasons, "problems": self.problems,
+                "warnings": self.warnings}
+
+
+def _budget(cluster: Cluster, work: Workload) -> float:
+    return cluster.gpu_mem_gb * GB * (1.0 - work.reserve)
+
+
+def _gb(mem: dict[str, float]) -> dict[str, float]:
+    return {k: round(v / GB, 2) for k, v in mem.items()}
+
+
+def _microbatches(pp: int, dp: int, work: Workload) -> int | None:
+    """Microbatches per step for `dp` replicas, or None when the global batch forbids it."""
+    if work.global_batch is not None:
+        per_step = dp * work.micro_batch
+        if work.global_batch % per_step:
+            return None
+        m = work.global_batch // per_step
+    elif work.microbatches is not None:
+        m = work.microbatches
+    else:
+        # No batch given: pick enough microbatches for a bubble of at most 10%.
+        m = 1 if pp == 1 else math.ceil(9 * (pp - 1))
+    return m if m >= pp else None
