@@ -146,6 +146,8 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
             "AccountingStorageType=accounting_storage/slurmdbd",
             "AccountingStorageHost=127.0.0.1",
             f"AccountingStoragePort={DBD_PORT}",
+            # The slurmdbd connection authenticates through this munge socket, not AuthInfo's.
+            f"AccountingStoragePass={d}/munge/munge.socket.2",
         ]
     else:
         lines.append("AccountingStorageType=accounting_storage/none")

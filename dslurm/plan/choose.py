@@ -58,7 +58,8 @@ def _candidates(model: ModelShape, cluster: Cluster,
 
 
 def _reasons(chosen: Layout, mem: dict[str, float], cluster: Cluster,
-             rejected: dict[tuple[int, int, str], tuple[float, str]], budget: float) -> dict[str, str]:
+             rejected: dict[tuple[int, int, str], tuple[float, str]], budget: float,
+             forced: bool) -> dict[str, str]:
     """One sentence per degree: why it is this and not the cheaper one."""
     def need(pp: int, tp: int, rc: str) -> str:
         total, note = rejected.get((pp, tp, rc), (0.0, "not tried"))
@@ -71,10 +72,12 @@ def _reasons(chosen: Layout, mem: dict[str, float], cluster: Cluster,
     r["tp"] = (f"1: activations of {mem['activations'] / GB:.1f} GB fit unsplit" if chosen.tp == 1 else
                f"{chosen.tp}, inside the NVLink domain of {cluster.nvlink_domain}: tp={chosen.tp // 2} "
                f"{need(chosen.pp, chosen.tp // 2, chosen.recompute)}")
-    r["recompute"] = ("none: activations fit without recomputation" if chosen.recompute == "none" else
+    r["microbatches"] = (f"{chosen.microbatches} per step, to keep the bubble small" if chosen.pp > 1 else
+                         f"{chosen.microbatches} gradient-accumulation step(s) (no pipeline)")
+    r["recompute"] = (f"{chosen.recompute}: requested" if forced else
+                      "none: activations fit without recomputation" if chosen.recompute == "none" else
                       "full: costs ~1/3 more arithmetic; without it "
-                      + need(chosen.pp, chosen.tp, "none") if chosen.recompute == "full" else
-                      f"{chosen.recompute}: requested")
+                      + need(chosen.pp, chosen.tp, "none"))
     state = mem["state"] / GB
     if chosen.dp_shard == 1:
         r["dp"] = f"DDP x{chosen.dp_replicate}: a full replica ({state:.1f} GB of state) fits; cheapest sync"
@@ -104,7 +107,8 @@ def propose_layout(model: ModelShape, cluster: Cluster, work: Workload | None = 
         if mem["total"] <= budget:
             return Plan(layout=lay, memory_gb=_gb(mem), budget_gb=round(budget / GB, 2),
                         bubble=bubble_fraction(lay.pp, lay.microbatches),
-                        reasons=_reasons(lay, mem, cluster, rejected, budget))
+                        reasons=_reasons(lay, mem, cluster, rejected, budget,
+                                                 forced=work.recompute is not None))
         key = (lay.pp, lay.tp, lay.recompute)
         # Keep the smallest need per (pp, tp, recompute): the fully sharded one.
         if mem["total"] < rejected.get(key, (float("inf"), ""))[0]:

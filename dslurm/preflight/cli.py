@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pseudo-nodes", type=int, default=0,
                    help=f"split the processes into N pseudo-nodes (sets {PSEUDO_ENV})")
     p.add_argument("--report", default="burnin-report.json", help="JSON report path")
-    p.add_argument("--thresholds", help="JSON file with the burnin thresholds section")
+    p.add_argument("--site", help="site config YAML whose burnin section sets the thresholds")
+    p.add_argument("--thresholds", help="JSON file with burnin thresholds (instead of --site)")
     p.add_argument("--expected-gpus", type=int, help="GPUs each node must show")
     p.set_defaults(func=run)
 
@@ -37,8 +38,9 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc}", "-m", "dslurm.preflight.run",
            "--report", str(args.report), "--exit-zero"]
-    if args.thresholds:
-        cmd += ["--thresholds", str(args.thresholds)]
+    for flag in ("site", "thresholds"):
+        if getattr(args, flag):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
     if args.expected_gpus is not None:
         cmd += ["--expected-gpus", str(args.expected_gpus)]
     return cmd

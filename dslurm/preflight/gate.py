@@ -36,9 +36,12 @@ def _judge_node(node: dict[str, Any], th: Thresholds) -> tuple[list[str], list[s
         if peak and g["device"].startswith("cuda") and g["tflops"] < th.gemm_min_fraction_of_peak * peak:
             fails.append(f"rank{rank} GEMM {g['tflops']:.0f} TFLOP/s = {g['tflops'] / peak:.0%} "
                          f"of peak {peak:.0f} < {th.gemm_min_fraction_of_peak:.0%}")
+        if g["device"] == "cpu" and g["tflops"] * 1e3 < th.cpu_gemm_min_gflops:
+            fails.append(f"rank{rank} CPU GEMM {g['tflops'] * 1e3:.2f} GFLOP/s < "
+                         f"{th.cpu_gemm_min_gflops} GFLOP/s")
     intra = node.get("intra_busbw_gbps")
-    if intra is not None and th.busbw_intra_min_gbps is not None and intra < th.busbw_intra_min_gbps:
-        fails.append(f"intra-node busbw {intra:.1f} GB/s < {th.busbw_intra_min_gbps} GB/s")
+    if intra is not None and intra < th.busbw_intra_min_gbytes_per_s:
+        fails.append(f"intra-node busbw {intra:.2f} GB/s < {th.busbw_intra_min_gbytes_per_s} GB/s")
     return fails, warns
 
 
@@ -59,14 +62,13 @@ def judge(report: dict[str, Any], th: Thresholds) -> dict[str, Any]:
             f"slow communication: both ring neighbour exchanges > {th.slow_link_factor}x the "
             f"fastest pair ({loc['baseline_s'] * 1e3:.2f} ms)")
     inter = (report.get("inter") or {}).get("busbw_gbps")
-    inter_low = (inter is not None and th.busbw_inter_min_gbps is not None
-                 and inter < th.busbw_inter_min_gbps)
+    inter_low = inter is not None and inter < th.busbw_inter_min_gbytes_per_s
     for a, b in loc.get("slow_links", []):
         # One slow link cannot tell which end is at fault: fail both only when it matters.
         for host, other in ((a, b), (b, a)):
             (bad if inter_low else warn).setdefault(host, []).append(f"slow link to {other}")
     if inter_low and not bad:
-        problems.append(f"inter-node busbw {inter:.1f} GB/s < {th.busbw_inter_min_gbps} GB/s "
+        problems.append(f"inter-node busbw {inter:.2f} GB/s < {th.busbw_inter_min_gbytes_per_s} GB/s "
                         "and no node localized")
     return {"ok": not bad and not problems, "bad_nodes": bad, "warnings": warn,
             "problems": problems}

@@ -181,7 +181,7 @@ def check_pcie(nv: Any, h: Any, th: Thresholds) -> Finding:
     # Warnings only: idle GPUs downshift the link generation to save power.
     if width < max_width:
         return Finding("pcie", "warn", f"{text}: link width degraded")
-    if th.min_pcie_gen is not None and gen < th.min_pcie_gen:
+    if th.min_pcie_gen and gen < th.min_pcie_gen:
         return Finding("pcie", "warn", f"{text}: below gen{th.min_pcie_gen}")
     return Finding("pcie", "ok", text)
 

@@ -148,7 +148,8 @@ def build_report(records: list[dict[str, Any]], th: Thresholds) -> dict[str, Any
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dslurm.preflight.run", description=__doc__)
     p.add_argument("--report", required=True, help="JSON report path (written by rank 0)")
-    p.add_argument("--thresholds", help="JSON file with the site's burnin section")
+    p.add_argument("--site", help="site config YAML: thresholds from its burnin and node sections")
+    p.add_argument("--thresholds", help="JSON file with a burnin section (instead of --site)")
     p.add_argument("--expected-gpus", type=int, help="override expected_gpus_per_node")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
                    help="all-reduce sizes in bytes, comma separated")
@@ -161,10 +162,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_thresholds(args: argparse.Namespace) -> Thresholds:
-    data = json.loads(open(args.thresholds).read()) if args.thresholds else {}
+    if args.site:
+        from dslurm.config import load_site
+
+        data = Thresholds.from_site(load_site(args.site)).to_dict()
+    else:
+        data = json.loads(open(args.thresholds).read()) if args.thresholds else {}
     if args.expected_gpus is not None:
         data["expected_gpus_per_node"] = args.expected_gpus
-    return Thresholds.from_mapping(data, source=args.thresholds or "burnin")
+    return Thresholds.from_mapping(data, source=args.site or args.thresholds or "burnin")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,490 @@
+"""In-job checkpoints: torch.distributed.checkpoint under the pointer protocol of dslurm.checkpoint.
+
+Imported only by code running inside the job (it imports torch); the CLI uses dslurm.checkpoint.
+
+A save, on every rank: capture RNG and extra state, stage (async) or use the live tensors (sync),
+write a new generation with DCP, checksum this rank's own files (in parallel across ranks), gather.
+Rank 0 then writes the manifest, checks sizes, restore-tests (reads .metadata, loads the smallest
+tensor back), and only then moves the pointer and prunes. The outcome is broadcast so every rank
+logs it and applies `on_error` the same way. Collectives run on gloo groups of our own: the
+background thread's must never interleave with training's (dcp.async_save on the default group
+crashes, ARCHITECTURE.md traps), and gloo moves the small plan objects whatever the device.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+import dslurm
+from dslurm import checkpoint as ck
+from dslurm.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class Ledger(Protocol):
+    def append(self, event: str, **fields: Any) -> None: ...
+
+
+class TrainState(Stateful):
+    """Model + optimizer (+ LR scheduler) through get_state_dict/set_state_dict, so FSDP2/TP
+    DTensors are saved sharded and load into whatever layout the resumed job has."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any | None = None):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        optims = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(self.model, optims)
+        out: dict[str, Any] = {"model": model_sd}
+        if optims:
+            out["optim"] = optim_sd
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        optims = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(self.model, optims, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict.get("optim", {}))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+
+
+@dataclass
+class RestoreResult:
+    step: int
+    generation: str
+    path: Path
+    fell_back: bool  # True: the pointer's target (or the pointer) was unusable; write a ledger event
+    reason: str  # e.g. "LATEST -> step-..." or "fell back to ... because ...: crc32 ..."
+    extra: dict[str, Any]  # the caller's non-tensor state as saved (sampler position, tokens seen)
+    rng_restored: bool  # False when the world size changed (per-rank RNG streams cannot map)
+    saved_world_size: int
+    saved_layout: dict[str, Any]
+    rejected: list[tuple[str, list[str]]] = field(default_factory=list)
+
+
+@dataclass
+class SaveOutcome:
+    generation: str
+    step: int
+    ok: bool
+    reason: str = ""
+    bytes: int = 0
+    stall_s: float = 0.0  # training blocked (state_dict + staging, or the whole sync save)
+    total_s: float = 0.0
+
+
+@dataclass
+class _Job:
+    name: str
+    step: int
+    nth: int
+    meta: dict[str, Any]
+    rng: dict[str, Any]
+    t0: float
+
+
+class _Comm:
+    """Object collectives on one group; a no-op world of one without torch.distributed."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.rank = dist.get_rank() if group is not None else 0
+        self.world = dist.get_world_size() if group is not None else 1
+
+    def bcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This rank's RNG streams (Python, numpy, torch CPU, CUDA when initialised), JSON-able."""
+    v, state, gauss = random.getstate()
+    out: dict[str, Any] = {"python": [v, list(state), gauss], "torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return out
+
+
+def apply_rng(st: dict[str, Any]) -> None:
+    v, state, gauss = st["python"]
+    random.setstate((v, tuple(state), gauss))
+    torch.set_rng_state(_unb64(st["torch"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in st["cuda"]])
+    if "numpy" in st:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = st["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _test_kill(phase: str, rank: int, nth: int) -> None:
+    """Test hook making 'killed in the middle of a save' deterministic: with
+    DSLURM_CKPT_TEST_KILL=RANK:PHASE:NTH this rank SIGKILLs itself at PHASE of its NTH save.
+    Phases: before_write, after_write (own shards on disk, no manifest), before_pointer (rank 0)."""
+    if os.environ.get("DSLURM_CKPT_TEST_KILL") == f"{rank}:{phase}:{nth}":
+        log.warning("[rank %d] DSLURM_CKPT_TEST_KILL: killing myself at %s of save %d", rank, phase, nth)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _reason(exc: BaseException) -> str:
+    # DCP wraps per-rank failures (e.g. ENOSPC) in CheckpointException; its str carries them.
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def _to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+
+class CheckpointManager:
+    """Save/restore one run directory. Every method is collective: call it on every rank."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, keep: int = 2, keep_every: int | None = None,
+                 async_mode: bool = False, on_inflight: str = "wait", on_error: str = "continue",
+                 config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
+                 layout: dict[str, Any] | None = None, ledger: Ledger | None = None,
+                 verify_on_restore: str = "full", io_threads: int = 1):
+        for name, value, allowed in (("on_inflight", on_inflight, ("wait", "skip")),
+                                     ("on_error", on_error, ("continue", "stop")),
+                                     ("verify_on_restore", verify_on_restore, ("full", "size"))):
+            if value not in allowed:
+                raise UserError(f"CheckpointManager {name}={value!r}: use one of {allowed}")
+        ck.plan_retention([], None, keep)  # validates keep >= 2 before anything is written
+        self.run_dir, self.gdir = Path(run_dir), ck.generations_dir(run_dir)
+        self.keep, self.keep_every, self.async_mode = keep, keep_every, async_mode
+        self.on_inflight, self.on_error, self.verify_on_restore = on_inflight, on_error, verify_on_restore
+        self.config_hash, self.model_shape, self.layout = config_hash, model_shape, layout or {}
+        self.ledger, self.io_threads = ledger, io_threads
+        on = dist.is_available() and dist.is_initialized()
+        self._ctl = _Comm(dist.new_group(backend="gloo") if on else None)
+        self._bg = _Comm(dist.new_group(backend="gloo") if on and async_mode else None)
+        self.rank, self.world = self._ctl.rank, self._ctl.world
+        self._lock = ck.RunDirLock(self.run_dir)
+        err = None
+        if self.rank == 0:
+            try:
+                self._lock.acquire()
+            except ck.RunLocked as exc:
+                err = str(exc)
+        if err := self._ctl.bcast(err):
+            raise ck.RunLocked(err)
+        self._stager: Any = None
+        self._thread: threading.Thread | None = None
+        self._outcome: SaveOutcome | None = None
+        self._saves = 0
+        self.last_outcome: SaveOutcome | None = None
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self, state: dict[str, Any], extra: dict[str, Any] | None = None) -> RestoreResult | None:
+        """Load the pointer's generation (or a verified fallback) into `state`, resharding to the
+        current layout; fill `extra` in place. None means a fresh start (truly nothing saved)."""
+        self.wait()
+        plan = self._ctl.bcast(ck.plan_restore(self.run_dir) if self.rank == 0 else None)
+        try:
+            sel = ck.select_generation(plan, self._verify)
+        except ck.CheckpointError as exc:
+            log.error("[rank %d] checkpoint restore refused: %s", self.rank, exc)
+            self._event("ckpt_restore_failed", reason=str(exc))
+            raise
+        if sel.generation is None:
+            log.info("[rank %d] %s: %s", self.rank, self.run_dir, sel.reason)
+            self._event("ckpt_fresh_start", reason=sel.reason)
+            return None
+        for name, problems in sel.rejected:
+            log.error("[rank %d] CHECKPOINT %s REJECTED: %s", self.rank, name, "; ".join(problems))
+        if sel.fell_back:
+            log.error("[rank %d] CHECKPOINT FALLBACK: %s", self.rank, sel.reason)
+        gen = self.gdir / sel.generation
+        meta = json.loads((gen / ck.META).read_text())
+        self._check_compat(meta, state, gen)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(gen), process_group=self._ctl.group)
+        rng_ok = meta["world_size"] == self.world
+        if rng_ok:
+            apply_rng(json.loads((gen / ck.RANKS / f"rank-{self.rank:05d}.json").read_text())["rng"])
+        else:
+            log.warning("[rank %d] world size %d -> %d: RNG streams not restored", self.rank,
+                        meta["world_size"], self.world)
+        if extra is not None:
+            extra.update(meta["extra"])
+        res = RestoreResult(meta["step"], sel.generation, gen, sel.fell_back, sel.reason,
+                            dict(meta["extra"]), rng_ok, meta["world_size"], meta["layout"], sel.rejected)
+        log.info("[rank %d] restored step %d from %s", self.rank, res.step, gen)
+        self._event("ckpt_fallback" if sel.fell_back else "ckpt_restore", step=res.step,
+                    generation=res.generation, reason=res.reason,
+                    rejected=[n for n, _ in sel.rejected])
+        return res
+
+    def _verify(self, name: str, pointer_crc: str | None) -> list[str]:
+        """Manifest checks on rank 0, file checks split across ranks (each reads 1/world)."""
+        gen = self.gdir / name
+        head = ck.manifest_problems(gen, pointer_crc) if self.rank == 0 else None
+        problems, entries = self._ctl.bcast(head)
+        if problems:
+            return problems
+        mine = dict(sorted(entries.items())[self.rank::self.world])
+        local = ck.file_problems(gen, mine, full=self.verify_on_restore == "full")
+        return sorted(p for ps in self._ctl.gather(local) for p in ps)
+
+    def _check_compat(self, meta: dict[str, Any], state: dict[str, Any], gen: Path) -> None:
+        if meta.get("model_shape") is not None and self.model_shape is not None:
+            diffs = ck.field_differences(meta["model_shape"], self.model_shape)
+        elif meta.get("config_hash") and self.config_hash and meta["config_hash"] != self.config_hash:
+            # Without shape fields a changed hash may be a changed model: refuse, say how to relax.
+            diffs = [f"config_hash: {meta['config_hash']} -> {self.config_hash} (pass model_shape= "
+                     "so that only shape changes are refused)"]
+        else:
+            diffs = []
+        diffs = diffs or self._tensor_shape_diffs(state, gen)
+        if diffs:
+            raise ck.CheckpointError(
+                f"{gen}: model shape changed since this generation was saved: {'; '.join(diffs[:10])}. "
+                "Resume with the saved model config, or start a new run directory.")
+        if meta.get("config_hash") != self.config_hash:
+            log.warning("[rank %d] config hash %s -> %s (model shape unchanged): resuming",
+                        self.rank, meta.get("config_hash"), self.config_hash)
+        if meta["layout"] != self.layout or meta["world_size"] != self.world:
+            log.info("[rank %d] resharding: saved layout %s on %d ranks -> %s on %d ranks", self.rank,
+                     meta["layout"], meta["world_size"], self.layout, self.world)
+
+    def _tensor_shape_diffs(self, state: dict[str, Any], gen: Path) -> list[str]:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        saved = dcp.FileSystemReader(gen).read_metadata().state_dict_metadata
+        current, _ = flatten_state_dict(_to_state_dict(state))
+        diffs = []
+        for key, value in current.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            md = saved.get(key)
+            if md is None:
+                diffs.append(f"{key}: not in checkpoint")
+            elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
+                diffs.append(f"{key}: {tuple(md.size)} -> {tuple(value.shape)}")
+        return diffs
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any] | None = None, *,
+             blocking: bool = False) -> bool:
+        """Start (async) or do (sync, or blocking=True for signal saves) a save of `state` at `step`.
+        Returns False when skipped (on_inflight="skip") or, for sync saves, when it failed."""
+        if self._thread is not None:
+            busy = any(self._ctl.gather(self._thread.is_alive()))  # one decision for all ranks
+            if busy and not blocking and self.on_inflight == "skip":
+                log.warning("[rank %d] step %d: save skipped, previous save still in flight "
+                            "(on_inflight=skip)", self.rank, step)
+                self._event("ckpt_save_skipped", step=step)
+                return False
+            if busy:
+                log.info("[rank %d] step %d: waiting for the in-flight save (on_inflight=%s)",
+                         self.rank, step, "wait" if not blocking else "blocking save")
+            self.wait()
+        job = self._new_job(step, extra or {})
+        sd = _to_state_dict(state)
+        if self.async_mode and not blocking:
+            if self._stager is None:
+                self._stager = _make_stager()
+            staged = self._stager.stage(sd)  # host copy: training may now change the live tensors
+            stall = time.perf_counter() - job.t0
+            self._thread = threading.Thread(target=self._background, args=(job, staged, stall),
+                                            name="dslurm-ckpt", daemon=True)
+            self._thread.start()
+            return True
+        out = self._write(job, sd, self._ctl)
+        out.stall_s = out.total_s
+        self._finish(out)
+        return out.ok
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed or failed; apply on_error."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread, out = None, self._outcome
+        assert out is not None  # _background always sets it
+        self._finish(out)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+            if self.rank == 0:
+                self._lock.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _new_job(self, step: int, extra: dict[str, Any]) -> _Job:
+        t0 = time.perf_counter()
+        try:
+            extra = json.loads(json.dumps(extra))  # a snapshot: the caller keeps mutating theirs
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"checkpoint extra state must be JSON-serialisable: {exc}") from None
+        self._saves += 1
+        name = self._ctl.bcast(ck.generation_name(step) if self.rank == 0 else None)
+        meta = {"format": ck.FORMAT, "generation": name, "step": step, "extra": extra,
+                "world_size": self.world, "layout": self.layout, "config_hash": self.config_hash,
+                "model_shape": self.model_shape, "torch_version": torch.__version__,
+                "dslurm_version": dslurm.__version__, "saved_by": ck.holder_identity()}
+        return _Job(name, step, self._saves, meta, capture_rng(), t0)
+
+    def _background(self, job: _Job, staged: dict[str, Any], stall: float) -> None:
+        try:
+            out = self._write(job, staged, self._bg)
+        except BaseException as exc:  # a dead peer, say; never lose the reason in a thread
+            out = SaveOutcome(job.name, job.step, False, _reason(exc))
+        out.stall_s = stall
+        self._outcome = out
+
+    def _write(self, job: _Job, sd: dict[str, Any], comm: _Comm) -> SaveOutcome:
+        gen, r = self.gdir / job.name, comm.rank
+        err: str | None = None
+        try:  # local preparation; gathered before DCP so that no rank waits in a collective alone
+            (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
+            _test_kill("before_write", r, job.nth)
+            ck.atomic_write_json(gen / ck.RANKS / f"rank-{r:05d}.json",
+                                 {"rank": r, "world_size": comm.world, "rng": job.rng})
+            if r == 0:
+                ck.atomic_write_json(gen / ck.META, job.meta)
+        except Exception as exc:
+            err = _reason(exc)
+        sums: dict[str, Any] = {}
+        if not any(comm.gather(err)):
+            try:  # dcp.save is collective and raises on every rank if any rank's write failed
+                writer = dcp.FileSystemWriter(gen, sync_files=True, thread_count=self.io_threads)
+                dcp.save(sd, storage_writer=writer, process_group=comm.group)
+                _test_kill("after_write", r, job.nth)
+                own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
+                sums = ck.checksum_files(gen, own + [f"{ck.RANKS}/rank-{r:05d}.json"])
+            except Exception as exc:
+                err = _reason(exc)
+        results = comm.gather((err, sums))
+        verdict = self._commit(gen, job, results) if r == 0 else None
+        ok, reason, nbytes = comm.bcast(verdict)
+        return SaveOutcome(job.name, job.step, ok, reason, nbytes, 0.0, time.perf_counter() - job.t0)
+
+    def _commit(self, gen: Path, job: _Job, results: list[Any]) -> tuple[bool, str, int]:
+        """Rank 0, after every rank finished: manifest, verify, restore-test, pointer, prune."""
+        errors = [f"rank {i}: {e}" for i, (e, _) in enumerate(results) if e]
+        try:
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            files: dict[str, Any] = {}
+            for _, sums in results:
+                files.update(sums)
+            rest = [str(p.relative_to(gen)) for p in gen.rglob("*")
+                    if p.is_file() and str(p.relative_to(gen)) not in files]
+            files.update(ck.checksum_files(gen, rest))
+            ck.write_manifest(gen, job.step, files)
+            for d in (gen / ck.RANKS, gen, self.gdir):
+                ck.fsync_dir(d)
+            problems = ck.verify_generation(gen, full=False) + _restore_test(gen)
+            if problems:
+                raise RuntimeError("verification failed: " + "; ".join(problems))
+            _test_kill("before_pointer", 0, job.nth)
+            ck.write_pointer(self.run_dir, job.name, job.step)
+        except Exception as exc:
+            if gen.exists():  # every rank is past its writes: free the space (ENOSPC) now
+                ck.remove_generation(self.run_dir, job.name)
+            return False, _reason(exc), 0
+        try:
+            ck.collect_garbage(self.run_dir, self.keep, self.keep_every, in_flight={job.name})
+        except Exception as exc:  # pruning must never turn a committed save into a failure
+            log.warning("checkpoint gc in %s failed: %s", self.run_dir, _reason(exc))
+        return True, "", sum(f["size"] for f in files.values())
+
+    def _finish(self, out: SaveOutcome) -> None:
+        self.last_outcome = out
+        if out.ok:
+            log.info("[rank %d] checkpoint step %d committed: %s, %.1f MB, training blocked %.3f s, "
+                     "total %.2f s", self.rank, out.step, out.generation, out.bytes / 1e6,
+                     out.stall_s, out.total_s)
+            self._event("ckpt_save", step=out.step, generation=out.generation, bytes=out.bytes,
+                        stall_s=round(out.stall_s, 4), total_s=round(out.total_s, 4))
+            return
+        ptr = ck.read_pointer(self.run_dir) if self.rank == 0 else None
+        log.error("[rank %d] checkpoint save at step %d FAILED, pointer unchanged (%s), on_error=%s: %s",
+                  self.rank, out.step, ptr.generation if ptr else "none", self.on_error, out.reason)
+        self._event("ckpt_save_failed", step=out.step, generation=out.generation, reason=out.reason,
+                    policy=self.on_error)
+        if self.on_error == "stop":
+            raise ck.CheckpointError(f"checkpoint save at step {out.step} failed: {out.reason}")
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.ledger is not None and self.rank == 0:
+            self.ledger.append(event, run_dir=str(self.run_dir), **fields)
+
+
+def _make_stager() -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    cuda = torch.cuda.is_available()
+    # Synchronous staging (the host copy is the part training must wait for); on CPU the stager
+    # needs use_non_blocking_copy=False (ARCHITECTURE.md traps). Buffers are reused across saves,
+    # which is safe because at most one save is in flight.
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
+def _restore_test(gen: Path) -> list[str]:
+    """Read .metadata back and load its smallest tensor into scratch: the files make a checkpoint."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    try:
+        md = dcp.FileSystemReader(gen).read_metadata().state_dict_metadata
+        tensors = [(k, v) for k, v in md.items() if isinstance(v, TensorStorageMetadata)]
+        if tensors:
+            key, tmd = min(tensors, key=lambda kv: kv[1].size.numel())
+            scratch = {key: torch.empty(tmd.size, dtype=tmd.properties.dtype)}
+            dcp.load(scratch, storage_reader=dcp.FileSystemReader(gen), no_dist=True)
+    except Exception as exc:
+        return [f"{gen}: restore test failed: {_reason(exc)}"]
+    return []

@@ -1,0 +1,565 @@
+"""`dslurm cluster up|down|status`: a real Slurm (22.05) on this one machine.
+
+munged, slurmctld and N slurmd daemons (node1..nodeN, each in its own UTS namespace so
+`hostname` differs per node, each under a `tini -s` subreaper), plus slurmdbd + MariaDB with
+`--accounting` (so sacct works; submitit needs it). No systemd.
+
+State dir (default `$DSLURM_CLUSTER_DIR` or /tmp/dslurm-cluster) holds config, logs, spool,
+controller state, MariaDB data and `cluster.json`: the settings, every PID started (with its
+start time, so a recycled PID is never killed) and every system change made. `down` stops
+exactly those processes and undoes exactly those changes:
+  - a line in /etc/hosts marked `# dslurm-cluster <state dir>` (node names -> 127.0.0.1);
+  - /etc/slurm/slurm.conf as a symlink to the state dir's slurm.conf, so client commands work
+    without SLURM_CONF (an existing file is kept as /etc/slurm/slurm.conf.dslurm-orig and
+    restored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from dslurm import cluster_conf as cc
+from dslurm import slurm
+from dslurm.errors import SlurmError, UserError
+
+log = logging.getLogger(__name__)
+
+ENV_DIR = "DSLURM_CLUSTER_DIR"
+DEFAULT_DIR = Path("/tmp/dslurm-cluster")
+ETC_CONF = Path("/etc/slurm/slurm.conf")
+ETC_BACKUP = Path("/etc/slurm/slurm.conf.dslurm-orig")
+HOSTS = Path("/etc/hosts")
+# One lock for the whole machine: clusters share ports, /etc/hosts and /etc/slurm.
+LOCK_PATH = Path(tempfile.gettempdir()) / "dslurm-cluster.lock"
+RECORD = "cluster.json"
+PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "tini"]
+ACCT_PACKAGES = ["slurmdbd", "mariadb-server"]
+_BINARIES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
+             "munged": "munge", "tini": "tini", "unshare": "util-linux"}
+_ACCT_BINARIES = {"slurmdbd": "slurmdbd", "mariadbd": "mariadb-server",
+                  "mariadb-install-db": "mariadb-server"}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class ClusterInfo:
+    """A running local cluster, as `up` returns it."""
+
+    state_dir: Path
+    nodes: int
+    accounting: bool
+    node_names: tuple[str, ...]
+    partition: str = cc.PARTITION
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.state_dir / "etc" / "slurm.conf"
+
+    def env(self) -> dict[str, str]:
+        """Environment for client commands (also found via /etc/slurm/slurm.conf)."""
+        return {"SLURM_CONF": str(self.slurm_conf)}
+
+
+def state_dir_of(state_dir: str | os.PathLike[str] | None) -> Path:
+    return Path(state_dir or os.environ.get(ENV_DIR) or DEFAULT_DIR).absolute()
+
+
+# ------------------------------------------------------------------ public API
+
+def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[str] | None = None,
+       cpus: int = 4) -> ClusterInfo:
+    """Start the cluster (or leave a healthy one with the same settings alone)."""
+    sdir = state_dir_of(state_dir)
+    with _machine_lock():
+        rec = _load(sdir)
+        wanted = {"nodes": nodes, "cpus": cpus, "memory_mb": 4096, "accounting": accounting}
+        if rec and _healthy(sdir, rec):
+            if rec["settings"] == wanted:
+                log.info("cluster in %s already up with %s", sdir, wanted)
+                return _info(sdir, rec)
+            log.warning("cluster in %s runs with %s; restarting with %s",
+                        sdir, rec["settings"], wanted)
+        if rec:
+            _teardown(sdir, rec)  # leftovers of a crashed or differently-configured run
+        spec = cc.ClusterSpec(state_dir=sdir, nodes=nodes, cpus=cpus, accounting=accounting,
+                              controller_host=socket.gethostname(),
+                              first_job_id=_first_job_id(sdir))
+        ensure_packages(accounting)
+        rec = {"settings": spec.settings(), "procs": [], "changes": {}}
+        try:
+            _start(spec, rec)
+        except BaseException:
+            _teardown(sdir, rec)
+            raise
+        return _info(sdir, rec)
+
+
+def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Stop what `up` started and undo its system changes. False if nothing was running."""
+    sdir = state_dir_of(state_dir)
+    with _machine_lock():
+        rec = _load(sdir)
+        if not rec:
+            return False
+        _teardown(sdir, rec)
+        return True
+
+
+def is_up(state_dir: str | os.PathLike[str] | None = None) -> bool:
+    sdir = state_dir_of(state_dir)
+    rec = _load(sdir)
+    return bool(rec) and _healthy(sdir, rec)
+
+
+def status(state_dir: str | os.PathLike[str] | None = None) -> dict[str, object]:
+    """Settings, nodes and jobs of the cluster in `state_dir` (up=False if not running)."""
+    sdir = state_dir_of(state_dir)
+    rec = _load(sdir)
+    if not rec or not all(_alive(p) for p in rec["procs"]):
+        return {"up": False, "state_dir": str(sdir), "nodes": [], "jobs": []}
+    env = _info(sdir, rec).env()
+    return {"up": True, "state_dir": str(sdir), "settings": rec["settings"],
+            "nodes": slurm.nodes(env=env), "jobs": slurm.squeue(env=env)}
+
+
+def ensure_packages(accounting: bool) -> None:
+    """Install missing Debian packages when root; otherwise say exactly what to install."""
+    binaries = {**_BINARIES, **(_ACCT_BINARIES if accounting else {})}
+    missing = sorted({pkg for exe, pkg in binaries.items() if not _which(exe)})
+    if not missing:
+        return
+    wanted = PACKAGES + (ACCT_PACKAGES if accounting else [])
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *wanted]
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise UserError(f"missing packages {missing}; install them as root: `{' '.join(cmd)}` "
+                        "(or run scripts/install-system-deps.sh)")
+    log.info("installing %s", " ".join(wanted))
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise UserError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-2000:]}")
+
+
+def _which(exe: str) -> str | None:
+    # Daemons live in /usr/sbin, which a non-login PATH may lack.
+    return shutil.which(exe) or shutil.which(exe, path="/usr/sbin:/sbin")
+
+
+# ------------------------------------------------------------------ start / stop
+
+def _start(spec: cc.ClusterSpec, rec: dict) -> None:
+    sdir = spec.state_dir
+    t0 = time.monotonic()
+    _prepare_dirs(spec)
+    _save(sdir, rec)
+    _install_system_changes(spec, rec)
+    env = {**os.environ, "SLURM_CONF": str(sdir / "etc" / "slurm.conf"),
+           "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
+    sock = sdir / "munge" / "munge.socket.2"
+    _spawn(rec, sdir, "munged", ["munged", "-F", f"--key-file={sdir}/secret/munge.key",
+                                 f"--socket={sock}", f"--pid-file={sdir}/run/munged.pid",
+                                 f"--seed-file={sdir}/secret/munged.seed",
+                                 f"--log-file={sdir}/log/munged.log"], env)
+    _wait_for(lambda: sock.exists(), 10, "munged socket", sdir / "log" / "munged.out")
+    if spec.accounting:
+        _start_accounting(spec, rec, env)
+    _spawn(rec, sdir, "slurmctld", ["slurmctld", "-D", "-f", str(sdir / "etc" / "slurm.conf")],
+           env)
+    for name in cc.node_names(spec.nodes):
+        # Own UTS namespace so `hostname` inside a job is the node name; tini -s reaps the
+        # job processes slurmstepd leaves behind, which keeps step teardown fast.
+        _spawn(rec, sdir, name, ["unshare", "--uts", "sh", "-c",
+                                 f'hostname {name} && exec tini -s -- slurmd -D -N {name} '
+                                 f'-f "$SLURM_CONF"'], env)
+    _wait_idle(spec, env)
+    log.info("cluster up in %.1f s: %d nodes%s, state dir %s", time.monotonic() - t0,
+             spec.nodes, " + accounting" if spec.accounting else "", sdir)
+
+
+def _start_accounting(spec: cc.ClusterSpec, rec: dict, env: dict[str, str]) -> None:
+    sdir = spec.state_dir
+    datadir = sdir / "mysql"
+    if not (datadir / "mysql").is_dir():
+        # Kept across down/up: initialising and creating Slurm's tables takes seconds.
+        shutil.rmtree(datadir, ignore_errors=True)
+        proc = subprocess.run(
+            ["mariadb-install-db", "--no-defaults", f"--datadir={datadir}", "--user=root",
+             "--auth-root-authentication-method=normal", "--skip-test-db"],
+            capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SlurmError(f"mariadb-install-db failed: {proc.stderr.strip()[-2000:]}")
+    _spawn(rec, sdir, "mariadbd", ["mariadbd", *cc.mariadb_args(spec)], env)
+    _wait_for(lambda: _port_open(cc.MYSQL_PORT), 30, "MariaDB port",
+                sdir / "log" / "mariadb.log")
+    _spawn(rec, sdir, "slurmdbd", ["slurmdbd", "-D"], env)
+    _wait_for(lambda: _port_open(cc.DBD_PORT), 60, "slurmdbd port",
+                sdir / "log" / "slurmdbd.log")
+
+
+def _spawn(rec: dict, sdir: Path, name: str, argv: list[str], env: dict[str, str]) -> None:
+    rec["procs"].append(_spawn_proc(name, argv, sdir / "log" / f"{name}.out", env))
+    _save(sdir, rec)  # recorded at once: a crash right after still lets `down` find it
+
+
+def _wait_idle(spec: cc.ClusterSpec, env: dict[str, str], timeout: float = 30) -> None:
+    sdir = spec.state_dir
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        proc = slurm.run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], check=False,
+                             timeout=5, env={"SLURM_CONF": env["SLURM_CONF"]})
+        if proc.returncode == 0:
+            states = {n["name"]: n["state"] for n in slurm.parse_sinfo_nodes(proc.stdout)}
+            last = str(states)
+            if len(states) == spec.nodes and all(s == "idle" for s in states.values()):
+                return
+        else:
+            last = proc.stderr.strip()
+        time.sleep(0.2)
+    raise SlurmError(f"nodes not idle after {timeout:g} s ({last}); see logs in {sdir}/log:\n"
+                     + _tail(sdir / "log" / "slurmctld.log"))
+
+
+def _teardown(sdir: Path, rec: dict) -> None:
+    procs = [p for p in rec.get("procs", []) if _alive(p)]
+    if any(p["name"] == "slurmctld" for p in procs):
+        _cancel_all_jobs(sdir)
+    # Reverse start order: all slurmds at once, then slurmctld, slurmdbd, mariadbd, munged.
+    _stop([p for p in procs if p["name"].startswith("node")])
+    for p in reversed(procs):
+        if not p["name"].startswith("node"):
+            _stop([p], grace=10 if p["name"] == "mariadbd" else 5)
+    _undo_system_changes(rec.get("changes", {}), sdir)
+    (sdir / RECORD).unlink(missing_ok=True)
+
+
+def _cancel_all_jobs(sdir: Path) -> None:
+    """Cancel jobs first so accounting records them as CANCELLED, not lost mid-run."""
+    env = {"SLURM_CONF": str(sdir / "etc" / "slurm.conf")}
+    proc = slurm.run_cmd(["squeue", "-h", "-o", "%A"], check=False, timeout=5, env=env)
+    ids = proc.stdout.split() if proc.returncode == 0 else []
+    if ids:
+        slurm.run_cmd(["scancel", *ids], check=False, timeout=5, env=env)
+
+
+def _healthy(sdir: Path, rec: dict) -> bool:
+    if not rec.get("procs") or not all(_alive(p) for p in rec["procs"]):
+        return False
+    env = {"SLURM_CONF": str(sdir / "etc" / "slurm.conf")}
+    proc = slurm.run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], check=False,
+                         timeout=5, env=env)
+    if proc.returncode != 0:
+        return False
+    nodes = slurm.parse_sinfo_nodes(proc.stdout)
+    ok = {"idle", "allocated", "mixed", "completing"}
+    return len(nodes) == rec["settings"]["nodes"] and all(
+        n["responding"] and n["state"] in ok for n in nodes)
+
+
+def _info(sdir: Path, rec: dict) -> ClusterInfo:
+    s = rec["settings"]
+    return ClusterInfo(state_dir=sdir, nodes=s["nodes"], accounting=s["accounting"],
+                       node_names=tuple(cc.node_names(s["nodes"])))
+
+
+# ------------------------------------------------------------------ files and system changes
+
+def _prepare_dirs(spec: cc.ClusterSpec) -> None:
+    sdir = spec.state_dir
+    # Controller state and spool are wiped on every fresh start: jobs of a crashed run must
+    # not come back. Job ids stay unique through FirstJobId (see _first_job_id).
+    for sub in ("ctld", "spool", "run", "munge"):
+        shutil.rmtree(sdir / sub, ignore_errors=True)
+    for sub in ("etc", "log", "ctld", "run", "secret", "munge",
+                *(f"spool/{n}" for n in cc.node_names(spec.nodes))):
+        (sdir / sub).mkdir(parents=True, exist_ok=True)
+    # munged insists: socket dir traversable by all, key readable only by its owner.
+    for d in (sdir, sdir / "munge"):
+        d.chmod(0o755)
+    (sdir / "secret").chmod(0o700)
+    key = sdir / "secret" / "munge.key"
+    if not key.exists():
+        _atomic_write(key, os.urandom(1024), mode=0o400)
+    _atomic_write(sdir / "etc" / "slurm.conf", cc.render_slurm_conf(spec).encode())
+    if spec.accounting:
+        _atomic_write(sdir / "etc" / "slurmdbd.conf", cc.render_slurmdbd_conf(spec).encode(),
+                        mode=0o600)
+
+
+def _first_job_id(sdir: Path) -> int:
+    """After every job id the previous runs of this state dir logged, and time-based."""
+    logf = sdir / "log" / "slurmctld.log"
+    text = ""
+    if logf.exists():
+        with logf.open("rb") as f:
+            f.seek(max(0, logf.stat().st_size - 8 * 2**20))
+            text = f.read().decode(errors="replace")
+    return cc.next_first_job_id(time.time(), cc.max_job_id_in_log(text))
+
+
+def _install_system_changes(spec: cc.ClusterSpec, rec: dict) -> None:
+    sdir, changes = spec.state_dir, rec["changes"]
+    line = cc.hosts_line(spec.nodes, sdir)
+    hosts = HOSTS.read_text() if HOSTS.exists() else ""
+    marker = f"# dslurm-cluster {sdir}"
+    kept = [ln for ln in hosts.splitlines() if not ln.endswith(marker)]  # stale lines of ours
+    _write_in_place_or_atomic(HOSTS, "\n".join([*kept, line]) + "\n")
+    changes["hosts_line"] = line
+    _save(sdir, rec)
+    target = sdir / "etc" / "slurm.conf"
+    if ETC_CONF.is_symlink():
+        current = Path(os.readlink(ETC_CONF))
+        other = current.parent.parent
+        if current != target and other != sdir and is_up(other):
+            raise UserError(f"another dslurm cluster is running from {other}; stop it with "
+                            f"`dslurm cluster down --state-dir {other}`")
+        ETC_CONF.unlink()  # ours, or a stale link of a crashed run
+    elif ETC_CONF.exists():
+        if ETC_BACKUP.exists():
+            raise UserError(f"both {ETC_CONF} and {ETC_BACKUP} exist; move one away")
+        ETC_CONF.rename(ETC_BACKUP)
+        log.info("kept the existing %s as %s (restored by `cluster down`)", ETC_CONF, ETC_BACKUP)
+    ETC_CONF.parent.mkdir(parents=True, exist_ok=True)
+    ETC_CONF.symlink_to(target)
+    changes["etc_conf_link"] = str(target)
+    _save(sdir, rec)
+
+
+def _undo_system_changes(changes: dict, sdir: Path) -> None:
+    line = changes.get("hosts_line")
+    if line and HOSTS.exists():
+        lines = HOSTS.read_text().splitlines()
+        if line in lines:
+            _write_in_place_or_atomic(
+                HOSTS, "".join(ln + "\n" for ln in lines if ln != line))
+    link = changes.get("etc_conf_link")
+    if link and ETC_CONF.is_symlink() and os.readlink(ETC_CONF) == link:
+        ETC_CONF.unlink()
+        if ETC_BACKUP.exists():
+            ETC_BACKUP.rename(ETC_CONF)
+
+
+def _load(sdir: Path) -> dict | None:
+    try:
+        return json.loads((sdir / RECORD).read_text())
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, OSError) as exc:
+        raise UserError(f"{sdir / RECORD} is unreadable ({exc}); stop any dslurm daemons "
+                        f"by hand and delete the file") from exc
+
+
+def _save(sdir: Path, rec: dict) -> None:
+    _atomic_write(sdir / RECORD, (json.dumps(rec, indent=1) + "\n").encode())
+
+
+class _machine_lock:
+    def __enter__(self) -> None:
+        self._fd = os.open(LOCK_PATH, os.O_CREAT | os.O_RDWR, 0o666)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)  # releases the flock
+
+
+# ------------------------------------------------------------------ processes and files
+# Daemons run in the foreground (-D/-F) so the PID we record is the daemon itself. Each is
+# recorded with its /proc start time: a recycled PID never matches, so we never kill a stranger.
+_CHILDREN: dict[int, subprocess.Popen] = {}  # reaped in _stop(): avoids zombies in-process
+
+
+def _spawn_proc(name: str, argv: list[str], out: Path, env: dict[str, str]) -> dict:
+    with out.open("ab") as f:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+    _CHILDREN[p.pid] = p
+    return {"name": name, "pid": p.pid, "start": _start_time(p.pid)}
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _alive(p: dict) -> bool:
+    return p.get("start") is not None and _start_time(p["pid"]) == p["start"]
+
+
+def _descendants(pid: int) -> list[dict]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int(d.joinpath("stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        c = todo.pop()
+        out.append({"pid": c, "start": _start_time(c)})
+        todo += children.get(c, [])
+    return out
+
+
+def _stop(procs: list[dict], grace: float = 5) -> None:
+    """SIGTERM all, SIGKILL after `grace`; then SIGKILL what they left behind (job steps)."""
+    procs = [p for p in procs if _alive(p)]
+    # Collected before TERM: once a tini exits, its job processes become orphans.
+    leftovers = [d for p in procs for d in _descendants(p["pid"])]
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+        for p in procs:
+            _reap(p["pid"])
+        time.sleep(0.05)
+    for p in [*procs, *leftovers]:
+        if _alive(p):
+            _signal(p, signal.SIGKILL)
+    for p in procs:
+        _reap(p["pid"], block=True)
+
+
+def _signal(p: dict, sig: int) -> None:
+    try:
+        os.kill(p["pid"], sig)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(pid: int, block: bool = False) -> None:
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        try:
+            child.wait(timeout=2 if block else 0.001)
+            _CHILDREN.pop(pid, None)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_for(cond, timeout: float, what: str, logfile: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SlurmError(f"{what} not ready after {timeout:g} s; {logfile}:\n{_tail(logfile)}")
+        time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _write_in_place_or_atomic(path: Path, text: str) -> None:
+    """/etc/hosts is often a bind mount in containers: rename over it fails (EBUSY)."""
+    try:
+        _atomic_write(path, text.encode(), mode=path.stat().st_mode & 0o777)
+    except OSError:
+        with path.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------ CLI
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="start/stop/show the built-in local real Slurm cluster",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    csub = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
+    for name, hlp in (("up", "start munge, slurmctld, N slurmd (+ slurmdbd, MariaDB)"),
+                      ("down", "stop what `up` started, undo its system changes"),
+                      ("status", "show nodes and jobs")):
+        a = csub.add_parser(name, help=hlp)
+        a.add_argument("--state-dir", default=None,
+                       help=f"state dir (default ${ENV_DIR} or {DEFAULT_DIR})")
+        if name == "up":
+            a.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
+            a.add_argument("--cpus", type=int, default=4, help="virtual CPUs per node (4)")
+            a.add_argument("--accounting", action="store_true",
+                           help="also run slurmdbd + MariaDB so sacct works")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cluster_command == "up":
+        try:
+            info = up(nodes=args.nodes, accounting=args.accounting, state_dir=args.state_dir,
+                      cpus=args.cpus)
+        except ValueError as exc:
+            raise UserError(f"dslurm cluster up: {exc}") from exc
+        print(f"cluster up: {info.nodes} nodes ({','.join(info.node_names)}), partition "
+              f"{info.partition}, accounting {'on' if info.accounting else 'off'}; "
+              f"SLURM_CONF={info.slurm_conf}")
+        return 0
+    if args.cluster_command == "down":
+        stopped = down(args.state_dir)
+        print("cluster stopped" if stopped else "no cluster running; nothing to do")
+        return 0
+    return _print_status(status(args.state_dir))
+
+
+def _print_status(st: dict) -> int:
+    if not st["up"]:
+        print(f"no cluster running (state dir {st['state_dir']})")
+        return 0
+    from rich.console import Console  # lazy: the CLI must import fast
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"cluster up: {st['settings']} (state dir {st['state_dir']})")
+    nt = Table("node", "state", "cpus", "memory MB", "partitions")
+    for n in st["nodes"]:
+        nt.add_row(str(n["name"]), str(n["state"]), str(n["cpus"]), str(n["memory_mb"]),
+                   ",".join(n["partitions"]))
+    console.print(nt)
+    jt = Table("job", "name", "state", "nodes", "nodelist/reason", "time")
+    for j in st["jobs"]:
+        jt.add_row(str(j["job_id"]), str(j["name"]), str(j["state"]), str(j["num_nodes"]),
+                   str(j["nodes_or_reason"]), str(j["time"]))
+    console.print(jt if st["jobs"] else "no jobs")
+    return 0

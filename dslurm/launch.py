@@ -1,0 +1,180 @@
+"""`dslurm launch`: runs once per node (or once per process in srun mode) inside the
+allocation, derives ranks from SLURM_* and starts the training processes.
+
+torchrun mode: one task per node starts torchrun with a c10d rendezvous on node 0.
+Signals: Slurm's USR2 (time limit) and TERM (preemption, scancel) are forwarded to the
+training processes, which save at a step boundary and exit. torchrun itself would die
+on USR2 (no handler), so it is started with USR2 ignored — an ignored disposition is
+inherited across exec, and the trainer installs its own handler explicitly.
+
+Exit code: torchrun reports any worker failure as 1, which would hide the trainer's
+"requeue me" code (75). Workers write their exit code into a status directory the
+launcher owns; the launcher returns the workers' agreed code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from dslurm.errors import UserError
+from dslurm.slurm_env import LaunchInfo, derive
+
+log = logging.getLogger(__name__)
+
+FORWARDED = (signal.SIGUSR2, signal.SIGTERM)
+STATUS_DIR_ENV = "DSLURM_STATUS_DIR"
+
+
+def torchrun_argv(info: LaunchInfo, cmd: Sequence[str], rdzv: str = "c10d",
+                  python: str = sys.executable) -> list[str]:
+    """The torchrun command for this node. Pure.
+
+    c10d: node 0 hosts the store (is_host given explicitly: on a cluster whose nodes
+    share an IP, like the built-in one, torch's guess would make every node a host).
+    torchrun orders nodes by --local-addr, i.e. by host name.
+    """
+    argv = [python, "-m", "torch.distributed.run",
+            f"--nnodes={info.nnodes}", f"--nproc-per-node={info.nproc_per_node}",
+            f"--node-rank={info.node_rank}", "--max-restarts=0"]
+    if rdzv == "c10d":
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={info.master_addr}:{info.master_port}",
+                 f"--rdzv-id={info.job_id}-{info.restart_count}",
+                 f"--rdzv-conf=is_host={'true' if info.node_rank == 0 else 'false'}",
+                 f"--local-addr={info.hostname}"]
+    else:
+        argv += ["--rdzv-backend=static", f"--master-addr={info.master_addr}",
+                 f"--master-port={info.master_port}"]
+    return [*argv, "--no-python", *cmd]
+
+
+def agreed_exit_code(torchrun_rc: int, worker_codes: list[int]) -> int:
+    """What the node reports: the workers' own code when they agree on one, so a
+    requeue request (75) survives torchrun's generic failure code. Pure."""
+    if worker_codes and len(set(worker_codes)) == 1:
+        return worker_codes[0]
+    nonzero = [c for c in worker_codes if c != 0]
+    if torchrun_rc != 0 and nonzero:
+        # Mixed: prefer a real failure over a requeue request so crashes are not retried as saves.
+        failures = [c for c in nonzero if c != 75]
+        return failures[0] if failures else nonzero[0]
+    return torchrun_rc
+
+
+def read_worker_codes(status_dir: Path) -> list[int]:
+    codes = []
+    for p in sorted(status_dir.glob("*.code")):
+        try:
+            codes.append(int(p.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return codes
+
+
+def write_worker_code(code: int) -> None:
+    """Called by a training process on its way out (see train/__main__.py)."""
+    d = os.environ.get(STATUS_DIR_ENV)
+    rank = os.environ.get("LOCAL_RANK", "0")
+    if d:
+        tmp = Path(d) / f".{rank}.tmp"
+        tmp.write_text(str(code))
+        os.replace(tmp, Path(d) / f"{rank}.code")
+
+
+def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
+    """Start argv in its own process group, forward USR2/TERM to the group, wait."""
+    old_usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited by torchrun: survives USR2
+    try:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGUSR2, old_usr2)
+
+    def forward(signum: int, _frame: object) -> None:
+        log.warning("dslurm launch: got %s, forwarding to the training processes",
+                    signal.Signals(signum).name)
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+            continue
+    return 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N, like a shell
+
+
+def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | None = None,
+           rdzv: str = "c10d", env: dict[str, str] | None = None) -> int:
+    """Launch `cmd` for this node/task. Returns the exit code to report to Slurm."""
+    if not cmd:
+        raise UserError("nothing to launch: give the training command after `--`, e.g. "
+                        "dslurm launch -- python -m train --site S --job J")
+    base_env = dict(os.environ if env is None else env)
+    info = derive(base_env, nproc_per_node=nproc_per_node, mode=mode)  # type: ignore[arg-type]
+    child_env = {**base_env, **info.worker_env()}
+    log.info("dslurm launch: %s", json.dumps(info.as_dict()))
+    if mode == "srun":
+        argv = list(cmd)
+        with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
+            child_env[STATUS_DIR_ENV] = status_dir
+            return _run_forwarding(argv, child_env)
+    with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
+        child_env[STATUS_DIR_ENV] = status_dir
+        rc = _run_forwarding(torchrun_argv(info, cmd, rdzv), child_env)
+        return agreed_exit_code(rc, read_worker_codes(Path(status_dir)))
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def register(sub) -> None:
+    p = sub.add_parser("launch", help="inside an allocation: derive ranks from SLURM_* and start torchrun",
+                       description="Run once per node (torchrun mode) or once per process (srun mode).")
+    p.add_argument("--mode", choices=("torchrun", "srun"), default="torchrun")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per node (default: GPUs on the node)")
+    p.add_argument("--rdzv", choices=("c10d", "static"), default="c10d", help="torchrun rendezvous")
+    p.add_argument("--preflight", action="store_true", help="run the burn-in gate before training")
+    p.add_argument("cmd", nargs=__import__("argparse").REMAINDER, help="-- the training command")
+    p.set_defaults(func=_run_launch)
+
+    e = sub.add_parser("env", help="print what dslurm derives from the SLURM_* environment")
+    e.add_argument("--json", action="store_true", help="machine-readable output")
+    e.add_argument("--mode", choices=("torchrun", "srun"), default="torchrun")
+    e.add_argument("--nproc-per-node", type=int, default=None)
+    e.set_defaults(func=_run_env)
+
+
+def _run_launch(args) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if args.preflight:
+        from dslurm.preflight_gate import gate_in_job
+
+        rc = gate_in_job(mode=args.mode, nproc_per_node=args.nproc_per_node)
+        if rc != 0:
+            return rc
+    return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv)
+
+
+def _run_env(args) -> int:
+    info = derive(os.environ, nproc_per_node=args.nproc_per_node, mode=args.mode)
+    if args.json:
+        print(json.dumps(info.as_dict(), indent=2))
+    else:
+        for k, v in info.as_dict().items():
+            print(f"{k:>16}: {v}")
+    return 0

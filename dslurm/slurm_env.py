@@ -1,0 +1,172 @@
+"""SLURM_* environment -> who am I in the job: node rank, nodes, processes, master.
+
+Pure: `derive(env)` takes a mapping (os.environ inside a job) and returns a
+`LaunchInfo`, or raises `UserError` naming the variable that is missing or wrong.
+Host lists are expanded with python-hostlist, not a home-made parser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal, Mapping
+
+import hostlist
+
+from dslurm.errors import UserError
+
+# Rendezvous ports are derived from the job id, so every node computes the same port
+# without talking. The range stays below Linux's ephemeral range (32768+) and above
+# the Slurm daemons' ports (6817-6900 locally); the restart count moves the port so a
+# requeued job never trips over its previous incarnation's sockets in TIME_WAIT.
+PORT_BASE = 20000
+PORT_SPAN = 12000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchInfo:
+    job_id: str
+    restart_count: int
+    hosts: list[str]
+    nnodes: int
+    node_rank: int
+    hostname: str
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    world_size: int
+    mode: Literal["torchrun", "srun"]
+    # srun mode only (one task per process): this task's global and local rank.
+    rank: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment for the training processes (torch.distributed env:// + ours)."""
+        env = {
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "DSLURM_NODE_RANK": str(self.node_rank),
+            "DSLURM_NNODES": str(self.nnodes),
+            "DSLURM_NPROC_PER_NODE": str(self.nproc_per_node),
+            "DSLURM_RESTART_COUNT": str(self.restart_count),
+            "DSLURM_HOSTNAME": self.hostname,
+        }
+        if self.mode == "srun":
+            env.update(RANK=str(self.rank), LOCAL_RANK=str(self.local_rank),
+                       WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(self.local_world_size),
+                       GROUP_RANK=str(self.node_rank))
+        return env
+
+
+def master_port(job_id: str, restart_count: int = 0) -> int:
+    """Same value on every node of a job; differs between jobs and between restarts."""
+    digits = "".join(c for c in job_id if c.isdigit()) or "0"
+    return PORT_BASE + (int(digits) + 4099 * restart_count) % PORT_SPAN
+
+
+def _need(env: Mapping[str, str], *names: str) -> str:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            return value
+    alts = " or ".join(names)
+    raise UserError(f"environment variable {alts} is not set. This command runs inside a Slurm "
+                    "allocation (sbatch/srun); outside one, set it by hand to test")
+
+
+def _int(env: Mapping[str, str], name: str, value: str, minimum: int = 0) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+    if n < minimum:
+        raise UserError(f"environment variable {name}={n} must be at least {minimum}")
+    return n
+
+
+def expand_hosts(nodelist: str, var: str = "SLURM_JOB_NODELIST") -> list[str]:
+    try:
+        hosts = hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as exc:
+        raise UserError(f"environment variable {var}={nodelist!r} is not a valid host list ({exc})") from None
+    if not hosts:
+        raise UserError(f"environment variable {var}={nodelist!r} names no hosts")
+    return hosts
+
+
+def gpus_on_node(env: Mapping[str, str]) -> int | None:
+    """GPUs Slurm gave this node: SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ('8' or 'h100:8')."""
+    if env.get("SLURM_GPUS_ON_NODE"):
+        return _int(env, "SLURM_GPUS_ON_NODE", env["SLURM_GPUS_ON_NODE"])
+    per_node = env.get("SLURM_GPUS_PER_NODE")
+    if per_node:
+        return _int(env, "SLURM_GPUS_PER_NODE", per_node.rsplit(":", 1)[-1])
+    return None
+
+
+def derive(env: Mapping[str, str], *, nproc_per_node: int | None = None,
+           mode: Literal["torchrun", "srun"] = "torchrun") -> LaunchInfo:
+    """Derive the launch layout from the SLURM_* variables of one task.
+
+    A job step's own variables (SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES) win over
+    the job's, because a step may run on a subset of the allocation.
+    """
+    job_id = _need(env, "SLURM_JOB_ID", "SLURM_JOBID")
+    node_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    hosts = expand_hosts(_need(env, node_var, "SLURM_NODELIST"), node_var)
+    nn_var = "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES"
+    nnodes = _int(env, nn_var, _need(env, nn_var, "SLURM_JOB_NUM_NODES"), 1)
+    if nnodes != len(hosts):
+        raise UserError(f"inconsistent Slurm environment: {nn_var}={nnodes} but {node_var} expands to "
+                        f"{len(hosts)} hosts ({', '.join(hosts[:8])}{', ...' if len(hosts) > 8 else ''})")
+    node_rank = _int(env, "SLURM_NODEID", _need(env, "SLURM_NODEID"))
+    if node_rank >= nnodes:
+        raise UserError(f"inconsistent Slurm environment: SLURM_NODEID={node_rank} but only {nnodes} nodes")
+    me = env.get("SLURMD_NODENAME")
+    if me and me in hosts and hosts.index(me) != node_rank:
+        raise UserError(f"inconsistent Slurm environment: SLURMD_NODENAME={me} is host "
+                        f"#{hosts.index(me)} of {node_var}, but SLURM_NODEID={node_rank}")
+    restart = _int(env, "SLURM_RESTART_COUNT", env.get("SLURM_RESTART_COUNT") or "0")
+    gpus = gpus_on_node(env)
+    port = master_port(job_id, restart)
+    if env.get("DSLURM_MASTER_PORT"):
+        port = _int(env, "DSLURM_MASTER_PORT", env["DSLURM_MASTER_PORT"], 1)
+    common = dict(job_id=job_id, restart_count=restart, hosts=hosts, nnodes=nnodes, node_rank=node_rank,
+                  hostname=hosts[node_rank], master_addr=hosts[0], master_port=port, mode=mode)
+    if mode == "srun":
+        return _derive_srun(env, common, gpus)
+    nproc = nproc_per_node if nproc_per_node is not None else gpus
+    if nproc is None:
+        raise UserError("cannot tell processes per node: pass --nproc-per-node, or run with GPUs so that "
+                        "SLURM_GPUS_ON_NODE is set")
+    if nproc < 1:
+        raise UserError(f"--nproc-per-node={nproc} must be at least 1")
+    if gpus and nproc > gpus:
+        raise UserError(f"--nproc-per-node={nproc} but Slurm gave this node {gpus} GPUs "
+                        "(SLURM_GPUS_ON_NODE). Fix: ask for whole nodes or lower --nproc-per-node")
+    return LaunchInfo(**common, nproc_per_node=nproc, world_size=nproc * nnodes)
+
+
+def _derive_srun(env: Mapping[str, str], common: dict, gpus: int | None) -> LaunchInfo:
+    """One srun task per process: ranks come straight from Slurm."""
+    rank = _int(env, "SLURM_PROCID", _need(env, "SLURM_PROCID"))
+    local_rank = _int(env, "SLURM_LOCALID", _need(env, "SLURM_LOCALID"))
+    world = _int(env, "SLURM_NTASKS", _need(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), 1)
+    tpn_var = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    raw = _need(env, tpn_var)
+    try:
+        per_node = hostlist.parse_slurm_tasks_per_node(raw)
+    except Exception:  # the library raises bare errors on junk
+        raise UserError(f"environment variable {tpn_var}={raw!r} is not like '2(x3),1'") from None
+    if len(per_node) != common["nnodes"] or sum(per_node) != world:
+        raise UserError(f"inconsistent Slurm environment: {tpn_var}={raw!r} gives {per_node}, but there are "
+                        f"{common['nnodes']} nodes and SLURM_NTASKS={world}")
+    local_world = per_node[common["node_rank"]]  # uneven nodes: not ntasks // nnodes
+    if rank >= world or local_rank >= local_world:
+        raise UserError(f"inconsistent Slurm environment: SLURM_PROCID={rank}, SLURM_LOCALID={local_rank} "
+                        f"outside {world} tasks / {local_world} on this node")
+    return LaunchInfo(**common, nproc_per_node=local_world, world_size=world, rank=rank,
+                      local_rank=local_rank, local_world_size=local_world)

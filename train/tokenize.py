@@ -1,0 +1,235 @@
+"""The HDF5 token file: its format, its two writers and a lazy reader.
+
+Format (version 1): one 1-D dataset ``tokens`` holding a flat token stream, dtype
+uint16 when the vocabulary fits in 16 bits, else uint32. Attributes on the file:
+``format`` ("dslurm-tokens"), ``format_version`` (1), ``vocab_size``, ``seq_len`` (a
+hint, 0 = none; the model's seq_len decides), ``source`` (free text) and ``created``
+(ISO 8601, UTC).
+
+This module is torch-free (numpy + h5py only) so the `dslurm data` CLI can use it
+without paying for `import torch`. Every write goes to a temp file in the target
+directory, is fsynced, renamed over the target and the directory fsynced, so a reader
+sees either no file or a complete one (STYLE.md rule 6); the trainer's
+"rank 0 writes, the others wait for the file" relies on exactly that.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from dslurm.errors import UserError
+
+FORMAT = "dslurm-tokens"
+FORMAT_VERSION = 1
+DATASET = "tokens"
+SYNTHETIC_FOLLOW_P = 0.9
+"""Synthetic corpus: probability that the next token is the current token's fixed successor."""
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype of the two the format allows that holds every token id."""
+    if not 1 <= vocab_size <= 1 << 32:
+        raise ValueError(f"vocab_size={vocab_size} must be in 1..2**32")
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenFileInfo:
+    """What `dslurm data info` prints and the loader checks."""
+
+    path: str
+    n_tokens: int
+    vocab_size: int
+    seq_len: int
+    dtype: str
+    source: str
+    created: str
+    size_bytes: int
+
+    def samples(self, seq_len: int) -> int:
+        """Windows of seq_len+1 tokens, taken with stride seq_len (see train/data.py)."""
+        return max(0, (self.n_tokens - 1) // seq_len)
+
+
+# ------------------------------------------------------------------------- writing
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray], *, vocab_size: int,
+                  seq_len: int, source: str) -> Path:
+    """Stream token chunks into <path> atomically; returns the final path."""
+    import h5py  # lazy: keeps `dslurm --help` instant
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = dtype_for(vocab_size)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            # Chunked + resizable because tokenize does not know the length up front;
+            # 1 Mi-token chunks keep a random seq_len window to one or two chunk reads.
+            ds = f.create_dataset(DATASET, shape=(0,), maxshape=(None,), dtype=dtype,
+                                  chunks=(1 << 20,))
+            n = 0
+            for chunk in chunks:
+                if chunk.size and int(chunk.max()) >= vocab_size:
+                    raise ValueError(f"token id {int(chunk.max())} >= vocab_size {vocab_size}")
+                ds.resize((n + chunk.size,))
+                ds[n:n + chunk.size] = chunk.astype(dtype, copy=False)
+                n += chunk.size
+            f.attrs.update({
+                "format": FORMAT, "format_version": FORMAT_VERSION, "vocab_size": vocab_size,
+                "seq_len": seq_len, "source": source,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            })
+        with open(tmp, "rb+") as fh:  # h5py's close does not fsync
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def synthetic_tokens(n_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
+    """A deterministic, learnable token stream (int64), fully vectorised.
+
+    A Markov chain: each token is followed by its fixed successor with probability
+    SYNTHETIC_FOLLOW_P, else by a uniformly random token. The successor map is one
+    random cycle through the vocabulary, so k steps of "follow" from token t land on
+    cycle[(pos[t] + k) % V] and the whole stream is computed without a Python loop.
+    A model only has to learn a bigram table to go from ln(V) to about 0.9 nats
+    (V=256), which a tiny transformer does in a few dozen steps.
+    """
+    if n_tokens < 2:
+        raise ValueError(f"n_tokens={n_tokens} must be at least 2")
+    rng = np.random.default_rng([seed, vocab_size, 0x70CE])
+    cycle = rng.permutation(vocab_size)
+    pos = np.empty(vocab_size, dtype=np.int64)
+    pos[cycle] = np.arange(vocab_size)
+    reset = rng.random(n_tokens) >= SYNTHETIC_FOLLOW_P
+    reset[0] = True
+    fresh = rng.integers(0, vocab_size, n_tokens)
+    idx = np.arange(n_tokens)
+    last = np.maximum.accumulate(np.where(reset, idx, 0))  # index of the latest reset
+    return cycle[(pos[fresh[last]] + (idx - last)) % vocab_size]
+
+
+def write_synthetic(path: str | Path, n_tokens: int, vocab_size: int, seed: int = 0, *,
+                    seq_len: int = 0) -> Path:
+    """Write the synthetic corpus of `synthetic_tokens` to `path` (atomically)."""
+    tokens = synthetic_tokens(n_tokens, vocab_size, seed)
+    source = f"synthetic markov follow_p={SYNTHETIC_FOLLOW_P} seed={seed}"
+    step = 1 << 22
+    chunks = (tokens[i:i + step] for i in range(0, n_tokens, step))
+    return _write_atomic(path, chunks, vocab_size=vocab_size, seq_len=seq_len, source=source)
+
+
+def tokenize_text(path_in: str | Path, path_out: str | Path, *, seq_len: int = 0,
+                  chunk_bytes: int = 1 << 26) -> Path:
+    """Byte-level tokenization (vocab 256): every byte of the input is one token.
+
+    Streams the input in chunks so a file larger than memory still converts.
+    """
+    path_in = Path(path_in)
+    if not path_in.is_file():
+        raise UserError(f"{path_in}: no such file. Fix: give an existing text file to tokenize")
+
+    def chunks() -> Iterable[np.ndarray]:
+        with open(path_in, "rb") as fh:
+            while block := fh.read(chunk_bytes):
+                yield np.frombuffer(block, dtype=np.uint8)
+
+    if path_in.stat().st_size < 2:
+        raise UserError(f"{path_in}: {path_in.stat().st_size} bytes; a token file needs at least 2")
+    return _write_atomic(path_out, chunks(), vocab_size=256, seq_len=seq_len,
+                         source=f"bytes of {path_in}")
+
+
+# ------------------------------------------------------------------------- reading
+
+
+class TokenFile:
+    """Lazy reader: opens the file on first use, once per process, reads only windows.
+
+    The handle is reopened after a fork (HDF5 handles must not cross a fork), which is
+    why the pid is remembered. Header fields are read at construction and the handle
+    closed again, so constructing one in a parent process is safe.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = None
+        self._pid = -1
+        self.info = read_info(self.path)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.info.n_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def _dataset(self):
+        if self._file is None or self._pid != os.getpid():
+            import h5py
+
+            self._file = h5py.File(self.path, "r")
+            self._pid = os.getpid()
+        return self._file[DATASET]
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) as int64."""
+        if start < 0 or start + length > self.n_tokens:
+            raise IndexError(f"window [{start}, {start + length}) outside {self.n_tokens} tokens")
+        return np.asarray(self._dataset()[start:start + length], dtype=np.int64)
+
+    def close(self) -> None:
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+        self._file = None
+
+
+def read_info(path: str | Path) -> TokenFileInfo:
+    """Header of a token file; a missing or malformed file is a UserError naming the fix."""
+    import h5py
+
+    path = Path(path)
+    fix = "Fix: create it with `dslurm data synth` or `dslurm data tokenize`"
+    if not path.is_file():
+        raise UserError(f"{path}: no such token file. {fix}")
+    try:
+        with h5py.File(path, "r") as f:
+            if DATASET not in f or f[DATASET].ndim != 1:
+                raise UserError(f"{path}: no 1-D dataset {DATASET!r}. {fix}")
+            ds = f[DATASET]
+            if ds.dtype not in (np.uint16, np.uint32):
+                raise UserError(f"{path}: dataset {DATASET!r} has dtype {ds.dtype}; expected "
+                                f"uint16 or uint32. {fix}")
+            attrs = dict(f.attrs)
+            n_tokens, dtype = int(ds.shape[0]), str(ds.dtype)
+    except OSError as exc:
+        raise UserError(f"{path}: not a readable HDF5 file ({exc}). {fix}") from exc
+    if "vocab_size" not in attrs:
+        raise UserError(f"{path}: attribute 'vocab_size' is missing. {fix}")
+    return TokenFileInfo(
+        path=str(path), n_tokens=n_tokens, vocab_size=int(attrs["vocab_size"]),
+        seq_len=int(attrs.get("seq_len", 0)), dtype=dtype, source=str(attrs.get("source", "")),
+        created=str(attrs.get("created", "")), size_bytes=path.stat().st_size)
