@@ -72,7 +72,9 @@ class NodeHealth:
 
 
 def worst(severities: Any) -> str:
-    return max(severities, key=lambda s: SEVERITY_RANK[s], default="ok")
+    """Worst severity; "skip" (not checked) counts as "ok" for the GPU or node as a whole."""
+    rank = max((SEVERITY_RANK[s] for s in severities), default=0)
+    return ("ok", "warn", "fail")[rank]
 
 
 class _Unsupported:
