@@ -242,7 +242,8 @@ class CheckpointManager:
         gen = self.gdir / sel.generation
         meta = json.loads((gen / ck.META).read_text())
         self._check_compat(meta, state, gen)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(gen), process_group=self._ctl.group)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(gen), process_group=self._ctl.group,
+                 no_dist=self._ctl.group is None)
         rng_ok = meta["world_size"] == self.world
         if rng_ok:
             apply_rng(json.loads((gen / ck.RANKS / f"rank-{self.rank:05d}.json").read_text())["rng"])
@@ -402,7 +403,8 @@ class CheckpointManager:
         if not any(comm.gather(err)):
             try:  # dcp.save is collective and raises on every rank if any rank's write failed
                 writer = dcp.FileSystemWriter(gen, sync_files=True, thread_count=self.io_threads)
-                dcp.save(sd, storage_writer=writer, process_group=comm.group)
+                dcp.save(sd, storage_writer=writer, process_group=comm.group,
+                         no_dist=comm.group is None)
                 _test_kill("after_write", r, job.nth)
                 own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
                 sums = ck.checksum_files(gen, own + [f"{ck.RANKS}/rank-{r:05d}.json"])
@@ -452,7 +454,10 @@ class CheckpointManager:
             self._event("ckpt_save", step=out.step, generation=out.generation, bytes=out.bytes,
                         stall_s=round(out.stall_s, 4), total_s=round(out.total_s, 4))
             return
-        ptr = ck.read_pointer(self.run_dir) if self.rank == 0 else None
+        try:
+            ptr = ck.read_pointer(self.run_dir)
+        except ck.CheckpointError:
+            ptr = None
         log.error("[rank %d] checkpoint save at step %d FAILED, pointer unchanged (%s), on_error=%s: %s",
                   self.rank, out.step, ptr.generation if ptr else "none", self.on_error, out.reason)
         self._event("ckpt_save_failed", step=out.step, generation=out.generation, reason=out.reason,
