@@ -53,6 +53,8 @@ def _candidates(model: ModelShape, cluster: Cluster,
                                          f"dp({dp}) x micro_batch({work.micro_batch}) x >= {pp} microbatches")
                     continue
                 for g in _divisors(dp):
+                    if work.max_shard_gpus and g > 1 and g * tp > work.max_shard_gpus:
+                        break  # divisors ascend: every later group is larger still
                     yield Layout(tp=tp, pp=pp, dp_shard=g, dp_replicate=dp // g, recompute=rc,
                                  microbatches=m), ""
 
@@ -63,12 +65,12 @@ def _reasons(chosen: Layout, mem: dict[str, float], cluster: Cluster,
     """One sentence per degree: why it is this and not the cheaper one."""
     def need(pp: int, tp: int, rc: str) -> str:
         total, note = rejected.get((pp, tp, rc), (0.0, "not tried"))
-        return note or f"needs {total / GB:.1f} GB per GPU even fully sharded > {budget / GB:.1f} GB"
+        return note or f"needs {total / GB:.1f} GB per GPU with the widest shard group > {budget / GB:.1f} GB"
 
     r: dict[str, str] = {}
     r["pp"] = ("1: the layer stack fits without pipeline stages" if chosen.pp == 1 else
-               f"{chosen.pp} stages of {cluster.nodes // chosen.pp} node(s): without a pipeline it "
-               f"does not fit ({need(1, chosen.tp, chosen.recompute)})")
+               f"{chosen.pp} stages of {cluster.nodes // chosen.pp} node(s): the layer stack does not "
+               f"fit without them (tp={chosen.tp}: {need(1, chosen.tp, chosen.recompute)})")
     r["tp"] = (f"1: activations of {mem['activations'] / GB:.1f} GB fit unsplit" if chosen.tp == 1 else
                f"{chosen.tp}, inside the NVLink domain of {cluster.nvlink_domain}: tp={chosen.tp // 2} "
                f"{need(chosen.pp, chosen.tp // 2, chosen.recompute)}")

@@ -29,6 +29,7 @@ def register(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     p.add_argument("--micro-batch", type=int, help="sequences per GPU per forward (default 1)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--max-shard-gpus", type=int, help="cap the FSDP shard group (dp_shard x tp GPUs)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), help="force recomputation")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run, plan_command=None)
@@ -83,7 +84,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         peak_tflops=args.peak_tflops if args.peak_tflops is not None else (c.peak_tflops if c else 0.0))
     w = base.work if base else Workload()
     flags = {k: v for k, v in (("seq_len", args.seq_len), ("micro_batch", args.micro_batch),
-                               ("global_batch", args.global_batch), ("recompute", args.recompute))
+                               ("global_batch", args.global_batch), ("recompute", args.recompute),
+                               ("max_shard_gpus", args.max_shard_gpus))
              if v is not None}
     work = replace(w, **flags)
     return model, cluster, work, (base.layout if base else None)

@@ -64,12 +64,15 @@ class Workload:
     """Force "none", "selective" or "full"; None = let the planner choose."""
     bytes: ByteLayout = field(default_factory=ByteLayout)
     """Persistent bytes per parameter (default 2+2+4+8)."""
+    max_shard_gpus: int | None = None
+    """Largest FSDP shard group (dp_shard × tp GPUs) to accept; None = any. All-gathers over
+    thousands of ranks are latency-bound, so large runs cap the group and add pipeline stages."""
     reserve: float = 0.10
     """Share of GPU memory kept free for the CUDA context, NCCL buffers, fragmentation."""
 
     def __post_init__(self) -> None:
         count("micro_batch", self.micro_batch)
-        for name in ("seq_len", "global_batch", "microbatches"):
+        for name in ("seq_len", "global_batch", "microbatches", "max_shard_gpus"):
             if getattr(self, name) is not None:
                 count(name, getattr(self, name))
         if self.recompute is not None and self.recompute not in RECOMPUTES:

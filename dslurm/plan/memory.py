@@ -67,6 +67,12 @@ def persistent_state(params: float, layout: ByteLayout | None = None) -> StateBy
                       master=params * b.master, optimizer=params * b.optimizer)
 
 
+def train_memory(params: float, activations: float, layout: ByteLayout | None = None) -> float:
+    """Eq. 2.1: persistent state plus activations (bytes). 8B + 40 GB → 168 GB."""
+    non_negative("activations", activations)
+    return persistent_state(params, layout).total + activations
+
+
 def sharded_state(params: float, ranks: int, sharding: Sharding = "fsdp",
                   layout: ByteLayout | None = None) -> StateBytes:
     """Persistent state per rank when `ranks` data-parallel ranks shard it (seed 000, 2.4).
@@ -91,16 +97,18 @@ def sharded_state(params: float, ranks: int, sharding: Sharding = "fsdp",
 def activation_bytes_per_layer(*, seq_len: int, micro_batch: int, dim: int, ffn_dim: int,
                                n_heads: int, kv_dim: int | None = None, tp: int = 1,
                                recompute: Recompute = "none", flash_attention: bool = True,
-                               bytes_per_value: float = 2.0) -> float:
-    """Activations one Llama-style block keeps for backward, per GPU (bytes).
+                               gated_mlp: bool = True, bytes_per_value: float = 2.0) -> float:
+    """Activations one pre-norm transformer block keeps for backward, per GPU (bytes).
 
-    Counted tensors per token (16-bit): both norm inputs and outputs (4h), q/k/v (h + 2kv),
-    the attention output (h), the SwiGLU w1 and w3 outputs and their product (3f); i.e.
-    s·b·(12h + 4kv + 6f) bytes. For GPT shapes (kv = h, f = 4h) this is Korthikanti et al.'s
-    34·s·b·h (arXiv 2205.05198, eq. 1 without dropout masks). Without flash attention the
-    scores and softmax output add 4·a·s²·b. Tensor parallelism with sequence parallelism
-    divides everything by tp. "selective" recomputes the attention core (its s² term), so it
-    equals "none" under flash attention; "full" keeps only the block input, 2·s·b·h.
+    Counted per token, 16-bit: both norm inputs and outputs (4h), q/k/v (h + 2kv), the
+    attention output (h), and in the MLP two ffn-wide tensors (GELU input and output) or
+    three for SwiGLU (w1 and w3 outputs, their product): s·b·(12h + 4kv + 4f or 6f). For a
+    GPT block (kv = h, f = 4h, GELU) that is 32·s·b·h: Korthikanti et al.'s 34·s·b·h
+    (arXiv 2205.05198) less the two 1-byte dropout masks Llama-style models do not have.
+    Without flash attention the softmax output adds 2·a·s²·b. Tensor parallelism with
+    sequence parallelism divides everything by tp. "selective" recomputes the attention
+    core (its s² term), so it equals "none" under flash attention; "full" keeps only the
+    block input, 2·s·b·h.
     """
     for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("dim", dim),
                     ("ffn_dim", ffn_dim), ("n_heads", n_heads), ("tp", tp)):
@@ -112,10 +120,10 @@ def activation_bytes_per_layer(*, seq_len: int, micro_batch: int, dim: int, ffn_
     tokens = seq_len * micro_batch
     if recompute == "full":
         return bytes_per_value * tokens * dim / tp
-    per_token = bytes_per_value / 2.0 * (12 * dim + 4 * kv + 6 * ffn_dim)
+    per_token = bytes_per_value / 2.0 * (12 * dim + 4 * kv + (6 if gated_mlp else 4) * ffn_dim)
     stored = tokens * per_token
     if not flash_attention and recompute == "none":
-        stored += bytes_per_value * 2 * n_heads * seq_len * seq_len * micro_batch
+        stored += bytes_per_value * n_heads * seq_len * seq_len * micro_batch
     return stored / tp
 
 
