@@ -76,12 +76,15 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         raise UserError(f"--model {args.model!r} is unknown; choose one of {', '.join(PRESETS)}")
     model = PRESETS[name] if args.model or base is None else base.model
     c = base.cluster if base else None
-    cluster = Cluster(
-        nodes=args.nodes or (c.nodes if c else 1),
-        gpus_per_node=args.gpus_per_node or (c.gpus_per_node if c else 8),
-        gpu_mem_gb=args.gpu_mem_gb or (c.gpu_mem_gb if c else 80.0),
-        nvlink_domain=args.nvlink_domain or (c.nvlink_domain if c else None),
-        peak_tflops=args.peak_tflops if args.peak_tflops is not None else (c.peak_tflops if c else 0.0))
+    def pick(flag: Any, attr: str, default: Any) -> Any:
+        # A flag given on the command line wins (0 included: it must be rejected, not ignored).
+        return flag if flag is not None else (getattr(c, attr) if c else default)
+
+    cluster = Cluster(nodes=pick(args.nodes, "nodes", 1),
+                      gpus_per_node=pick(args.gpus_per_node, "gpus_per_node", 8),
+                      gpu_mem_gb=pick(args.gpu_mem_gb, "gpu_mem_gb", 80.0),
+                      nvlink_domain=pick(args.nvlink_domain, "nvlink_domain", None),
+                      peak_tflops=pick(args.peak_tflops, "peak_tflops", 0.0))
     w = base.work if base else Workload()
     flags = {k: v for k, v in (("seq_len", args.seq_len), ("micro_batch", args.micro_batch),
                                ("global_batch", args.global_batch), ("recompute", args.recompute),
