@@ -10,27 +10,40 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
 from dslurm import __version__
 from dslurm.errors import UserError
 
-# Order is the order `dslurm --help` lists them.
-_COMMAND_MODULES = (
-    "dslurm.sbatch_cli",
-    "dslurm.submit",
-    "dslurm.launch",
-    "dslurm.cluster",
-    "dslurm.preflight.cli",
-    "dslurm.checkpoint_cli",
-    "dslurm.plan.cli",
-    "dslurm.doctor",
-    "dslurm.report",
-)
+# Command -> the module that registers it. Order is the order `dslurm --help` lists them.
+# Only the module of the command being run is imported, so a command pays for its own
+# imports alone (`dslurm render` must stay near the cost of starting Python).
+COMMANDS = {
+    "render": "dslurm.sbatch_cli",
+    "submit": "dslurm.submit",
+    "status": "dslurm.submit",
+    "cluster": "dslurm.cluster",
+    "launch": "dslurm.launch",
+    "env": "dslurm.launch",
+    "burnin": "dslurm.preflight.cli",
+    "ckpt": "dslurm.checkpoint_cli",
+    "data": "dslurm.data_cli",
+    "plan": "dslurm.plan.cli",
+    "doctor": "dslurm.doctor",
+    "report": "dslurm.report",
+    "requeue-me": "dslurm.requeue",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _wanted_modules(argv: list[str] | None) -> list[str]:
+    args = sys.argv[1:] if argv is None else argv
+    first = next((a for a in args if not a.startswith("-")), None)
+    if first in COMMANDS:
+        return [COMMANDS[first]]
+    return list(dict.fromkeys(COMMANDS.values()))  # help, or an unknown command: list them all
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dslurm",
         description="Slurm-native toolkit for distributed PyTorch training.",
@@ -38,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dslurm {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
+    for name in _wanted_modules(argv):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -51,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
+    import logging
+
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

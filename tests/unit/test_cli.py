@@ -1,0 +1,56 @@
+"""The CLI as a user meets it: instant (no torch), errors without tracebacks, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+
+
+def test_cli_import_does_not_import_torch():
+    code = "import sys, dslurm, dslurm.cli; dslurm.cli.build_parser(); print('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
+
+
+def test_render_prints_script(cli):
+    res = cli("render", "--site", "site-configs/h100-ib.yaml", "--job", "examples/jobs/llama8b-h100.yaml")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("#!/bin/bash") and "#SBATCH --exclusive" in res.stdout
+
+
+def test_render_writes_file(cli, tmp_path):
+    out = tmp_path / "x.sbatch"
+    res = cli("render", "--site", "site-configs/local.yaml", "--job", "examples/jobs/tiny-2node.yaml",
+              "-o", str(out))
+    assert res.returncode == 0 and out.read_text().startswith("#!/bin/bash")
+    assert out.stat().st_mode & 0o111
+
+
+def _bad(tmp_path, data):
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+def test_bad_configs_exit_2_with_one_paragraph(cli, tmp_path):
+    cases = [
+        ({"name": "j", "nodes": 2, "nodez": 1}, "unknown key(s) 'nodez'"),
+        ({"name": "j", "nodes": "two"}, "field 'nodes': expected an integer"),
+        ({"name": "j", "nodes": 2, "parallel": {"dp_shard": 3}}, "=3 != world_size(4)"),
+        ({"name": "x$(touch /tmp/owned)", "nodes": 1}, "may only hold letters"),
+    ]
+    for data, expect in cases:
+        path = _bad(tmp_path, data)
+        res = cli("render", "--site", "site-configs/local.yaml", "--job", path)
+        assert res.returncode == 2, (data, res.stderr)
+        assert expect in res.stderr and path in res.stderr and "Fix:" in res.stderr
+        assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1
+        assert res.stdout == ""
+
+
+def test_set_override_errors(cli):
+    res = cli("render", "--site", "site-configs/local.yaml", "--job", "examples/jobs/tiny-2node.yaml",
+              "--set", "train.steps=lots")
+    assert res.returncode == 2 and "train.steps" in res.stderr and "Traceback" not in res.stderr

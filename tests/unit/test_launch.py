@@ -1,0 +1,87 @@
+"""The launcher: torchrun command line, exit-code agreement, signal forwarding (real
+processes, no Slurm needed: the SLURM_* variables are set by hand)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from dslurm.launch import agreed_exit_code, torchrun_argv
+from dslurm.slurm_env import derive
+
+ENV = {"SLURM_JOB_ID": "99", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+
+
+def test_torchrun_argv_c10d():
+    info = derive(ENV, nproc_per_node=2)
+    argv = torchrun_argv(info, ["python", "-m", "train"], python="py")
+    assert argv[:3] == ["py", "-m", "torch.distributed.run"]
+    assert "--nnodes=2" in argv and "--nproc-per-node=2" in argv and "--node-rank=1" in argv
+    assert f"--rdzv-endpoint=node1:{info.master_port}" in argv
+    assert "--rdzv-conf=is_host=false" in argv and "--local-addr=node2" in argv
+    assert "--rdzv-id=99-0" in argv
+    assert argv[-4:] == ["--no-python", "python", "-m", "train"]
+    host = torchrun_argv(derive({**ENV, "SLURM_NODEID": "0"}, nproc_per_node=2), ["x"])
+    assert "--rdzv-conf=is_host=true" in host
+
+
+def test_exit_code_agreement():
+    assert agreed_exit_code(1, [75, 75]) == 75  # requeue request survives torchrun's generic 1
+    assert agreed_exit_code(0, [0, 0]) == 0
+    assert agreed_exit_code(1, [75, 3]) == 3  # a real failure beats a requeue request
+    assert agreed_exit_code(1, []) == 1  # workers died before reporting
+    assert agreed_exit_code(1, [0, 75]) == 75  # a rank that finished plus ranks that saved
+
+
+def test_env_cli_outside_allocation_names_the_variable(cli):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    res = subprocess.run([sys.executable, "-m", "dslurm", "env", "--json"], env=env, capture_output=True,
+                         text=True)
+    assert res.returncode == 2
+    assert "SLURM_JOB_ID" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_env_cli_issue_example(cli):
+    res = cli("env", "--json", env={"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[001-003,010]",
+                                    "SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_GPUS_ON_NODE": "8"})
+    assert res.returncode == 0, res.stderr
+    import json
+
+    out = json.loads(res.stdout)
+    assert out["node_rank"] == 3 and out["master_addr"] == "gpu001" and out["nproc_per_node"] == 8
+
+
+def test_launch_srun_mode_forwards_usr2_and_returns_worker_code(tmp_path):
+    """A real worker: the launcher forwards USR2, the worker's handler records it, and the
+    launcher returns the worker's exit code."""
+    worker = tmp_path / "worker.py"
+    marker = tmp_path / "got"
+    worker.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        got = []
+        signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))
+        Path("{tmp_path}/ready").write_text(os.environ["RANK"])
+        for _ in range(200):
+            if got:
+                Path("{marker}").write_text("USR2 rank=" + os.environ["RANK"])
+                sys.exit(75)
+            time.sleep(0.05)
+        sys.exit(9)
+    """))
+    env = {**os.environ, "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1",
+           "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+           "SLURM_TASKS_PER_NODE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dslurm", "launch", "--mode", "srun", "--",
+                             sys.executable, str(worker)], env=env, cwd=Path(__file__).parents[2])
+    deadline = time.time() + 20
+    while not (tmp_path / "ready").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR2)
+    assert proc.wait(timeout=20) == 75
+    assert marker.read_text() == "USR2 rank=0"
