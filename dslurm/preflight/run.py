@@ -58,9 +58,8 @@ def merge_pairs(per_rank: list[dict[tuple[int, int], float]]) -> dict[tuple[int,
     return out
 
 
-def _measure(args: argparse.Namespace, th: Thresholds) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, th: Thresholds, device: Any) -> dict[str, Any]:
     """Everything this rank measures; collective calls are made by every rank."""
-    import torch
     import torch.distributed as dist
 
     from dslurm.preflight.comm import allreduce_sweep
@@ -75,7 +74,6 @@ def _measure(args: argparse.Namespace, th: Thresholds) -> dict[str, Any]:
     names, node_ranks = group_nodes(hosts)
     me = names.index(host)
     leader = node_ranks[me][0] == rank
-    device = _device()
     watcher = XidWatcher() if leader else None
     health = check_node(host, th).to_dict() if leader else None
     delay = fault_delay(host)
@@ -176,12 +174,13 @@ def load_thresholds(args: argparse.Namespace) -> Thresholds:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     th = load_thresholds(args)
-    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # The device is set before the process group: NCCL object collectives use the current one.
+    device = _device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        rec = _measure(args, th)
+        rec = _measure(args, th, device)
         records = [None] * dist.get_world_size() if rec["rank"] == 0 else None
         dist.gather_object(rec, records, dst=0)
         code = [0]
