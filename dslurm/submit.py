@@ -1,0 +1,159 @@
+"""`dslurm submit` and `dslurm status`: render into the run directory, submit with
+`sbatch --parsable`, and report. All Slurm calls go through dslurm.slurm.run_cmd.
+
+The site and job are frozen into the run directory at submit time (`site.yaml`,
+`job.yaml`, overrides applied) and the script points at those copies: a requeued job
+re-runs the same script, and must not pick up an edit made to the YAML since.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dslurm.errors import UserError
+from dslurm.resolve import Resolved
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_ids: list[int]
+    script: Path
+    run_dir: Path
+    log_dir: Path
+
+    @property
+    def job_id(self) -> int:
+        return self.job_ids[-1]
+
+
+def blocklist_path(run_dir: Path) -> Path:
+    """Nodes the run's burn-in found bad; later submissions of the run --exclude them."""
+    return run_dir / "blocklist.txt"
+
+
+def read_blocklist(run_dir: Path) -> list[str]:
+    try:
+        lines = blocklist_path(run_dir).read_text().split()
+    except FileNotFoundError:
+        return []
+    return sorted(set(lines))
+
+
+def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
+                      site_overrides: list[str] | None = None) -> Path:
+    """Write site.yaml, job.yaml and job.sbatch into the run directory; return the script."""
+    import yaml
+
+    from dslurm.sbatch import RenderRefs, render_sbatch
+    from dslurm.sbatch_cli import write_atomic
+    from dslurm.schema import to_dict
+
+    run_dir = r.run_dir
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create --output directories
+    site_file, job_file = run_dir / "site.yaml", run_dir / "job.yaml"
+    job_data = to_dict(r.job)
+    job_data["checkpoint"]["run_dir"] = str(run_dir)  # absolute: the same on every node
+    write_atomic(site_file, yaml.safe_dump(to_dict(r.site), sort_keys=False))
+    write_atomic(job_file, yaml.safe_dump(job_data, sort_keys=False))
+    refs = RenderRefs(site=str(site_file), job=str(job_file), log_dir=str(log_dir))
+    script = run_dir / "job.sbatch"
+    write_atomic(script, render_sbatch(r, refs), 0o755)
+    return script
+
+
+def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
+           env: dict[str, str] | None = None) -> Submission:
+    """Freeze, render and submit; with chain=K, K jobs linked by afterany dependencies."""
+    from dslurm import slurm
+
+    if chain < 1:
+        raise UserError(f"--chain {chain}: must be at least 1")
+    script = freeze_and_render(r)
+    log_dir = r.run_dir / "logs"
+    if dry_run:
+        return Submission([], script, r.run_dir, log_dir)
+    extra = []
+    blocked = read_blocklist(r.run_dir)
+    if blocked:
+        extra.append(f"--exclude={','.join(blocked)}")
+    ids: list[int] = []
+    for _ in range(chain):
+        dep = [f"--dependency=afterany:{ids[-1]}"] if ids else []
+        ids.append(slurm.sbatch(script, [*extra, *dep], cwd=os.getcwd(), env=env))
+    _record_submission(r.run_dir, ids)
+    return Submission(ids, script, r.run_dir, log_dir)
+
+
+def _record_submission(run_dir: Path, ids: list[int]) -> None:
+    from dslurm.ledger import Ledger
+
+    Ledger(run_dir).append("submit", job_ids=ids)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def register(sub) -> None:
+    p = sub.add_parser("submit", help="render into the run directory and submit with sbatch")
+    p.add_argument("--site", required=True, help="site config YAML")
+    p.add_argument("--job", required=True, help="job spec YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--chain", type=int, default=1, help="submit K jobs linked by afterany dependencies")
+    p.add_argument("--dry-run", action="store_true", help="write the script, do not submit")
+    p.add_argument("--strict", action="store_true", help="refuse when the plan says the job will not fit")
+    p.set_defaults(func=run_submit)
+
+    s = sub.add_parser("status", help="state, nodes, restarts and exit code of a job")
+    s.add_argument("job_id", help="Slurm job id")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=run_status)
+
+
+def run_submit(args) -> int:
+    from dslurm.resolve import load
+
+    r = load(args.site, args.job, args.overrides, args.site_overrides, base_dir=os.getcwd())
+    _plan_check(r, strict=args.strict)
+    sub = submit(r, chain=args.chain, dry_run=args.dry_run)
+    if args.dry_run:
+        print(f"dry run: wrote {sub.script} (not submitted)")
+        return 0
+    ids = ",".join(str(i) for i in sub.job_ids)
+    print(f"submitted job {ids}")
+    print(f"  script : {sub.script}")
+    print(f"  run dir: {sub.run_dir}")
+    print(f"  logs   : {sub.log_dir}/{r.job.name}-<jobid>.out|.err")
+    return 0
+
+
+def _plan_check(r: Resolved, strict: bool) -> None:
+    """Warn (or refuse with --strict) when the planner says the layout will not fit."""
+    try:
+        from dslurm.plan.check import fits
+    except ModuleNotFoundError:
+        return
+    ok, why = fits(r)
+    if ok:
+        return
+    if strict:
+        raise UserError(f"{r.job_path}: the plan says this job will not fit: {why}. Fix: see `dslurm plan`")
+    print(f"warning: the plan says this job will not fit: {why} (see `dslurm plan`)", file=sys.stderr)
+
+
+def run_status(args) -> int:
+    import json
+
+    from dslurm import slurm
+
+    info = slurm.job_info(args.job_id)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        for k, v in info.items():
+            print(f"{k:>10}: {v}")
+    return 0
