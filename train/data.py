@@ -183,11 +183,11 @@ class TokenLoader:
         import torch  # lazy: the data module is imported by torch-free tools too
 
         windows = torch.from_numpy(self.read(self.sampler.next_ids()))
-        inputs, targets = windows[:, :-1], windows[:, 1:]
+        # contiguous before the copy: `.to` keeps a view's strides, and kernels want dense rows
+        inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if str(self.device) != "cpu":
-            return (inputs.to(self.device, non_blocking=True),
-                    targets.to(self.device, non_blocking=True))
-        return inputs.contiguous(), targets.contiguous()
+            return inputs.to(self.device), targets.to(self.device)
+        return inputs, targets
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
