@@ -39,6 +39,7 @@ class ParallelDims:
     device_type: str = "cpu"
     """'cpu' (gloo) or 'cuda' (nccl)"""
     _mesh: Any = field(default=None, repr=False)
+    _flat: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in DIM_NAMES:
@@ -101,8 +102,9 @@ class ParallelDims:
 
             mesh = init_device_mesh(self.device_type, tuple(getattr(self, n) for n in DIM_NAMES),
                                     mesh_dim_names=DIM_NAMES)
-            for flat, parts in FLAT_NAMES.items():
-                mesh[parts]._flatten(flat)
+            # Keep the flattened meshes ourselves: slicing a flattened dim from the root mesh
+            # is deprecated (UserWarning in torch 2.13).
+            self._flat = {flat: mesh[parts]._flatten(flat) for flat, parts in FLAT_NAMES.items()}
             self._mesh = mesh
         return self._mesh
 
@@ -113,4 +115,11 @@ class ParallelDims:
         bad = [n for n in names if n not in valid]
         if bad:
             raise ValueError(f"unknown mesh dim(s) {bad}; valid names: {', '.join(valid)}")
-        return self.mesh[names if len(names) > 1 else names[0]]
+        mesh = self.mesh
+        flat = [n for n in names if n in FLAT_NAMES]
+        if flat:
+            if len(names) > 1:
+                raise ValueError(f"flattened dim {flat[0]!r} cannot be combined with others in {names}; "
+                                 f"ask for its parts {FLAT_NAMES[flat[0]]} instead")
+            return self._flat[flat[0]]
+        return mesh[names if len(names) > 1 else names[0]]

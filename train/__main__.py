@@ -1,0 +1,105 @@
+"""Entry point: `torchrun --nproc-per-node N -m train --site S.yaml --job J.yaml [--set k=v]...`.
+
+Also runs as one plain process (`python -m train ...`, world size 1, an in-memory store).
+The layout is resolved and checked *before* any process-group work, so a bad layout
+exits 2 with the numbers and no traceback. The world the launcher started wins over the
+job file's node count: `nodes` and `procs_per_node` are taken from torchrun's environment
+(WORLD_SIZE, LOCAL_WORLD_SIZE), so the parallel degrees are checked against the real world.
+Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 2 user error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+T_START = time.time()  # process start, for the ledger's startup_s
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    p.add_argument("--site", required=True, help="site config YAML (site-configs/*.yaml)")
+    p.add_argument("--job", required=True, help="job spec YAML (examples/jobs/*.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a job field, e.g. --set parallel.tp=2 (repeatable)")
+    p.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a site field (repeatable)")
+    return p.parse_args(argv)
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) from torchrun's environment, or one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), world, local_world)
+
+
+def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
+    """Load site + job with the launcher's world; raises UserError with the numbers."""
+    from dslurm.errors import UserError
+    from dslurm.resolve import load
+
+    if world % local_world:
+        raise UserError(f"WORLD_SIZE({world}) is not a multiple of LOCAL_WORLD_SIZE({local_world})")
+    env_overrides = [f"nodes={world // local_world}", f"procs_per_node={local_world}"]
+    return load(args.site, args.job, args.overrides + env_overrides, args.site_overrides)
+
+
+def init_distributed(resolved, local_rank: int, world: int):
+    """Process group + device; one-process runs use an in-memory store (no port, no torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    from dslurm.errors import UserError
+
+    if resolved.site.node.gpus > 0:
+        if not torch.cuda.is_available():
+            raise UserError(f"{resolved.site_path}: site {resolved.site.name!r} has GPUs but torch sees no "
+                            "CUDA device here. Fix: run on a GPU node or use a CPU site")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = resolved.site.network.backend
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dslurm.errors import UserError
+
+    args = parse_args(argv)
+    rank, local_rank, world, local_world = world_from_env()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        resolved = resolve_for_world(args, world, local_world)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    import torch.distributed as dist
+
+    from train.loop import Trainer
+
+    device = init_distributed(resolved, local_rank, world)
+    trainer = None
+    try:
+        trainer = Trainer(resolved, device=device, rank=rank, world_size=world, t_start=T_START)
+        return trainer.run()
+    except UserError as exc:  # e.g. data file too small: found after the group exists
+        print(f"error: [rank {rank}] {exc}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # guard: async checkpoint processes re-import the main module
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The training loop: one optimizer step at a time, a stop flag agreed at step boundaries.
+
+Exit codes of `Trainer.run` (and of `python -m train`):
+  0  training complete (`train.steps` reached, final checkpoint committed)
+  75 requeue me: a stop was requested (signal), all ranks agreed at a step boundary, a
+     synchronous checkpoint was saved (EX_TEMPFAIL from sysexits.h: "try again later")
+  2  user error (bad config or layout), raised before any process-group work
+Ledger events written (rank 0 only): train_start, steps (every log_every), stragglers
+(every straggler_every), signal, exit; the checkpoint manager adds ckpt_* events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dslurm.ledger import Ledger
+from train.data import dp_coords, make_loader
+from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
+from train.model import cross_entropy
+from train.optim import build_optimizers, clip_grad_norm_
+from train.parallel.build import build_parts
+from train.parallel.dims import ParallelDims
+from train.state import train_state
+
+log = logging.getLogger(__name__)
+EXIT_COMPLETED, EXIT_REQUEUE, EXIT_USER_ERROR = 0, 75, 2
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    step: int
+    """0-based optimizer step just taken"""
+    loss: float
+    """mean token loss over the global batch"""
+    grad_norm: float
+    """global gradient norm before clipping"""
+    lr: float
+    """learning rate used by this step"""
+    stop: bool
+    """some rank asked to stop: all ranks agree"""
+
+
+class Trainer:
+    """Builds this rank's model, optimizer, data and checkpoint manager; runs steps."""
+
+    def __init__(self, resolved: Any, *, device: torch.device, rank: int, world_size: int,
+                 fsdp: bool | None = None, checkpoint: bool = True, t_start: float | None = None) -> None:
+        job, self.resolved = resolved.job, resolved
+        self.train, self.rank, self.device = job.train, rank, device
+        self.t_start = t_start if t_start is not None else time.time()
+        self.dims = ParallelDims.from_layout(resolved.layout, world_size, device.type)
+        self.stop_requested = False  # set by a signal handler; only read at step boundaries
+        self.step = 0
+        pp_mb = job.parallel.microbatches if self.dims.pp_enabled else 1
+        self.loss_scale = 1.0 / (self.train.grad_accum * pp_mb)
+        self.built = build_parts(resolved.shape, job, self.dims, device, loss_fn=self._scaled_loss, fsdp=fsdp)
+        self.params = [p for part in self.built.parts for p in part.parameters()]
+        self.optimizers, self.schedulers = build_optimizers(self.built.parts, self.train)
+        self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
+        dp_rank, dp_size = dp_coords(resolved.layout, rank)
+        self.loader = make_loader(resolved, dp_rank, dp_size, device=device, rank=rank)
+        self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
+        shape = resolved.shape
+        self.metrics = StepMetrics(
+            tokens_per_step=self.train.global_batch * shape.seq_len, flops_per_token=shape.flops_per_token(),
+            peak=peak_for(resolved.site, procs_per_node=resolved.procs_per_node), n_devices=world_size,
+            sync=torch.cuda.synchronize if device.type == "cuda" else None)
+        self.ckpt = self._checkpoint_manager() if checkpoint else None
+
+    # ------------------------------------------------------------------ one step
+
+    def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-microbatch loss pre-divided so the summed gradients are the global mean's."""
+        return cross_entropy(logits, targets) * self.loss_scale
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Gradients of the mean loss of this rank's batch; returns the summed scaled losses."""
+        total = torch.zeros((), device=self.device)
+        b = self.built
+        for mi, mt in zip(inputs.chunk(self.train.grad_accum), targets.chunk(self.train.grad_accum)):
+            if b.schedule is None:
+                loss = self._scaled_loss(b.parts[0](mi), mt)
+                loss.backward()
+                total += _local(loss.detach())
+                continue
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": mt, "losses": losses} if b.has_last_stage else {}
+            b.schedule.step(*((mi,) if b.has_first_stage else ()), **kwargs)
+            for loss in losses:
+                total += _local(loss.detach())
+        return total
+
+    def train_step(self) -> StepResult:
+        """One optimizer step; ends with the collective that also agrees on the stop flag."""
+        with self.metrics.phase("data"):
+            inputs, targets = self.loader.next_batch()
+        lp = self.dims.loss_parallel_enabled
+        from torch.distributed.tensor.parallel import loss_parallel
+        with self.metrics.phase("compute"), (loss_parallel() if lp else nullcontext()):
+            local_loss = self._forward_backward(inputs, targets)
+        with self.metrics.phase("optimizer"):
+            norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
+            lr = self.optimizers[0].param_groups[0]["lr"]
+            for opt in self.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            for sched in self.schedulers:
+                sched.step()
+        # One all-reduce for the logged loss and the stop flag: only the ranks holding the
+        # last stage contribute a loss (world/pp of them, each a dp-rank mean).
+        holder = self.built.has_last_stage
+        vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
+                           torch.tensor(float(self.stop_requested), device=self.device)])
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+        result = StepResult(step=self.step, loss=vec[0].item() / (self.dims.world_size // self.dims.pp),
+                            grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0)
+        self.step += 1
+        return result
+
+    # ------------------------------------------------------------------ the run
+
+    def _checkpoint_manager(self) -> Any:
+        from dslurm import checkpoint as ck
+        from dslurm.checkpoint_dcp import CheckpointManager
+        c, job = self.resolved.job.checkpoint, self.resolved.job
+        return CheckpointManager(
+            self.resolved.run_dir, keep=c.keep, keep_every=c.keep_every, async_mode=c.async_save,
+            on_inflight=c.on_inflight, on_error=c.on_error,
+            config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
+                                          "train": dataclasses.asdict(job.train)}),
+            model_shape=dataclasses.asdict(self.resolved.shape),
+            layout=dataclasses.asdict(self.resolved.layout), ledger=self.ledger)
+
+    def _save(self, blocking: bool) -> None:
+        if self.ckpt is not None:
+            with self.metrics.phase("checkpoint"):
+                self.ckpt.save(self.step, train_state(self.built.parts, self.optimizers),
+                               {"data": self.loader.state_dict()}, blocking=blocking)
+
+    def restore(self) -> Any:
+        """Resume from the run directory's pointer (if any); the LR follows the restored step."""
+        if self.ckpt is None:
+            return None
+        extra: dict[str, Any] = {}
+        res = self.ckpt.restore(train_state(self.built.parts, self.optimizers), extra)
+        if res is not None:
+            self.step = res.step
+            self.loader.load_state_dict(extra["data"])
+            for sched in self.schedulers:  # LambdaLR: lr = base * factor(last_epoch)
+                sched.last_epoch = self.step
+                for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                    group["lr"] = base * fn(self.step)
+        return res
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.ledger is not None:
+            self.ledger.append(event, **fields)
+
+    def _log_window(self, last: StepResult) -> None:
+        win = self.metrics.summary()
+        if win is not None and self.rank == 0:
+            self._event("steps", **win.ledger_fields(), grad_norm=round(last.grad_norm, 6), lr=last.lr)
+            print(format_log_line(win, total_steps=self.train.steps, lr=last.lr), flush=True)
+
+    def run(self) -> int:
+        """Train to `train.steps` or until a stop is agreed; returns the exit code."""
+        res = self.restore()
+        self._event("train_start", step=self.step, generation=res.generation if res else None,
+                    fell_back=bool(res and res.fell_back), startup_s=round(time.time() - self.t_start, 3),
+                    layout=dataclasses.asdict(self.resolved.layout))
+        self.metrics.start()
+        result = None
+        while self.step < self.train.steps:
+            result = self.train_step()
+            if self.train.step_sleep_s:
+                time.sleep(self.train.step_sleep_s)
+            self.metrics.end_step(result.step, result.loss)
+            if self.step % self.train.log_every == 0 or self.step == self.train.steps or result.stop:
+                self._log_window(result)
+            if self.step % self.train.straggler_every == 0:
+                times, hosts = gather_step_times(self.metrics.last_step_time_s)
+                self._event("stragglers", **straggler_event(self.step, times, hosts))
+            if result.stop:
+                self._event("signal", signal="stop_requested", step=self.step)
+                self._save(blocking=True)
+                self._event("exit", reason="requeue", step=self.step, code=EXIT_REQUEUE)
+                return EXIT_REQUEUE
+            if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
+                self._save(blocking=False)
+        if self.ckpt is not None and (result is not None or self.step == 0):
+            self._save(blocking=True)
+        self._event("exit", reason="completed", step=self.step, code=EXIT_COMPLETED)
+        return EXIT_COMPLETED
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()

@@ -1,0 +1,70 @@
+"""AdamW per model part, the LR schedule, and gradient clipping that works with DTensors.
+
+Clipping: FSDP2 and TP turn gradients into DTensors, possibly on different meshes (a part
+with TP but no FSDP, parameters left out of TP: the "mixed Tensor/DTensor" trap), and with
+PP each rank holds only its stages' gradients. So the norm is built from per-mesh partial
+norms made global with `full_tensor()`, then the squares are summed across the pipeline
+group (as torchtitan's `dist_utils.clip_grad_norm_` does), and each group is scaled with
+`clip_grads_with_norm_`. The result equals the single-process norm of the unsplit model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from train.lr import lr_lambda
+
+
+def build_optimizers(parts: list[nn.Module], train: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """One AdamW + LambdaLR per model part (a pipeline rank may hold two stages)."""
+    factor = lr_lambda(warmup_steps=train.warmup_steps, total_steps=train.steps,
+                       min_lr_ratio=train.min_lr_ratio)
+    opts, scheds = [], []
+    for part in parts:
+        # foreach (not fused): fused AdamW has no DTensor/CPU path for all placements.
+        opt = torch.optim.AdamW(part.parameters(), lr=train.lr, betas=(0.9, 0.95), eps=1e-8,
+                                weight_decay=train.weight_decay, foreach=True)
+        opts.append(opt)
+        scheds.append(torch.optim.lr_scheduler.LambdaLR(opt, factor))
+    return opts, scheds
+
+
+def _group_key(g: torch.Tensor) -> Any:
+    return (g.device_mesh, ) if isinstance(g, DTensor) else ("local", g.device)
+
+
+def grad_norm(params: Iterable[nn.Parameter], pp_group: Any = None) -> torch.Tensor:
+    """Global L2 norm of all gradients (plain fp32 tensor, same value on every rank)."""
+    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[_group_key(p.grad)].append(p.grad)
+    sq = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()  # reduces the Partial norm over the mesh the grads live on
+        sq = sq.to(n.device) + n.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+    return sq.sqrt()
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: Any = None) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before."""
+    total = grad_norm(params, pp_group)
+    if max_norm > 0:
+        groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
+        for p in params:
+            if p.grad is not None:
+                groups[_group_key(p.grad)].append(p)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device),
+                                                 foreach=True)
+    return total

@@ -1,0 +1,85 @@
+"""Build this rank's model parts, parallelised in torchtitan's order.
+
+full model (same seed on every rank) -> [PP: one copy per owned stage, other layers
+deleted] -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP2/HSDP
+-> [PP: PipelineStage + schedule]. On GPU the full model is built on the meta device and
+materialised after sharding (`to_empty` + `init_weights` under the seed), so no rank ever
+holds the unsharded weights; on CPU it is built for real so every layout starts from
+bit-identical weights (the parity tests need that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dslurm.models import ModelShape
+from train.model import build_model
+from train.parallel.ac import apply_ac
+from train.parallel.compile import apply_compile
+from train.parallel.dims import ParallelDims
+from train.parallel.fsdp import apply_fsdp
+from train.parallel.pp import build_schedule, split_stage, stage_ids, stages_per_rank
+from train.parallel.tp import apply_tp
+
+
+@dataclass(slots=True)
+class Built:
+    """This rank's share of the model."""
+
+    parts: list[nn.Module]
+    """model parts (one without PP; one per owned stage with PP)"""
+    schedule: Any | None
+    """the pipeline schedule, or None without PP"""
+    has_first_stage: bool
+    """this rank feeds tokens (holds the embedding)"""
+    has_last_stage: bool
+    """this rank computes the loss (holds the output projection)"""
+
+
+def _parallelize_part(part: nn.Module, dims: ParallelDims, train: Any, fsdp: bool) -> None:
+    if dims.tp_enabled:
+        apply_tp(part, dims.get_mesh("tp"), loss_parallel=dims.loss_parallel_enabled)
+    apply_ac(part, train.activation_checkpoint)
+    if train.compile:
+        apply_compile(part)
+    if fsdp:
+        mesh = (dims.get_mesh(("dp_replicate", "dp_shard")) if dims.dp_replicate_enabled
+                else dims.get_mesh("dp_shard"))
+        apply_fsdp(part, mesh, dtype=train.dtype, device_type=dims.device_type, pp_enabled=dims.pp_enabled)
+
+
+def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.device, *,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                fsdp: bool | None = None) -> Built:
+    """Model parts and (with PP) the schedule for this rank. `fsdp=None` applies FSDP when
+    there is data parallelism; True forces it (the 1-process overhead benchmark)."""
+    train, par = job.train, job.parallel
+    fsdp = dims.fsdp_enabled if fsdp is None else fsdp
+    meta = device.type != "cpu"
+    full = build_model(shape, train.seed, "meta" if meta else "cpu")
+    if dims.pp_enabled:
+        pp_rank = dims.get_mesh("pp").get_local_rank()
+        n_stages = dims.pp * stages_per_rank(par.pp_schedule)
+        ids = stage_ids(pp_rank, dims.pp, par.pp_schedule)
+        parts = [split_stage(full, i, n_stages) for i in ids]
+        del full
+    else:
+        ids, n_stages, parts = [0], 1, [full]
+    for part in parts:
+        _parallelize_part(part, dims, train, fsdp)
+        if meta:
+            part.to_empty(device=device)
+            torch.manual_seed(train.seed)
+            with torch.no_grad():
+                part.init_weights()
+    schedule = None
+    if dims.pp_enabled:
+        schedule = build_schedule(parts, ids, n_stages, pp_group=dims.get_mesh("pp").get_group(),
+                                  device=device, schedule=par.pp_schedule, microbatches=par.microbatches,
+                                  loss_fn=loss_fn)
+    return Built(parts=parts, schedule=schedule, has_first_stage=0 in ids,
+                 has_last_stage=n_stages - 1 in ids)

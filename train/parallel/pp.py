@@ -1,0 +1,78 @@
+"""Pipeline parallel with torch.distributed.pipelining: GPipe, 1F1B, Interleaved1F1B.
+
+Each stage is a deep copy of the full model with the layers it does not own deleted (and
+the embedding / final norm + output removed where they do not belong), so its parameter
+names are those of the unsplit model and DCP can reshard between PP layouts. Stages are
+assigned loop-style: with v virtual stages per rank, pp rank r owns stages r, r+pp, ...
+Schedules need microbatches >= stages (checked in `dslurm.resolve` before any process
+group work). Parameters of a stage are then parallelised (TP, AC, compile, FSDP) by the
+caller, before the `PipelineStage` is created.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Virtual stages per pipeline rank: 2 for the interleaved schedule, else 1."""
+    return 2 if schedule == "Interleaved1F1B" else 1
+
+
+def layer_split(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer ranges per stage, the first stages taking one extra when uneven."""
+    if n_stages > n_layers:
+        raise ValueError(f"n_layers({n_layers}) < pipeline stages({n_stages})")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """Stage indices held by `pp_rank` (loop-style placement)."""
+    return [pp_rank + i * pp for i in range(stages_per_rank(schedule))]
+
+
+def split_stage(full: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A copy of `full` holding only what stage `stage` of `n_stages` runs."""
+    keep = layer_split(len(full.layers), n_stages)[stage]
+    module = copy.deepcopy(full)
+    for key in list(module.layers.keys()):
+        if int(key) not in keep:
+            del module.layers[key]
+    if stage > 0:
+        module.tok_embeddings = None
+    if stage < n_stages - 1:
+        module.norm = None
+        module.output = None
+    return module
+
+
+def build_schedule(stage_modules: list[nn.Module], ids: list[int], n_stages: int, *, pp_group: Any,
+                   device: torch.device, schedule: str, microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """PipelineStages for this rank's modules and the schedule that drives them.
+
+    `loss_fn` must already divide by the number of microbatches: `scale_grads=False`, because
+    the schedule would otherwise rescale *all* gradients after each `step()`, including those
+    accumulated by earlier gradient-accumulation steps.
+
+    Shapes between stages are inferred at run time (no example inputs): with SP the hidden
+    states are (mb, seq/tp, dim) local shards, which the stage learns from the first step.
+    """
+    stages = [PipelineStage(m, i, n_stages, device, group=pp_group) for m, i in zip(stage_modules, ids)]
+    cls = SCHEDULES[schedule]
+    if cls is ScheduleInterleaved1F1B:
+        return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
