@@ -133,13 +133,16 @@ def run_submit(args) -> int:
 
 def _plan_check(r: Resolved, strict: bool) -> None:
     """Warn (or refuse with --strict) when the planner says the layout will not fit."""
-    try:
-        from dslurm.plan.check import fits
-    except ModuleNotFoundError:
+    from dslurm.plan.choose import validate_layout
+    from dslurm.plan.inputs import from_resolved
+
+    if r.site.node.gpus == 0:
+        return  # CPU sites (the local cluster): no GPU memory to plan against
+    inputs = from_resolved(r)
+    plan = validate_layout(inputs.model, inputs.cluster, inputs.layout, inputs.work)
+    if plan.fits:
         return
-    ok, why = fits(r)
-    if ok:
-        return
+    why = "; ".join(plan.problems)
     if strict:
         raise UserError(f"{r.job_path}: the plan says this job will not fit: {why}. Fix: see `dslurm plan`")
     print(f"warning: the plan says this job will not fit: {why} (see `dslurm plan`)", file=sys.stderr)

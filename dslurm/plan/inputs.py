@@ -7,10 +7,14 @@ this module is the only place that knows which config field feeds which planner 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dslurm.errors import UserError
 from dslurm.models import ModelShape
 from dslurm.plan.layout import Cluster, Layout, Workload
+
+if TYPE_CHECKING:
+    from dslurm.resolve import Resolved
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,7 +32,12 @@ def from_files(site_path: str, job_path: str) -> ConfigInputs:
     """Load and resolve a site and a job, and map them onto planner inputs."""
     from dslurm.resolve import load  # the config tree is only needed on this path
 
-    res = load(site_path, job_path)
+    return from_resolved(load(site_path, job_path))
+
+
+def from_resolved(res: "Resolved") -> ConfigInputs:
+    """Map an already resolved site + job onto planner inputs."""
+    site_path, job_path = res.site_path, res.job_path
     node, job, lay = res.site.node, res.job, res.layout
     if node.gpu_mem_gb <= 0:
         raise UserError(f"{site_path}: field 'node.gpu_mem_gb' is {node.gpu_mem_gb}: the planner "
