@@ -47,7 +47,7 @@ class GpuHealth:
 @dataclass(slots=True)
 class NodeHealth:
     host: str
-    nvml: str  # "ok" | "skipped"
+    nvml: str  # "ok" | "skipped" (no GPUs) | "error" (NVML up, GPUs not enumerable)
     note: str = ""
     gpu_count: int = 0
     findings: list[Finding] = field(default_factory=list)
@@ -222,8 +222,12 @@ def _text(v: Any) -> str:
 
 
 def check_gpu(nv: Any, index: int, th: Thresholds) -> GpuHealth:
-    h = nv.nvmlDeviceGetHandleByIndex(index)
     gpu = GpuHealth(index=index)
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+    except nv.NVMLError as exc:  # e.g. GPU_IS_LOST after an Xid 79
+        gpu.findings.append(Finding("handle", "fail", f"NVML cannot open the GPU: {exc}"))
+        return gpu
     name = _query(nv, nv.nvmlDeviceGetName, h)
     uuid = _query(nv, nv.nvmlDeviceGetUUID, h)
     gpu.name = "" if name is UNSUPPORTED else _text(name)
@@ -243,7 +247,11 @@ def check_node(host: str, th: Thresholds) -> NodeHealth:
     if nv is None:
         return _no_gpus(host, th)
     try:
-        count = nv.nvmlDeviceGetCount()
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except nv.NVMLError as exc:  # NVML loaded but the driver cannot enumerate: broken node
+            return NodeHealth(host=host, nvml="error", findings=[
+                Finding("gpu_count", "fail", f"NVML cannot count GPUs: {exc}")])
         if count == 0:
             return _no_gpus(host, th)
         node = NodeHealth(host=host, nvml="ok", gpu_count=count)

@@ -265,3 +265,24 @@ def test_xid_watcher_not_supported_is_not_checked(mocker):
     install(mocker, [healthy()])
     mocker.patch.object(pynvml, "nvmlEventSetCreate", side_effect=pynvml.NVMLError_NotSupported())
     assert XidWatcher().drain() is None
+
+
+def test_gpu_that_cannot_be_opened_fails_others_still_checked(mocker):
+    install(mocker, [healthy(), healthy()])
+
+    def handle(i):
+        if i == 1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return i
+    mocker.patch.object(pynvml, "nvmlDeviceGetHandleByIndex", side_effect=handle)
+    node = check_node("n0", TH)
+    assert node.gpus[0].severity == "ok"
+    assert node.gpus[1].findings[0].check == "handle" and node.gpus[1].severity == "fail"
+
+
+def test_count_error_fails_the_node(mocker):
+    install(mocker, [healthy()])
+    mocker.patch.object(pynvml, "nvmlDeviceGetCount", side_effect=pynvml.NVMLError_Unknown())
+    node = check_node("n0", TH)
+    assert node.nvml == "error" and node.severity == "fail"
+    assert node.findings[0].reason.startswith("NVML cannot count GPUs")
