@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -22,13 +23,14 @@ TERMINAL_STATES = frozenset({
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
     "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
 })
+_KEY = re.compile(r"^[A-Za-z][\w/:.]*=")
 _HINT_UP = "is the cluster up? try `dslurm cluster up`"
 # Phrases Slurm prints when it cannot reach slurmctld/slurmdbd or authenticate (munge).
 _UNREACHABLE = (
     "Unable to contact slurm controller", "Socket timed out", "Connection refused",
     "Unable to establish connection", "Zero Bytes were transmitted",
-    "Munge encode failed", "munge", "Could not establish a configuration source",
-    "Invalid user for SlurmUser", "Could not open", "No such file or directory",
+    "Munge encode failed", "Could not establish a configuration source",
+    "Unable to process configuration file",
 )
 
 
@@ -87,7 +89,7 @@ def parse_kv_line(line: str) -> dict[str, str]:
     out: dict[str, str] = {}
     key: str | None = None
     for token in line.strip().split(" "):
-        if "=" in token and not token.startswith("="):
+        if _KEY.match(token):  # `--lr=3` inside Command= is not a key
             key, _, value = token.partition("=")
             out[key] = value
         elif key is not None and token:

@@ -1,0 +1,44 @@
+"""Fixtures for tests against the built-in local real Slurm (see dslurm/cluster.py).
+
+`slurm_cluster` brings the cluster up once per pytest session: 3 nodes (tests need 3) with
+accounting (slurmdbd + MariaDB: ~5 s warm, ~7 s on a fresh database), so one fixture serves
+everything including sacct. If a cluster with these settings already runs it is reused
+(`up` is a no-op); one with other settings is restarted.
+
+It is LEFT RUNNING at the end of the session: several pytest sessions (other engineers,
+CI steps) share one cluster per machine, and tearing it down under a concurrent session would
+break that session's tests. Stop it with `dslurm cluster down`, or set
+DSLURM_CLUSTER_TEARDOWN=1 to stop it at session end when this session started it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from dslurm import cluster
+
+NODES = 3
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Every test in this folder needs real daemons: mark them so `-m "not cluster"` skips them.
+    for item in items:
+        if "tests/cluster/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[cluster.ClusterInfo]:
+    was_up = cluster.is_up()
+    try:
+        info = cluster.up(nodes=NODES, accounting=True)
+    except Exception as exc:  # not root and packages missing: nothing this session can do
+        if os.geteuid() != 0 and "missing packages" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    yield info
+    if os.environ.get("DSLURM_CLUSTER_TEARDOWN") == "1" and not was_up:
+        cluster.down()

@@ -1,0 +1,102 @@
+"""Parsers of Slurm 22.05 output (samples captured from the local cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dslurm import slurm
+from dslurm.errors import SlurmError
+
+SCONTROL_JOB = (
+    "JobId=6034225 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A "
+    "Priority=4294901758 Nice=0 Account=(null) QOS=(null) JobState=COMPLETED Reason=None "
+    "Dependency=(null) Requeue=1 Restarts=2 BatchFlag=1 Reboot=0 ExitCode=0:0 "
+    "RunTime=00:00:00 TimeLimit=365-00:00:00 Partition=debug AllocNode:Sid=localhost:2369 "
+    "NodeList=node[1-2] BatchHost=node1 NumNodes=2 NumCPUs=2 NumTasks=2 CPUs/Task=1 "
+    "ReqB:S:C:T=0:0:*:* TRES=cpu=2,node=2,billing=2 Command=/x/train.sh --lr=3 a b "
+    "WorkDir=/tmp StdOut=/tmp/slurm-6034225.out Power= "
+)
+SCONTROL_NODE = (
+    "NodeName=node1 Arch=x86_64 CoresPerSocket=4  CPUAlloc=0 CPUTot=4 "
+    "OS=Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=4096 State=IDLE "
+    "Partitions=debug"
+)
+
+
+def test_kv_line_keeps_values_with_spaces_and_equals() -> None:
+    rec = slurm.parse_kv_line(SCONTROL_JOB)
+    assert rec["JobId"] == "6034225"
+    assert rec["TRES"] == "cpu=2,node=2,billing=2"
+    assert rec["AllocNode:Sid"] == "localhost:2369"
+    assert rec["CPUs/Task"] == "1"
+    assert rec["Command"] == "/x/train.sh --lr=3 a b"  # `--lr=3` is not a key
+    assert rec["Power"] == ""
+    node = slurm.parse_kv_line(SCONTROL_NODE)
+    assert node["OS"] == "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0"
+    assert node["RealMemory"] == "4096"
+
+
+def test_job_info_from_scontrol() -> None:
+    (rec,) = slurm.parse_scontrol_records(SCONTROL_JOB + "\n\n")
+    info = slurm.job_info_from_scontrol(rec)
+    assert info == {"job_id": 6034225, "name": "wrap", "state": "COMPLETED",
+                    "nodes": "node[1-2]", "num_nodes": 2, "restarts": 2, "exit_code": "0:0",
+                    "reason": "", "source": "scontrol"}
+
+
+def test_job_info_pending_has_reason_and_no_nodes() -> None:
+    rec = slurm.parse_kv_line("JobId=7 JobName=x JobState=PENDING Reason=Resources "
+                              "Restarts=0 ExitCode=0:0 NodeList=(null) NumNodes=2-2")
+    info = slurm.job_info_from_scontrol(rec)
+    assert (info["state"], info["reason"], info["nodes"], info["num_nodes"]) == (
+        "PENDING", "Resources", "", 2)
+
+
+def test_parse_sacct() -> None:
+    out = "6034231|wrap|CANCELLED by 0|node[1-2]|0:15|None|2\n"
+    info = slurm.parse_sacct(out)
+    assert info is not None
+    assert (info["job_id"], info["state"], info["nodes"], info["exit_code"]) == (
+        6034231, "CANCELLED", "node[1-2]", "0:15")
+    assert slurm.parse_sacct("") is None
+    pending = slurm.parse_sacct("9|x|PENDING|None assigned|0:0|Resources|1")
+    assert pending is not None and pending["nodes"] == "" and pending["reason"] == "Resources"
+
+
+def test_parse_sinfo_nodes_merges_partitions_and_flags_not_responding() -> None:
+    out = "node1|idle|4|4096|debug*\nnode2|down*|4|4096|debug*\nnode1|idle|4|4096|long\n"
+    nodes = slurm.parse_sinfo_nodes(out)
+    assert [n["name"] for n in nodes] == ["node1", "node2"]
+    assert nodes[0]["partitions"] == ["debug", "long"]
+    assert nodes[1]["state"] == "down" and nodes[1]["responding"] is False
+    assert nodes[0]["cpus"] == 4 and nodes[0]["memory_mb"] == 4096
+
+
+def test_parse_squeue() -> None:
+    jobs = slurm.parse_squeue("12|train|RUNNING|2|node[1-2]|root|0:05\n13|x|PENDING|1|(Resources)|root|0:00\n")
+    assert jobs[0]["job_id"] == "12" and jobs[0]["num_nodes"] == 2
+    assert jobs[1]["nodes_or_reason"] == "(Resources)"
+
+
+@pytest.mark.parametrize("out,expected", [("42\n", 42), ("42;dslurm\n", 42)])
+def test_parse_parsable_job_id(out: str, expected: int) -> None:
+    assert slurm.parse_parsable_job_id(out) == expected
+
+
+def test_parse_parsable_job_id_rejects_garbage() -> None:
+    with pytest.raises(SlurmError, match="expected a job id"):
+        slurm.parse_parsable_job_id("sbatch: warning\n")
+
+
+def test_failure_message_carries_reason_and_hint_when_unreachable() -> None:
+    msg = slurm.failure_message(["sbatch", "x.sh"], 1, "sbatch: error: Batch job submission "
+                                "failed: Unable to contact slurm controller (connect failure)\n")
+    assert "Unable to contact slurm controller" in msg and "dslurm cluster up" in msg
+    msg = slurm.failure_message(["sbatch", "-p", "nope"], 1,
+                                "sbatch: error: invalid partition specified: nope")
+    assert "invalid partition specified: nope" in msg and "cluster up" not in msg
+
+
+def test_run_cmd_missing_binary_says_what_to_install() -> None:
+    with pytest.raises(SlurmError, match="not installed.*slurm-client"):
+        slurm.run_cmd(["dslurm-no-such-slurm-command"])
