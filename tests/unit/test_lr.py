@@ -45,15 +45,13 @@ def test_invalid_arguments():
         lr_lambda(warmup_steps=1, total_steps=2, min_lr_ratio=-0.1)  # checked when built
 
 
-def test_lambda_lr_follows_the_pure_function():
-    torch = pytest.importorskip("torch")
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=KW["lr"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lr_lambda(warmup_steps=10, total_steps=110, min_lr_ratio=0.1))
-    for step in range(0, 120):
-        assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(step, **KW)), step
-        opt.step()
-        sched.step()
+def test_lambda_factor_follows_the_pure_function():
+    # LambdaLR sets lr = base_lr * factor(last_epoch), with last_epoch 0 for the first step.
+    # Not exercised with a real optimizer here: constructing one imports torch._dynamo
+    # (3-7 s on 2 cores); the trainer's integration tests run the real scheduler.
+    factor = lr_lambda(warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    for step in range(120):
+        assert KW["lr"] * factor(step) == pytest.approx(lr_at(step, **KW)), step
 
 
 def test_schedule_for_reads_the_train_spec():
