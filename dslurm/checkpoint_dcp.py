@@ -21,6 +21,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 import dslurm
@@ -35,6 +37,8 @@ from dslurm import checkpoint as ck
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)
+# Single-process use (no process group) is deliberate here; DCP warns about it on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class Ledger(Protocol):
@@ -172,7 +176,10 @@ def _test_kill(phase: str, rank: int, nth: int) -> None:
 
 
 def _reason(exc: BaseException) -> str:
-    # DCP wraps per-rank failures (e.g. ENOSPC) in CheckpointException; its str carries them.
+    # DCP wraps per-rank failures (e.g. ENOSPC) in CheckpointException; name each rank's cause.
+    if isinstance(exc, CheckpointException):
+        causes = {r: (e[0] if isinstance(e, tuple) else e) for r, e in exc.failures.items()}
+        return "; ".join(f"rank {r}: {_reason(e)}" for r, e in sorted(causes.items()))[:2000]
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
@@ -408,7 +415,7 @@ class CheckpointManager:
                 _test_kill("after_write", r, job.nth)
                 own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
                 sums = ck.checksum_files(gen, own + [f"{ck.RANKS}/rank-{r:05d}.json"])
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:  # the latter is a BaseException
                 err = _reason(exc)
         results = comm.gather((err, sums))
         verdict = self._commit(gen, job, results) if r == 0 else None

@@ -1,0 +1,262 @@
+"""CheckpointManager in one process (no process group): resume equivalence, fallback, full disk,
+in-flight policy, shape refusal, lock. The torchrun cases live in test_checkpoint_dist.py."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint import filesystem as dcp_fs
+
+from dslurm import checkpoint as ck
+from dslurm.checkpoint_dcp import CheckpointManager, TrainState
+
+pytestmark = pytest.mark.integration
+
+
+class Tiny(nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.l1, self.drop, self.l2 = nn.Linear(8, dim), nn.Dropout(0.2), nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.drop(torch.relu(self.l1(x))))
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def append(self, event: str, **fields: Any) -> None:
+        self.events.append((event, fields))
+
+    def names(self) -> list[str]:
+        return [e for e, _ in self.events]
+
+
+class Run:
+    """A tiny training run whose every random source must come back on resume: dropout and input
+    noise (torch RNG), a jitter (Python RNG), the sampler position (in `extra`), AdamW, LambdaLR."""
+
+    def __init__(self, seed: int = 0, dim: int = 16):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        self.model = Tiny(dim)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + s))
+        self.state = {"train": TrainState(self.model, self.opt, self.sched)}
+        self.extra: dict[str, Any] = {"sampler": {"index": 5}, "tokens_seen": 0}
+
+    def step(self) -> float:
+        g = torch.Generator().manual_seed(self.extra["sampler"]["index"])
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        x = x + 0.1 * torch.randn_like(x) * (1 + random.random())
+        self.extra["sampler"]["index"] += 3  # not derivable from the step: must come from extra
+        self.extra["tokens_seen"] += 4
+        loss = nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def train(run_dir: Path, steps: int, saves: tuple[int, ...] = (), **kw: Any) -> tuple[Run, list[float]]:
+    run, losses = Run(), []
+    with CheckpointManager(run_dir, **kw) as mgr:
+        for s in range(1, steps + 1):
+            losses.append(run.step())
+            if s in saves:
+                mgr.save(s, run.state, run.extra)
+    return run, losses
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_resume_is_bit_identical(tmp_path, async_mode):
+    ref, ref_losses = train(tmp_path / "ref", 8)
+    train(tmp_path / "run", 4, saves=(2, 4), async_mode=async_mode)
+    resumed = Run(seed=99)  # other init and RNG seeds: everything must come from the checkpoint
+    with CheckpointManager(tmp_path / "run") as mgr:
+        res = mgr.restore(resumed.state, resumed.extra)
+    assert res is not None and res.step == 4 and not res.fell_back and res.rng_restored
+    assert res.extra == {"sampler": {"index": 17}, "tokens_seen": 16} == resumed.extra
+    losses = [resumed.step() for _ in range(4)]
+    assert losses == ref_losses[4:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params(), ref.params()))
+    assert resumed.sched.last_epoch == ref.sched.last_epoch == 8
+
+
+def _two_saves(tmp_path: Path) -> tuple[Path, list[str], list[torch.Tensor]]:
+    run_dir = tmp_path / "run"
+    run, mgr = Run(), CheckpointManager(tmp_path / "run")
+    for s in range(1, 5):
+        run.step()
+        if s in (2, 4):
+            mgr.save(s, run.state, run.extra)
+        if s == 2:
+            at2 = run.params()
+    mgr.close()
+    return run_dir, [g.name for g in ck.list_generations(run_dir)], at2
+
+
+def _restore(run_dir: Path, ledger: Ledger | None = None) -> tuple[Run, Any]:
+    run = Run(seed=7)
+    with CheckpointManager(run_dir, ledger=ledger) as mgr:
+        return run, mgr.restore(run.state, run.extra)
+
+
+def test_altered_shard_falls_back_loudly(tmp_path, caplog):
+    run_dir, (g2, g4), at2 = _two_saves(tmp_path)
+    shard = ck.generations_dir(run_dir) / g4 / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    ledger = Ledger()
+    with caplog.at_level(logging.INFO):
+        run, res = _restore(run_dir, ledger)
+    assert res.generation == g2 and res.step == 2 and res.fell_back
+    assert str(shard) in res.reason and "crc32" in res.reason
+    assert "CHECKPOINT FALLBACK" in caplog.text and "REJECTED" in caplog.text
+    assert ledger.names() == ["ckpt_fallback"] and ledger.events[0][1]["rejected"] == [g4]
+    assert all(torch.equal(a, b) for a, b in zip(run.params(), at2))
+    assert run.extra["sampler"]["index"] == 11
+
+
+def test_pointer_to_missing_generation_falls_back(tmp_path):
+    run_dir, (g2, g4), _ = _two_saves(tmp_path)
+    ck.remove_generation(run_dir, g4)
+    _, res = _restore(run_dir)
+    assert res.generation == g2 and res.fell_back and "directory missing" in res.reason
+
+
+def test_garbage_pointer_falls_back_to_newest_verified(tmp_path):
+    run_dir, (_, g4), _ = _two_saves(tmp_path)
+    (run_dir / ck.POINTER).write_bytes(b"\x00" * 7)
+    _, res = _restore(run_dir)
+    assert res.generation == g4 and res.fell_back and "garbage pointer" in res.reason
+
+
+def test_empty_run_dir_is_a_logged_fresh_start(tmp_path, caplog):
+    ledger = Ledger()
+    with caplog.at_level(logging.INFO):
+        run, res = _restore(tmp_path / "new", ledger)
+    assert res is None and ledger.names() == ["ckpt_fresh_start"] and "fresh start" in caplog.text
+    assert run.extra["sampler"]["index"] == 5
+
+
+def _disk_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shard write starts, leaves a partial file, then the disk is full."""
+    def write_data(self, plan, planner):
+        (Path(self.path) / f"{plan.storage_data.prefix}0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", write_data)
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_full_disk_keeps_pointer_and_continues(tmp_path, monkeypatch, async_mode, caplog):
+    run, ledger = Run(), Ledger()
+    with CheckpointManager(tmp_path, async_mode=async_mode, ledger=ledger) as mgr:
+        run.step()
+        mgr.save(1, run.state, run.extra)
+        mgr.wait()
+        good = ck.read_pointer(tmp_path).generation
+        with monkeypatch.context() as m:
+            _disk_full(m)
+            run.step()
+            with caplog.at_level(logging.ERROR):
+                mgr.save(2, run.state, run.extra)
+                mgr.wait()
+        assert not mgr.last_outcome.ok and "No space left on device" in mgr.last_outcome.reason
+        assert "FAILED, pointer unchanged" in caplog.text
+        assert ck.read_pointer(tmp_path).generation == good
+        assert [g.name for g in ck.list_generations(tmp_path)] == [good]  # failed one removed
+        run.step()
+        assert mgr.save(3, run.state, run.extra) is True  # training went on; the disk has room again
+    assert ck.read_pointer(tmp_path).step == 3
+    assert ledger.names() == ["ckpt_save", "ckpt_save_failed", "ckpt_save"]
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_full_disk_stops_when_asked(tmp_path, monkeypatch, async_mode):
+    run = Run()
+    mgr = CheckpointManager(tmp_path, async_mode=async_mode, on_error="stop")
+    _disk_full(monkeypatch)
+    with pytest.raises(ck.CheckpointError, match="No space left on device"):
+        mgr.save(1, run.state, run.extra)
+        mgr.wait()  # async: the failure surfaces at the next collective point
+    assert ck.read_pointer(tmp_path) is None
+    mgr.close()
+
+
+def _slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    import time
+    original = dcp_fs._FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        time.sleep(seconds)
+        return original(self, plan, planner)
+    monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", write_data)
+
+
+def test_inflight_skip_wait_and_blocking(tmp_path, monkeypatch, caplog):
+    _slow_writes(monkeypatch, 0.4)
+    run, ledger = Run(), Ledger()
+    with CheckpointManager(tmp_path, async_mode=True, on_inflight="skip", ledger=ledger) as mgr:
+        assert mgr.save(1, run.state, run.extra) is True
+        with caplog.at_level(logging.INFO):
+            assert mgr.save(2, run.state, run.extra) is False  # skipped, logged
+            assert mgr.save(3, run.state, run.extra, blocking=True) is True  # signal saves wait
+        assert "save skipped" in caplog.text and "waiting for the in-flight save" in caplog.text
+    assert ledger.names() == ["ckpt_save_skipped", "ckpt_save", "ckpt_save"]
+    assert ck.read_pointer(tmp_path).step == 3
+    assert [g.step for g in ck.list_generations(tmp_path)] == [1, 3]
+
+
+def test_async_stall_is_only_the_host_copy(tmp_path, monkeypatch):
+    _slow_writes(monkeypatch, 0.5)
+    run = Run()
+    with CheckpointManager(tmp_path, async_mode=True) as mgr:
+        mgr.save(1, run.state, run.extra)
+        assert ck.read_pointer(tmp_path) is None  # not committed while the write is in flight
+        mgr.wait()
+        out = mgr.last_outcome
+    assert out.ok and out.stall_s < 0.2 < 0.5 < out.total_s
+
+
+def test_changed_model_shape_is_refused_naming_fields(tmp_path):
+    train(tmp_path, 1, saves=(1,), model_shape={"dim": 16, "layers": 2})
+    bigger = Run(dim=32)
+    with CheckpointManager(tmp_path, model_shape={"dim": 32, "layers": 2}) as mgr:
+        with pytest.raises(ck.CheckpointError, match="dim: 16 -> 32"):
+            mgr.restore(bigger.state)
+    with CheckpointManager(tmp_path) as mgr:  # no shape fields: the tensor shapes still tell
+        with pytest.raises(ck.CheckpointError, match=r"train\.model\.l1\.weight: \(16, 8\) -> \(32, 8\)"):
+            mgr.restore(bigger.state)
+
+
+def test_changed_config_hash_alone_is_refused_then_allowed_with_shape_fields(tmp_path, caplog):
+    train(tmp_path, 1, saves=(1,), config_hash="aaa", model_shape=None)
+    with CheckpointManager(tmp_path, config_hash="bbb") as mgr:
+        with pytest.raises(ck.CheckpointError, match="config_hash: aaa -> bbb"):
+            mgr.restore(Run().state)
+    train(tmp_path, 1, saves=(1,), config_hash="aaa", model_shape={"dim": 16})
+    with CheckpointManager(tmp_path, config_hash="bbb", model_shape={"dim": 16}) as mgr:
+        with caplog.at_level(logging.WARNING):
+            assert mgr.restore(Run().state).step == 1
+    assert "config hash aaa -> bbb (model shape unchanged)" in caplog.text
+
+
+def test_second_manager_on_the_same_run_is_refused(tmp_path):
+    with CheckpointManager(tmp_path):
+        with pytest.raises(ck.RunLocked, match="run is being written by"):
+            CheckpointManager(tmp_path)
+    CheckpointManager(tmp_path).close()  # released on close
