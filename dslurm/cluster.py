@@ -96,6 +96,7 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
                               controller_host=socket.gethostname(),
                               first_job_id=_first_job_id(sdir))
         ensure_packages(accounting)
+        _check_ports_free(spec)
         rec = {"settings": spec.settings(), "procs": [], "changes": {}}
         try:
             _start(spec, rec)
@@ -184,7 +185,7 @@ def _start(spec: cc.ClusterSpec, rec: dict) -> None:
         _spawn(rec, sdir, name, ["unshare", "--uts", "sh", "-c",
                                  f'hostname {name} && exec tini -s -- slurmd -D -N {name} '
                                  f'-f "$SLURM_CONF"'], env)
-    _wait_idle(spec, env)
+    _wait_idle(spec, rec, env)
     log.info("cluster up in %.1f s: %d nodes%s, state dir %s", time.monotonic() - t0,
              spec.nodes, " + accounting" if spec.accounting else "", sdir)
 
@@ -209,16 +210,34 @@ def _start_accounting(spec: cc.ClusterSpec, rec: dict, env: dict[str, str]) -> N
                 sdir / "log" / "slurmdbd.log")
 
 
+def _check_ports_free(spec: cc.ClusterSpec) -> None:
+    ports = [cc.CTLD_PORT, *(cc.node_port(k) for k in range(1, spec.nodes + 1))]
+    if spec.accounting:
+        ports += [cc.DBD_PORT, cc.MYSQL_PORT]
+    busy = [p for p in ports if _port_open(p)]
+    if busy:
+        raise UserError(
+            f"ports {busy} are in use by processes that {spec.state_dir / RECORD} does not "
+            "record (a dslurm cluster from another --state-dir, or daemons left from a run "
+            f"whose record was deleted); find them with `ss -ltnp | grep -E "
+            f"'{'|'.join(map(str, busy))}'` and stop them")
+
+
 def _spawn(rec: dict, sdir: Path, name: str, argv: list[str], env: dict[str, str]) -> None:
     rec["procs"].append(_spawn_proc(name, argv, sdir / "log" / f"{name}.out", env))
     _save(sdir, rec)  # recorded at once: a crash right after still lets `down` find it
 
 
-def _wait_idle(spec: cc.ClusterSpec, env: dict[str, str], timeout: float = 30) -> None:
+def _wait_idle(spec: cc.ClusterSpec, rec: dict, env: dict[str, str],
+               timeout: float = 30) -> None:
     sdir = spec.state_dir
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
+        dead = [p["name"] for p in rec["procs"] if not _alive(p)]
+        if dead:  # fail fast with the reason instead of waiting out the timeout
+            raise SlurmError(f"{dead} exited during start; {sdir}/log/{dead[0]}.out:\n"
+                             + _tail(sdir / "log" / f"{dead[0]}.out"))
         proc = slurm.run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], check=False,
                              timeout=5, env={"SLURM_CONF": env["SLURM_CONF"]})
         if proc.returncode == 0:
