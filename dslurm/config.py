@@ -223,6 +223,8 @@ class JobSpec:
     procs_per_node: int | None = field(None, help="override the site's processes per node")
     launch: Literal["torchrun", "srun"] = field(
         "torchrun", help="torchrun: one task per node; srun: one task per process")
+    entry: str = field("train", help="Python module run in every training process (python -m ENTRY "
+                       "--site S --job J); dslurm.probe is a connectivity check")
     model: ModelSpec = field(factory=ModelSpec, help="model shape")
     parallel: ParallelSpec = field(factory=ParallelSpec, help="parallel degrees")
     train: TrainSpec = field(factory=TrainSpec, help="optimisation")
@@ -240,6 +242,8 @@ class JobSpec:
                 "no spaces, quotes or newlines) because it names files and Slurm jobs")
         if self.nodes < 1:
             raise ValueError(f"nodes={self.nodes} must be at least 1")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.entry):
+            raise ValueError(f"entry={self.entry!r} is not a Python module name like train or dslurm.probe")
         if self.procs_per_node is not None and self.procs_per_node < 1:
             raise ValueError(f"procs_per_node={self.procs_per_node} must be at least 1")
         if self.dependency is not None and not re.fullmatch(r"[a-z]+(:[0-9_+]+)+([,?][a-z]+(:[0-9_+]+)+)*|singleton", self.dependency):

@@ -15,8 +15,6 @@ from dslurm import __version__
 from dslurm.errors import UserError
 from dslurm.resolve import Resolved
 
-# Exit code by which the trainer asks to be requeued (EX_TEMPFAIL from sysexits.h).
-REQUEUE_EXIT = 75
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +89,7 @@ def _env_lines(r: Resolved, refs: RenderRefs) -> list[str]:
 
 def _trainer_args(r: Resolved, refs: RenderRefs) -> list[str]:
     py = r.site.python
-    args = [py, "-m", "train", "--site", refs.site, "--job", refs.job]
+    args = [py, "-m", r.job.entry, "--site", refs.site, "--job", refs.job]
     for o in refs.site_overrides:
         args += ["--site-set", o]
     for o in refs.overrides:
@@ -155,10 +153,11 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         '  if [ "$got_signal" -eq 0 ] || [ "$rc" -le 128 ]; then break; fi',
         "done",
         "",
-        f"if [ \"$rc\" -eq {REQUEUE_EXIT} ]; then",
-        f"  {py} -m dslurm requeue-me",
-        "fi",
-        'exit "$rc"',
+        "# Requeue, stop or finish: dslurm decides from the exit code, the restart budget, the",
+        "# ledger and the checkpoint pointer (dslurm/requeue.py), and names the reason.",
+        "set +e",
+        f'{py} -m dslurm requeue-me --rc "$rc"',
+        'exit $?',
         "",
     ]
     return "\n".join(lines)

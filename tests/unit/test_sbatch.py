@@ -111,6 +111,9 @@ def test_hostile_values_cannot_execute_when_the_script_runs(tmp_path):
     stub = bindir / "srun"
     stub.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {argfile}\nprintf "%s" "$EVIL" > {argfile}.env\n')
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    py = bindir / "python"  # stands in for `python -m dslurm requeue-me` after the step
+    py.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/after\n')
+    py.chmod(0o755)
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1"}
@@ -120,6 +123,7 @@ def test_hostile_values_cannot_execute_when_the_script_runs(tmp_path):
     args = argfile.read_text().splitlines()
     assert f"data.path={evil}" in args
     assert (tmp_path / "args.env").read_text() == evil
+    assert (tmp_path / "after").read_text().split() == ["-m", "dslurm", "requeue-me", "--rc", "0"]
 
 
 def test_newline_in_a_value_is_refused(tmp_path):

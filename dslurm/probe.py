@@ -1,0 +1,48 @@
+"""A connectivity probe to run in place of the trainer (`entry: dslurm.probe`).
+
+Each process joins the process group the launcher set up (env://, gloo or NCCL),
+all-reduces its rank and writes what it saw — host, ranks, master, the sum — to
+`<run_dir>/probe/rank-<R>.json`. It proves the chain sbatch -> srun -> dslurm launch ->
+torchrun -> process group end to end without a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from dslurm.launch import write_worker_code
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    record = {
+        "rank": rank, "world_size": world, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "group_rank": int(os.environ.get("GROUP_RANK", os.environ.get("DSLURM_NODE_RANK", "-1"))),
+        "node_rank": int(os.environ.get("DSLURM_NODE_RANK", "-1")), "hostname": socket.gethostname(),
+        "master_addr": os.environ.get("MASTER_ADDR"), "master_port": os.environ.get("MASTER_PORT"),
+        "allreduce_sum": t.item(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "argv": sys.argv[1:],
+    }
+    out = Path(os.environ.get("DSLURM_RUN_DIR", ".")) / "probe"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".rank-{rank}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, out / f"rank-{rank}.json")
+    dist.barrier()
+    dist.destroy_process_group()
+    write_worker_code(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

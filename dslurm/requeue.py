@@ -1,0 +1,127 @@
+"""What happens after the job step ends: requeue, stop, or finish — and why.
+
+The batch script runs `dslurm requeue-me --rc RC` on node 0 once the step is over and
+exits with what it returns. The decision is a pure function of the step's exit code,
+the restart count, the run's ledger and the checkpoint pointer:
+
+- 0: training complete; later links of a chain are cancelled.
+- 2 (user error): stop; a retry cannot help.
+- a crash or a save-and-requeue (75): requeue within the restart budget, unless the
+  pointer has not advanced across `no_progress_limit` consecutive starts (the same crash
+  at the same step every time), which stops with its own exit code (76).
+- in a chain, the next link continues instead of a requeue.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal, Mapping
+
+from dslurm import exitcodes as X
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["requeue", "stop", "end"]
+    exit_code: int
+    reason: str
+
+
+def starts_without_progress(start_steps: list[int], pointer_step: int) -> int:
+    """How many of the latest starts began at the step the pointer still names."""
+    n = 0
+    for s in reversed(start_steps):
+        if s != pointer_step:
+            break
+        n += 1
+    return n
+
+
+def decide(*, rc: int, restart_count: int, max_restarts: int, no_progress_limit: int,
+           start_steps: list[int], pointer_step: int, in_chain: bool = False) -> Decision:
+    """Pure policy; see the module docstring."""
+    if rc == X.OK:
+        return Decision("end", X.OK, "completed")
+    if rc == X.USER_ERROR:
+        return Decision("stop", rc, "user error: fix the input and resubmit")
+    if rc == X.TERMINATED:
+        return Decision("stop", rc, "terminated (scancel or preemption): Slurm decides what comes next")
+    stalled = starts_without_progress(start_steps, pointer_step)
+    if no_progress_limit > 0 and stalled >= no_progress_limit:
+        return Decision("stop", X.NO_PROGRESS,
+                        f"no progress: the last {stalled} starts all began at step {pointer_step} and the "
+                        f"pointer has not advanced (limit {no_progress_limit}); look at the logs of those "
+                        "starts before resubmitting")
+    what = "save-and-requeue" if rc == X.REQUEUE else (
+        "bad nodes found by burn-in" if rc == X.PREFLIGHT_FAILED else f"crash (exit {rc})")
+    if in_chain:
+        return Decision("end", X.OK, f"{what}: the next link of the chain continues")
+    if restart_count >= max_restarts:
+        return Decision("stop", X.BUDGET, f"{what}, but the restart budget is spent "
+                                          f"({restart_count} of {max_restarts} restarts)")
+    return Decision("requeue", X.OK, f"{what}: requeue (restart {restart_count + 1} of {max_restarts})")
+
+
+def job_ref(env: Mapping[str, str]) -> str:
+    """The id `scontrol requeue` needs: array tasks as ARRAYID_TASKID."""
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env["SLURM_JOB_ID"]
+
+
+def chain_of(events: Iterable[dict], job_id: str) -> list[int]:
+    """The chain (list of job ids) this job belongs to, from the ledger's submit events."""
+    for ev in events:
+        ids = [int(i) for i in ev.get("job_ids", [])] if ev.get("event") == "submit" else []
+        if len(ids) > 1 and job_id.isdigit() and int(job_id) in ids:
+            return ids
+    return []
+
+
+def start_steps_of(events: Iterable[dict]) -> list[int]:
+    return [int(ev.get("step", 0)) for ev in events if ev.get("event") == "train_start"]
+
+
+def pointer_step(run_dir: Path) -> int:
+    from dslurm.checkpoint import CheckpointError, read_pointer
+
+    try:
+        ptr = read_pointer(run_dir)
+    except CheckpointError:
+        return -1  # garbage pointer: no trusted progress
+    return ptr.step if ptr else 0
+
+
+def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
+    """Decide, record in the ledger, act (scontrol requeue / cancel later links)."""
+    from dslurm import slurm
+    from dslurm.ledger import Ledger, read_events
+
+    env = dict(os.environ if env is None else env)
+    run_dir = Path(env["DSLURM_RUN_DIR"])
+    events = list(read_events(run_dir))
+    job_id = env.get("SLURM_JOB_ID", "")
+    chain = chain_of(events, job_id)
+    d = decide(rc=rc, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+               max_restarts=int(env.get("DSLURM_MAX_RESTARTS", "3")),
+               no_progress_limit=int(env.get("DSLURM_NO_PROGRESS_LIMIT", "3")),
+               start_steps=start_steps_of(events), pointer_step=pointer_step(run_dir),
+               in_chain=bool(chain))
+    Ledger(run_dir).append("requeue", decision=d.action, step_rc=rc, exit_code=d.exit_code, reason=d.reason)
+    print(f"dslurm: step exited {rc}: {d.reason}", flush=True)
+    if d.action == "requeue":
+        slurm.run_cmd(["scontrol", "requeue", job_ref(env)])
+    elif d.action == "end" and rc == X.OK and chain:
+        later = [i for i in chain if job_id.isdigit() and i > int(job_id)]
+        if later:
+            slurm.run_cmd(["scancel", *map(str, later)], check=False)
+            Ledger(run_dir).append("chain_cancel", job_ids=later, reason="training complete")
+    return d.exit_code
+
+
+def register(sub) -> None:
+    p = sub.add_parser("requeue-me", help="(in the batch script) requeue, stop or finish after the job step")
+    p.add_argument("--rc", type=int, required=True, help="exit code of the job step")
+    p.set_defaults(func=lambda args: requeue_me(args.rc))
