@@ -174,14 +174,15 @@ def _int(text: str) -> int:
 
 # ---------------------------------------------------------------- thin helpers
 
-def sbatch(script_path: str | os.PathLike[str], extra_args: Iterable[str] = (),
+def sbatch(script_path: str | os.PathLike[str] | None, extra_args: Iterable[str] = (),
            cwd: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
            ) -> int:
-    """Submit a batch script; return its job id."""
+    """Submit a batch script (None with `--wrap CMD` in extra_args); return its job id."""
     args = ["sbatch", "--parsable", *extra_args]
     if cwd is not None:
         args.append(f"--chdir={os.fspath(cwd)}")
-    args.append(os.fspath(script_path))
+    if script_path is not None:
+        args.append(os.fspath(script_path))
     return parse_parsable_job_id(run_cmd(args, env=env).stdout)
 
 

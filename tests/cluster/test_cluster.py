@@ -118,3 +118,11 @@ def test_requeue_restarts_job_within_seconds(slurm_cluster: cluster.ClusterInfo,
     finally:
         slurm.cancel(job)
     assert slurm.wait_job(job, timeout=30) == "CANCELLED"
+
+
+def test_wrap_job_and_unknown_job_id(slurm_cluster: cluster.ClusterInfo, tmp_path: Path) -> None:
+    job = slurm.sbatch(None, extra_args=["--wrap", "true", "--output=/dev/null"], cwd=tmp_path)
+    assert slurm.wait_job(job, timeout=30, poll=0.05) == "COMPLETED"
+    # Never existed: not in slurmctld, not in accounting -> a clear error, not a KeyError.
+    with pytest.raises(SlurmError, match="unknown to slurmctld and to accounting"):
+        slurm.job_info(1)
