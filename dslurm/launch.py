@@ -147,6 +147,7 @@ def register(sub) -> None:
                    help="processes per node (default: GPUs on the node)")
     p.add_argument("--rdzv", choices=("c10d", "static"), default="c10d", help="torchrun rendezvous")
     p.add_argument("--preflight", action="store_true", help="run the burn-in gate before training")
+    p.add_argument("--site", help="site config (burn-in thresholds), with --preflight")
     p.add_argument("cmd", nargs=__import__("argparse").REMAINDER, help="-- the training command")
     p.set_defaults(func=_run_launch)
 
@@ -164,7 +165,8 @@ def _run_launch(args) -> int:
     if args.preflight:
         from dslurm.preflight_gate import gate_in_job
 
-        rc = gate_in_job(mode=args.mode, nproc_per_node=args.nproc_per_node)
+        rc = gate_in_job(mode=args.mode, nproc_per_node=args.nproc_per_node, site_path=args.site,
+                         rdzv=args.rdzv)
         if rc != 0:
             return rc
     return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv)

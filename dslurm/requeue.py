@@ -112,13 +112,48 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
     Ledger(run_dir).append("requeue", decision=d.action, step_rc=rc, exit_code=d.exit_code, reason=d.reason)
     print(f"dslurm: step exited {rc}: {d.reason}", flush=True)
     if d.action == "requeue":
-        slurm.run_cmd(["scontrol", "requeue", job_ref(env)])
+        from dslurm.submit import read_blocklist
+
+        blocked = read_blocklist(run_dir)
+        if blocked:
+            requeue_excluding(job_ref(env), blocked)
+        else:
+            slurm.run_cmd(["scontrol", "requeue", job_ref(env)])
     elif d.action == "end" and rc == X.OK and chain:
         later = [i for i in chain if job_id.isdigit() and i > int(job_id)]
         if later:
             slurm.run_cmd(["scancel", *map(str, later)], check=False)
             Ledger(run_dir).append("chain_cancel", job_ids=later, reason="training complete")
     return d.exit_code
+
+
+def requeue_excluding(job: str, hosts: list[str]) -> None:
+    """Requeue and keep the job off `hosts`. Slurm refuses ExcNodeList on a running job,
+    so: requeue held, update while pending, release. SIGTERM (Slurm ends the old run as
+    it requeues) is ignored meanwhile: dying between hold and release would strand the
+    job held."""
+    import signal
+    import time
+
+    from dslurm import slurm
+    from dslurm.errors import SlurmError
+
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        slurm.run_cmd(["scontrol", "requeuehold", job])
+        try:
+            for attempt in range(40):  # the job may still be completing for a moment
+                res = slurm.run_cmd(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(hosts)}"],
+                                    check=False)
+                if res.returncode == 0:
+                    break
+                time.sleep(0.25)
+            else:
+                raise SlurmError(f"could not exclude {','.join(hosts)} from job {job}: {res.stderr.strip()}")
+        finally:
+            slurm.run_cmd(["scontrol", "release", job])
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def register(sub) -> None:

@@ -103,7 +103,7 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
     py = q(r.site.python)
     launch_mode = r.job.launch
     srun_tasks = '"$NPROC_PER_NODE"' if launch_mode == "srun" else "1"
-    preflight = ["--preflight"] if r.job.preflight.enabled else []
+    preflight = ["--preflight", "--site", q(refs.site)] if r.job.preflight.enabled else []
     trainer = " ".join(q(a) for a in _trainer_args(r, refs))
     lines = [
         "#!/bin/bash",

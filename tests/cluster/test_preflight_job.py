@@ -1,0 +1,36 @@
+"""The burn-in gate as the first step of a job on the real local cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+from dslurm import slurm
+from dslurm.ledger import read_events
+
+
+def submit_probe(cli, env, tmp_path, extra_env=None, nodes=2):
+    job = {"name": "gate", "nodes": nodes, "time": "00:05:00", "entry": "dslurm.probe",
+           "preflight": {"enabled": True}, "env": extra_env or {},
+           "checkpoint": {"run_dir": str(tmp_path / "run")}}
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(job))
+    res = cli("submit", "--site", "site-configs/local.yaml", "--job", str(p), env=env)
+    assert res.returncode == 0, res.stderr
+    return int(re.search(r"submitted job (\d+)", res.stdout).group(1))
+
+
+def test_healthy_nodes_pass_the_gate_and_train(slurm_cluster, cli, tmp_path):
+    env = slurm_cluster.env()
+    job_id = submit_probe(cli, env, tmp_path)
+    state = slurm.wait_job(job_id, timeout=240, env=env)
+    run = tmp_path / "run"
+    logs = "\n".join(p.read_text() for p in (run / "logs").glob("*"))
+    assert state == "COMPLETED", logs
+    pre = [e for e in read_events(run) if e["event"] == "preflight"]
+    assert len(pre) == 1 and pre[0]["passed"] is True and pre[0]["bad_nodes"] == []
+    report = json.loads(open(pre[0]["report"]).read())
+    assert report["inter"]["busbw_gbps"] > 0 and len(report["nodes"]) == 2
+    assert len(list((run / "probe").glob("rank-*.json"))) == 4  # training ran after the gate
