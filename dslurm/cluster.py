@@ -90,6 +90,9 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
                 return _info(sdir, rec)
             log.warning("cluster in %s runs with %s; restarting with %s",
                         sdir, rec["settings"], wanted)
+        if os.geteuid() != 0:  # only now: a running cluster is usable without root
+            raise UserError("`dslurm cluster up` needs root: it runs the Slurm daemons as "
+                            f"root and edits {HOSTS} and {ETC_CONF}; run it with sudo")
         if rec:
             _teardown(sdir, rec)  # leftovers of a crashed or differently-configured run
         spec = cc.ClusterSpec(state_dir=sdir, nodes=nodes, cpus=cpus, accounting=accounting,
@@ -238,8 +241,12 @@ def _wait_idle(spec: cc.ClusterSpec, rec: dict, env: dict[str, str],
         if dead:  # fail fast with the reason instead of waiting out the timeout
             raise SlurmError(f"{dead} exited during start; {sdir}/log/{dead[0]}.out:\n"
                              + _tail(sdir / "log" / f"{dead[0]}.out"))
-        proc = slurm.run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], check=False,
-                             timeout=5, env={"SLURM_CONF": env["SLURM_CONF"]})
+        try:
+            proc = slurm.run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], check=False,
+                                 timeout=5, env={"SLURM_CONF": env["SLURM_CONF"]})
+        except SlurmError as exc:  # slow answer while daemons start: ask again
+            last = str(exc)
+            continue
         if proc.returncode == 0:
             states = {n["name"]: n["state"] for n in slurm.parse_sinfo_nodes(proc.stdout)}
             last = str(states)
@@ -278,8 +285,11 @@ def _healthy(sdir: Path, rec: dict) -> bool:
     if not rec.get("procs") or not all(_alive(p) for p in rec["procs"]):
         return False
     env = {"SLURM_CONF": str(sdir / "etc" / "slurm.conf")}
-    proc = slurm.run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], check=False,
-                         timeout=5, env=env)
+    try:  # generous timeout: a loaded 2-core machine must not get its cluster restarted
+        proc = slurm.run_cmd(["sinfo", "-N", "-h", "-o", "%N|%T|%c|%m|%P"], check=False,
+                             timeout=20, env=env)
+    except SlurmError:
+        return False
     if proc.returncode != 0:
         return False
     nodes = slurm.parse_sinfo_nodes(proc.stdout)
