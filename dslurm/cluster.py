@@ -82,8 +82,12 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
     """Start the cluster (or leave a healthy one with the same settings alone)."""
     sdir = state_dir_of(state_dir)
     with _machine_lock():
+        # Validate first: a bad --nodes must not tear down a running cluster.
+        spec = cc.ClusterSpec(state_dir=sdir, nodes=nodes, cpus=cpus, accounting=accounting,
+                              controller_host=socket.gethostname(),
+                              first_job_id=_first_job_id(sdir))
         rec = _load(sdir)
-        wanted = {"nodes": nodes, "cpus": cpus, "memory_mb": 4096, "accounting": accounting}
+        wanted = spec.settings()
         if rec and _healthy(sdir, rec):
             if rec["settings"] == wanted:
                 log.info("cluster in %s already up with %s", sdir, wanted)
@@ -95,9 +99,6 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
                             f"root and edits {HOSTS} and {ETC_CONF}; run it with sudo")
         if rec:
             _teardown(sdir, rec)  # leftovers of a crashed or differently-configured run
-        spec = cc.ClusterSpec(state_dir=sdir, nodes=nodes, cpus=cpus, accounting=accounting,
-                              controller_host=socket.gethostname(),
-                              first_job_id=_first_job_id(sdir))
         ensure_packages(accounting)
         _check_ports_free(spec)
         rec = {"settings": spec.settings(), "procs": [], "changes": {}}
@@ -560,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
             info = up(nodes=args.nodes, accounting=args.accounting, state_dir=args.state_dir,
                       cpus=args.cpus)
         except ValueError as exc:
-            raise UserError(f"dslurm cluster up: {exc}") from exc
+            raise UserError(f"{exc} (flags --nodes, --cpus)") from exc
         print(f"cluster up: {info.nodes} nodes ({','.join(info.node_names)}), partition "
               f"{info.partition}, accounting {'on' if info.accounting else 'off'}; "
               f"SLURM_CONF={info.slurm_conf}")
