@@ -45,6 +45,19 @@ def _judge_node(node: dict[str, Any], th: Thresholds) -> tuple[list[str], list[s
     return fails, warns
 
 
+def _intra_outliers(nodes: list[dict[str, Any]], factor: float) -> dict[str, str]:
+    """Nodes whose own all-reduce is `factor`x slower than the best node's. Unlike the ring
+    pass this needs no third node: with two nodes, a slow one still shows in its intra-node
+    bandwidth (slow NVLink/PCIe, a throttled GPU, or the injected fault)."""
+    measured = {n["host"]: n["intra_busbw_gbps"] for n in nodes if n.get("intra_busbw_gbps")}
+    if len(measured) < 2:
+        return {}
+    best_host = max(measured, key=measured.__getitem__)
+    best = measured[best_host]
+    return {h: f"intra-node busbw {v:.3f} GB/s is {best / v:.1f}x below {best_host} ({best:.3f} GB/s)"
+            for h, v in measured.items() if v * factor < best}
+
+
 def judge(report: dict[str, Any], th: Thresholds) -> dict[str, Any]:
     """Verdict: {"ok", "bad_nodes": {host: [why]}, "warnings": {host: [why]}, "problems": [..]}."""
     bad: dict[str, list[str]] = {}
@@ -56,6 +69,8 @@ def judge(report: dict[str, Any], th: Thresholds) -> dict[str, Any]:
             bad[node["host"]] = fails
         if warns:
             warn[node["host"]] = warns
+    for host, why in _intra_outliers(report["nodes"], th.slow_link_factor).items():
+        bad.setdefault(host, []).append(why)
     loc = report.get("localization") or {}
     for host in loc.get("culprits", []):
         bad.setdefault(host, []).append(

@@ -34,3 +34,23 @@ def test_healthy_nodes_pass_the_gate_and_train(slurm_cluster, cli, tmp_path):
     report = json.loads(open(pre[0]["report"]).read())
     assert report["inter"]["busbw_gbps"] > 0 and len(report["nodes"]) == 2
     assert len(list((run / "probe").glob("rank-*.json"))) == 4  # training ran after the gate
+
+
+def test_slow_node_is_found_excluded_and_the_job_trains_elsewhere(slurm_cluster, cli, tmp_path):
+    """Fault injection (DSLURM_FAULT_SLOW_NODE) slows node1's communication. The 2-node job
+    lands on node1+node2 of the idle 3-node cluster, finds node1, requeues itself without it,
+    passes on node2+node3 and trains."""
+    env = slurm_cluster.env()
+    job_id = submit_probe(cli, env, tmp_path, extra_env={"DSLURM_FAULT_SLOW_NODE": "node1:0.2"})
+    deadline_state = slurm.wait_job(job_id, timeout=400, env=env)
+    run = tmp_path / "run"
+    logs = "\n".join(p.read_text() for p in (run / "logs").glob("*"))
+    assert deadline_state == "COMPLETED", logs
+    pre = [e for e in read_events(run) if e["event"] == "preflight"]
+    assert [p["passed"] for p in pre] == [False, True], pre
+    assert pre[0]["bad_nodes"] == ["node1"] and "node1" in pre[0]["nodes"]
+    assert "node1" not in pre[1]["nodes"]
+    assert (run / "blocklist.txt").read_text().split() == ["node1"]
+    rq = [e for e in read_events(run) if e["event"] == "requeue"]
+    assert rq[0]["decision"] == "requeue" and rq[0]["step_rc"] == 78
+    assert slurm.job_info(job_id, env=env)["restarts"] == 1

@@ -76,7 +76,9 @@ def test_low_intra_busbw_fails_that_node():
     r = report()
     r["nodes"][0]["intra_busbw_gbps"] = 120.0
     v = judge(r, TH)
-    assert v["bad_nodes"] == {"n0": ["intra-node busbw 120.00 GB/s < 300 GB/s"]}
+    assert list(v["bad_nodes"]) == ["n0"]
+    assert v["bad_nodes"]["n0"][0] == "intra-node busbw 120.00 GB/s < 300 GB/s"
+    assert "3.3x below n1" in v["bad_nodes"]["n0"][1]  # and, relative to its peers, an outlier
 
 
 def test_localized_culprit_is_bad_even_if_busbw_passes():
@@ -168,3 +170,14 @@ def test_table_names_bad_node_and_why():
     r = report()
     r["verdict"] = judge(r, TH)
     assert render_table(r).rstrip().endswith("PASS")
+
+
+def test_intra_node_outlier_is_blamed_even_with_two_nodes():
+    from dslurm.preflight.gate import _intra_outliers
+
+    nodes = [{"host": "node1", "intra_busbw_gbps": 0.02}, {"host": "node2", "intra_busbw_gbps": 0.9}]
+    out = _intra_outliers(nodes, factor=5.0)
+    assert list(out) == ["node1"] and "45.0x below node2" in out["node1"]
+    assert _intra_outliers([{"host": "a", "intra_busbw_gbps": 0.5}, {"host": "b", "intra_busbw_gbps": 0.2}],
+                           factor=5.0) == {}  # 2.5x: machine noise, not a fault
+    assert _intra_outliers([{"host": "a", "intra_busbw_gbps": 0.5}], factor=5.0) == {}
