@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -39,6 +40,16 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
+def _test_stop_at(rank: int) -> int | None:
+    """Test hook: DSLURM_TEST_STOP_AT=STEP[:RANK] makes RANK (default 0) request a stop after
+    optimizer step STEP (1-based), as a signal handler would; the other ranks must follow."""
+    raw = os.environ.get("DSLURM_TEST_STOP_AT")
+    if not raw:
+        return None
+    step, _, who = raw.partition(":")
+    return int(step) if int(who or 0) == rank else None
+
+
 @dataclasses.dataclass(slots=True)
 class StepResult:
     step: int
@@ -63,6 +74,7 @@ class Trainer:
         self.t_start = t_start if t_start is not None else time.time()
         self.dims = ParallelDims.from_layout(resolved.layout, world_size, device.type)
         self.stop_requested = False  # set by a signal handler; only read at step boundaries
+        self._test_stop_at = _test_stop_at(rank)
         self.step = 0
         pp_mb = job.parallel.microbatches if self.dims.pp_enabled else 1
         self.loss_scale = 1.0 / (self.train.grad_accum * pp_mb)
@@ -121,6 +133,8 @@ class Trainer:
                 sched.step()
         # One all-reduce for the logged loss and the stop flag: only the ranks holding the
         # last stage contribute a loss (world/pp of them, each a dp-rank mean).
+        if self._test_stop_at is not None and self.step + 1 >= self._test_stop_at:
+            self.stop_requested = True
         holder = self.built.has_last_stage
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
                            torch.tensor(float(self.stop_requested), device=self.device)])
@@ -172,7 +186,7 @@ class Trainer:
     def _log_window(self, last: StepResult) -> None:
         win = self.metrics.summary()
         if win is not None and self.rank == 0:
-            self._event("steps", **win.ledger_fields(), grad_norm=round(last.grad_norm, 6), lr=last.lr)
+            self._event("steps", **win.ledger_fields(), grad_norm=last.grad_norm, lr=last.lr)
             print(format_log_line(win, total_steps=self.train.steps, lr=last.lr), flush=True)
 
     def run(self) -> int:
