@@ -1,0 +1,83 @@
+"""ParallelDims: validation with the numbers, mesh names, CPU refusal of CP, and (under
+torchrun) mesh coordinates equal to the pure `Layout.coords`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dslurm.errors import UserError
+from dslurm.resolve import Layout
+from train.parallel.dims import ParallelDims
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dims(**kw) -> ParallelDims:
+    base = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
+    return ParallelDims(**{**base, **kw})
+
+
+def test_product_must_equal_world_size_and_says_the_numbers():
+    with pytest.raises(UserError, match=r"pp\(2\)\*dp_replicate\(1\)\*dp_shard\(3\)\*cp\(1\)\*tp\(1\)=6 != "
+                                        r"world_size\(8\)"):
+        dims(pp=2, dp_shard=3, world_size=8)
+
+
+def test_degrees_below_one_are_refused():
+    with pytest.raises(UserError, match=r"parallel.tp=0"):
+        dims(tp=0)
+
+
+def test_context_parallel_is_refused_on_cpu_with_the_reason():
+    with pytest.raises(UserError, match="context parallel needs GPUs"):
+        dims(cp=2, world_size=2)
+    assert dims(cp=2, world_size=2, device_type="cuda").cp_enabled
+
+
+def test_enabled_flags_and_fsdp_rule():
+    d = ParallelDims.from_layout(Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2), 16)
+    assert (d.pp_enabled, d.dp_replicate_enabled, d.dp_shard_enabled, d.tp_enabled) == (True,) * 4
+    assert d.dp == 4 and d.fsdp_enabled and d.loss_parallel_enabled and not d.cp_enabled
+    tp_only = dims(tp=2, world_size=2)
+    assert not tp_only.fsdp_enabled and tp_only.loss_parallel_enabled
+
+
+def test_get_mesh_with_a_wrong_name_lists_the_valid_ones_before_building_anything():
+    d = dims()
+    with pytest.raises(ValueError, match=r"unknown mesh dim\(s\) \['data'\]; valid names: pp, dp_replicate, "
+                                         r"dp_shard, cp, tp, dp"):
+        d.get_mesh("data")
+    assert d._mesh is None
+
+
+SCRIPT = """
+import json, sys, torch.distributed as dist
+from dslurm.resolve import Layout
+from train.parallel.dims import ParallelDims
+dist.init_process_group("gloo")
+layout = Layout(pp=2, dp_replicate=1, dp_shard=1, tp=2)
+d = ParallelDims.from_layout(layout, dist.get_world_size())
+r = dist.get_rank()
+coords = dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), d.mesh.get_coordinate()))
+ok = coords == layout.coords(r) and d.get_mesh("tp").get_local_rank() == r % 2 and d.get_mesh("dp").size() == 1
+print(json.dumps({"rank": r, "ok": ok}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_mesh_coordinates_equal_the_pure_layout(tmp_path):
+    script = tmp_path / "mesh.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script)], cwd=ROOT, capture_output=True, text=True, timeout=110,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3] and all(r["ok"] for r in rows)
