@@ -437,7 +437,7 @@ class CheckpointManager:
             ck.write_manifest(gen, job.step, files)
             for d in (gen / ck.RANKS, gen, self.gdir):
                 ck.fsync_dir(d)
-            problems = ck.verify_generation(gen, full=False) + _restore_test(gen)
+            problems = ck.verify_generation(gen, full=False) + _restore_test(gen, files)
             if problems:
                 raise RuntimeError("verification failed: " + "; ".join(problems))
             _test_kill("before_pointer", 0, job.nth)
@@ -487,12 +487,19 @@ def _make_stager() -> Any:
                                         use_async_staging=False, use_non_blocking_copy=cuda))
 
 
-def _restore_test(gen: Path) -> list[str]:
-    """Read .metadata back and load its smallest tensor into scratch: the files make a checkpoint."""
+def _restore_test(gen: Path, files: dict[str, Any]) -> list[str]:
+    """Read .metadata back, check that every storage record lies inside a file the manifest lists,
+    and load the smallest tensor through DCP's own read path into scratch. Bounded cost: it does
+    not re-read the shards (their crc32 was just computed from disk by the ranks that wrote them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
-        md = dcp.FileSystemReader(gen).read_metadata().state_dict_metadata
-        tensors = [(k, v) for k, v in md.items() if isinstance(v, TensorStorageMetadata)]
+        md = dcp.FileSystemReader(gen).read_metadata()
+        for index, info in (md.storage_data or {}).items():
+            have = files.get(info.relative_path)
+            if have is None or info.offset + info.length > have["size"]:
+                return [f"{gen / info.relative_path}: holds {index.fqn} at {info.offset}+{info.length}, "
+                        f"but the file is {'absent' if have is None else have['size']} bytes"]
+        tensors = [(k, v) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
         if tensors:
             key, tmd = min(tensors, key=lambda kv: kv[1].size.numel())
             scratch = {key: torch.empty(tmd.size, dtype=tmd.properties.dtype)}
