@@ -1,6 +1,8 @@
 """The training loop: one optimizer step at a time, a stop flag agreed at step boundaries.
 
-Exit codes of `Trainer.run` (and of `python -m train`):
+Exit codes of `Trainer.run` (and of each `python -m train` worker; torchrun itself exits 1
+whenever a worker exits non-zero, so a launcher reads the workers' codes -- torchrun's
+failure report or the ledger's last `exit` event -- not torchrun's):
   0  training complete (`train.steps` reached, final checkpoint committed)
   75 requeue me: a stop was requested (signal), all ranks agreed at a step boundary, a
      synchronous checkpoint was saved (EX_TEMPFAIL from sysexits.h: "try again later")
@@ -211,6 +213,9 @@ class Trainer:
                 self._event("signal", signal="stop_requested", step=self.step)
                 self._save(blocking=True)
                 self._event("exit", reason="requeue", step=self.step, code=EXIT_REQUEUE)
+                # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
+                # before rank 0 has written the exit event (the save itself is collective).
+                dist.barrier()
                 return EXIT_REQUEUE
             if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
                 self._save(blocking=False)
