@@ -96,6 +96,7 @@ class SaveOutcome:
     bytes: int = 0
     stall_s: float = 0.0  # training blocked (state_dict + staging, or the whole sync save)
     total_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # rank 0: seconds since the save began
 
 
 @dataclass
@@ -106,6 +107,7 @@ class _Job:
     meta: dict[str, Any]
     rng: dict[str, Any]
     t0: float
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class _Comm:
@@ -407,20 +409,24 @@ class CheckpointManager:
         except Exception as exc:
             err = _reason(exc)
         sums: dict[str, Any] = {}
+        job.phases["prep"] = time.perf_counter() - job.t0
         if not any(comm.gather(err)):
             try:  # dcp.save is collective and raises on every rank if any rank's write failed
                 writer = dcp.FileSystemWriter(gen, sync_files=True, thread_count=self.io_threads)
                 dcp.save(sd, storage_writer=writer, process_group=comm.group,
                          no_dist=comm.group is None)
+                job.phases["dcp"] = time.perf_counter() - job.t0
                 _test_kill("after_write", r, job.nth)
                 own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
                 sums = ck.checksum_files(gen, own + [f"{ck.RANKS}/rank-{r:05d}.json"])
+                job.phases["crc32"] = time.perf_counter() - job.t0
             except (Exception, CheckpointException) as exc:  # the latter is a BaseException
                 err = _reason(exc)
         results = comm.gather((err, sums))
         verdict = self._commit(gen, job, results) if r == 0 else None
         ok, reason, nbytes = comm.bcast(verdict)
-        return SaveOutcome(job.name, job.step, ok, reason, nbytes, 0.0, time.perf_counter() - job.t0)
+        return SaveOutcome(job.name, job.step, ok, reason, nbytes, 0.0, time.perf_counter() - job.t0,
+                           dict(job.phases))
 
     def _commit(self, gen: Path, job: _Job, results: list[Any]) -> tuple[bool, str, int]:
         """Rank 0, after every rank finished: manifest, verify, restore-test, pointer, prune."""
@@ -437,11 +443,14 @@ class CheckpointManager:
             ck.write_manifest(gen, job.step, files)
             for d in (gen / ck.RANKS, gen, self.gdir):
                 ck.fsync_dir(d)
+            job.phases["manifest"] = time.perf_counter() - job.t0
             problems = ck.verify_generation(gen, full=False) + _restore_test(gen, files)
+            job.phases["verify"] = time.perf_counter() - job.t0
             if problems:
                 raise RuntimeError("verification failed: " + "; ".join(problems))
             _test_kill("before_pointer", 0, job.nth)
             ck.write_pointer(self.run_dir, job.name, job.step)
+            job.phases["pointer"] = time.perf_counter() - job.t0
         except Exception as exc:
             if gen.exists():  # every rank is past its writes: free the space (ENOSPC) now
                 ck.remove_generation(self.run_dir, job.name)
