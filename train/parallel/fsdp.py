@@ -30,12 +30,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, dtype: str = "fp32", device_ty
                pp_enabled: bool = False) -> None:
     """Shard each block, then the root (embedding, final norm, output) in place.
 
-    With PP, parameters stay unsharded after forward: the schedule runs several microbatch
+    With PP (or a shard group of one), parameters stay unsharded after forward: the schedule runs several microbatch
     forwards before their backwards and would otherwise all-gather every block per
     microbatch (torchtitan does the same).
     """
     policy = mp_policy(dtype, device_type)
-    reshard = not pp_enabled
+    # Resharding frees memory only when there is more than one shard; on a shard group of one
+    # it would just redo the (copying) all-gather in backward.
+    reshard = not pp_enabled and dp_mesh.size(dp_mesh.ndim - 1) > 1
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.
