@@ -88,8 +88,30 @@ def write_worker_code(code: int) -> None:
         os.replace(tmp, Path(d) / f"{rank}.code")
 
 
+# The first stop signal this launcher received (it may come before training started,
+# e.g. during the burn-in): remembered for the rest of the process.
+STOP_SIGNAL: str | None = None
+
+
+def _note_stop(signame: str, status_dir: str | None) -> None:
+    """Remember a stop request, and leave it where a trainer that has not installed its
+    handlers yet will find it (train/stop.py reads the file after installing them)."""
+    global STOP_SIGNAL
+    if STOP_SIGNAL != "SIGTERM":
+        STOP_SIGNAL = signame
+    if status_dir:
+        tmp = Path(status_dir) / ".stop.tmp"
+        try:
+            tmp.write_text(STOP_SIGNAL or signame)
+            os.replace(tmp, Path(status_dir) / "stop")
+        except OSError:  # the status dir is gone: the run is ending anyway
+            pass
+
+
 def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
     """Start argv in its own process group, forward USR2/TERM to the group, wait."""
+    if STOP_SIGNAL:
+        _note_stop(STOP_SIGNAL, env.get(STATUS_DIR_ENV))
     old_usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited by torchrun: survives USR2
     try:
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
@@ -97,8 +119,9 @@ def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
         signal.signal(signal.SIGUSR2, old_usr2)
 
     def forward(signum: int, _frame: object) -> None:
-        log.warning("dslurm launch: got %s, forwarding to the training processes",
-                    signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        log.warning("dslurm launch: got %s, forwarding to the training processes", name)
+        _note_stop(name, env.get(STATUS_DIR_ENV))  # before the kill: see _note_stop
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -169,6 +192,11 @@ def _run_launch(args) -> int:
                          rdzv=args.rdzv)
         if rc != 0:
             return rc
+        if STOP_SIGNAL:  # stopped during the burn-in: nothing trained, nothing to save
+            from dslurm import exitcodes
+
+            log.warning("dslurm launch: %s arrived during the burn-in; not starting training", STOP_SIGNAL)
+            return exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE
     return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv)
 
 

@@ -85,13 +85,18 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     import torch.distributed as dist
 
+    from dslurm import exitcodes
     from train.loop import Trainer
+    from train.stop import StopRequest
 
     device = init_distributed(resolved, local_rank, world)
     trainer = None
     try:
         trainer = Trainer(resolved, device=device, rank=rank, world_size=world, t_start=T_START)
-        return trainer.run()
+        stop = StopRequest().install(trainer)
+        code = trainer.run()
+        # A stop on TERM (scancel, preemption) saved like any stop, but must not requeue.
+        return exitcodes.TERMINATED if code == exitcodes.REQUEUE and stop.terminated else code
     except UserError as exc:  # e.g. data file too small: found after the group exists
         print(f"error: [rank {rank}] {exc}", file=sys.stderr)
         return exc.exit_code
@@ -101,5 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
+def _main_reporting() -> int:
+    """Run, then tell the launcher this process's own exit code (torchrun reports any
+    worker failure as 1, which would hide a requeue request)."""
+    from dslurm.launch import write_worker_code
+
+    code = 1
+    try:
+        code = main()
+    finally:
+        write_worker_code(code)
+    return code
+
+
 if __name__ == "__main__":  # guard: async checkpoint processes re-import the main module
-    sys.exit(main())
+    sys.exit(_main_reporting())

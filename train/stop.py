@@ -1,0 +1,64 @@
+"""Stop requests: the signal handlers of a training process.
+
+Slurm's time-limit warning (USR2, from `--signal=B:USR2@LEAD`) and TERM (scancel,
+preemption) reach the training processes through the batch shell's trap, srun and the
+launcher (dslurm/launch.py). The handler only sets a flag — never save inside a signal
+handler — and the loop agrees on the flag at the next step boundary (it rides on the
+all-reduce that already carries the logged loss, so agreement costs no extra
+collective), saves synchronously, and exits.
+
+A signal that arrives before this process installed its handler is not lost: the
+launcher also leaves a `stop` file in its status directory (DSLURM_STATUS_DIR), which
+`install` reads once after the handlers are in place.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class StopRequest:
+    """Which signal asked this process to stop (None until one did)."""
+
+    def __init__(self) -> None:
+        self.signame: str | None = None
+        self._target: Any = None
+
+    def install(self, trainer: Any) -> "StopRequest":
+        """Route stop signals to `trainer.stop_requested`; pick up an earlier request."""
+        self._target = trainer
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        early = read_stop_file()
+        if early and self.signame is None:
+            self._set(early)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self._set(signal.Signals(signum).name)
+
+    def _set(self, name: str) -> None:
+        # TERM outranks USR2: a preemption/cancel must not be turned into a requeue.
+        if self.signame != "SIGTERM":
+            self.signame = name
+        if self._target is not None:
+            self._target.stop_requested = True
+
+    @property
+    def terminated(self) -> bool:
+        return self.signame == "SIGTERM"
+
+
+def read_stop_file() -> str | None:
+    d = os.environ.get("DSLURM_STATUS_DIR")
+    if not d:
+        return None
+    try:
+        return (Path(d) / "stop").read_text().strip() or "SIGUSR2"
+    except OSError:
+        return None
