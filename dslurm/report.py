@@ -1,0 +1,319 @@
+"""`dslurm report RUN_DIR`: goodput, lost work, restarts, saves, MFU, stragglers, a PNG.
+
+Reads the run's ledger (`dslurm.ledger`) and nothing else. `summarize(events)` is pure;
+the definitions (goodput, productive time, lost steps, restart overhead) are in
+docs/report.md and in the docstrings below. `dslurm doctor` reuses `split_starts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from dslurm import exitcodes as X
+from dslurm.errors import UserError
+
+DIED = "died without exit event (killed?)"
+# Events a fresh start writes before it trains; seeing one after the current start trained
+# (or exited) means a new start, even when job_id/restart do not change (runs outside Slurm).
+_RESTORES = {"ckpt_fresh_start", "ckpt_restore", "ckpt_fallback", "ckpt_restore_failed"}
+_OUTSIDE = {"submit", "chain_cancel"}  # written by the submitting host / after the decision
+
+
+def _num(ev: dict[str, Any], key: str, default: float | None = None) -> float | None:
+    """A numeric field, or `default` when it is missing or not a number (garbled producer)."""
+    v = ev.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+
+@dataclass(slots=True)
+class Window:
+    """One `steps` event: steps first..last, and how many of them survived (were not redone)."""
+
+    t: float
+    first: int
+    last: int
+    loss: float | None
+    step_s: float
+    """seconds per step excluding the checkpoint phase (the save stall billed to the window)"""
+    duration_s: float
+    kept: int = 0
+
+
+@dataclass(slots=True)
+class Start:
+    """One start of the job (first run or a restart): the events between its begin and end."""
+
+    index: int
+    job_id: str | None
+    restart: int
+    begin: float
+    """earliest known moment of the start: job_start, preflight t - duration_s, train_start t - startup_s"""
+    end: float
+    """its last event (the requeue decision when there is one)"""
+    queue_wait_s: float = 0.0
+    burnin_s: float = 0.0
+    overhead_s: float = 0.0
+    """begin -> first step (train_start); the whole start when it never trained"""
+    resumed_from: int | None = None
+    reached: int | None = None
+    discarded_steps: int = 0
+    """steps trained in this start that a later start redid (it resumed from an earlier step)"""
+    productive_s: float = 0.0
+    redone_s: float = 0.0
+    save_stall_s: float = 0.0
+    world_size: int | None = None
+    tokens_per_s: float | None = None
+    exit_reason: str = DIED
+    decision: str | None = None
+    windows: list[Window] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def first(self, name: str) -> dict[str, Any] | None:
+        return next((e for e in self.events if e["event"] == name), None)
+
+    def all(self, *names: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] in names]
+
+
+@dataclass(slots=True)
+class Summary:
+    """What `dslurm report` prints; `to_dict` is the --json form (without raw events)."""
+
+    wall_s: float
+    queue_wait_s: float
+    productive_s: float
+    goodput: float | None
+    lost_steps: int
+    lost_s: float
+    restarts: int
+    restart_overhead_s: float
+    startup_overhead_s: float
+    checkpoint_overhead_s: float
+    saves: int
+    mfu: float | None
+    mfu_label: str
+    tokens_per_s: float | None
+    final_step: int | None
+    stragglers: dict[str, int]
+    straggler_checks: int
+    starts: list[Start]
+    submit_t: float | None = None
+    skipped_lines: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for s in d["starts"]:
+            s.pop("events"), s.pop("windows")
+        return d
+
+
+def _key(ev: dict[str, Any]) -> tuple[Any, Any]:
+    return ev.get("job_id"), ev.get("restart")
+
+
+def _opens_new(cur: list[dict[str, Any]], ev: dict[str, Any]) -> bool:
+    """Does `ev` belong to a new start rather than to the current one (`cur`)?"""
+    names = {e["event"] for e in cur}
+    name = ev["event"]
+    if _key(ev) != _key(cur[0]) or "requeue" in names or name == "job_start":
+        return True  # another job/restart, or the last start already took its decision
+    trained = "train_start" in names or "exit" in names
+    if name in _RESTORES or name == "train_start":
+        return trained
+    if name == "preflight":
+        return trained or "preflight" in names or bool(names & _RESTORES)
+    return False
+
+
+def split_starts(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The run's events grouped by start, in ledger order; submit/chain_cancel are left out."""
+    starts: list[list[dict[str, Any]]] = []
+    for ev in events:
+        if ev["event"] in _OUTSIDE or _num(ev, "t") is None:
+            continue
+        if not starts or _opens_new(starts[-1], ev):
+            starts.append([])
+        starts[-1].append(ev)
+    return starts
+
+
+def _begin(evs: list[dict[str, Any]]) -> float:
+    cands = [float(e["t"]) for e in evs]
+    for e in evs:
+        if e["event"] == "preflight":
+            cands.append(e["t"] - (_num(e, "duration_s") or 0.0))
+        elif e["event"] == "train_start":
+            cands.append(e["t"] - (_num(e, "startup_s") or 0.0))
+    return min(cands)
+
+
+def _exit_reason(s: Start) -> tuple[str, str | None]:
+    """(reason, requeue decision): the requeue decision wins when it stopped the chain."""
+    ex, rq = s.all("exit"), s.all("requeue")
+    rq_ev = rq[-1] if rq else None
+    decision = rq_ev.get("decision") if rq_ev else None
+    if rq_ev and rq_ev.get("exit_code") in (X.NO_PROGRESS, X.BUDGET):
+        return X.NAMES[rq_ev["exit_code"]], decision
+    if ex:
+        return str(ex[-1].get("reason", "?")), decision
+    if rq_ev:  # the step ended without the trainer's exit event; requeue-me saw its code
+        rc = rq_ev.get("step_rc")
+        name = X.NAMES.get(rc) if isinstance(rc, int) else None
+        if name and rc in (X.OK, X.REQUEUE):
+            name += " (no exit event)"  # e.g. a burn-in-only job, or an exit line lost to a kill
+        return name or f"failed (exit {rc})", decision
+    return DIED, decision
+
+
+def _fill_start(s: Start) -> None:
+    """Per-start facts that need only the start's own events."""
+    pf, ts = s.all("preflight"), s.first("train_start")
+    s.burnin_s = sum(_num(e, "duration_s", 0.0) or 0.0 for e in pf)
+    s.overhead_s = (ts["t"] - s.begin) if ts else (s.end - s.begin)
+    s.resumed_from = int(_num(ts, "step", 0) or 0) if ts else None
+    if ts and isinstance(ts.get("layout"), dict):
+        s.world_size = math.prod(int(v) for v in ts["layout"].values() if isinstance(v, int)) or None
+    s.save_stall_s = sum(_num(e, "stall_s", 0.0) or 0.0 for e in s.all("ckpt_save"))
+    reached = [s.resumed_from] if s.resumed_from is not None else []
+    tok_time = dur = 0.0
+    for e in s.events:
+        if e["event"] in ("exit", "signal", "ckpt_save") and _num(e, "step") is not None:
+            reached.append(int(e["step"]))
+        if e["event"] != "steps" or _num(e, "first") is None or _num(e, "last") is None:
+            continue
+        n = max(1, int(e["last"]) - int(e["first"]) + 1)
+        d = _num(e, "duration_s") or (_num(e, "step_time_s", 0.0) or 0.0) * n
+        ckpt = _num(e.get("breakdown") or {}, "checkpoint", 0.0) or 0.0
+        s.windows.append(Window(e["t"], int(e["first"]), int(e["last"]), _num(e, "loss"),
+                                 max(0.0, d / n - ckpt), d))
+        reached.append(int(e["last"]) + 1)
+        tps = _num(e, "tokens_per_s")
+        if tps is not None:
+            tok_time, dur = tok_time + tps * d, dur + d
+    s.reached = max(reached) if reached else None
+    s.tokens_per_s = tok_time / dur if dur else None
+    s.exit_reason, s.decision = _exit_reason(s)
+
+
+def _attribute_steps(starts: list[Start]) -> None:
+    """A step trained in start i survives iff every later start resumed at or after it."""
+    later_min = math.inf
+    for s in reversed(starts):
+        keep_below = later_min  # steps >= this were redone by some later start
+        for w in s.windows:
+            w.kept = max(0, min(w.last + 1, keep_below) - w.first) if keep_below != math.inf else w.last - w.first + 1
+            s.productive_s += w.kept * w.step_s
+            s.redone_s += (w.last - w.first + 1 - w.kept) * w.step_s
+        if s.reached is not None and keep_below != math.inf:
+            s.discarded_steps = max(0, s.reached - max(s.resumed_from or 0, int(keep_below)))
+        if s.resumed_from is not None:
+            later_min = min(later_min, s.resumed_from)
+
+
+def _queue_waits(starts: list[Start], submits: list[float]) -> None:
+    """Wait before a start: from the later of the previous start's end and the last submit."""
+    prev_end: float | None = None
+    for s in starts:
+        refs = [t for t in submits if t <= s.begin] + ([prev_end] if prev_end is not None else [])
+        s.queue_wait_s = max(0.0, s.begin - max(refs)) if refs else 0.0
+        prev_end = s.end
+
+
+def _mfu(starts: list[Start]) -> tuple[float | None, str]:
+    steps = [e for s in starts for e in s.all("steps")]
+    vals = [v for e in steps if (v := _num(e, "mfu")) is not None]
+    if vals:
+        return sum(vals) / len(vals), f"{sum(vals) / len(vals):.1%}"
+    label = next((str(e["mfu_label"]) for e in steps if e.get("mfu_label")), "cpu")
+    return None, f"n/a ({label})"
+
+
+def summarize(events: Iterable[dict[str, Any]], skipped_lines: int = 0) -> Summary:
+    """The report of one run from its ledger events (pure; see docs/report.md)."""
+    events = list(events)
+    groups = split_starts(events)
+    starts = [Start(i, g[0].get("job_id"), int(_num(g[0], "restart", 0) or 0), _begin(g),
+                    max(float(e["t"]) for e in g), events=g) for i, g in enumerate(groups)]
+    for s in starts:
+        _fill_start(s)
+    _attribute_steps(starts)
+    submits = [float(e["t"]) for e in events if e["event"] == "submit" and _num(e, "t") is not None]
+    _queue_waits(starts, submits)
+    wall = sum(s.end - s.begin for s in starts)
+    productive = sum(s.productive_s for s in starts)
+    mfu, label = _mfu(starts)
+    tps = [(s.tokens_per_s, sum(w.last - w.first + 1 for w in s.windows)) for s in starts if s.tokens_per_s]
+    hosts: dict[str, int] = {}
+    checks = [e for s in starts for e in s.all("stragglers")]
+    for e in checks:
+        for slow in e.get("slow") or []:
+            host = str(slow.get("host", "?")) if isinstance(slow, dict) else "?"
+            hosts[host] = hosts.get(host, 0) + 1
+    return Summary(
+        wall_s=wall, queue_wait_s=sum(s.queue_wait_s for s in starts), productive_s=productive,
+        goodput=productive / wall if wall > 0 else None,
+        lost_steps=sum(s.discarded_steps for s in starts), lost_s=sum(s.redone_s for s in starts),
+        restarts=max(0, len(starts) - 1), restart_overhead_s=sum(s.overhead_s for s in starts[1:]),
+        startup_overhead_s=sum(s.overhead_s for s in starts[:1]),
+        checkpoint_overhead_s=sum(s.save_stall_s for s in starts),
+        saves=sum(len(s.all("ckpt_save")) for s in starts), mfu=mfu, mfu_label=label,
+        tokens_per_s=(sum(t * n for t, n in tps) / sum(n for _, n in tps)) if tps else None,
+        final_step=starts[-1].reached if starts else None, stragglers=hosts, straggler_checks=len(checks),
+        starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines)
+
+
+def load(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """(events, garbled lines skipped); UserError naming the path when there is nothing to read."""
+    from dslurm.ledger import FILENAME, read_events
+
+    path = Path(run_dir) / FILENAME
+    if not path.is_file():
+        raise UserError(f"{path}: no ledger. Fix: give the run directory a job wrote to "
+                        "(the one holding ledger.jsonl)")
+    events = list(read_events(run_dir))
+    lines = sum(1 for raw in path.read_bytes().splitlines() if raw.strip())
+    if not events:
+        raise UserError(f"{path}: the ledger holds no readable event ({lines} line(s)). "
+                        "Fix: check the run directory; a run writes events from its first start")
+    return events, lines - len(events)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="goodput, lost work, restarts, MFU, stragglers of a run (+ PNG)",
+                       description="Summarize a run's ledger (see docs/report.md).")
+    p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--png", type=Path, default=None, help="timeline PNG (default RUN_DIR/report.png)")
+    p.add_argument("--no-png", action="store_true", help="do not draw the timeline")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from dslurm.report_plot import print_summary
+
+    events, skipped = load(args.run_dir)
+    summary = summarize(events, skipped)
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2, default=str))
+    else:
+        print_summary(summary, args.run_dir)
+    if not args.no_png:
+        from dslurm.report_plot import plot_timeline
+
+        png = args.png or Path(args.run_dir) / "report.png"
+        try:
+            plot_timeline(summary, png)
+        except OSError as exc:
+            if args.png:
+                raise UserError(f"{png}: cannot write the timeline ({exc}). Fix: choose a writable --png path")
+            print(f"dslurm report: timeline not written: {exc}", file=sys.stderr)
+        else:
+            print(f"timeline: {png}", file=sys.stderr if args.json else sys.stdout)
+    return 0

@@ -1,0 +1,149 @@
+"""What a person sees of `dslurm report`: the text summary (rich) and the PNG timeline.
+
+Both import their libraries lazily: `import dslurm.cli` must stay fast and torch-free,
+and matplotlib alone costs about a second.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dslurm.report import Start, Summary
+
+# One colour per kind of time, the same in the bands and the legend.
+COLORS = {"queue wait": "#d9d9d9", "startup": "#ffd966", "burn-in": "#f4a261",
+          "training": "#2a9d8f", "redone": "#e76f51", "save stall": "#264653"}
+
+
+def _fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 3600:.2f}h" if x >= 36000 else f"{x / 60:.1f}m" if x >= 600 else f"{x:.1f}s"
+
+
+def print_summary(sm: Summary, run_dir: Path) -> None:
+    """The human form: one line per headline number, then one row per start."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
+    tps = "n/a" if sm.tokens_per_s is None else f"{sm.tokens_per_s:,.0f}"
+    lines = [
+        f"goodput [bold]{gp}[/bold] = productive {_fmt_s(sm.productive_s)} / wall {_fmt_s(sm.wall_s)}"
+        f" (queue wait {_fmt_s(sm.queue_wait_s)} excluded)",
+        f"restarts {sm.restarts}: overhead {_fmt_s(sm.restart_overhead_s)} (first start"
+        f" {_fmt_s(sm.startup_overhead_s)}); lost {sm.lost_steps} step(s) = {_fmt_s(sm.lost_s)} redone",
+        f"checkpoints: {sm.saves} save(s), stalls {_fmt_s(sm.checkpoint_overhead_s)}",
+        f"MFU {sm.mfu_label}; {tps} tokens/s while training; final step {sm.final_step}",
+        "stragglers: " + (", ".join(f"{h} flagged {n}x" for h, n in sorted(sm.stragglers.items(),
+                                                                         key=lambda kv: -kv[1]))
+                          or "none") + f" ({sm.straggler_checks} check(s))",
+    ]
+    if sm.skipped_lines:
+        lines.append(f"[yellow]{sm.skipped_lines} torn or garbled ledger line(s) skipped[/yellow]")
+    # SIMPLE box and short headers: the table fits 80 columns when piped to a file.
+    table = Table(title=f"{run_dir}: {len(sm.starts)} start(s)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("start", "queue", "burn-in", "to step", "steps", "redone", "train", "saves", "exit"):
+        table.add_column(col, justify="left" if col in ("start", "exit") else "right", no_wrap=col != "exit")
+    for s in sm.starts:
+        steps = "-" if s.reached is None else f"{s.resumed_from or 0}-{s.reached}"
+        table.add_row(f"{s.index} {s.job_id or '-'}.{s.restart}", _fmt_s(s.queue_wait_s), _fmt_s(s.burnin_s),
+                      _fmt_s(s.overhead_s), steps, str(s.discarded_steps), _fmt_s(s.productive_s),
+                      _fmt_s(s.save_stall_s), s.exit_reason + (f" > {s.decision}" if s.decision else ""))
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: rich would assume 80 columns and fold
+        console = Console(width=120)
+    for line in lines:
+        console.print(line, highlight=False)
+    console.print(table)
+
+
+def _bands(s: Start) -> list[tuple[str, float, float]]:
+    """(kind, x0, width) in unix time for one start; later bands are drawn over earlier ones."""
+    ts = s.first("train_start")
+    first_step = ts["t"] if ts else s.end
+    out = [("queue wait", s.begin - s.queue_wait_s, s.queue_wait_s), ("startup", s.begin, first_step - s.begin)]
+    for e in s.all("preflight"):
+        d = float(e.get("duration_s") or 0.0)
+        out.append(("burn-in", e["t"] - d, d))
+    for w in s.windows:  # kept steps first in the window, the redone tail after them
+        n = w.last - w.first + 1
+        t0 = w.t - w.duration_s
+        kept_w = w.duration_s * w.kept / n
+        out += [("training", t0, kept_w), ("redone", t0 + kept_w, w.duration_s - kept_w)]
+    for e in s.all("ckpt_save"):
+        stall = float(e.get("stall_s") or 0.0)
+        out.append(("save stall", e["t"] - stall, stall))
+    return [b for b in out if b[2] > 0]
+
+
+def _markers(ax: Any, s: Start, x: Any, y: float) -> None:
+    """Saves as ticks; signal, exit and requeue decisions as labelled markers."""
+    for e in s.all("ckpt_save"):
+        ax.plot([x(e["t"])] * 2, [y - 0.4, y + 0.4], color=COLORS["save stall"], lw=1)
+    for e in s.all("signal"):
+        ax.plot(x(e["t"]), y - 0.45, "v", color="crimson", ms=7)
+    for e in s.all("requeue"):
+        ax.plot(x(e["t"]), y, ">", color="black", ms=6)
+        ax.annotate(str(e.get("decision", "")), (x(e["t"]), y), xytext=(4, 6),
+                    textcoords="offset points", fontsize=7)
+    if s.exit_reason.startswith("died"):
+        ax.plot(x(s.end), y, "X", color="crimson", ms=9)
+        ax.annotate("no exit event", (x(s.end), y), xytext=(4, -10), textcoords="offset points",
+                    fontsize=7, color="crimson")
+
+
+def plot_timeline(sm: Summary, path: str | Path) -> Path:
+    """Write the timeline PNG: one lane per start (top) and the loss curve (bottom)."""
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font-cache chatter on first use
+    matplotlib.use("Agg")  # no display on a login node; must precede pyplot
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    starts = sm.starts
+    t0 = min([s.begin - s.queue_wait_s for s in starts] + ([sm.submit_t] if sm.submit_t else []) or [0.0])
+    span = max([s.end for s in starts] or [t0 + 1]) - t0
+    scale, unit = (60.0, "min") if span > 600 else (1.0, "s")
+
+    def x(t: float) -> float:
+        return (t - t0) / scale
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 2.2 + 0.5 * len(starts) + 2.5),
+                                      gridspec_kw={"height_ratios": [max(1, len(starts)), 2]})
+    for s in starts:
+        for kind, a, w in _bands(s):
+            top.broken_barh([(x(a), w / scale)], (s.index - 0.35, 0.7), color=COLORS[kind])
+        _markers(top, s, x, s.index)
+    top.set_yticks([s.index for s in starts], [f"{s.index}: {s.exit_reason[:24]}" for s in starts], fontsize=8)
+    top.set_ylim(len(starts) - 0.5, -0.5)
+    gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
+    top.set_title(f"goodput {gp}, {sm.restarts} restart(s), {sm.lost_steps} step(s) redone", fontsize=10)
+    top.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], fontsize=7, ncol=6,
+               loc="upper center", bbox_to_anchor=(0.5, -0.02), frameon=False)
+    for s in starts:  # one line per start: a restart is a visible break in the curve
+        pts = [(x(w.t), w.loss) for w in s.windows if w.loss is not None and math.isfinite(w.loss)]
+        if pts:
+            bottom.plot(*zip(*pts), color="#2a9d8f", lw=1, marker=".", ms=4,
+                        label=None if s.index else "loss")
+    redone = [(x(w.t), w.loss) for s in starts for w in s.windows if w.loss is not None and w.kept == 0]
+    if redone:
+        bottom.plot(*zip(*redone), ls="", marker="x", color=COLORS["redone"], label="redone later")
+    bottom.set_ylabel("loss")
+    bottom.set_xlabel(f"wall time ({unit}) since {'submit' if sm.submit_t else 'first start'}")
+    if bottom.get_legend_handles_labels()[0]:
+        bottom.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
