@@ -109,7 +109,7 @@ def plot_timeline(sm: Summary, path: str | Path) -> Path:
     from matplotlib.patches import Patch
 
     starts = sm.starts
-    t0 = min([s.begin - s.queue_wait_s for s in starts] + ([sm.submit_t] if sm.submit_t else []) or [0.0])
+    t0 = min([s.begin - s.queue_wait_s for s in starts] + ([sm.submit_t] if sm.submit_t is not None else []) or [0.0])
     span = max([s.end for s in starts] or [t0 + 1]) - t0
     scale, unit = (60.0, "min") if span > 600 else (1.0, "s")
 
@@ -137,7 +137,7 @@ def plot_timeline(sm: Summary, path: str | Path) -> Path:
     if redone:
         bottom.plot(*zip(*redone), ls="", marker="x", color=COLORS["redone"], label="redone later")
     bottom.set_ylabel("loss")
-    bottom.set_xlabel(f"wall time ({unit}) since {'submit' if sm.submit_t else 'first start'}")
+    bottom.set_xlabel(f"wall time ({unit}) since {'submit' if sm.submit_t is not None else 'first start'}")
     if bottom.get_legend_handles_labels()[0]:
         bottom.legend(fontsize=7)
     fig.tight_layout()

@@ -1,0 +1,274 @@
+"""`dslurm doctor RUN_DIR`: symptoms of a sick run, each tied to evidence, a cause and a fix.
+
+The symptom table of seed 000 (table 2.3) turned into checks over the ledger and the job
+logs (`<run_dir>/logs/*.out|*.err`). `diagnose(events, log_lines)` is pure; each check
+returns zero or more `Finding`s. Exit code: 0 nothing found, 1 findings, 2 user error.
+The table with thresholds is in docs/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from dslurm.report import DIED, Start, _num, summarize
+
+HANG_S = 600.0  # a start this long without a first step is a hang, not a slow startup
+STALL_FRACTION = 0.05  # save stalls above this share of training time are worth fixing
+DATA_FRACTION = 0.2  # data wait above this share of the step time: input-bound
+SCALING_MIN = 0.8  # per-rank tokens/s at more ranks, relative to the fewest ranks
+SPIKE = 1.25  # loss above SPIKE x the median of the previous windows
+MAX_EVIDENCE = 6
+
+RDZV = re.compile(r"rendezvous|DistNetworkError|DistStoreError|TCPStore|connection refused|"
+                  r"connect\(\) timed out|Watchdog caught collective|NCCL.*timeout", re.I)
+CKPT = re.compile(r"REJECTED|CheckpointError|crc32|manifest.*(missing|mismatch)", re.I)
+CRASH = re.compile(r"Traceback|out of memory|OOM|Killed|Xid|ECC error|DUE TO (TIME LIMIT|PREEMPTION)|"
+                   r"NODE FAIL|Segmentation fault|ChildFailedError", re.I)
+LOG_TIME = re.compile(r"\b[EWIF](\d{4} \d\d:\d\d:\d\d)|\b(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)")
+
+
+@dataclass(slots=True)
+class LogLine:
+    """One line of a job log; `where` names it as file:line, with its own time when it has one."""
+
+    path: str
+    lineno: int
+    text: str
+
+    def where(self) -> str:
+        m = LOG_TIME.search(self.text)
+        stamp = f" [{m.group(1) or m.group(2)}]" if m else ""
+        return f"{Path(self.path).name}:{self.lineno}{stamp}: {self.text.strip()[:160]}"
+
+
+@dataclass(slots=True)
+class Finding:
+    symptom: str
+    evidence: list[str]
+    cause: str
+    action: str
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def _ev(e: dict[str, Any], *keys: str) -> str:
+    """An event as one evidence line: time, name, the fields that matter."""
+    fields = " ".join(f"{k}={e[k]}" for k in keys if k in e)
+    return f"{_when(e['t'])} restart {e.get('restart')} {e['event']} {fields}".rstrip()
+
+
+def _grep(logs: Iterable[LogLine], pattern: re.Pattern[str]) -> list[str]:
+    return [ln.where() for ln in logs if pattern.search(ln.text)][:MAX_EVIDENCE]
+
+
+def _no_first_step(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    ev = []
+    for s in starts:
+        ts = s.first("train_start")
+        clean = s.exit_reason in ("preflight_failed", "user_error") or s.exit_reason.startswith("completed")
+        waited = s.end - (ts["t"] if ts else s.begin)
+        # A quick, recorded failure is a crash (see _crashes); long or killed without a word is a hang.
+        if s.windows or clean or (waited < HANG_S and s.exit_reason != DIED):
+            continue
+        last = s.events[-1]
+        what = "train_start but no steps" if ts else "no train_start"
+        ev.append(f"start {s.index} ({s.job_id}.{s.restart}) from {_when(s.begin)}: {what} after {waited:.0f} s; "
+                  f"last event {last['event']} at {_when(last['t'])}; exit: {s.exit_reason}")
+    rdzv = _grep(logs, RDZV)
+    if not ev and not rdzv:
+        return []
+    return [Finding("hang before the first step", ev + rdzv,
+                    "launcher or scheduler: ranks never all joined the rendezvous (wrong master address/port, "
+                    "a node missing from the allocation, a firewall) or a rank died during setup",
+                    "read the rendezvous lines in the .err log (world size, master_addr, port of each node); "
+                    "check `squeue`/`scontrol show job` that all nodes started; run `dslurm burnin` on the nodes")]
+
+
+def _tps(s: Start) -> float | None:
+    """Steady tokens/s of a start: the median window, the first (warm-up) window left out."""
+    vals = [v for e in s.all("steps") if (v := _num(e, "tokens_per_s")) is not None]
+    vals = vals[1:] if len(vals) > 1 else vals
+    return statistics.median(vals) if vals else None
+
+
+def _scaling(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    per_rank = [(s, t / s.world_size) for s in starts if s.world_size and (t := _tps(s)) is not None]
+    if len({s.world_size for s, _ in per_rank}) < 2:
+        return []
+    small = min(s.world_size for s, _ in per_rank)
+    base = max(r for s, r in per_rank if s.world_size == small)
+    bad = [(s, r) for s, r in per_rank if s.world_size > small and r < SCALING_MIN * base]
+    if not bad:
+        return []
+    ev = [f"start {s.index}: {s.world_size} ranks, {r:,.0f} tokens/s per rank" for s, r in per_rank]
+    ev.append(f"efficiency at {bad[0][0].world_size} ranks: {bad[0][1] / base:.0%} of {small} ranks "
+              f"(threshold {SCALING_MIN:.0%})")
+    return [Finding("throughput stops scaling", ev,
+                    "communication topology or parallelism: collectives cross a slower link as nodes are "
+                    "added (tp across nodes, FSDP all-gathers not hidden behind compute)",
+                    "compare inter-node busbw in the burn-in report; `dslurm plan` a layout with tp inside "
+                    "the NVLink domain; check NCCL env (IB HCAs, NCCL_SOCKET_IFNAME)")]
+
+
+def _idle_stages(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    out = []
+    saves = [e for s in starts for e in s.all("ckpt_save")]
+    stall = sum(_num(e, "stall_s", 0.0) or 0.0 for e in saves)
+    training = sum(w.step_s * (w.last - w.first + 1) for s in starts for w in s.windows)
+    if training > 0 and stall / training > STALL_FRACTION:
+        sync = sum(1 for e in saves if (_num(e, "total_s", 0) or 0) <= 2 * (_num(e, "stall_s", 0) or 0))
+        spikes = [e for s in starts for e in s.all("steps")
+                  if (_num(e.get("breakdown") or {}, "checkpoint", 0) or 0) > 0]
+        ev = [f"save stalls {stall:.1f} s = {stall / training:.0%} of {training:.1f} s of training "
+              f"(threshold {STALL_FRACTION:.0%}); {sync} of {len(saves)} saves blocked for their whole write"]
+        ev += [_ev(e, "step", "stall_s", "total_s") for e in saves[:3]]
+        ev += [_ev(e, "first", "last", "step_time_s") + " (window holding a save)" for e in spikes[:3]]
+        fix = ("set checkpoint.async_save: true (the step waits only for the copy to host memory)" if sync
+               else "saves are already async: raise checkpoint.interval or check the storage bandwidth")
+        out.append(Finding("periodic idle stages (step time spikes at checkpoint intervals)", ev,
+                           "synchronous checkpoint saves stall every rank", fix))
+    data = [(e, b["data"] / e["step_time_s"]) for s in starts for e in s.all("steps")
+            if isinstance(b := e.get("breakdown"), dict) and _num(b, "data") and (_num(e, "step_time_s") or 0) > 0]
+    if data and statistics.median(f for _, f in data) > DATA_FRACTION:
+        ev = [_ev(e, "first", "last", "step_time_s") + f" data wait {f:.0%}" for e, f in data[:MAX_EVIDENCE]]
+        out.append(Finding("steps wait for input data", ev, "input path: the loader cannot keep up",
+                           "more loader workers, data on local scratch, pre-tokenized shards"))
+    return out
+
+
+def _loss(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    out, spikes, nans = [], [], []
+    history: list[float] = []
+    for s in starts:
+        for i, e in enumerate(s.all("steps")):
+            loss = _num(e, "loss")
+            if loss is None:
+                continue
+            if not math.isfinite(loss):
+                nans.append(_ev(e, "first", "last", "loss", "grad_norm"))
+                continue
+            if len(history) >= 3 and loss > SPIKE * statistics.median(history[-5:]):
+                after = " (first window after a resume)" if i == 0 and s.index > 0 else ""
+                spikes.append(_ev(e, "first", "last", "loss", "grad_norm") +
+                              f" vs median {statistics.median(history[-5:]):.3f}{after}")
+            history.append(loss)
+    hw = _grep(logs, re.compile(r"Xid|ECC", re.I))
+    if nans:
+        out.append(Finding("loss is NaN or inf", nans[:MAX_EVIDENCE] + hw,
+                           "numerics (learning rate, bf16/fp8 overflow, a bad batch) or hardware (XID/ECC)",
+                           "resume from the last good generation with a lower lr or more warm-up; check grad "
+                           "norms before the NaN; run `dslurm burnin` on the nodes"))
+    if spikes:
+        resumed = any("after a resume" in x for x in spikes)
+        out.append(Finding("loss spikes", spikes[:MAX_EVIDENCE] + hw,
+                           "a resume that did not restore all state (optimizer, data position, lr)" if resumed
+                           else "numerics (lr too high, bad batch) or hardware errors",
+                           "compare grad_norm around the spike; after a resume: check the generation's extra "
+                           "state (data position, scheduler); `dslurm ckpt verify`"))
+    return out
+
+
+def _resume(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    names = ("ckpt_fallback", "ckpt_restore_failed", "ckpt_save_failed")
+    ev = [_ev(e, "step", "generation", "reason", "rejected") for s in starts for e in s.all(*names)]
+    ev += [_ev(e, "decision", "reason") for s in starts for e in s.all("requeue")
+           if e.get("exit_code") == 76]
+    ev += _grep(logs, CKPT)
+    if not ev:
+        return []
+    return [Finding("resume fails or falls back", ev[:2 * MAX_EVIDENCE],
+                    "checkpoint writer or artifact lineage: a generation failed verification (torn write, "
+                    "altered file, other config), or the same crash repeats at the same step",
+                    "`dslurm ckpt ls RUN_DIR` and `dslurm ckpt verify`; read the logs of the starts that "
+                    "began at the same step; fix the crash before resubmitting")]
+
+
+def _stragglers(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    out = []
+    sm_hosts: dict[str, list[str]] = {}
+    for s in starts:
+        for e in s.all("stragglers"):
+            for slow in e.get("slow") or []:
+                if isinstance(slow, dict):
+                    sm_hosts.setdefault(str(slow.get("host")), []).append(
+                        f"{_when(e['t'])} step {e.get('step')}: rank {slow.get('rank')} x{slow.get('ratio')}")
+    for host, ev in sorted(sm_hosts.items()):
+        if len(ev) >= 2:  # once can be noise (a GC pause); twice on the same host is a pattern
+            out.append(Finding(f"straggler: {host} slow in {len(ev)} checks", ev[:MAX_EVIDENCE],
+                               "one slow host delays every synchronized rank (thermal throttling, a bad "
+                               "link, a noisy neighbour, input work on that host)",
+                               f"run `dslurm burnin` on {host}; add it to the run's blocklist to exclude it"))
+    bad = [e for s in starts for e in s.all("preflight") if e.get("bad_nodes")]
+    if bad:
+        out.append(Finding("burn-in found bad nodes", [_ev(e, "bad_nodes", "report") for e in bad],
+                           "hardware or fabric below the site thresholds",
+                           "the nodes were excluded (blocklist); read the burn-in report and tell the admins"))
+    return out
+
+
+def _crashes(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    dead = [s for s in starts if s.exit_reason == DIED or s.exit_reason.startswith("failed")
+            or s.exit_reason == "budget"]
+    if not dead:
+        return []
+    ev = [f"start {s.index} ({s.job_id}.{s.restart}): {s.exit_reason}; last event {s.events[-1]['event']} "
+          f"at {_when(s.events[-1]['t'])}, step {s.reached}" for s in dead]
+    return [Finding("starts that died", ev + _grep(logs, CRASH),
+                    "a crash, an OOM kill, a node failure or a time limit without the signal lead time",
+                    "read the .err log of that start; `sacct -j JOB` for the state; raise the signal lead "
+                    "time if it hit the limit")]
+
+
+CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
+    _no_first_step, _scaling, _idle_stages, _loss, _resume, _stragglers, _crashes]
+
+
+def diagnose(events: Iterable[dict[str, Any]], log_lines: Iterable[LogLine] = ()) -> list[Finding]:
+    """Every finding of every check, in the order of the symptom table (pure)."""
+    starts, logs = summarize(events).starts, list(log_lines)
+    return [f for check in CHECKS for f in check(starts, logs)]
+
+
+def read_logs(run_dir: Path) -> list[LogLine]:
+    """Lines of `<run_dir>/logs/*.out` and `*.err`; unreadable bytes replaced, not fatal."""
+    out = []
+    for path in sorted((Path(run_dir) / "logs").glob("*.[oe][ur][tr]")):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            out += [LogLine(str(path), i, line) for i, line in enumerate(fh, 1)]
+    return out
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="symptoms of a run, with evidence, cause and fix (exit 1 if any)",
+                       description="Diagnose a run from its ledger and job logs (see docs/report.md).")
+    p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl and logs/")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from dslurm.report import load
+
+    events, _ = load(args.run_dir)
+    findings = diagnose(events, read_logs(args.run_dir))
+    console = Console()
+    if not findings:
+        console.print(f"{args.run_dir}: no symptom found ({len(events)} events)")
+        return 0
+    for f in findings:
+        console.print(f"[bold red]{escape(f.symptom)}[/bold red]")
+        for line in f.evidence:
+            console.print(f"  - {escape(line)}", highlight=False, soft_wrap=True)
+        console.print(f"  likely cause: {escape(f.cause)}\n  what to do: {escape(f.action)}\n")
+    return 1
