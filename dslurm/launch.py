@@ -108,33 +108,72 @@ def _note_stop(signame: str, status_dir: str | None) -> None:
             pass
 
 
-def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
-    """Start argv in its own process group, forward USR2/TERM to the group, wait."""
-    if STOP_SIGNAL:
-        _note_stop(STOP_SIGNAL, env.get(STATUS_DIR_ENV))
-    old_usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited by torchrun: survives USR2
-    try:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True)
-    finally:
-        signal.signal(signal.SIGUSR2, old_usr2)
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc). torchrun starts each worker in a session
+    of its own (start_new_session=True), so signalling torchrun's group misses them;
+    each worker leads its own group, which also holds anything that worker started."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Field 4 is the parent pid; the command name (field 2) may hold spaces: split after ')'.
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == str(pid):
+            out.append(int(entry))
+    return out
 
-    def forward(signum: int, _frame: object) -> None:
+
+class _Forwarder:
+    """Forwards USR2/TERM to the current child and all its workers; remembers the first
+    stop request. Installed once per launcher process, before anything is started, so a
+    signal that comes early (during start-up or the burn-in) is recorded, not fatal."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.status_dir: str | None = None
+
+    def install(self) -> None:
+        for sig in FORWARDED:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
         log.warning("dslurm launch: got %s, forwarding to the training processes", name)
-        _note_stop(name, env.get(STATUS_DIR_ENV))  # before the kill: see _note_stop
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
+        _note_stop(name, self.status_dir)  # before the kill: see _note_stop
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for pgid in [proc.pid, *_child_pids(proc.pid)]:
+            try:
+                os.killpg(pgid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
-    while True:
-        try:
-            rc = proc.wait()
-            break
-        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-            continue
+
+FORWARDER = _Forwarder()
+
+
+def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
+    """Start argv in its own process group, forward USR2/TERM to it, wait."""
+    FORWARDER.install()
+    FORWARDER.status_dir = env.get(STATUS_DIR_ENV)
+    if STOP_SIGNAL:
+        _note_stop(STOP_SIGNAL, FORWARDER.status_dir)
+    # USR2 ignored across exec: torchrun has no handler and would die of it; the trainer
+    # installs its own handler explicitly.
+    old_usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        FORWARDER.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGUSR2, old_usr2)
+    try:
+        rc = FORWARDER.proc.wait()  # PEP 475: retried after each handled signal
+    finally:
+        FORWARDER.proc = None
     return 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N, like a shell
 
 
@@ -182,6 +221,7 @@ def register(sub) -> None:
 
 
 def _run_launch(args) -> int:
+    FORWARDER.install()  # first thing: a signal during start-up must not kill the launcher
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -192,11 +232,11 @@ def _run_launch(args) -> int:
                          rdzv=args.rdzv)
         if rc != 0:
             return rc
-        if STOP_SIGNAL:  # stopped during the burn-in: nothing trained, nothing to save
-            from dslurm import exitcodes
+    if STOP_SIGNAL:  # stopped before training started: nothing trained, nothing to save
+        from dslurm import exitcodes
 
-            log.warning("dslurm launch: %s arrived during the burn-in; not starting training", STOP_SIGNAL)
-            return exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE
+        log.warning("dslurm launch: %s arrived before training started; not starting it", STOP_SIGNAL)
+        return exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE
     return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv)
 
 

@@ -85,3 +85,40 @@ def test_launch_srun_mode_forwards_usr2_and_returns_worker_code(tmp_path):
     proc.send_signal(signal.SIGUSR2)
     assert proc.wait(timeout=20) == 75
     assert marker.read_text() == "USR2 rank=0"
+
+
+def test_usr2_reaches_workers_that_torchrun_put_in_sessions_of_their_own(tmp_path):
+    """torchrun starts workers with start_new_session=True; the launcher must still reach
+    them. A stand-in 'torchrun' starts its worker in a new session, like the real one."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        from pathlib import Path
+        got = []
+        signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))
+        Path("{tmp_path}/ready").write_text("1")
+        for _ in range(400):
+            if got:
+                Path("{tmp_path}/got").write_text("1")
+                sys.exit(0)
+            time.sleep(0.05)
+        sys.exit(9)
+    """))
+    fake_torchrun = tmp_path / "fake_torchrun.py"
+    fake_torchrun.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        p = subprocess.Popen([sys.executable, "{worker}"], start_new_session=True)
+        sys.exit(p.wait())
+    """))
+    env = {**os.environ, "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1",
+           "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+           "SLURM_TASKS_PER_NODE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dslurm", "launch", "--mode", "srun", "--",
+                             sys.executable, str(fake_torchrun)], env=env, cwd=Path(__file__).parents[2])
+    deadline = time.time() + 20
+    while not (tmp_path / "ready").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR2)
+    assert proc.wait(timeout=20) == 0
+    assert (tmp_path / "got").exists()
