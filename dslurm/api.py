@@ -1,0 +1,232 @@
+"""A small Python API for notebooks: submit a dslurm job through submitit, or run it here.
+
+    from dslurm import api
+    job = api.submit("examples/jobs/tiny-2node.yaml", site="site-configs/local.yaml",
+                     overrides=["train.steps=10"])
+    summary = job.result()      # RunSummary(final_step=10, final_loss=..., goodput=..., ...)
+    summary = api.run_local("examples/jobs/tiny-2node.yaml", site="site-configs/local.yaml")
+
+Nothing is decided twice. The site and job are validated and resolved by dslurm.config and
+dslurm.resolve; the Slurm flags are dslurm.sbatch.directives, renamed for submitit by
+`executor_parameters`; inside the allocation every submitit task runs dslurm.launch.launch
+(dslurm/api_job.py), like the `srun ... dslurm launch` line of a rendered script. submitit is
+imported only when a function here needs it, so `import dslurm` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Union
+
+from dslurm.config import JobSpec, SiteConfig, parse_time
+from dslurm.errors import UserError
+from dslurm.resolve import Resolved
+
+if TYPE_CHECKING:
+    import submitit
+
+    from dslurm.api_job import RunSummary
+
+JobLike = Union[JobSpec, dict, str, Path]
+SiteLike = Union[SiteConfig, dict, str, Path]
+
+# directives() flags that submitit has its own parameters for. It needs them by name:
+# `nodes` x `ntasks_per_node` is how many task results job.result() waits for.
+_NATIVE = {"job-name": "job_name", "nodes": "nodes", "ntasks-per-node": "ntasks_per_node"}
+# submitit writes these itself: its own log files (job.stdout()/stderr() read them), appended.
+_SUBMITIT_OWNS = {"output", "error", "open-mode"}
+ACCOUNTING_FIX = ("Fix: on the built-in cluster run `dslurm cluster up --accounting`; on a real "
+                  "cluster ask the admins for slurmdbd accounting (AccountingStorageType="
+                  "accounting_storage/slurmdbd), or use `dslurm submit` instead of the API")
+
+
+# ------------------------------------------------------------------------ inputs
+
+
+def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None,
+                site_overrides: list[str] | None = None) -> Resolved:
+    """Validate and resolve a job and a site given as objects, dicts or YAML paths."""
+    from dslurm.config import _check_site_values, load_job, load_site
+    from dslurm.resolve import resolve
+    from dslurm.schema import apply_overrides, build, to_dict
+
+    if isinstance(site, (str, Path)):
+        site_obj, site_path = load_site(site, site_overrides), str(site)
+    else:
+        data = to_dict(site) if isinstance(site, SiteConfig) else dict(site)
+        site_obj = build(SiteConfig, apply_overrides(data, site_overrides or [], "site_overrides"), "site")
+        _check_site_values(site_obj, "site")
+        site_path = "site"
+    if isinstance(job, (str, Path)):
+        job_obj, job_path = load_job(job, overrides), str(job)
+    else:
+        job_obj = load_job(data=to_dict(job) if isinstance(job, JobSpec) else dict(job), overrides=overrides)
+        job_path = "job"
+    return resolve(site_obj, job_obj, site_path=site_path, job_path=job_path, base_dir=os.getcwd())
+
+
+def executor_parameters(r: Resolved, exclude: list[str] | None = None) -> dict[str, Any]:
+    """submitit `SlurmExecutor.update_parameters` kwargs for the flags of dslurm.sbatch.directives.
+
+    Two translations, both because submitit runs the Python process in every task itself:
+    - `--signal=B:USR2@LEAD` becomes `--signal=USR2@LEAD` (submitit's `signal_delay_s`): the
+      signal must reach every task, not the batch shell, which in submitit's script forwards
+      nothing. The signal is USR2 in both.
+    - `--time` goes to submitit as whole minutes: it also uses it to tell a time-out from a
+      preemption. `--output/--error/--open-mode` are submitit's (its own log paths).
+    srun gets `--kill-on-bad-exit=1` and `--cpus-per-task` like the rendered script's srun line
+    (Slurm 22.05's srun no longer inherits --cpus-per-task from sbatch).
+    """
+    from dslurm.sbatch import directives
+
+    params: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in directives(r, log_dir="unused"):
+        if key in _NATIVE:
+            params[_NATIVE[key]] = value if key == "job-name" else int(str(value))
+        elif key == "time":
+            params["time"] = math.ceil(parse_time(str(value)) / 60)
+        elif key == "signal":
+            sig, _, lead = str(value).removeprefix("B:").partition("@")
+            if sig != "USR2":
+                raise UserError(f"signal {value!r}: submitit's requeue handler listens for USR2 only")
+            params["signal_delay_s"] = int(lead)
+        elif key not in _SUBMITIT_OWNS:
+            extra[key] = True if value is None else value
+    params["additional_parameters"] = extra
+    params["srun_args"] = ["--kill-on-bad-exit=1", f"--cpus-per-task={extra['cpus-per-task']}"]
+    params["setup"] = list(r.site.setup)
+    if exclude:
+        params["exclude"] = ",".join(exclude)
+    return params
+
+
+def check_accounting() -> None:
+    """submitit follows jobs with `sacct`; without accounting, job.result() would wait forever
+    on a job that died before writing its result. Fail now, with the fix."""
+    from dslurm import slurm
+
+    res = slurm.run_cmd(["sacct", "-n", "-X", "-P", "-S", "now", "-o", "JobID"], check=False, timeout=20)
+    if res.returncode != 0:
+        reason = (res.stderr or res.stdout).strip() or f"exit {res.returncode}"
+        raise UserError(f"`sacct` does not work here ({reason}); submitit needs it to follow jobs. "
+                        + ACCOUNTING_FIX)
+
+
+# ------------------------------------------------------------------------ submit
+
+
+def _job_class() -> type:
+    """A SlurmJob whose result() waits for every task and returns task 0's summary."""
+    from submitit.core.utils import FailedJobError
+    from submitit.slurm.slurm import SlurmJob
+
+    class DslurmJob(SlurmJob):
+        def result(self) -> Any:
+            """Task 0's RunSummary; a task that failed raises its remote traceback (the first
+            real failure wins over tasks that srun killed because of it)."""
+            if not self._sub_jobs:
+                return super().result()
+            self.wait()
+            first = self._sub_jobs[0].exception()
+            if first is None:
+                return self._sub_jobs[0].result()
+            failures = [first] + [e for e in (j.exception() for j in self._sub_jobs[1:]) if e is not None]
+            raise next((e for e in failures if isinstance(e, FailedJobError)), first)
+
+    return DslurmJob
+
+
+def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
+           site_overrides: list[str] | None = None, folder: str | Path | None = None) -> "submitit.Job":
+    """Submit `job` to Slurm through submitit; `job.result()` returns a RunSummary.
+
+    The site and job are frozen into the run directory (like `dslurm submit`), so a requeue
+    re-reads exactly them; `folder` (default `<run_dir>/submitit/%j`) holds submitit's
+    pickles and per-task logs.
+    """
+    import submitit
+
+    from dslurm.api_job import TrainTask
+    from dslurm.ledger import Ledger
+    from dslurm.submit import freeze_and_render, read_blocklist
+
+    r = load_inputs(job, site, overrides, site_overrides)
+    check_accounting()
+    freeze_and_render(r)
+    executor = submitit.SlurmExecutor(folder=str(folder or r.run_dir / "submitit" / "%j"),
+                                      max_num_timeout=r.max_restarts)
+    executor.job_class = _job_class()
+    executor.update_parameters(**executor_parameters(r, exclude=read_blocklist(r.run_dir)))
+    sub = executor.submit(TrainTask(str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")))
+    Ledger(r.run_dir).append("submit", job_ids=[int(sub.job_id)], via="api")
+    sub.run_dir = r.run_dir  # type: ignore[attr-defined]  # handy in a notebook
+    return sub
+
+
+# --------------------------------------------------------------------- run_local
+
+
+def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrides: list[str] | None = None,
+              site_overrides: list[str] | None = None) -> "RunSummary":
+    """Run the job on this machine without Slurm: torchrun with `nproc` processes (default:
+    the job's world size, so the layout and the losses match the Slurm run), through the
+    same dslurm.launch.launch. The output goes to `<run_dir>/logs/local-<id>.log`."""
+    from dslurm import exitcodes as X
+    from dslurm.api_job import TrainerFailed, launch_keeping_handlers, output_tail, summarize, trainer_argv
+    from dslurm.ledger import Ledger, read_events
+    from dslurm.submit import freeze_and_render
+
+    r = load_inputs(job, site, overrides, site_overrides)
+    freeze_and_render(r)
+    # An outer allocation's SLURM_* (a notebook on a compute node) must not leak into derive().
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env.update({**_one_node_env(), **_job_env(r)})
+    log = r.run_dir / "logs" / f"{env['SLURM_JOB_ID']}.log"
+    Ledger(r.run_dir).append("local_start", job_id=env["SLURM_JOB_ID"], nproc=nproc or r.world_size)
+    with _output_to(log):
+        rc = launch_keeping_handlers(trainer_argv(r, str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")),
+                                     mode="torchrun", nproc_per_node=nproc or r.world_size, env=env)
+    if rc == X.OK:
+        return summarize(read_events(r.run_dir), env["SLURM_JOB_ID"], r.run_dir, ["localhost"])
+    what = "stopped on a signal after saving; run it again to resume" if rc == X.REQUEUE else "failed"
+    raise TrainerFailed(f"the local run exited {rc} ({what}); log {log}:\n{output_tail(log)}")
+
+
+def _job_env(r: Resolved) -> dict[str, str]:
+    from dslurm.api_job import job_env
+
+    return job_env(r)
+
+
+def _one_node_env() -> dict[str, str]:
+    """What dslurm.slurm_env.derive reads, for a one-node "allocation" on this machine: the
+    launcher and the rank math stay the ones a Slurm job uses."""
+    return {"SLURM_JOB_ID": f"local-{os.getpid()}", "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_RESTART_COUNT": "0"}
+
+
+@contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Send this process's fds 1 and 2 (inherited by the trainers) to a file: a notebook
+    kernel's own fds go to its terminal, where nobody reads them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)

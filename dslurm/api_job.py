@@ -1,0 +1,224 @@
+"""The remote half of the notebook API: what runs inside each submitit task, and the
+summary it returns.
+
+One submitit task runs per node (torchrun mode) or per training process (srun mode),
+exactly like the `srun ... dslurm launch` line of a rendered script. Each task calls
+`dslurm.launch.launch`, which derives ranks from SLURM_* (`dslurm.slurm_env.derive`),
+starts the trainer in its own process group and forwards USR2/TERM to it.
+
+Requeue (see docs/notebook.md): Slurm's USR2 reaches every task while `launch` is running,
+so the launcher's forwarding handler -- not submitit's -- gets it and the trainers save at
+a step boundary and exit 75. Only then does global rank 0 hand the signal to submitit's
+own handler, which calls `TrainTask.checkpoint()`, rewrites the job pickle and runs
+`scontrol requeue`. Requeuing any earlier would kill the trainers mid-save.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import submitit
+
+from dslurm import exitcodes as X
+from dslurm.errors import UserError
+from dslurm.launch import FORWARDED, launch
+from dslurm.resolve import Resolved
+
+
+class TrainerFailed(RuntimeError):
+    """The trainer exited with an error; the message carries its own error output."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """What `job.result()` (and `run_local`) returns, read back from the run's ledger."""
+
+    job_id: str
+    run_dir: str
+    final_step: int
+    final_loss: float | None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step reached, mean loss of the window) for every logged window of this job"""
+    hosts: list[str] = field(default_factory=list)
+    """host of each global rank (the trainer's last `stragglers` event)"""
+    nodes: list[str] = field(default_factory=list)
+    """the allocation's nodes, in node-rank order (from dslurm.slurm_env.derive)"""
+    restarts: int = 0
+    train_s: float = 0.0
+    wall_s: float = 0.0
+    goodput: float | None = None
+    """training time / wall time from submission to the final exit"""
+
+
+# ------------------------------------------------------------------ shared helpers
+
+
+def job_env(r: Resolved) -> dict[str, str]:
+    """The environment the rendered script exports (site env, job env, DSLURM_*), taken from
+    the renderer itself so the two paths cannot drift apart."""
+    from dslurm.sbatch import RenderRefs, _env_lines
+
+    env = {}
+    for line in _env_lines(r, RenderRefs(site="", job="")):
+        key, _, value = shlex.split(line.removeprefix("export "))[0].partition("=")
+        env[key] = value
+    return env
+
+
+def trainer_argv(r: Resolved, site_file: str, job_file: str) -> list[str]:
+    """`python -m ENTRY --site S --job J`, as the rendered script runs it. The interpreter is
+    this one: it already imports dslurm, and the site's `python` may only be on PATH after
+    the batch script's setup lines."""
+    from dslurm.sbatch import RenderRefs, _trainer_args
+
+    argv = _trainer_args(r, RenderRefs(site=site_file, job=job_file))
+    return [sys.executable, *argv[1:]]
+
+
+def launch_keeping_handlers(cmd: list[str], **kwargs: Any) -> int:
+    """`launch` installs forwarding handlers for USR2/TERM and leaves them behind; put the
+    previous ones (submitit's, or a notebook kernel's) back when it returns."""
+    saved = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    try:
+        return launch(cmd, **kwargs)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def summarize(events: Iterable[dict], job_id: str, run_dir: str | Path,
+              nodes: list[str] | None = None) -> RunSummary:
+    """RunSummary from ledger events; only the events of `job_id` count (a run directory
+    keeps the events of every earlier job that trained in it). Pure."""
+    evs = [e for e in events if str(e.get("job_id")) == str(job_id)
+           or (e.get("event") == "submit" and str(job_id) in map(str, e.get("job_ids", [])))]
+    steps = [e for e in evs if e.get("event") == "steps"]
+    exits = [e for e in evs if e.get("event") == "exit"]
+    hosts = [e["hosts"] for e in evs if e.get("event") == "stragglers" and e.get("hosts")]
+    train_s = sum(float(e.get("duration_s", 0.0)) for e in steps)
+    wall_s = (exits[-1]["t"] - evs[0]["t"]) if exits and evs else 0.0
+    return RunSummary(
+        job_id=str(job_id), run_dir=str(run_dir),
+        final_step=int(exits[-1]["step"]) if exits else (int(steps[-1]["last"]) + 1 if steps else 0),
+        final_loss=float(steps[-1]["loss"]) if steps else None,
+        losses=[(int(e["last"]) + 1, float(e["loss"])) for e in steps],
+        hosts=list(hosts[-1]) if hosts else [], nodes=list(nodes or []),
+        restarts=max((int(e.get("restart") or 0) for e in evs), default=0),
+        train_s=round(train_s, 3), wall_s=round(wall_s, 3),
+        goodput=round(train_s / wall_s, 4) if wall_s > 0 else None)
+
+
+def output_tail(path: Path, offset: int = 0, lines: int = 40) -> str:
+    """The error lines and the tail of a log written since `offset`: enough to see why a
+    trainer failed without torchrun's long failure report burying the trainer's message."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    errors = [ln for ln in text if ln.lstrip().startswith(("error:", "[rank")) and "error" in ln.lower()]
+    tail = text[-lines:]
+    head = [ln for ln in errors[:10] if ln not in tail]
+    return "\n".join([*head, *(["..."] if head else []), *tail])
+
+
+# --------------------------------------------------------------------- the task
+
+
+class TrainTask(submitit.helpers.Checkpointable):
+    """The submitted callable: one per submitit task. It holds only the paths of the site
+    and job frozen into the run directory, so a requeued task re-reads exactly those."""
+
+    def __init__(self, site_file: str, job_file: str) -> None:
+        self.site_file = site_file
+        self.job_file = job_file
+
+    def __call__(self) -> RunSummary:
+        from dslurm.resolve import load
+        from dslurm.slurm_env import derive
+
+        r = load(self.site_file, self.job_file)
+        env = {**os.environ, **job_env(r)}
+        info = derive(env, nproc_per_node=r.procs_per_node, mode=r.job.launch)
+        if r.job.preflight.enabled:
+            self._preflight(r, env)
+        log = Path(submitit.JobEnvironment().paths.stderr)
+        offset = log.stat().st_size if log.exists() else 0
+        # Read submitit's USR2 handler before launch replaces it: it is how rank 0 requeues.
+        submitit_usr2 = signal.getsignal(signal.SIGUSR2)
+        rc = launch_keeping_handlers(trainer_argv(r, self.site_file, self.job_file),
+                                     mode=r.job.launch, nproc_per_node=r.procs_per_node, env=env)
+        if rc == X.OK:
+            from dslurm.ledger import read_events
+
+            return summarize(read_events(r.run_dir), info.job_id, r.run_dir, info.hosts)
+        if rc == X.REQUEUE:
+            self._requeue(r, env, submitit_usr2)
+        if rc == X.TERMINATED:
+            # TERM: scancel, preemption or `scontrol requeue`. Slurm decides what comes next;
+            # a result file now would end job.result() although the job may come back.
+            raise SystemExit(rc)
+        raise TrainerFailed(f"the trainer exited {rc} ({X.NAMES.get(rc, 'failed')}) on {info.hostname} "
+                            f"(node {info.node_rank}); its output:\n{output_tail(log, offset)}")
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Called by submitit on rank 0 before it requeues. The model state is already in the
+        run directory (the trainers saved before exiting 75), and the trainer resumes from its
+        pointer: resubmitting this same small callable is all a restart needs."""
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+    def _preflight(self, r: Resolved, env: dict[str, str]) -> None:
+        from dslurm.preflight_gate import gate_in_job
+
+        rc = gate_in_job(mode=r.job.launch, nproc_per_node=r.procs_per_node, site_path=self.site_file,
+                         env=env)
+        if rc != X.OK:
+            raise TrainerFailed(f"the burn-in failed (exit {rc}); bad nodes are in {r.run_dir}/blocklist.txt "
+                                "and the next dslurm.api.submit of this run excludes them. Fix: resubmit")
+
+    def _requeue(self, r: Resolved, env: Mapping[str, str], submitit_usr2: Any) -> None:
+        """Trainers saved and asked for a requeue. Rank 0 applies dslurm's policy (restart
+        budget, no-progress guard) and lets submitit requeue; the others wait to be ended."""
+        rank = int(env.get("SLURM_PROCID", "0"))
+        if rank != 0:
+            _wait_for_requeue()
+        decision = _decide(r, env)
+        if decision.action != "requeue":
+            raise TrainerFailed(f"saved on a stop signal, but not requeued: {decision.reason}")
+        if not callable(submitit_usr2):
+            raise TrainerFailed("saved on a stop signal, but submitit's requeue handler is missing")
+        submitit_usr2(signal.SIGUSR2, None)  # checkpoint() + scontrol requeue + sys.exit
+        raise TrainerFailed("submitit did not requeue the job (see the log above)")
+
+
+def _decide(r: Resolved, env: Mapping[str, str]) -> Any:
+    """dslurm's requeue policy, recorded in the ledger like `dslurm requeue-me` does."""
+    from dslurm.ledger import Ledger, read_events
+    from dslurm.requeue import decide, pointer_step, start_steps_of
+
+    events = list(read_events(r.run_dir))
+    d = decide(rc=X.REQUEUE, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+               max_restarts=r.max_restarts, no_progress_limit=r.no_progress_limit,
+               start_steps=start_steps_of(events), pointer_step=pointer_step(r.run_dir))
+    Ledger(r.run_dir).append("requeue", decision=d.action, step_rc=X.REQUEUE, exit_code=d.exit_code,
+                             reason=d.reason, via="submitit")
+    return d
+
+
+def _wait_for_requeue(limit_s: float = 600, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Non-zero ranks must neither write a result nor exit non-zero (srun's
+    --kill-on-bad-exit would kill rank 0 mid-requeue): wait for the requeue to end us.
+    TERM goes back to its default so that end is quick."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        sleep(1.0)
+    raise UserError(f"rank 0 did not requeue the job within {limit_s:.0f} s; see task 0's log")
