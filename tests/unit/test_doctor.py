@@ -1,0 +1,142 @@
+"""`dslurm doctor`: one synthetic ledger per symptom, and a healthy run that yields nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from dslurm.doctor import LogLine, diagnose, read_logs, run
+from test_report import Ledger, two_requeues, uninterrupted
+
+
+def healthy() -> Ledger:
+    """An uninterrupted run with async saves (small stall) and one preemption saved in time."""
+    led = Ledger()
+    t = led.train(led.start(0.0, 0, 0), 0, 49, 0, saves={20: 0.05, 40: 0.05})
+    led.ev("signal", t, 0, signal="stop_requested", step=50)
+    led.ev("ckpt_save", t + 0.1, 0, step=50, stall_s=0.1, total_s=0.4)
+    led.ev("exit", t + 0.1, 0, reason="requeue", step=50, code=75)
+    led.ev("requeue", t + 1, 0, decision="requeue", step_rc=75, exit_code=0, reason="save-and-requeue")
+    t = led.train(led.start(t + 30, 1, 50), 50, 99, 1)
+    led.ev("stragglers", t, 1, step=100, slow=[{"rank": 1, "host": "node2", "ratio": 1.6}])  # once: noise
+    led.ev("exit", t, 1, reason="completed", step=100, code=0)
+    return led
+
+
+def symptoms(events, logs=()) -> list[str]:
+    return [f.symptom for f in diagnose(events, logs)]
+
+
+def test_healthy_run_has_no_finding():
+    assert diagnose(healthy().events, [LogLine("x.out", 1, "step 10/100 loss 5.9")]) == []
+
+
+def test_hang_before_first_step_with_rendezvous_log_lines():
+    led = Ledger()
+    led.ev("preflight", 20.0, 0, passed=True, bad_nodes=[], duration_s=20.0)
+    led.ev("ckpt_fresh_start", 30.0, 0)  # then nothing: killed at the time limit
+    logs = [LogLine("/r/logs/j-1.err", 7, "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError")]
+    f, died = diagnose(led.events, logs)
+    assert f.symptom == "hang before the first step" and died.symptom == "starts that died"
+    assert "no train_start" in f.evidence[0] and "j-1.err:7" in f.evidence[1]
+    assert "rendezvous" in f.cause
+
+
+def test_train_start_without_steps_for_long_is_a_hang():
+    led = Ledger()
+    t = led.start(0.0, 0, 0)
+    led.ev("requeue", t + 900, 0, decision="requeue", step_rc=1, exit_code=0, reason="crash (exit 1)")
+    found = symptoms(led.events)
+    assert found[0] == "hang before the first step" and "starts that died" in found
+
+
+def test_throughput_stops_scaling_with_more_ranks():
+    led = Ledger()
+    t = led.train(led.start(0.0, 0, 0), 0, 29, 0)  # 4 ranks, 1000 tok/s = 250 per rank
+    led.ev("exit", t, 0, reason="requeue", step=30, code=75)
+    t = led.start(t + 10, 1, 30)
+    led.events[-1]["layout"] = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1}
+    t = led.train(t, 30, 59, 1)  # 8 ranks, still 1000 tok/s = 125 per rank
+    led.ev("exit", t, 1, reason="completed", step=60, code=0)
+    (f,) = diagnose(led.events)
+    assert f.symptom == "throughput stops scaling" and "50%" in f.evidence[-1]
+
+
+def test_sync_save_stalls_are_periodic_idle_stages():
+    led = Ledger()
+    t = led.train(led.start(0.0, 0, 0), 0, 59, 0, saves={20: 3.0, 40: 3.0})  # 6 s of 60 s
+    led.ev("exit", t, 0, reason="completed", step=60, code=0)
+    (f,) = diagnose(led.events)
+    assert f.symptom.startswith("periodic idle stages") and "async_save" in f.action
+    assert "10%" in f.evidence[0] and any("window holding a save" in e for e in f.evidence)
+
+
+def test_input_bound_steps():
+    led = uninterrupted()
+    for e in led.events:
+        if e["event"] == "steps":
+            e["breakdown"]["data"] = 0.5 * e["step_time_s"]
+    assert symptoms(led.events) == ["steps wait for input data"]
+
+
+def test_nan_loss_and_loss_spike_after_resume():
+    led = two_requeues()
+    steps = [e for e in led.events if e["event"] == "steps"]
+    steps[-1]["loss"] = float("nan")
+    json.loads(json.dumps(steps[-1]))  # the ledger's json round-trips NaN
+    first_after_resume = next(e for e in steps if e["restart"] == 1)
+    first_after_resume["loss"] = 9.0
+    found = {f.symptom: f for f in diagnose(led.events)}
+    assert "loss is NaN or inf" in found
+    spike = found["loss spikes"]
+    assert "after a resume" in spike.evidence[0] and "did not restore" in spike.cause
+
+
+def test_resume_failures_from_fallback_restore_failed_and_no_progress():
+    led = Ledger()
+    t = led.start(0.0, 0, 30)
+    led.events[-2].update(event="ckpt_fallback", generation="step-30", reason="step-40 REJECTED")
+    t = led.train(t, 30, 39, 0)
+    led.ev("exit", t, 0, reason="requeue", step=40, code=75)
+    led.ev("ckpt_restore_failed", t + 60, 1, reason="shard count 4 != 8")
+    led.ev("requeue", t + 61, 1, decision="stop", step_rc=1, exit_code=76, reason="no progress")
+    found = {f.symptom: f for f in diagnose(led.events, [LogLine("j.err", 3, "step-40 REJECTED: crc32")])}
+    assert list(found) == ["resume fails or falls back"]  # the fallback start trained: no hang
+    f = found["resume fails or falls back"]
+    joined = "\n".join(f.evidence)
+    assert "ckpt_fallback" in joined and "ckpt_restore_failed" in joined and "no progress" in joined
+    assert "j.err:3" in joined
+
+
+def test_same_straggler_twice_and_preflight_bad_nodes():
+    led = healthy()
+    led.ev("stragglers", 500.0, 1, step=120, slow=[{"rank": 1, "host": "node2", "ratio": 2.1}])
+    led.ev("preflight", 501.0, 2, passed=False, bad_nodes=["node3"], duration_s=20.0, report="r.json")
+    found = symptoms(led.events)
+    assert "straggler: node2 slow in 2 checks" in found and "burn-in found bad nodes" in found
+
+
+def test_killed_start_is_reported_with_crash_log_lines():
+    led = two_requeues()
+    logs = [LogLine("j.err", 9, "torch.OutOfMemoryError: CUDA out of memory"), LogLine("j.out", 1, "ok")]
+    (f,) = [f for f in diagnose(led.events, logs) if f.symptom == "starts that died"]
+    assert "failed (exit 1)" in f.evidence[0] and f.evidence[1].startswith("j.err:9")
+
+
+def test_cli_exit_codes_and_log_reading(tmp_path, capsys):
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in healthy().events))
+    args = argparse.Namespace(run_dir=tmp_path)
+    assert run(args) == 0 and "no symptom" in capsys.readouterr().out
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "j-5.err").write_bytes(b"W1130 09:54:02.491 RendezvousTimeoutError \xff\n")
+    assert read_logs(tmp_path)[0].where().startswith("j-5.err:1 [1130 09:54:02]")
+    assert run(args) == 1 and "hang before the first step" in capsys.readouterr().out
+
+
+def test_cli_missing_ledger_is_user_error(tmp_path):
+    from dslurm.errors import UserError
+
+    with pytest.raises(UserError, match="ledger.jsonl"):
+        run(argparse.Namespace(run_dir=tmp_path))
