@@ -6,6 +6,8 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   0  training complete (`train.steps` reached, final checkpoint committed)
   75 requeue me: a stop was requested (signal), all ranks agreed at a step boundary, a
      synchronous checkpoint was saved (EX_TEMPFAIL from sysexits.h: "try again later")
+  143 stopped by TERM (scancel, preemption; `stop_terminated` set on any rank): saved like 75,
+     but not to be requeued by us
   2  user error (bad config or layout), raised before any process-group work
 Ledger events written (rank 0 only): train_start, steps (every log_every), stragglers
 (every straggler_every), signal, exit; the checkpoint manager adds ckpt_* events.
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dslurm import exitcodes
 from dslurm.ledger import Ledger
 from train.data import dp_coords, make_loader
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
@@ -34,7 +37,7 @@ from train.parallel.dims import ParallelDims
 from train.state import train_state
 
 log = logging.getLogger(__name__)
-EXIT_COMPLETED, EXIT_REQUEUE, EXIT_USER_ERROR = 0, 75, 2
+EXIT_COMPLETED, EXIT_REQUEUE, EXIT_TERMINATED = exitcodes.OK, exitcodes.REQUEUE, exitcodes.TERMINATED
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +67,8 @@ class StepResult:
     """learning rate used by this step"""
     stop: bool
     """some rank asked to stop: all ranks agree"""
+    terminated: bool = False
+    """some rank's stop came from TERM: all ranks exit 143 instead of 75"""
 
 
 class Trainer:
@@ -76,6 +81,7 @@ class Trainer:
         self.t_start = t_start if t_start is not None else time.time()
         self.dims = ParallelDims.from_layout(resolved.layout, world_size, device.type)
         self.stop_requested = False  # set by a signal handler; only read at step boundaries
+        self.stop_terminated = False  # the stop came from TERM (scancel/preemption): save, do not requeue
         self._test_stop_at = _test_stop_at(rank)
         self.step = 0
         pp_mb = job.parallel.microbatches if self.dims.pp_enabled else 1
@@ -139,10 +145,11 @@ class Trainer:
             self.stop_requested = True
         holder = self.built.has_last_stage
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
-                           torch.tensor(float(self.stop_requested), device=self.device)])
+                           torch.tensor(float(self.stop_requested), device=self.device),
+                           torch.tensor(float(self.stop_terminated), device=self.device)])
         dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         result = StepResult(step=self.step, loss=vec[0].item() / (self.dims.world_size // self.dims.pp),
-                            grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0)
+                            grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0, terminated=vec[2].item() > 0)
         self.step += 1
         return result
 
@@ -212,11 +219,12 @@ class Trainer:
             if result.stop:
                 self._event("signal", signal="stop_requested", step=self.step)
                 self._save(blocking=True)
-                self._event("exit", reason="requeue", step=self.step, code=EXIT_REQUEUE)
+                code = EXIT_TERMINATED if result.terminated else EXIT_REQUEUE
+                self._event("exit", reason=exitcodes.NAMES[code], step=self.step, code=code)
                 # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
                 # before rank 0 has written the exit event (the save itself is collective).
                 dist.barrier()
-                return EXIT_REQUEUE
+                return code
             if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
                 self._save(blocking=False)
         if self.ckpt is not None and (result is not None or self.step == 0):

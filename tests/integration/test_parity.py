@@ -53,6 +53,9 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = step_records(tmp_path / name)
     assert [e["first"] for e in got] == [0, 1, 2, 3]
+    dloss = max(abs(e["loss"] - ref[0]) for e, ref in zip(got, reference))
+    dnorm = max(abs(e["grad_norm"] - ref[1]) for e, ref in zip(got, reference))
+    print(f"\n{name}: max |loss delta| {dloss:.2e}, max |grad-norm delta| {dnorm:.2e}")  # pytest -s
     for e, (loss, norm, lr) in zip(got, reference):
         assert abs(e["loss"] - loss) < TOL, (name, e["first"], e["loss"], loss)
         assert abs(e["grad_norm"] - norm) < TOL, (name, e["first"], e["grad_norm"], norm)
