@@ -132,7 +132,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "SchedulerParameters=bf_interval=1,sched_interval=1",
         "ReturnToService=2",
         "JobRequeue=1",
-        "KillWait=2",
+        "KillWait=15",  # grace between TERM and KILL: time for the save-on-TERM (sites use 30-120)
         "MinJobAge=300",
         "InactiveLimit=0",
         "Waittime=0",
