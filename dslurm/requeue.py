@@ -64,6 +64,29 @@ def decide(*, rc: int, restart_count: int, max_restarts: int, no_progress_limit:
     return Decision("requeue", X.OK, f"{what}: requeue (restart {restart_count + 1} of {max_restarts})")
 
 
+# Slurm checks time limits about every 30 s and may send the B: signal up to a minute
+# early or late relative to the nominal lead, so no lead below a minute is trustworthy.
+LEAD_FLOOR_S = 60
+
+
+def auto_signal_lead(events: Iterable[dict], *, default_s: int, floor_s: int = LEAD_FLOOR_S,
+                     safety: float = 2.0) -> tuple[int, str]:
+    """`requeue.signal_lead: auto`: the warning a stop needs = finish the current step, then
+    a synchronous save, times a safety factor, never below the floor. Measured from this
+    run's ledger (slowest step window, slowest save); the site's default when the run has
+    no history yet. Returns (seconds, how it was derived)."""
+    events = list(events)
+    step_s = max((float(e.get("step_time_s") or 0) for e in events if e.get("event") == "steps"), default=0.0)
+    save_s = max((float(e.get("total_s") or e.get("stall_s") or 0) for e in events
+                  if e.get("event") == "ckpt_save"), default=0.0)
+    if step_s == 0.0 and save_s == 0.0:
+        return max(default_s, floor_s), f"site default {default_s}s (no measurements in this run yet)"
+    need = safety * (step_s + save_s)
+    lead = max(floor_s, int(need + 0.999))
+    return lead, (f"{safety:g} x (step {step_s:.2f}s + save {save_s:.2f}s) = {need:.1f}s, "
+                  f"floor {floor_s}s")
+
+
 def job_ref(env: Mapping[str, str]) -> str:
     """The id `scontrol requeue` needs: array tasks as ARRAYID_TASKID."""
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):

@@ -46,3 +46,16 @@ def test_chain_links_end_instead_of_requeueing():
 def test_array_tasks_requeue_by_array_id():
     assert job_ref({"SLURM_JOB_ID": "101"}) == "101"
     assert job_ref({"SLURM_JOB_ID": "101", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "1"}) == "100_1"
+
+
+def test_auto_signal_lead_from_measurements_with_a_floor():
+    from dslurm.requeue import auto_signal_lead
+
+    lead, how = auto_signal_lead([], default_s=300)
+    assert lead == 300 and "site default" in how
+    ev = [{"event": "steps", "step_time_s": 20.0}, {"event": "steps", "step_time_s": 35.0},
+          {"event": "ckpt_save", "total_s": 50.0, "stall_s": 50.0}]
+    lead, how = auto_signal_lead(ev, default_s=300)
+    assert lead == 170 and "step 35.00s + save 50.00s" in how  # 2 x (35 + 50)
+    fast = [{"event": "steps", "step_time_s": 0.5}, {"event": "ckpt_save", "total_s": 1.0}]
+    assert auto_signal_lead(fast, default_s=300)[0] == 60  # never below Slurm's granularity
