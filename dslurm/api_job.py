@@ -51,10 +51,13 @@ class RunSummary:
     nodes: list[str] = field(default_factory=list)
     """the allocation's nodes, in node-rank order (from dslurm.slurm_env.derive)"""
     restarts: int = 0
+    lost_steps: int = 0
+    """steps trained but not saved before a stop, trained again after the restart"""
     train_s: float = 0.0
+    """productive training time (steps that were kept)"""
     wall_s: float = 0.0
     goodput: float | None = None
-    """training time / wall time from submission to the final exit"""
+    """train_s / wall_s, as `dslurm report` defines them"""
 
 
 # ------------------------------------------------------------------ shared helpers
@@ -96,23 +99,22 @@ def launch_keeping_handlers(cmd: list[str], **kwargs: Any) -> int:
 def summarize(events: Iterable[dict], job_id: str, run_dir: str | Path,
               nodes: list[str] | None = None) -> RunSummary:
     """RunSummary from ledger events; only the events of `job_id` count (a run directory
-    keeps the events of every earlier job that trained in it). Pure."""
+    keeps the events of every earlier job that trained in it). Goodput, wall time, lost steps
+    and restarts are `dslurm report`'s (dslurm.report.summarize). Pure."""
+    from dslurm.report import summarize as report
+
     evs = [e for e in events if str(e.get("job_id")) == str(job_id)
            or (e.get("event") == "submit" and str(job_id) in map(str, e.get("job_ids", [])))]
+    rep = report(evs)
     steps = [e for e in evs if e.get("event") == "steps"]
-    exits = [e for e in evs if e.get("event") == "exit"]
     hosts = [e["hosts"] for e in evs if e.get("event") == "stragglers" and e.get("hosts")]
-    train_s = sum(float(e.get("duration_s", 0.0)) for e in steps)
-    wall_s = (exits[-1]["t"] - evs[0]["t"]) if exits and evs else 0.0
     return RunSummary(
-        job_id=str(job_id), run_dir=str(run_dir),
-        final_step=int(exits[-1]["step"]) if exits else (int(steps[-1]["last"]) + 1 if steps else 0),
+        job_id=str(job_id), run_dir=str(run_dir), final_step=int(rep.final_step or 0),
         final_loss=float(steps[-1]["loss"]) if steps else None,
         losses=[(int(e["last"]) + 1, float(e["loss"])) for e in steps],
-        hosts=list(hosts[-1]) if hosts else [], nodes=list(nodes or []),
-        restarts=max((int(e.get("restart") or 0) for e in evs), default=0),
-        train_s=round(train_s, 3), wall_s=round(wall_s, 3),
-        goodput=round(train_s / wall_s, 4) if wall_s > 0 else None)
+        hosts=list(hosts[-1]) if hosts else [], nodes=list(nodes or []), restarts=rep.restarts,
+        lost_steps=rep.lost_steps, train_s=round(rep.productive_s, 3), wall_s=round(rep.wall_s, 3),
+        goodput=None if rep.goodput is None else round(rep.goodput, 4))
 
 
 def output_tail(path: Path, offset: int = 0, lines: int = 40) -> str:
@@ -148,14 +150,16 @@ class TrainTask(submitit.helpers.Checkpointable):
         r = load(self.site_file, self.job_file)
         env = {**os.environ, **job_env(r)}
         info = derive(env, nproc_per_node=r.procs_per_node, mode=r.job.launch)
+        # Read submitit's USR2 handler before launch replaces it: it is how rank 0 requeues.
+        submitit_usr2 = signal.getsignal(signal.SIGUSR2)
         if r.job.preflight.enabled:
             self._preflight(r, env)
         log = Path(submitit.JobEnvironment().paths.stderr)
         offset = log.stat().st_size if log.exists() else 0
-        # Read submitit's USR2 handler before launch replaces it: it is how rank 0 requeues.
-        submitit_usr2 = signal.getsignal(signal.SIGUSR2)
-        rc = launch_keeping_handlers(trainer_argv(r, self.site_file, self.job_file),
-                                     mode=r.job.launch, nproc_per_node=r.procs_per_node, env=env)
+        rc = self._stopped_before_training()
+        if rc is None:
+            rc = launch_keeping_handlers(trainer_argv(r, self.site_file, self.job_file),
+                                         mode=r.job.launch, nproc_per_node=r.procs_per_node, env=env)
         if rc == X.OK:
             from dslurm.ledger import read_events
 
@@ -175,6 +179,15 @@ class TrainTask(submitit.helpers.Checkpointable):
         pointer: resubmitting this same small callable is all a restart needs."""
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
+    @staticmethod
+    def _stopped_before_training() -> int | None:
+        """A stop that came during the burn-in: do not start training (as `dslurm launch`)."""
+        from dslurm import launch as launcher
+
+        if launcher.STOP_SIGNAL is None:
+            return None
+        return X.TERMINATED if launcher.STOP_SIGNAL == "SIGTERM" else X.REQUEUE
+
     def _preflight(self, r: Resolved, env: dict[str, str]) -> None:
         from dslurm.preflight_gate import gate_in_job
 
@@ -190,6 +203,9 @@ class TrainTask(submitit.helpers.Checkpointable):
         rank = int(env.get("SLURM_PROCID", "0"))
         if rank != 0:
             _wait_for_requeue()
+        if not r.requeue:
+            raise TrainerFailed("saved on a stop signal; requeue is off for this job (requeue.enabled), "
+                                "so it ends here. Fix: submit it again to resume from the checkpoint")
         decision = _decide(r, env)
         if decision.action != "requeue":
             raise TrainerFailed(f"saved on a stop signal, but not requeued: {decision.reason}")

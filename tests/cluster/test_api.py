@@ -1,0 +1,142 @@
+"""The notebook API (dslurm.api) on the real local Slurm, through the real submitit.
+
+The example notebook runs cell by cell and its 2-node job is compared with the same job
+submitted by `dslurm submit`; an external USR2 requeues a running API job, which resumes
+from its checkpoint; a failing trainer surfaces as an exception with its own error; a
+client without accounting is told how to fix it before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from submitit.core.utils import FailedJobError
+
+from dslurm import api, slurm
+from dslurm.errors import UserError
+from dslurm.ledger import read_events
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
+SITE, JOB = "site-configs/local.yaml", "examples/jobs/tiny-2node.yaml"
+
+
+def notebook_cells() -> list[str]:
+    nb = json.loads(NOTEBOOK.read_text())
+    assert nb["nbformat"] == 4 and all("source" in c and "metadata" in c for c in nb["cells"])
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def job_events(run_dir: Path, job_id: str, name: str) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == name and str(e.get("job_id")) == str(job_id)]
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster, monkeypatch):
+    # submitit runs sbatch/sacct/scancel with this process's environment.
+    for k, v in slurm_cluster.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="module")
+def notebook(slurm_cluster, tmp_path_factory) -> dict:
+    """Execute the notebook's code cells in order, in one namespace, like a kernel would."""
+    ns: dict = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in slurm_cluster.env().items():
+            mp.setenv(k, v)
+        mp.setenv("DSLURM_NOTEBOOK_RUNS", str(tmp_path_factory.mktemp("notebook")))
+        mp.chdir(ROOT / "examples")  # where a person opens it; the first cell finds the root
+        for i, src in enumerate(notebook_cells()):
+            exec(compile(src, f"{NOTEBOOK.name} code cell {i}", "exec"), ns)
+    return ns
+
+
+def test_notebook_runs_end_to_end(notebook):
+    s = notebook["summary"]
+    assert s.final_step == 10 and [step for step, _ in s.losses] == [5, 10]
+    assert len(s.hosts) == 4 and len(s.nodes) == 2 and set(s.hosts) == set(s.nodes)
+    assert s.goodput is not None and 0 < s.goodput <= 1
+    local = notebook["local"]
+    assert local.final_step == 10 and all(notebook["same"]) and len(notebook["same"]) == 2
+
+
+def test_api_job_matches_dslurm_submit(notebook, slurm_env, cli, tmp_path):
+    """Same job, same flags, same launcher: same ranks on the hosts and the same losses."""
+    s = notebook["summary"]
+    overrides = [*notebook["OVERRIDES"], f"checkpoint.run_dir={tmp_path / 'run'}"]
+    res = cli("submit", "--site", SITE, "--job", JOB, *[a for o in overrides for a in ("--set", o)])
+    assert res.returncode == 0, res.stderr
+    job_id = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    assert slurm.wait_job(job_id, timeout=240) == "COMPLETED"
+    cli_steps = [(e["first"], e["last"], e["loss"]) for e in job_events(tmp_path / "run", job_id, "steps")]
+    api_steps = [(e["first"], e["last"], e["loss"]) for e in job_events(Path(s.run_dir), s.job_id, "steps")]
+    assert [x[:2] for x in cli_steps] == [x[:2] for x in api_steps] == [(0, 4), (5, 9)]
+    assert [x[2] for x in api_steps] == pytest.approx([x[2] for x in cli_steps], rel=1e-5)
+    cli_hosts = job_events(tmp_path / "run", job_id, "stragglers")[-1]["hosts"]
+    # Node names may differ between two jobs on a shared cluster; rank -> node rank may not.
+    node_rank = lambda hosts: [sorted(set(hosts)).index(h) for h in hosts]  # noqa: E731
+    assert node_rank(s.hosts) == node_rank(cli_hosts) == [0, 0, 1, 1]
+    assert s.nodes == sorted(set(s.hosts))
+
+
+def test_usr2_requeues_the_job_and_it_resumes_with_no_lost_steps(slurm_env, tmp_path):
+    run = tmp_path / "run"
+    job = api.submit(JOB, site=SITE, overrides=[
+        "train.steps=16", "train.log_every=2", "checkpoint.interval=100", "preflight.enabled=false",
+        f"checkpoint.run_dir={run}"])
+    wait_for(lambda: job_events(run, job.job_id, "steps"), 180, "the first logged steps")
+    # What Slurm sends before the time limit (--signal=USR2@LEAD) and what submitit's own
+    # job._interrupt(timeout=True) sends: USR2 to every task of the job.
+    slurm.run_cmd(["scancel", "--signal=USR2", job.job_id])
+    s = job.result()
+    starts = job_events(run, job.job_id, "train_start")
+    stop = [e for e in job_events(run, job.job_id, "exit") if e["reason"] == "requeue"]
+    saves = [e for e in job_events(run, job.job_id, "ckpt_save") if e["restart"] == 0]
+    decision = job_events(run, job.job_id, "requeue")
+    assert [e["restart"] for e in starts] == [0, 1]
+    assert len(stop) == 1 and [e["step"] for e in saves] == [stop[0]["step"]]  # saved at the stop
+    assert starts[1]["step"] == stop[0]["step"] > 0  # resumed exactly there: nothing redone
+    assert decision and decision[0]["decision"] == "requeue" and decision[0]["via"] == "submitit"
+    after = [e for e in job_events(run, job.job_id, "steps") if e["restart"] == 1]
+    assert after[0]["first"] == stop[0]["step"]
+    assert (s.final_step, s.restarts, s.lost_steps) == (16, 1, 0)
+
+
+def test_a_failing_trainer_raises_with_its_error_output(slurm_env, tmp_path):
+    job_spec = {"name": "api-bad-data", "nodes": 1, "time": "00:05:00",
+                "data": {"path": "/nonexistent/tokens.h5"}, "train": {"steps": 5},
+                "preflight": {"enabled": False}, "checkpoint": {"run_dir": str(tmp_path / "run")}}
+    t0 = time.monotonic()
+    job = api.submit(job_spec, site=SITE)
+    with pytest.raises(FailedJobError) as err:
+        job.result()
+    assert time.monotonic() - t0 < 150
+    text = str(err.value)
+    assert "TrainerFailed" in text and "the trainer exited 2" in text
+    assert "error: [rank 0] /nonexistent/tokens.h5: no such token file" in text  # the trainer's own words
+
+
+def test_without_accounting_submit_says_how_to_fix_it(slurm_cluster, monkeypatch, tmp_path):
+    # This client's view of the cluster has no accounting: sacct says it is disabled.
+    conf = slurm_cluster.slurm_conf.read_text()
+    no_acct = tmp_path / "slurm.conf"
+    no_acct.write_text("\n".join(ln for ln in conf.splitlines() if not ln.startswith("AccountingStorage")))
+    monkeypatch.setenv("SLURM_CONF", str(no_acct))
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(UserError, match=r"sacct.*dslurm cluster up --accounting"):
+        api.submit(JOB, site=SITE, overrides=[f"checkpoint.run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()  # nothing frozen, nothing submitted
