@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from dslurm import exitcodes
 from dslurm.ledger import Ledger
@@ -127,8 +128,7 @@ class Trainer:
         """One optimizer step; ends with the collective that also agrees on the stop flag."""
         with self.metrics.phase("data"):
             inputs, targets = self.loader.next_batch()
-        lp = self.dims.loss_parallel_enabled
-        from torch.distributed.tensor.parallel import loss_parallel
+        lp = self.dims.loss_parallel_enabled  # vocab-sharded logits: CE must run in this context
         with self.metrics.phase("compute"), (loss_parallel() if lp else nullcontext()):
             local_loss = self._forward_backward(inputs, targets)
         with self.metrics.phase("optimizer"):
@@ -227,7 +227,7 @@ class Trainer:
                 return code
             if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
                 self._save(blocking=False)
-        if self.ckpt is not None and (result is not None or self.step == 0):
+        if self.ckpt is not None and result is not None:  # None: resumed at the end already
             self._save(blocking=True)
         self._event("exit", reason="completed", step=self.step, code=EXIT_COMPLETED)
         return EXIT_COMPLETED

@@ -10,6 +10,7 @@ group (as torchtitan's `dist_utils.clip_grad_norm_` does), and each group is sca
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import Any, Iterable
 
@@ -19,6 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from train.lr import lr_lambda
+
+# full_tensor() of a norm on a 2-D (dp_shard, tp) mesh logs "2 sequential all_reduce
+# operations ... flatten mesh dimensions" on every rank at every step; two tiny all-reduces
+# per step are fine here, and the line would bury the training log.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def build_optimizers(parts: list[nn.Module], train: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
