@@ -7,15 +7,20 @@ never interleave and a kill -9 loses at most the line being written; a torn last
 is skipped by the reader.
 
 Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`, `host`:
-  job_start     nodes, world_size, layout, restart count, node list
-  preflight     passed, bad_nodes, report path, duration_s
-  train_start   step (resumed from), generation, fell_back, startup_s (process start -> first step)
-  steps         first, last, loss, tokens_per_s, mfu, step_time_s, breakdown, duration_s
-  stragglers    step, per_rank step times, slow ranks
-  save          step, generation, duration_s, stall_s, bytes, mode (sync|async), ok, reason
-  signal        signal name, step at which ranks agreed
-  exit          reason (completed|requeue|preempted|timeout|failed|no_progress|budget), step, code
-  requeue       decision, restart, reason
+  submit            job_ids (a chain lists every link), signal_lead_s, signal_lead_auto
+  preflight         passed, bad_nodes, problems, warnings, report (path), duration_s, nodes
+  ckpt_fresh_start  / ckpt_restore / ckpt_fallback / ckpt_restore_failed: what restore found
+  train_start       step (resumed from), generation, fell_back, startup_s, layout
+  steps             first, last (0-based step indices), loss, tokens_per_s, mfu, mfu_label,
+                    step_time_s, breakdown (data/compute/optimizer/checkpoint), duration_s, lr
+  stragglers        step, per-rank step times, slow ranks
+  ckpt_save         step, generation, bytes, stall_s, total_s (ckpt_save_failed/_skipped too)
+  signal            the stop request the ranks agreed on, and the step
+  exit              reason (completed | requeue | terminated), step, code
+  requeue           decision (requeue | stop | end), step_rc, exit_code, reason
+  chain_cancel      job_ids cancelled because training completed
+Writers: dslurm/submit.py, dslurm/preflight_gate.py, dslurm/checkpoint_dcp.py, train/loop.py,
+dslurm/requeue.py. Readers: dslurm/report.py, dslurm/doctor.py, dslurm/requeue.py.
 """
 
 from __future__ import annotations
