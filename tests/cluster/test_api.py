@@ -96,7 +96,7 @@ def test_api_job_matches_dslurm_submit(notebook, slurm_env, cli, tmp_path):
 def test_usr2_requeues_the_job_and_it_resumes_with_no_lost_steps(slurm_env, tmp_path):
     run = tmp_path / "run"
     job = api.submit(JOB, site=SITE, overrides=[
-        "train.steps=16", "train.log_every=2", "checkpoint.interval=100", "preflight.enabled=false",
+        "train.steps=12", "train.log_every=2", "checkpoint.interval=100", "preflight.enabled=false",
         f"checkpoint.run_dir={run}"])
     wait_for(lambda: job_events(run, job.job_id, "steps"), 180, "the first logged steps")
     # What Slurm sends before the time limit (--signal=USR2@LEAD) and what submitit's own
@@ -113,7 +113,7 @@ def test_usr2_requeues_the_job_and_it_resumes_with_no_lost_steps(slurm_env, tmp_
     assert decision and decision[0]["decision"] == "requeue" and decision[0]["via"] == "submitit"
     after = [e for e in job_events(run, job.job_id, "steps") if e["restart"] == 1]
     assert after[0]["first"] == stop[0]["step"]
-    assert (s.final_step, s.restarts, s.lost_steps) == (16, 1, 0)
+    assert (s.final_step, s.restarts, s.lost_steps) == (12, 1, 0)
 
 
 def test_a_failing_trainer_raises_with_its_error_output(slurm_env, tmp_path):
