@@ -28,7 +28,7 @@ import submitit
 
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
-from dslurm.launch import FORWARDED, launch
+from dslurm.launch import FORWARDED, launch, reset_stop
 from dslurm.resolve import Resolved
 
 
@@ -89,6 +89,7 @@ def launch_keeping_handlers(cmd: list[str], **kwargs: Any) -> int:
     """`launch` installs forwarding handlers for USR2/TERM and leaves them behind; put the
     previous ones (submitit's, or a notebook kernel's) back when it returns."""
     saved = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    reset_stop()  # a stop that ended an earlier run in this process is not this run's
     try:
         return launch(cmd, **kwargs)
     finally:

@@ -93,6 +93,13 @@ def write_worker_code(code: int) -> None:
 STOP_SIGNAL: str | None = None
 
 
+def reset_stop() -> None:
+    """Forget an earlier stop request (a long-lived process, e.g. a notebook, that launches
+    again after one run was stopped)."""
+    global STOP_SIGNAL
+    STOP_SIGNAL = None
+
+
 def _note_stop(signame: str, status_dir: str | None) -> None:
     """Remember a stop request, and leave it where a trainer that has not installed its
     handlers yet will find it (train/stop.py reads the file after installing them)."""

@@ -85,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     import torch.distributed as dist
 
-    from dslurm import exitcodes
     from train.loop import Trainer
     from train.stop import StopRequest
 
@@ -93,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         trainer = Trainer(resolved, device=device, rank=rank, world_size=world, t_start=T_START)
-        stop = StopRequest().install(trainer)
-        code = trainer.run()
-        # A stop on TERM (scancel, preemption) saved like any stop, but must not requeue.
-        return exitcodes.TERMINATED if code == exitcodes.REQUEUE and stop.terminated else code
+        StopRequest().install(trainer)  # USR2 -> save, exit 75; TERM -> save, exit 143
+        return trainer.run()
     except UserError as exc:  # e.g. data file too small: found after the group exists
         print(f"error: [rank {rank}] {exc}", file=sys.stderr)
         return exc.exit_code

@@ -56,6 +56,17 @@ def _test_stop_at(rank: int) -> int | None:
     return int(step) if int(who or 0) == rank else None
 
 
+def _test_crash_at(rank: int) -> int | None:
+    """Test hook: DSLURM_TEST_CRASH_AT=STEP[:RANK] makes RANK (default 0) raise before
+    optimizer step STEP (1-based): a crash at the same step on every start, for the
+    no-progress guard."""
+    raw = os.environ.get("DSLURM_TEST_CRASH_AT")
+    if not raw:
+        return None
+    step, _, who = raw.partition(":")
+    return int(step) if int(who or 0) == rank else None
+
+
 @dataclasses.dataclass(slots=True)
 class StepResult:
     step: int
@@ -84,6 +95,7 @@ class Trainer:
         self.stop_requested = False  # set by a signal handler; only read at step boundaries
         self.stop_terminated = False  # the stop came from TERM (scancel/preemption): save, do not requeue
         self._test_stop_at = _test_stop_at(rank)
+        self._test_crash_at = _test_crash_at(rank)
         self.step = 0
         pp_mb = job.parallel.microbatches if self.dims.pp_enabled else 1
         self.loss_scale = 1.0 / (self.train.grad_accum * pp_mb)
@@ -126,6 +138,8 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step; ends with the collective that also agrees on the stop flag."""
+        if self._test_crash_at is not None and self.step + 1 >= self._test_crash_at:
+            raise RuntimeError(f"injected crash before step {self.step + 1} (DSLURM_TEST_CRASH_AT)")
         with self.metrics.phase("data"):
             inputs, targets = self.loader.next_batch()
         lp = self.dims.loss_parallel_enabled  # vocab-sharded logits: CE must run in this context

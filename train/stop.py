@@ -48,6 +48,8 @@ class StopRequest:
             self.signame = name
         if self._target is not None:
             self._target.stop_requested = True
+            if self.signame == "SIGTERM":  # agreed across ranks like the stop itself
+                self._target.stop_terminated = True
 
     @property
     def terminated(self) -> bool:
