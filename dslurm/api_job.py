@@ -153,8 +153,10 @@ class TrainTask(submitit.helpers.Checkpointable):
         info = derive(env, nproc_per_node=r.procs_per_node, mode=r.job.launch)
         # Read submitit's USR2 handler before launch replaces it: it is how rank 0 requeues.
         submitit_usr2 = signal.getsignal(signal.SIGUSR2)
-        if r.job.preflight.enabled:
-            self._preflight(r, env)
+        if r.job.preflight.enabled:  # run by the trainer processes first (dslurm/preflight_gate.py)
+            from dslurm.preflight_gate import preflight_env
+
+            env.update(preflight_env(env, self.site_file, info.job_id, info.restart_count))
         log = Path(submitit.JobEnvironment().paths.stderr)
         offset = log.stat().st_size if log.exists() else 0
         rc = self._stopped_before_training()
@@ -165,6 +167,9 @@ class TrainTask(submitit.helpers.Checkpointable):
             from dslurm.ledger import read_events
 
             return summarize(read_events(r.run_dir), info.job_id, r.run_dir, info.hosts)
+        if rc == X.PREFLIGHT_FAILED:
+            raise TrainerFailed(f"the burn-in failed; bad nodes are in {r.run_dir}/blocklist.txt and the next "
+                                "dslurm.api.submit of this run excludes them. Fix: resubmit")
         if rc == X.REQUEUE:
             self._requeue(r, env, submitit_usr2)
         if rc == X.TERMINATED:
@@ -188,15 +193,6 @@ class TrainTask(submitit.helpers.Checkpointable):
         if launcher.STOP_SIGNAL is None:
             return None
         return X.TERMINATED if launcher.STOP_SIGNAL == "SIGTERM" else X.REQUEUE
-
-    def _preflight(self, r: Resolved, env: dict[str, str]) -> None:
-        from dslurm.preflight_gate import gate_in_job
-
-        rc = gate_in_job(mode=r.job.launch, nproc_per_node=r.procs_per_node, site_path=self.site_file,
-                         env=env)
-        if rc != X.OK:
-            raise TrainerFailed(f"the burn-in failed (exit {rc}); bad nodes are in {r.run_dir}/blocklist.txt "
-                                "and the next dslurm.api.submit of this run excludes them. Fix: resubmit")
 
     def _requeue(self, r: Resolved, env: Mapping[str, str], submitit_usr2: Any) -> None:
         """Trainers saved and asked for a requeue. Rank 0 applies dslurm's policy (restart

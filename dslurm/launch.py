@@ -232,19 +232,20 @@ def _run_launch(args) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if args.preflight:
-        from dslurm.preflight_gate import gate_in_job
+    env = dict(os.environ)
+    if args.preflight:  # the training processes run it first thing (dslurm/preflight_gate.py)
+        from dslurm.preflight_gate import preflight_env
 
-        rc = gate_in_job(mode=args.mode, nproc_per_node=args.nproc_per_node, site_path=args.site,
-                         rdzv=args.rdzv)
-        if rc != 0:
-            return rc
+        if not args.site:
+            raise UserError("dslurm launch --preflight needs --site FILE (the thresholds live in the site config)")
+        info = derive(env, nproc_per_node=args.nproc_per_node, mode=args.mode)
+        env.update(preflight_env(env, args.site, info.job_id, info.restart_count))
     if STOP_SIGNAL:  # stopped before training started: nothing trained, nothing to save
         from dslurm import exitcodes
 
         log.warning("dslurm launch: %s arrived before training started; not starting it", STOP_SIGNAL)
         return exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE
-    return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv)
+    return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv, env=env)
 
 
 def _run_env(args) -> int:

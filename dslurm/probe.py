@@ -21,8 +21,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from dslurm.launch import write_worker_code
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    from dslurm.preflight_gate import gate_in_process
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # before the group: NCCL object collectives use it
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    code = gate_in_process(device)
+    if code:
+        dist.destroy_process_group()
+        write_worker_code(code)
+        return code
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)

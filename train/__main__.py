@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed(resolved, local_rank, world)
     trainer = None
     try:
+        from dslurm.preflight_gate import gate_in_process
+
+        code = gate_in_process(device)  # the burn-in, when the launcher asked for one
+        if code:
+            return code
         trainer = Trainer(resolved, device=device, rank=rank, world_size=world, t_start=T_START)
         StopRequest().install(trainer)  # USR2 -> save, exit 75; TERM -> save, exit 143
         return trainer.run()

@@ -171,6 +171,24 @@ def load_thresholds(args: argparse.Namespace) -> Thresholds:
     return Thresholds.from_mapping(data, source=args.site or args.thresholds or "burnin")
 
 
+def run_in_group(args: argparse.Namespace, th: Thresholds, device: Any) -> dict[str, Any]:
+    """Measure on every rank of the existing default process group; rank 0 writes the
+    report. Returns the verdict on every rank (broadcast), so all ranks act alike."""
+    import torch.distributed as dist
+
+    rec = _measure(args, th, device)
+    records = [None] * dist.get_world_size() if rec["rank"] == 0 else None
+    dist.gather_object(rec, records, dst=0)
+    out: list[Any] = [None]
+    if rec["rank"] == 0:
+        report = build_report(records, th)
+        write_report(args.report, report)
+        print(render_table(report), flush=True)
+        out = [report["verdict"]]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     th = load_thresholds(args)
@@ -180,17 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     device = _device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        rec = _measure(args, th, device)
-        records = [None] * dist.get_world_size() if rec["rank"] == 0 else None
-        dist.gather_object(rec, records, dst=0)
-        code = [0]
-        if rec["rank"] == 0:
-            report = build_report(records, th)
-            write_report(args.report, report)
-            print(render_table(report), flush=True)
-            code = [exit_code(report["verdict"])]
-        dist.broadcast_object_list(code, src=0)  # every task exits alike (srun keeps each code)
-        return 0 if args.exit_zero else int(code[0])
+        verdict = run_in_group(args, th, device)
+        return 0 if args.exit_zero else exit_code(verdict)  # every task exits alike
     finally:
         dist.destroy_process_group()
 
