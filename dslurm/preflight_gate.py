@@ -61,7 +61,8 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
     from dslurm.preflight.thresholds import Thresholds
 
     t0 = time.time()
-    th = Thresholds.from_site(load_site(env[SITE_ENV]))
+    site = load_site(env[SITE_ENV])
+    th = Thresholds.from_site(site)
     verdict = run_in_group(parse_args(["--report", report]), th, device)
     bad = sorted(verdict["bad_nodes"])
     if dist.get_rank() == 0:
@@ -72,6 +73,8 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
                                duration_s=round(time.time() - t0, 2), nodes=nodes)
         if bad:
             blocked = add_to_blocklist(run_dir, bad)
+            if site.burnin.allow_drain:
+                drain(verdict["bad_nodes"])
             log.error("burn-in failed on %s (%s); blocklist now %s", ", ".join(bad),
                       "; ".join(f"{h}: {', '.join(w)}" for h, w in verdict["bad_nodes"].items()),
                       ", ".join(blocked))
@@ -79,6 +82,27 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
             # A cluster-wide shortfall no node can be blamed for: train, but say so loudly.
             log.warning("burn-in: %s (no single node to blame; training anyway)", "; ".join(verdict["problems"]))
     return X.PREFLIGHT_FAILED if bad else 0
+
+
+def drain_reason(why: list[str]) -> str:
+    """Slurm's Reason field: one line, short, says who drained it and why."""
+    text = "dslurm burn-in: " + "; ".join(why)
+    return " ".join(text.split())[:120]
+
+
+def drain(bad: dict[str, list[str]]) -> None:
+    """Take bad nodes out of service (only where the site allows: it needs operator rights
+    and affects every user). Failure to drain is logged, never fatal: the blocklist and the
+    requeue already keep this run off them."""
+    from dslurm import slurm
+
+    for host, why in bad.items():
+        res = slurm.run_cmd(["scontrol", "update", f"NodeName={host}", "State=DRAIN",
+                             f"Reason={drain_reason(why)}"], check=False)
+        if res.returncode:
+            log.error("could not drain %s: %s", host, res.stderr.strip())
+        else:
+            log.warning("drained %s (%s)", host, drain_reason(why))
 
 
 def _nodes(report: str) -> list[str]:

@@ -40,7 +40,8 @@ def starts_without_progress(start_steps: list[int], pointer_step: int) -> int:
 
 
 def decide(*, rc: int, restart_count: int, max_restarts: int, no_progress_limit: int,
-           start_steps: list[int], pointer_step: int, in_chain: bool = False) -> Decision:
+           start_steps: list[int], pointer_step: int, in_chain: bool = False,
+           requeue_enabled: bool = True) -> Decision:
     """Pure policy; see the module docstring."""
     if rc == X.OK:
         return Decision("end", X.OK, "completed")
@@ -58,6 +59,8 @@ def decide(*, rc: int, restart_count: int, max_restarts: int, no_progress_limit:
         "bad nodes found by burn-in" if rc == X.PREFLIGHT_FAILED else f"crash (exit {rc})")
     if in_chain:
         return Decision("end", X.OK, f"{what}: the next link of the chain continues")
+    if not requeue_enabled:
+        return Decision("stop", rc, f"{what}, but requeue is off for this job (requeue.enabled: false)")
     if restart_count >= max_restarts:
         return Decision("stop", X.BUDGET, f"{what}, but the restart budget is spent "
                                           f"({restart_count} of {max_restarts} restarts)")
@@ -131,7 +134,7 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
                max_restarts=int(env.get("DSLURM_MAX_RESTARTS", "3")),
                no_progress_limit=int(env.get("DSLURM_NO_PROGRESS_LIMIT", "3")),
                start_steps=start_steps_of(events), pointer_step=pointer_step(run_dir),
-               in_chain=bool(chain))
+               in_chain=bool(chain), requeue_enabled=env.get("DSLURM_REQUEUE", "1") == "1")
     Ledger(run_dir).append("requeue", decision=d.action, step_rc=rc, exit_code=d.exit_code, reason=d.reason)
     print(f"dslurm: step exited {rc}: {d.reason}", flush=True)
     if d.action == "requeue":

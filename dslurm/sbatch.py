@@ -82,6 +82,7 @@ def _directive_lines(flags: list[tuple[str, str | None]]) -> list[str]:
 def _env_lines(r: Resolved, refs: RenderRefs) -> list[str]:
     env = {**r.site.env, **r.job.env, **refs.extra_env}
     env["DSLURM_RUN_DIR"] = str(r.run_dir)
+    env["DSLURM_REQUEUE"] = "1" if r.requeue else "0"
     env["DSLURM_MAX_RESTARTS"] = str(r.max_restarts)
     env["DSLURM_NO_PROGRESS_LIMIT"] = str(r.no_progress_limit)
     return [f"export {k}={q(v)}" for k, v in env.items()]

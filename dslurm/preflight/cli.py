@@ -1,6 +1,12 @@
 """`dslurm burnin`: run the pre-flight burn-in. Light to import: no torch here.
 
-For now only `--local` (torchrun on this machine); the standalone sbatch job comes later.
+Two ways:
+- `dslurm burnin --site S --nodes N [--wait]`: a standalone sbatch job of N whole nodes,
+  rendered and submitted like a training job (dslurm/submit.py), that runs the same gate
+  every training job runs first and nothing else. Its report, ledger and blocklist land
+  in the run directory (default <storage.durable>/burnin-N); a later training job of the
+  same run directory --excludes the bad nodes.
+- `dslurm burnin --local [--nproc N]`: torchrun on this machine.
 Exit codes are dslurm.preflight.EXIT_* (0 pass, 3 bad nodes, 4 unlocalized, 5 no report).
 """
 
@@ -31,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--site", help="site config YAML whose burnin section sets the thresholds")
     p.add_argument("--thresholds", help="JSON file with burnin thresholds (instead of --site)")
     p.add_argument("--expected-gpus", type=int, help="GPUs each node must show")
+    p.add_argument("--nodes", type=int, help="with --site: nodes of the standalone sbatch job")
+    p.add_argument("--run-dir", help="with --nodes: where report, ledger and blocklist go")
+    p.add_argument("--time", default="00:15:00", help="with --nodes: time limit of the job")
+    p.add_argument("--dry-run", action="store_true", help="with --nodes: write the script, do not submit")
+    p.add_argument("--wait", action="store_true", help="with --nodes: wait for the verdict and print it")
     p.set_defaults(func=run)
 
 
@@ -50,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     from dslurm.preflight.gate import exit_code, load_report
 
     if not args.local:
-        raise UserError("burnin: only --local is implemented yet (the sbatch job comes later); "
-                        "run `dslurm burnin --local [--nproc N]`")
+        if not (args.site and args.nodes):
+            raise UserError("burnin: give --site FILE --nodes N (a standalone sbatch job) or --local")
+        return run_job(args)
     if args.nproc < 1:
         raise UserError(f"burnin: --nproc={args.nproc} must be >= 1")
     report = Path(args.report)
@@ -68,3 +80,41 @@ def run(args: argparse.Namespace) -> int:
     verdict = load_report(report)["verdict"]
     log.info("report: %s", report)
     return exit_code(verdict)
+
+
+def run_job(args: argparse.Namespace) -> int:
+    """Render and submit the standalone burn-in job; with --wait, print its verdict."""
+    from dslurm.config import load_job, load_site
+    from dslurm.resolve import resolve
+    from dslurm.submit import submit
+
+    site = load_site(args.site)
+    data = {"name": f"burnin-{args.nodes}", "nodes": args.nodes, "time": args.time,
+            "entry": "dslurm.preflight.job", "preflight": {"enabled": True},
+            "requeue": {"enabled": False}, "train": {"global_batch": args.nodes * site.procs_per_node}}
+    if args.run_dir:
+        data["checkpoint"] = {"run_dir": args.run_dir}
+    r = resolve(site, load_job(data=data), site_path=args.site, job_path="burnin job",
+                base_dir=os.getcwd())
+    sub = submit(r, dry_run=args.dry_run)
+    if args.dry_run:
+        print(f"dry run: wrote {sub.script}")
+        return 0
+    print(f"submitted burn-in job {sub.job_id}; report, ledger and blocklist in {sub.run_dir}")
+    return _wait_verdict(sub.job_id, sub.run_dir) if args.wait else 0
+
+
+def _wait_verdict(job_id: int, run_dir: Path) -> int:
+    from dslurm import slurm
+    from dslurm.ledger import read_events
+    from dslurm.preflight.gate import exit_code, load_report, render_table
+
+    state = slurm.wait_job(job_id, timeout=3600, poll=1)
+    mine = [e for e in read_events(run_dir) if e["event"] == "preflight" and e.get("job_id") == str(job_id)]
+    if not mine:
+        print(f"dslurm burnin: job {job_id} ended {state} without a verdict; see {run_dir}/logs",
+              file=sys.stderr)
+        return EXIT_NO_REPORT
+    report = load_report(mine[-1]["report"])
+    print(render_table(report))
+    return exit_code(report["verdict"])

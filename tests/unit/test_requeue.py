@@ -59,3 +59,8 @@ def test_auto_signal_lead_from_measurements_with_a_floor():
     assert lead == 170 and "step 35.00s + save 50.00s" in how  # 2 x (35 + 50)
     fast = [{"event": "steps", "step_time_s": 0.5}, {"event": "ckpt_save", "total_s": 1.0}]
     assert auto_signal_lead(fast, default_s=300)[0] == 60  # never below Slurm's granularity
+
+
+def test_requeue_off_stops_with_the_steps_code():
+    d = decide(rc=X.PREFLIGHT_FAILED, **BASE, requeue_enabled=False)
+    assert (d.action, d.exit_code) == ("stop", X.PREFLIGHT_FAILED) and "requeue is off" in d.reason
