@@ -50,17 +50,15 @@ ACCOUNTING_FIX = ("Fix: on the built-in cluster run `dslurm cluster up --account
 def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None,
                 site_overrides: list[str] | None = None) -> Resolved:
     """Validate and resolve a job and a site given as objects, dicts or YAML paths."""
-    from dslurm.config import _check_site_values, load_job, load_site
+    from dslurm.config import load_job, load_site
     from dslurm.resolve import resolve
-    from dslurm.schema import apply_overrides, build, to_dict
+    from dslurm.schema import to_dict
 
     if isinstance(site, (str, Path)):
         site_obj, site_path = load_site(site, site_overrides), str(site)
     else:
         data = to_dict(site) if isinstance(site, SiteConfig) else dict(site)
-        site_obj = build(SiteConfig, apply_overrides(data, site_overrides or [], "site_overrides"), "site")
-        _check_site_values(site_obj, "site")
-        site_path = "site"
+        site_obj, site_path = load_site(data=data, overrides=site_overrides), "site"
     if isinstance(job, (str, Path)):
         job_obj, job_path = load_job(job, overrides), str(job)
     else:

@@ -16,7 +16,6 @@ own handler, which calls `TrainTask.checkpoint()`, rewrites the job pickle and r
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 import time
@@ -66,22 +65,18 @@ class RunSummary:
 def job_env(r: Resolved) -> dict[str, str]:
     """The environment the rendered script exports (site env, job env, DSLURM_*), taken from
     the renderer itself so the two paths cannot drift apart."""
-    from dslurm.sbatch import RenderRefs, _env_lines
+    from dslurm.sbatch import job_env as rendered_env
 
-    env = {}
-    for line in _env_lines(r, RenderRefs(site="", job="")):
-        key, _, value = shlex.split(line.removeprefix("export "))[0].partition("=")
-        env[key] = value
-    return env
+    return rendered_env(r)
 
 
 def trainer_argv(r: Resolved, site_file: str, job_file: str) -> list[str]:
     """`python -m ENTRY --site S --job J`, as the rendered script runs it. The interpreter is
     this one: it already imports dslurm, and the site's `python` may only be on PATH after
     the batch script's setup lines."""
-    from dslurm.sbatch import RenderRefs, _trainer_args
+    from dslurm.sbatch import RenderRefs, trainer_args
 
-    argv = _trainer_args(r, RenderRefs(site=site_file, job=job_file))
+    argv = trainer_args(r, RenderRefs(site=site_file, job=job_file))
     return [sys.executable, *argv[1:]]
 
 

@@ -276,10 +276,12 @@ def _check_site_values(site: SiteConfig, source: str) -> None:
     parse_time(site.slurm.default_time, f"{source}: field 'slurm.default_time'")
 
 
-def load_site(path: str | Path, overrides: list[str] | None = None) -> SiteConfig:
-    """Read and validate a site config (a YAML file)."""
-    source = str(path)
-    data = apply_overrides(load_yaml(path), overrides or [], "--site-set")
+def load_site(path: str | Path | None = None, overrides: list[str] | None = None,
+              data: dict[str, Any] | None = None) -> SiteConfig:
+    """Read and validate a site config from a YAML file (or a dict), with overrides."""
+    source = str(path) if path is not None else "site"
+    raw = load_yaml(path) if path is not None else dict(data or {})
+    data = apply_overrides(raw, overrides or [], "--site-set")
     site = build(SiteConfig, data, source)
     _check_site_values(site, source)
     return site

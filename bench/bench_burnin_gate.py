@@ -1,0 +1,60 @@
+"""The burn-in gate's cost inside the demo job, on the built-in local Slurm, in one run:
+
+    .venv/bin/python bench/bench_burnin_gate.py [--steps 20]
+
+Runs the demo job (examples/jobs/tiny-2node.yaml: 2 nodes x 2 processes, 2x2 FSDP x TP,
+burn-in on) and reads its ledger and burn-in report. Prints the burn-in's duration as a
+ratio to one training step of the same job (median step time), and the inter-node busbw
+it measured next to this machine's memcpy bandwidth (the ceiling of a gloo all-reduce
+between processes on one host). bench/bench_burnin.py measures the same busbw outside Slurm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    from bench_burnin import memcpy_gbps
+
+    from dslurm import cluster, slurm
+    from dslurm.ledger import read_events
+    from dslurm.resolve import load
+    from dslurm.submit import submit
+
+    if not cluster.is_up():
+        cluster.up(nodes=3, accounting=True)
+    run = Path(tempfile.mkdtemp(prefix="dslurm-bench-burnin-"))
+    r = load(ROOT / "site-configs/local.yaml", ROOT / "examples/jobs/tiny-2node.yaml",
+             [f"checkpoint.run_dir={run}", f"train.steps={args.steps}", "train.log_every=1"], base_dir=ROOT)
+    import os
+
+    os.chdir(ROOT)
+    job = submit(r).job_id
+    state = slurm.wait_job(job, timeout=600, poll=1)
+    events = list(read_events(run))
+    pre = [e for e in events if e["event"] == "preflight"][0]
+    steps = [e["step_time_s"] for e in events if e["event"] == "steps"][1:]  # the first step warms up
+    step = statistics.median(steps)
+    report = json.loads(Path(pre["report"]).read_text())
+    busbw = report["inter"]["busbw_gbps"]
+    mem = max(memcpy_gbps(64 << 20).values())
+    print(f"job {job} {state}, run dir {run}")
+    print(f"burn-in (in the training processes): {pre['duration_s']:.2f} s; median training step {step:.3f} s; "
+          f"ratio {pre['duration_s'] / step:.1f} steps")
+    print(f"inter-node all-reduce busbw {busbw:.3f} GB/s; memcpy {mem:.2f} GB/s; ratio {busbw / mem:.3f}")
+
+
+if __name__ == "__main__":
+    main()
