@@ -9,7 +9,6 @@ CheckpointWrapper's own hooks, so checkpoints keep the unsplit model's names.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Literal
 
 import torch
