@@ -3,7 +3,8 @@
 Imported only by code running inside the job (it imports torch); the CLI uses dslurm.checkpoint.
 
 A save, on every rank: capture RNG and extra state, stage (async) or use the live tensors (sync),
-write a new generation with DCP, checksum this rank's own files (in parallel across ranks), gather.
+write a new generation with DCP, its crc32s computed while writing (dslurm.checkpoint_io: no
+re-read on the save path), gather them.
 Rank 0 then writes the manifest, checks sizes, restore-tests (reads .metadata, loads the smallest
 tensor back), and only then moves the pointer and prunes. The outcome is broadcast so every rank
 logs it and applies `on_error` the same way. Collectives run on gloo groups of our own: the
@@ -13,11 +14,9 @@ crashes, ARCHITECTURE.md traps), and gloo moves the small plan objects whatever 
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
-import random
 import signal
 import threading
 import time
@@ -34,6 +33,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import dslurm
 from dslurm import checkpoint as ck
+from dslurm.checkpoint_io import crc_writer, make_stager, restore_test
+from dslurm.checkpoint_rng import apply_rng, capture_rng
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -131,41 +132,6 @@ class _Comm:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-
-def capture_rng() -> dict[str, Any]:
-    """This rank's RNG streams (Python, numpy, torch CPU, CUDA when initialised), JSON-able."""
-    v, state, gauss = random.getstate()
-    out: dict[str, Any] = {"python": [v, list(state), gauss], "torch": _b64(torch.get_rng_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    try:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-    except ImportError:
-        pass
-    return out
-
-
-def apply_rng(st: dict[str, Any]) -> None:
-    v, state, gauss = st["python"]
-    random.setstate((v, tuple(state), gauss))
-    torch.set_rng_state(_unb64(st["torch"]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in st["cuda"]])
-    if "numpy" in st:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = st["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _test_kill(phase: str, rank: int, nth: int) -> None:
@@ -338,7 +304,7 @@ class CheckpointManager:
         sd = _to_state_dict(state)
         if self.async_mode and not blocking:
             if self._stager is None:
-                self._stager = _make_stager()
+                self._stager = make_stager()
             staged = self._stager.stage(sd)  # host copy: training may now change the live tensors
             stall = time.perf_counter() - job.t0
             self._thread = threading.Thread(target=self._background, args=(job, staged, stall),
@@ -412,13 +378,16 @@ class CheckpointManager:
         job.phases["prep"] = time.perf_counter() - job.t0
         if not any(comm.gather(err)):
             try:  # dcp.save is collective and raises on every rank if any rank's write failed
-                writer = dcp.FileSystemWriter(gen, sync_files=True, thread_count=self.io_threads)
+                writer, streamed = crc_writer(gen, self.io_threads)  # crc32 while writing
                 dcp.save(sd, storage_writer=writer, process_group=comm.group,
                          no_dist=comm.group is None)
                 job.phases["dcp"] = time.perf_counter() - job.t0
                 _test_kill("after_write", r, job.nth)
                 own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
-                sums = ck.checksum_files(gen, own + [f"{ck.RANKS}/rank-{r:05d}.json"])
+                sums = {n: streamed[n] for n in own if n in streamed}
+                # Anything not streamed (small JSON, a file DCP wrote another way) is read back.
+                sums.update(ck.checksum_files(gen, [n for n in own if n not in streamed]
+                                              + [f"{ck.RANKS}/rank-{r:05d}.json"]))
                 job.phases["crc32"] = time.perf_counter() - job.t0
             except (Exception, CheckpointException) as exc:  # the latter is a BaseException
                 err = _reason(exc)
@@ -444,7 +413,7 @@ class CheckpointManager:
             for d in (gen / ck.RANKS, gen, self.gdir):
                 ck.fsync_dir(d)
             job.phases["manifest"] = time.perf_counter() - job.t0
-            problems = ck.verify_generation(gen, full=False) + _restore_test(gen, files)
+            problems = ck.verify_generation(gen, full=False) + restore_test(gen, files, _reason)
             job.phases["verify"] = time.perf_counter() - job.t0
             if problems:
                 raise RuntimeError("verification failed: " + "; ".join(problems))
@@ -484,35 +453,3 @@ class CheckpointManager:
     def _event(self, event: str, **fields: Any) -> None:
         if self.ledger is not None and self.rank == 0:
             self.ledger.append(event, run_dir=str(self.run_dir), **fields)
-
-
-def _make_stager() -> Any:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    cuda = torch.cuda.is_available()
-    # Synchronous staging (the host copy is the part training must wait for); on CPU the stager
-    # needs use_non_blocking_copy=False (ARCHITECTURE.md traps). Buffers are reused across saves,
-    # which is safe because at most one save is in flight.
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
-
-
-def _restore_test(gen: Path, files: dict[str, Any]) -> list[str]:
-    """Read .metadata back, check that every storage record lies inside a file the manifest lists,
-    and load the smallest tensor through DCP's own read path into scratch. Bounded cost: it does
-    not re-read the shards (their crc32 was just computed from disk by the ranks that wrote them)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    try:
-        md = dcp.FileSystemReader(gen).read_metadata()
-        for index, info in (md.storage_data or {}).items():
-            have = files.get(info.relative_path)
-            if have is None or info.offset + info.length > have["size"]:
-                return [f"{gen / info.relative_path}: holds {index.fqn} at {info.offset}+{info.length}, "
-                        f"but the file is {'absent' if have is None else have['size']} bytes"]
-        tensors = [(k, v) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
-        if tensors:
-            key, tmd = min(tensors, key=lambda kv: kv[1].size.numel())
-            scratch = {key: torch.empty(tmd.size, dtype=tmd.properties.dtype)}
-            dcp.load(scratch, storage_reader=dcp.FileSystemReader(gen), no_dist=True)
-    except Exception as exc:
-        return [f"{gen}: restore test failed: {_reason(exc)}"]
-    return []

@@ -1,0 +1,137 @@
+"""DCP file I/O for the checkpoint protocol: crc32 computed while DCP writes, the host stager,
+and the bounded restore test. Imported by dslurm.checkpoint_dcp (in-job code; imports torch).
+
+Why checksum while writing: re-reading every shard after `dcp.save` cost as much as a third of
+a sync save (docs/checkpoint.md, bench). That re-read came from the page cache the write had
+just filled, so it checked the same bytes in memory that a checksum of the write stream sees;
+it never proved what the medium holds either. What the manifest records is therefore the crc32
+and byte count of exactly what was handed to the file, and the file is fsync'd before the
+manifest exists. A torn or short file (a write that did not land whole) is caught at commit by
+the size check against the manifest (`verify_generation(full=False)`); altered bytes on the
+medium (bit rot, a lost write) are caught by the full crc32 re-read that restore and
+`dslurm ckpt verify` do -- that re-read is the verify step's job, not the save path's.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import zlib
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+
+class _CrcStream(io.RawIOBase):
+    """Write-through wrapper: running crc32 and byte count of everything written. `tell()` is
+    the count, which equals the file offset because DCP opens each file fresh with "wb" and
+    only appends (it uses tell() to record where each tensor starts)."""
+
+    def __init__(self, raw: io.BufferedWriter) -> None:
+        super().__init__()
+        self.raw, self.crc, self.size = raw, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        if n != len(view):  # BufferedWriter writes all or raises; anything else is a torn write
+            raise OSError(f"short write to {self.raw.name}: {n} of {len(view)} bytes")
+        self.crc = zlib.crc32(view, self.crc)  # zlib releases the GIL on large buffers
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        if not self.raw.closed:  # DCP closes the stream itself before create_stream's exit
+            self.raw.flush()
+
+    def fileno(self) -> int:  # DCP fsyncs through this (sync_files=True); without it: os.sync()
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        super().close()  # IOBase.close flushes first
+        self.raw.close()
+
+
+class CrcFileSystem(FileSystem):
+    """DCP's local FileSystem whose write streams checksum as they go; `sums` maps each file
+    name written in full to {"size", "crc32"}, the manifest's entry format."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # io_threads > 1: one thread per file, one shared dict
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        path = Path(path)
+        stream = _CrcStream(path.open("wb"))
+        try:
+            yield stream
+        finally:
+            stream.close()
+        # Recorded only after the body finished without raising: a file whose write failed
+        # part-way has no entry, so it can never be described as complete.
+        with self._lock:
+            self.sums[path.name] = {"size": stream.size, "crc32": f"{stream.crc:08x}"}
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)  # .metadata.tmp -> .metadata: the entry follows the name
+        with self._lock:
+            if (entry := self.sums.pop(Path(path).name, None)) is not None:
+                self.sums[Path(new_path).name] = entry
+
+
+def crc_writer(gen: Path, io_threads: int) -> tuple[dcp.FileSystemWriter, dict[str, dict[str, Any]]]:
+    """A FileSystemWriter (fsync'd files) that checksums while writing, and its sums."""
+    writer = dcp.FileSystemWriter(gen, sync_files=True, thread_count=io_threads)
+    fs = CrcFileSystem()
+    writer.fs = fs  # write_data/finish go through self.fs (torch 2.13 filesystem.py)
+    return writer, fs.sums
+
+
+def make_stager() -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    cuda = torch.cuda.is_available()
+    # Synchronous staging (the host copy is the part training must wait for); on CPU the stager
+    # needs use_non_blocking_copy=False (ARCHITECTURE.md traps). Buffers are reused across saves,
+    # which is safe because at most one save is in flight.
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
+def restore_test(gen: Path, files: dict[str, Any], reason: Any) -> list[str]:
+    """Read .metadata back, check that every storage record lies inside a file the manifest lists,
+    and load the smallest tensor through DCP's own read path into scratch. Bounded cost: it does
+    not re-read the shards (restore and `dslurm ckpt verify` do, with the full crc32)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    try:
+        md = dcp.FileSystemReader(gen).read_metadata()
+        for index, info in (md.storage_data or {}).items():
+            have = files.get(info.relative_path)
+            if have is None or info.offset + info.length > have["size"]:
+                return [f"{gen / info.relative_path}: holds {index.fqn} at {info.offset}+{info.length}, "
+                        f"but the file is {'absent' if have is None else have['size']} bytes"]
+        tensors = [(k, v) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+        if tensors:
+            key, tmd = min(tensors, key=lambda kv: kv[1].size.numel())
+            scratch = {key: torch.empty(tmd.size, dtype=tmd.properties.dtype)}
+            dcp.load(scratch, storage_reader=dcp.FileSystemReader(gen), no_dist=True)
+    except Exception as exc:
+        return [f"{gen}: restore test failed: {reason(exc)}"]
+    return []
