@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dslurm.durable import atomic_write_bytes, fsync_dir  # noqa: F401 - re-exported
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -62,26 +63,7 @@ class RunLocked(CheckpointError):
 
 
 # ---------------------------------------------------------------- durable small writes
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename/creation in `path` durable (the entry lives in the directory, not the file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename over, fsync the directory: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+# fsync_dir and atomic_write_bytes come from dslurm.durable (re-exported: other modules use them).
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

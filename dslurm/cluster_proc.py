@@ -116,20 +116,9 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    from dslurm.durable import atomic_write_bytes
+
+    atomic_write_bytes(path, data, mode)
 
 
 def write_in_place_or_atomic(path: Path, text: str) -> None:

@@ -56,19 +56,10 @@ def examples(root: Path, write: bool) -> list[str]:
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    from dslurm.durable import atomic_write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write_text(path, text, mode)
 
 
 def register(sub) -> None:

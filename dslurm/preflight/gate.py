@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -101,26 +99,12 @@ def bad_nodes(report: dict[str, Any]) -> list[str]:
 
 
 def write_report(path: str | Path, report: dict[str, Any]) -> Path:
-    """Atomic: temp file in the same directory, fsync, rename over, fsync the directory, so a
-    reader sees the old report or the new one, never half of one."""
+    """Atomic and durable (dslurm.durable): a reader sees the old report or the new one."""
+    from dslurm.durable import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(report, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
     return path
 
 
