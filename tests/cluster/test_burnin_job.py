@@ -32,4 +32,20 @@ def test_bad_node_is_drained_where_the_site_allows_it(slurm_cluster, cli, tmp_pa
         assert "Reason=dslurm burn-in:" in out
         assert (tmp_path / "d" / "blocklist.txt").read_text().split() == ["node1"]
     finally:
-        slurm.run_cmd(["scontrol", "update", "NodeName=node1", "State=RESUME"], env=env, check=False)
+        _resume(env, "node1")
+
+
+def _resume(env, node: str, timeout: float = 60) -> None:
+    """Give the node back to the shared test cluster: RESUME until it is idle again (a job
+    still completing on it can keep it draining for a moment). A node left drained would
+    make the next `cluster up` see an unhealthy cluster and restart it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        slurm.run_cmd(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, check=False)
+        state = [n["state"] for n in slurm.nodes(env=env) if n["name"] == node][0]
+        if state == "idle" or time.monotonic() > deadline:
+            assert state == "idle", f"{node} stays {state} after RESUME"
+            return
+        time.sleep(0.5)
