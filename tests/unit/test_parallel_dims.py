@@ -65,7 +65,8 @@ d = ParallelDims.from_layout(layout, dist.get_world_size())
 r = dist.get_rank()
 coords = dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), d.mesh.get_coordinate()))
 ok = coords == layout.coords(r) and d.get_mesh("tp").get_local_rank() == r % 2 and d.get_mesh("dp").size() == 1
-print(json.dumps({"rank": r, "ok": ok}), flush=True)
+# One file per rank: four processes printing to one pipe can interleave their lines.
+open(f"{sys.argv[1]}/rank-{r}.json", "w").write(json.dumps({"rank": r, "ok": ok, "coords": coords}))
 dist.destroy_process_group()
 """
 
@@ -76,8 +77,8 @@ def test_mesh_coordinates_equal_the_pure_layout(tmp_path):
     script = tmp_path / "mesh.py"
     script.write_text(SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(script)], cwd=ROOT, capture_output=True, text=True, timeout=110,
+                           str(script), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=110,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
     assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3] and all(r["ok"] for r in rows)
