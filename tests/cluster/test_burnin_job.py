@@ -36,16 +36,17 @@ def test_bad_node_is_drained_where_the_site_allows_it(slurm_cluster, cli, tmp_pa
 
 
 def _resume(env, node: str, timeout: float = 60) -> None:
-    """Give the node back to the shared test cluster: RESUME until it is idle again (a job
-    still completing on it can keep it draining for a moment). A node left drained would
-    make the next `cluster up` see an unhealthy cluster and restart it."""
+    """Give the node back to the shared test cluster: RESUME until it is idle and responding
+    again (a job still completing on it keeps it draining for a moment). A node left drained
+    or not responding makes the next `cluster up` see an unhealthy cluster and restart it."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
         slurm.run_cmd(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, check=False)
-        state = [n["state"] for n in slurm.nodes(env=env) if n["name"] == node][0]
-        if state == "idle" or time.monotonic() > deadline:
-            assert state == "idle", f"{node} stays {state} after RESUME"
+        info = [n for n in slurm.nodes(env=env) if n["name"] == node][0]
+        # Responding too: right after RESUME the controller shows `idle*` until its next ping.
+        if (info["state"] == "idle" and info["responding"]) or time.monotonic() > deadline:
+            assert info["state"] == "idle" and info["responding"], f"{node} after RESUME: {info}"
             return
         time.sleep(0.5)
