@@ -202,7 +202,12 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
     with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
         child_env[STATUS_DIR_ENV] = status_dir
         rc = _run_forwarding(torchrun_argv(info, cmd, rdzv), child_env)
-        return agreed_exit_code(rc, read_worker_codes(Path(status_dir)))
+        code = agreed_exit_code(rc, read_worker_codes(Path(status_dir)))
+        if code == 143 and STOP_SIGNAL != "SIGTERM":
+            # Our workers saw TERM but this launcher never did: torchrun tore them down because
+            # a peer failed. That is a crash of the job, not a preemption.
+            return 1
+        return code
 
 
 # ------------------------------------------------------------------------------ CLI
