@@ -210,10 +210,11 @@ class TrainTask(submitit.helpers.Checkpointable):
 def _decide(r: Resolved, env: Mapping[str, str]) -> Any:
     """dslurm's requeue policy, recorded in the ledger like `dslurm requeue-me` does."""
     from dslurm.ledger import Ledger, read_events
-    from dslurm.requeue import decide, pointer_step, start_steps_of
+    from dslurm.endings import WARNED_STOP
+    from dslurm.requeue import decide, failures_of, pointer_step, start_steps_of
 
     events = list(read_events(r.run_dir))
-    d = decide(rc=X.REQUEUE, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+    d = decide(ending=WARNED_STOP, failures=failures_of(events, env.get("SLURM_JOB_ID", "")),
                max_restarts=r.max_restarts, no_progress_limit=r.no_progress_limit,
                start_steps=start_steps_of(events), pointer_step=pointer_step(r.run_dir))
     Ledger(r.run_dir).append("requeue", decision=d.action, step_rc=X.REQUEUE, exit_code=d.exit_code,

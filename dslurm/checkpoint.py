@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.durable import atomic_write_bytes, fsync_dir  # noqa: F401 - re-exported
+from dslurm import exitcodes as X
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,15 @@ class CheckpointError(UserError):
 
 
 class RunLocked(CheckpointError):
-    """Another job holds the run directory."""
+    """Another job holds the run directory: this one is refused, and must not be retried."""
+
+    exit_code = X.REFUSED
+
+
+class SaveFailed(CheckpointError):
+    """A save failed with on_error=stop, or the final save failed: the state is not durable."""
+
+    exit_code = X.SAVE_FAILED
 
 
 # ---------------------------------------------------------------- durable small writes
@@ -104,7 +113,7 @@ class GenInfo:
     name: str
     step: int
     path: Path
-    committed: bool  # has a manifest (the commit marker); not yet proof that it verifies
+    committed: bool  # has a manifest (the commit marker) and was never rejected by a restore
 
 
 def list_generations(run_dir: str | os.PathLike[str]) -> list[GenInfo]:
@@ -116,8 +125,20 @@ def list_generations(run_dir: str | os.PathLike[str]) -> list[GenInfo]:
     for p in gdir.iterdir():
         step = parse_step(p.name)
         if step is not None and p.is_dir():
-            out.append(GenInfo(p.name, step, p, (p / MANIFEST).is_file()))
+            out.append(GenInfo(p.name, step, p, (p / MANIFEST).is_file() and not (p / REJECTED).exists()))
     return sorted(out, key=lambda g: _sort_key(g.name))
+
+
+REJECTED = "REJECTED.json"
+
+
+def mark_rejected(gen_dir: Path, problems: list[str]) -> None:
+    """A restore found this generation corrupt: from now on it counts as uncommitted, so it is
+    never a fallback again and retention deletes it instead of an older generation that verifies."""
+    try:
+        atomic_write_json(gen_dir / REJECTED, {"problems": problems[:20], "by": holder_identity()})
+    except OSError as exc:
+        log.error("could not mark %s rejected: %s", gen_dir, exc)
 
 
 # ---------------------------------------------------------------- checksums and manifest

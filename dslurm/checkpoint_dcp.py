@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 import time
 import warnings
@@ -35,6 +34,7 @@ import dslurm
 from dslurm import checkpoint as ck
 from dslurm.checkpoint_io import crc_writer, make_stager, restore_test
 from dslurm.checkpoint_rng import apply_rng, capture_rng
+from dslurm import faults
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -134,13 +134,33 @@ class _Comm:
         return out
 
 
-def _test_kill(phase: str, rank: int, nth: int) -> None:
-    """Test hook making 'killed in the middle of a save' deterministic: with
-    DSLURM_CKPT_TEST_KILL=RANK:PHASE:NTH this rank SIGKILLs itself at PHASE of its NTH save.
-    Phases: before_write, after_write (own shards on disk, no manifest), before_pointer (rank 0)."""
-    if os.environ.get("DSLURM_CKPT_TEST_KILL") == f"{rank}:{phase}:{nth}":
-        log.warning("[rank %d] DSLURM_CKPT_TEST_KILL: killing myself at %s of save %d", rank, phase, nth)
-        os.kill(os.getpid(), signal.SIGKILL)
+def nonfinite_keys(sd: Any, prefix: str = "") -> list[str]:
+    """Keys of floating tensors in a (nested) state dict holding NaN/inf in this rank's part.
+    A generation with non-finite parameters or optimizer state is never committed: resuming
+    from it would only reproduce the divergence, and retention would delete the good ones."""
+    out: list[str] = []
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out += nonfinite_keys(v, f"{prefix}{k}.")
+    elif isinstance(sd, (list, tuple)):
+        for i, v in enumerate(sd):
+            out += nonfinite_keys(v, f"{prefix}{i}.")
+    elif isinstance(sd, torch.Tensor) and sd.is_floating_point():
+        local = sd.to_local() if hasattr(sd, "to_local") else sd
+        if local.numel() and not bool(torch.isfinite(local).all()):
+            out.append(prefix.rstrip("."))
+    return out
+
+
+def failure_hint(reason: str, run_dir: Path) -> str:
+    """What a person should do about a failed save, from its reason. Pure."""
+    if "No space left" in reason or "ENOSPC" in reason or "Errno 28" in reason:
+        return (f"the disk holding {run_dir} is full (ENOSPC): free space (e.g. `dslurm ckpt gc {run_dir}`) "
+                "or point checkpoint.run_dir at a larger file system, then resubmit; it resumes from the pointer")
+    if "non-finite" in reason:
+        return ("the model or optimizer state is not finite (training diverged): lower train.lr or enable "
+                "clipping, then resubmit; it resumes from the pointer's (finite) generation")
+    return "see the reason above; the pointer still names the last verified generation"
 
 
 def _reason(exc: BaseException) -> str:
@@ -212,6 +232,8 @@ class CheckpointManager:
             return None
         for name, problems in sel.rejected:
             log.error("[rank %d] CHECKPOINT %s REJECTED: %s", self.rank, name, "; ".join(problems))
+            if self.rank == 0:
+                ck.mark_rejected(self.gdir / name, problems)
         if sel.fell_back:
             log.error("[rank %d] CHECKPOINT FALLBACK: %s", self.rank, sel.reason)
         gen = self.gdir / sel.generation
@@ -356,6 +378,7 @@ class CheckpointManager:
 
     def _background(self, job: _Job, staged: dict[str, Any], stall: float) -> None:
         try:
+            faults.save_sleep()
             out = self._write(job, staged, self._bg)
         except BaseException as exc:  # a dead peer, say; never lose the reason in a thread
             out = SaveOutcome(job.name, job.step, False, _reason(exc))
@@ -367,11 +390,14 @@ class CheckpointManager:
         err: str | None = None
         try:  # local preparation; gathered before DCP so that no rank waits in a collective alone
             (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
-            _test_kill("before_write", r, job.nth)
+            faults.ckpt_kill("before_write", r, job.nth)
             ck.atomic_write_json(gen / ck.RANKS / f"rank-{r:05d}.json",
                                  {"rank": r, "world_size": comm.world, "rng": job.rng})
             if r == 0:
                 ck.atomic_write_json(gen / ck.META, job.meta)
+            bad = nonfinite_keys(sd)
+            if bad:
+                err = f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
         except Exception as exc:
             err = _reason(exc)
         sums: dict[str, Any] = {}
@@ -382,7 +408,7 @@ class CheckpointManager:
                 dcp.save(sd, storage_writer=writer, process_group=comm.group,
                          no_dist=comm.group is None)
                 job.phases["dcp"] = time.perf_counter() - job.t0
-                _test_kill("after_write", r, job.nth)
+                faults.ckpt_kill("after_write", r, job.nth)
                 own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
                 sums = {n: streamed[n] for n in own if n in streamed}
                 # Anything not streamed (small JSON, a file DCP wrote another way) is read back.
@@ -417,7 +443,7 @@ class CheckpointManager:
             job.phases["verify"] = time.perf_counter() - job.t0
             if problems:
                 raise RuntimeError("verification failed: " + "; ".join(problems))
-            _test_kill("before_pointer", 0, job.nth)
+            faults.ckpt_kill("before_pointer", 0, job.nth)
             ck.write_pointer(self.run_dir, job.name, job.step)
             job.phases["pointer"] = time.perf_counter() - job.t0
         except Exception as exc:
@@ -448,7 +474,17 @@ class CheckpointManager:
         self._event("ckpt_save_failed", step=out.step, generation=out.generation, reason=out.reason,
                     policy=self.on_error)
         if self.on_error == "stop":
-            raise ck.CheckpointError(f"checkpoint save at step {out.step} failed: {out.reason}")
+            raise self.failure(out)
+
+    def failure(self, out: SaveOutcome) -> ck.SaveFailed:
+        """The error a caller raises when a save it needs (the final one, a stop's) failed."""
+        try:
+            ptr = ck.read_pointer(self.run_dir)
+        except ck.CheckpointError:
+            ptr = None
+        where = f"step {ptr.step} ({ptr.generation})" if ptr else "no generation"
+        return ck.SaveFailed(f"checkpoint save at step {out.step} failed: {out.reason}. Fix: "
+                             f"{failure_hint(out.reason, self.run_dir)}. The pointer still names {where}.")
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.ledger is not None and self.rank == 0:

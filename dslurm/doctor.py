@@ -228,8 +228,31 @@ def _crashes(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
                     "time if it hit the limit")]
 
 
+_ENDING_HELP = {
+    "crash": ("a rank failed of its own accord (the first one named; the others were victims)",
+              "read that rank's traceback in the .err log; `dslurm report` shows whether the retry resumed"),
+    "node_failure": ("Slurm lost a node", "check the node (`sinfo -R`); the job requeues on healthy nodes"),
+    "save_failed": ("a checkpoint save the ending needed did not commit: the state is not durable",
+                    "free disk space or fix the divergence named in the evidence, then resubmit"),
+    "refused": ("another job held the run directory's lock", "wait for or cancel that job; or use --chain"),
+    "burnin_rejected": ("the burn-in rejected a node", "see the preflight report; the job requeues without it"),
+}
+
+
+def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """Starts whose classified ending (dslurm/endings.py) was a failure, with its evidence."""
+    out = []
+    for cls, (cause, fix) in _ENDING_HELP.items():
+        hits = [s for s in starts if s.ending == cls]
+        if hits:
+            ev = [f"start {s.index} ({s.job_id}.{s.restart}): {s.ending_reason}" for s in hits]
+            ev += [str(x) for s in hits for e in s.all("ending")[-1:] for x in (e.get("evidence") or [])]
+            out.append(Finding(f"ended by {cls.replace('_', ' ')}", ev[:MAX_EVIDENCE], cause, fix))
+    return out
+
+
 CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
-    _no_first_step, _scaling, _idle_stages, _loss, _resume, _stragglers, _crashes]
+    _no_first_step, _scaling, _idle_stages, _loss, _resume, _stragglers, _endings, _crashes]
 
 
 def diagnose(events: Iterable[dict[str, Any]], log_lines: Iterable[LogLine] = ()) -> list[Finding]:

@@ -1,12 +1,24 @@
-"""Exit codes that carry meaning between the trainer, the launcher and the batch script."""
+"""Exit codes that carry meaning between the trainer, the launcher and the batch script.
+
+They are a summary for Slurm and the user; decisions read the recorded facts
+(dslurm/facts.py, dslurm/endings.py), because srun and torchrun fold endings together.
+"""
 
 OK = 0
 USER_ERROR = 2  # a mistake in the input: retrying cannot help
+SAVE_FAILED = 74  # EX_IOERR: a checkpoint save failed (disk full, non-finite state): not durable
 REQUEUE = 75  # EX_TEMPFAIL: saved on a signal, run me again
 NO_PROGRESS = 76  # the pointer did not advance across N starts: stop
 BUDGET = 77  # the restart budget is spent: stop
 PREFLIGHT_FAILED = 78  # burn-in found bad nodes: requeue without them
+REFUSED = 79  # another job holds the run directory's lock: not started, not retried
 TERMINATED = 143  # SIGTERM (scancel, preemption): saved if there was time, do not requeue ourselves
 
-NAMES = {OK: "completed", USER_ERROR: "user_error", REQUEUE: "requeue", NO_PROGRESS: "no_progress",
-         BUDGET: "budget", PREFLIGHT_FAILED: "preflight_failed", TERMINATED: "terminated"}
+NAMES = {OK: "completed", USER_ERROR: "user_error", SAVE_FAILED: "save_failed", REQUEUE: "requeue",
+         NO_PROGRESS: "no_progress", BUDGET: "budget", PREFLIGHT_FAILED: "preflight_failed",
+         REFUSED: "refused", TERMINATED: "terminated"}
+
+# How a training process describes its own exit code in its report (dslurm/facts.py).
+KIND_OF_CODE = {OK: "completed", REQUEUE: "stop_saved", TERMINATED: "terminated_saved",
+                USER_ERROR: "user_error", PREFLIGHT_FAILED: "burnin_rejected", SAVE_FAILED: "save_failed",
+                REFUSED: "refused"}

@@ -9,7 +9,10 @@ inherited across exec, and the trainer installs its own handler explicitly.
 
 Exit code: torchrun reports any worker failure as 1, which would hide the trainer's
 "requeue me" code (75). Workers write their exit code into a status directory the
-launcher owns; the launcher returns the workers' agreed code.
+launcher owns; the launcher returns the workers' agreed code. That code is only a summary:
+the launcher also records its facts (dslurm/facts.py) -- which signals *it* received and
+when (srun's teardown after another node's crash reaches launchers, never the batch
+shell), torchrun's code, the workers' codes, and which local ranks left no code at all.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -68,14 +72,19 @@ def agreed_exit_code(torchrun_rc: int, worker_codes: list[int]) -> int:
     return torchrun_rc
 
 
-def read_worker_codes(status_dir: Path) -> list[int]:
-    codes = []
+def read_worker_code_map(status_dir: Path) -> dict[str, int]:
+    """Local rank -> the code that worker reported."""
+    codes = {}
     for p in sorted(status_dir.glob("*.code")):
         try:
-            codes.append(int(p.read_text().strip()))
+            codes[p.stem] = int(p.read_text().strip())
         except (OSError, ValueError):
             continue
     return codes
+
+
+def read_worker_codes(status_dir: Path) -> list[int]:
+    return list(read_worker_code_map(status_dir).values())
 
 
 def write_worker_code(code: int) -> None:
@@ -91,6 +100,7 @@ def write_worker_code(code: int) -> None:
 # The first stop signal this launcher received (it may come before training started,
 # e.g. during the burn-in): remembered for the rest of the process.
 STOP_SIGNAL: str | None = None
+SIGNALS: list[tuple[str, float]] = []  # every stop signal this launcher received, with its time
 
 
 def reset_stop() -> None:
@@ -98,6 +108,7 @@ def reset_stop() -> None:
     again after one run was stopped)."""
     global STOP_SIGNAL
     STOP_SIGNAL = None
+    SIGNALS.clear()
 
 
 def _note_stop(signame: str, status_dir: str | None) -> None:
@@ -149,6 +160,7 @@ class _Forwarder:
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
+        SIGNALS.append((name, time.time()))
         log.warning("dslurm launch: got %s, forwarding to the training processes", name)
         _note_stop(name, self.status_dir)  # before the kill: see _note_stop
         proc = self.proc
@@ -194,20 +206,32 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
     info = derive(base_env, nproc_per_node=nproc_per_node, mode=mode)  # type: ignore[arg-type]
     child_env = {**base_env, **info.worker_env()}
     log.info("dslurm launch: %s", json.dumps(info.as_dict()))
-    if mode == "srun":
-        argv = list(cmd)
-        with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
-            child_env[STATUS_DIR_ENV] = status_dir
-            return _run_forwarding(argv, child_env)
+    nlocal = 1 if mode == "srun" else info.nproc_per_node
     with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
         child_env[STATUS_DIR_ENV] = status_dir
-        rc = _run_forwarding(torchrun_argv(info, cmd, rdzv), child_env)
-        code = agreed_exit_code(rc, read_worker_codes(Path(status_dir)))
+        argv = list(cmd) if mode == "srun" else torchrun_argv(info, cmd, rdzv)
+        rc = _run_forwarding(argv, child_env)
+        codes = read_worker_code_map(Path(status_dir))
+        code = agreed_exit_code(rc, list(codes.values()))
         if code == 143 and STOP_SIGNAL != "SIGTERM":
             # Our workers saw TERM but this launcher never did: torchrun tore them down because
             # a peer failed. That is a crash of the job, not a preemption.
-            return 1
+            code = 1
+        local = [str(int(child_env.get("LOCAL_RANK", "0")))] if mode == "srun" else [str(i) for i in range(nlocal)]
+        record(info.node_rank, rc, codes, [int(r) for r in local if r not in codes], code, base_env)
         return code
+
+
+def record(node_rank: int | None, rc: int | None, codes: dict[str, int], silent: list[int], code: int,
+           env: dict[str, str]) -> None:
+    """This launcher's facts for requeue-me (dslurm/facts.py)."""
+    import socket
+
+    from dslurm import facts
+
+    facts.write_launcher_report(facts.LauncherReport(
+        host=socket.gethostname(), node_rank=node_rank, signals=list(SIGNALS), torchrun_rc=rc,
+        worker_codes=codes, silent_local_ranks=silent, code=code), env)
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -249,7 +273,9 @@ def _run_launch(args) -> int:
         from dslurm import exitcodes
 
         log.warning("dslurm launch: %s arrived before training started; not starting it", STOP_SIGNAL)
-        return exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE
+        code = exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE
+        record(None, None, {}, [], code, env)
+        return code
     return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv, env=env)
 
 

@@ -6,6 +6,10 @@ single `write` on an O_APPEND descriptor and fsynced, so lines from several proc
 never interleave and a kill -9 loses at most the line being written; a torn last line
 is skipped by the reader.
 
+The file is strict JSON lines: non-finite floats (a NaN loss) are written as the strings
+"NaN", "Infinity", "-Infinity" and read back as floats. Every append starts on a fresh line,
+even after a torn one, so a kill -9 never costs the next writer its event.
+
 Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`, `host`:
   submit            job_ids (a chain lists every link), signal_lead_s, signal_lead_auto
   preflight         passed, bad_nodes, problems, warnings, report (path), duration_s, nodes
@@ -17,7 +21,9 @@ Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`,
   ckpt_save         step, generation, bytes, stall_s, total_s (ckpt_save_failed/_skipped too)
   signal            the stop request the ranks agreed on, and the step
   exit              reason (completed | requeue | terminated), step, code
-  requeue           decision (requeue | stop | end), step_rc, exit_code, reason
+  ending            how a start ended (dslurm/endings.py): cls, reason, origin_rank, origin_host,
+                    step, saved, evidence, step_rc; late=True when the next start wrote it
+  requeue           decision (requeue | stop | end), step_rc, exit_code, reason, ending (class)
   chain_cancel      job_ids cancelled because training completed
 Writers: dslurm/submit.py, dslurm/preflight_gate.py, dslurm/checkpoint_dcp.py, train/loop.py,
 dslurm/requeue.py. Readers: dslurm/report.py, dslurm/doctor.py, dslurm/requeue.py.
@@ -26,6 +32,8 @@ dslurm/requeue.py. Readers: dslurm/report.py, dslurm/doctor.py, dslurm/requeue.p
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import socket
 import time
@@ -33,6 +41,34 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FILENAME = "ledger.jsonl"
+log = logging.getLogger(__name__)
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: encode them as strings (decoded again by read_events)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _decode(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in obj.items()}
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    """One strict-JSON line. Pure."""
+    return (json.dumps(_finite(record), default=str, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def _ends_torn(fd: int) -> bool:
+    """True when the file's last byte is not a newline (a writer was killed mid-line)."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
 
 
 def _context() -> dict[str, Any]:
@@ -51,12 +87,20 @@ class Ledger:
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "t": round(time.time(), 3), **_context(), **fields}
-        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        line = encode(record)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            log.error("ledger %s: could not record %s: %s", self.path, event, exc)
+            return record
+        try:
+            if _ends_torn(fd):  # finish the torn line so this event starts on a line of its own
+                line = b"\n" + line
             os.write(fd, line)  # one write on O_APPEND: atomic w.r.t. other appenders
             os.fsync(fd)
+        except OSError as exc:  # a full disk must not turn into a crash of the writer
+            log.error("ledger %s: could not record %s: %s", self.path, event, exc)
         finally:
             os.close(fd)
         return record
@@ -72,7 +116,7 @@ def read_events(run_dir: str | Path) -> Iterator[dict[str, Any]]:
     with fh:
         for raw in fh:
             try:
-                rec = json.loads(raw)
+                rec = json.loads(raw, object_hook=_decode)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
             if isinstance(rec, dict) and "event" in rec:

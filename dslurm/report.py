@@ -70,6 +70,9 @@ class Start:
     tokens_per_s: float | None = None
     exit_reason: str = DIED
     decision: str | None = None
+    ending: str | None = None
+    """the classified ending (dslurm/endings.py): completed, crash, preempted, save_failed, ..."""
+    ending_reason: str | None = None
     windows: list[Window] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -104,6 +107,9 @@ class Summary:
     starts: list[Start]
     submit_t: float | None = None
     skipped_lines: int = 0
+    undurable_steps: int = 0
+    """steps trained after the last committed checkpoint of a run that is over: in no checkpoint"""
+    endings: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -130,15 +136,27 @@ def _opens_new(cur: list[dict[str, Any]], ev: dict[str, Any]) -> bool:
     return False
 
 
+def _late(ev: dict[str, Any]) -> bool:
+    """An ending written by a later start for an earlier one (whose batch shell died with it)."""
+    return ev["event"] == "ending" and bool(ev.get("late"))
+
+
 def split_starts(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The run's events grouped by start, in ledger order; submit/chain_cancel are left out."""
+    """The run's events grouped by start, in ledger order; submit/chain_cancel are left out,
+    late endings join the start they describe."""
     starts: list[list[dict[str, Any]]] = []
+    events = list(events)
     for ev in events:
-        if ev["event"] in _OUTSIDE or _num(ev, "t") is None:
+        if ev["event"] in _OUTSIDE or _num(ev, "t") is None or _late(ev):
             continue
         if not starts or _opens_new(starts[-1], ev):
             starts.append([])
         starts[-1].append(ev)
+    for ev in filter(_late, events):
+        for g in starts:
+            if (str(g[0].get("job_id")), str(g[0].get("restart"))) == (str(ev.get("job_id")), str(ev.get("restart"))):
+                g.append({**ev, "t": max(float(e["t"]) for e in g)})  # it describes that start's end
+                break
     return starts
 
 
@@ -198,6 +216,23 @@ def _fill_start(s: Start) -> None:
     s.reached = max(reached) if reached else None
     s.tokens_per_s = tok_time / dur if dur else None
     s.exit_reason, s.decision = _exit_reason(s)
+    ends = s.all("ending")
+    if ends:
+        s.ending, s.ending_reason = str(ends[-1].get("cls")), str(ends[-1].get("reason", ""))
+
+
+def _undurable(starts: list[Start]) -> int:
+    """Steps the finished run trained past its last committed save: they exist in no checkpoint.
+    0 while the run may still go on (its last start has no stop/end decision yet), and 0 for a
+    completed run: completion is reported only after the final save committed."""
+    last = starts[-1] if starts else None
+    if last is None or last.decision not in ("stop", "end") or last.reached is None:
+        return 0
+    if last.ending == "completed" or (last.ending is None and last.exit_reason == "completed"):
+        return 0
+    saved = [int(e["step"]) for s in starts for e in s.all("ckpt_save") if _num(e, "step") is not None]
+    saved += [s.resumed_from for s in starts if s.resumed_from is not None]
+    return max(0, last.reached - max(saved, default=0))
 
 
 def _attribute_steps(starts: list[Start]) -> None:
@@ -242,6 +277,11 @@ def summarize(events: Iterable[dict[str, Any]], skipped_lines: int = 0) -> Summa
     for s in starts:
         _fill_start(s)
     _attribute_steps(starts)
+    undurable = _undurable(starts)
+    endings: dict[str, int] = {}
+    for s in starts:
+        if s.ending:
+            endings[s.ending] = endings.get(s.ending, 0) + 1
     submits = [float(e["t"]) for e in events if e["event"] == "submit" and _num(e, "t") is not None]
     _queue_waits(starts, submits)
     wall = sum(s.end - s.begin for s in starts)
@@ -257,14 +297,15 @@ def summarize(events: Iterable[dict[str, Any]], skipped_lines: int = 0) -> Summa
     return Summary(
         wall_s=wall, queue_wait_s=sum(s.queue_wait_s for s in starts), productive_s=productive,
         goodput=productive / wall if wall > 0 else None,
-        lost_steps=sum(s.discarded_steps for s in starts), lost_s=sum(s.redone_s for s in starts),
+        lost_steps=sum(s.discarded_steps for s in starts) + undurable, lost_s=sum(s.redone_s for s in starts),
         restarts=max(0, len(starts) - 1), restart_overhead_s=sum(s.overhead_s for s in starts[1:]),
         startup_overhead_s=sum(s.overhead_s for s in starts[:1]),
         checkpoint_overhead_s=sum(s.save_stall_s for s in starts),
         saves=sum(len(s.all("ckpt_save")) for s in starts), mfu=mfu, mfu_label=label,
         tokens_per_s=(sum(t * n for t, n in tps) / sum(n for _, n in tps)) if tps else None,
         final_step=starts[-1].reached if starts else None, stragglers=hosts, straggler_checks=len(checks),
-        starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines)
+        starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
+        undurable_steps=undurable, endings=endings)
 
 
 def load(run_dir: Path) -> tuple[list[dict[str, Any]], int]:

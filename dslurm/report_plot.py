@@ -43,6 +43,11 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
                                                                          key=lambda kv: -kv[1]))
                           or "none") + f" ({sm.straggler_checks} check(s))",
     ]
+    if sm.undurable_steps:
+        lines.append(f"[red]{sm.undurable_steps} step(s) trained after the last committed checkpoint: in no "
+                     "checkpoint (counted as lost)[/red]")
+    if sm.endings:
+        lines.append("endings: " + ", ".join(f"{k} {n}x" for k, n in sorted(sm.endings.items())))
     if sm.skipped_lines:
         lines.append(f"[yellow]{sm.skipped_lines} torn or garbled ledger line(s) skipped[/yellow]")
     # SIMPLE box and short headers: the table fits 80 columns when piped to a file.
@@ -53,7 +58,7 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
         steps = "-" if s.reached is None else f"{s.resumed_from or 0}-{s.reached}"
         table.add_row(f"{s.index} {s.job_id or '-'}.{s.restart}", _fmt_s(s.queue_wait_s), _fmt_s(s.burnin_s),
                       _fmt_s(s.overhead_s), steps, str(s.discarded_steps), _fmt_s(s.productive_s),
-                      _fmt_s(s.save_stall_s), s.exit_reason + (f" > {s.decision}" if s.decision else ""))
+                      _fmt_s(s.save_stall_s), (s.ending or s.exit_reason) + (f" > {s.decision}" if s.decision else ""))
     console = Console()
     if not console.is_terminal:  # a file or a pipe: rich would assume 80 columns and fold
         console = Console(width=120)

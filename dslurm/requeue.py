@@ -1,14 +1,22 @@
 """What happens after the job step ends: requeue, stop, or finish — and why.
 
 The batch script runs `dslurm requeue-me --rc RC` on node 0 once the step is over and
-exits with what it returns. The decision is a pure function of the step's exit code,
-the restart count, the run's ledger and the checkpoint pointer:
+exits with what it returns. First the ending is classified from the facts recorded during
+the start (dslurm/endings.py: who received which signal, each rank's own report, what Slurm
+says), never from the step's exit code alone; then the policy (`decide`, pure) follows the
+class:
 
-- 0: training complete; later links of a chain are cancelled.
-- 2 (user error): stop; a retry cannot help.
-- a crash or a save-and-requeue (75): requeue within the restart budget, unless the
-  pointer has not advanced across `no_progress_limit` consecutive starts (the same crash
-  at the same step every time), which stops with its own exit code (76).
+- completed: end; later links of a chain are cancelled.
+- user error, refused (run dir locked), save failed (disk full, non-finite state): stop with
+  the class's own exit code; a retry cannot help, and the message says what to fix.
+- cancelled, preempted, time limit (Slurm ended the step): stop with 143; Slurm decides
+  whether the job comes back (`scontrol requeue`, preemption with requeue).
+- warned stop (USR2, saved): requeue. Preemptions and time-limit requeues are not failures
+  of the job: they spend no restart budget.
+- crash (any rank, whatever code srun gave the others), node failure, burn-in rejection:
+  requeue within the restart budget, counted over this job's earlier *failure* endings.
+- either way, the no-progress guard: if the pointer has not advanced across
+  `no_progress_limit` consecutive starts, stop with its own exit code (76).
 - in a chain, the next link continues instead of a requeue.
 """
 
@@ -17,8 +25,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 
 
@@ -39,32 +48,45 @@ def starts_without_progress(start_steps: list[int], pointer_step: int) -> int:
     return n
 
 
-def decide(*, rc: int, restart_count: int, max_restarts: int, no_progress_limit: int,
+_STOPS = {E.USER_ERROR: (X.USER_ERROR, "user error: fix the input and resubmit"),
+          E.REFUSED: (X.REFUSED, "refused: another job holds this run directory's lock; not retried "
+                                 "(cancel the other job, or give this one its own checkpoint.run_dir)"),
+          E.SAVE_FAILED: (X.SAVE_FAILED, "checkpoint save failed: the final state is not durable; not retried "
+                                         "(fix the cause named here, then resubmit: it resumes from the pointer)")}
+
+
+def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: int,
            start_steps: list[int], pointer_step: int, in_chain: bool = False,
-           requeue_enabled: bool = True) -> Decision:
-    """Pure policy; see the module docstring."""
-    if rc == X.OK:
+           requeue_enabled: bool = True, detail: str = "") -> Decision:
+    """Pure policy; see the module docstring. `failures`: this job's earlier failure endings."""
+    tail = f" [{detail}]" if detail else ""
+    if ending == E.COMPLETED:
         return Decision("end", X.OK, "completed")
-    if rc == X.USER_ERROR:
-        return Decision("stop", rc, "user error: fix the input and resubmit")
-    if rc == X.TERMINATED:
-        return Decision("stop", rc, "terminated (scancel or preemption): Slurm decides what comes next")
+    if ending in _STOPS:
+        code, why = _STOPS[ending]
+        return Decision("stop", code, why + tail)
+    if ending in E.SLURM_STOPS:
+        return Decision("stop", X.TERMINATED, f"{ending.replace('_', ' ')}: Slurm ended the step and decides "
+                                              f"what comes next{tail}")
     stalled = starts_without_progress(start_steps, pointer_step)
     if no_progress_limit > 0 and stalled >= no_progress_limit:
         return Decision("stop", X.NO_PROGRESS,
                         f"no progress: the last {stalled} starts all began at step {pointer_step} and the "
                         f"pointer has not advanced (limit {no_progress_limit}); look at the logs of those "
-                        "starts before resubmitting")
-    what = "save-and-requeue" if rc == X.REQUEUE else (
-        "bad nodes found by burn-in" if rc == X.PREFLIGHT_FAILED else f"crash (exit {rc})")
+                        f"starts before resubmitting{tail}")
+    what = {E.WARNED_STOP: "save-and-requeue", E.BURNIN_REJECTED: "bad nodes found by burn-in",
+            E.NODE_FAILURE: "node failure"}.get(ending, ending.replace("_", " "))
     if in_chain:
-        return Decision("end", X.OK, f"{what}: the next link of the chain continues")
+        return Decision("end", X.OK, f"{what}: the next link of the chain continues{tail}")
     if not requeue_enabled:
-        return Decision("stop", rc, f"{what}, but requeue is off for this job (requeue.enabled: false)")
-    if restart_count >= max_restarts:
+        return Decision("stop", X.REQUEUE if ending == E.WARNED_STOP else 1,
+                        f"{what}, but requeue is off for this job (requeue.enabled: false){tail}")
+    if ending not in E.FAILURES:
+        return Decision("requeue", X.OK, f"{what}: requeue (not a failure: no restart budget spent){tail}")
+    if failures >= max_restarts:
         return Decision("stop", X.BUDGET, f"{what}, but the restart budget is spent "
-                                          f"({restart_count} of {max_restarts} restarts)")
-    return Decision("requeue", X.OK, f"{what}: requeue (restart {restart_count + 1} of {max_restarts})")
+                                          f"({failures} of {max_restarts} failure restarts){tail}")
+    return Decision("requeue", X.OK, f"{what}: requeue (failure restart {failures + 1} of {max_restarts}){tail}")
 
 
 # Slurm checks time limits about every 30 s and may send the B: signal up to a minute
@@ -120,24 +142,86 @@ def pointer_step(run_dir: Path) -> int:
     return ptr.step if ptr else 0
 
 
+def failures_of(events: Iterable[dict[str, Any]], job_id: str) -> int:
+    """This job's earlier endings that were failures (crash, node failure, burn-in)."""
+    return sum(1 for e in events if e.get("event") == "ending" and str(e.get("job_id")) == job_id
+               and e.get("cls") in E.FAILURES)
+
+
+def _record_ending(run_dir: Path, d: Path, ending: E.Ending, **ctx: Any) -> None:
+    from dslurm.facts import write_ending
+    from dslurm.ledger import Ledger
+
+    rec = {**ending.as_dict(), **ctx}
+    write_ending(d, rec)
+    Ledger(run_dir).append("ending", **rec)
+
+
+def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, str]) -> None:
+    """Write the ending of every earlier start that has none: its batch shell died with it
+    (node failure, SIGKILL of the whole job). Whoever runs next records it, from that start's
+    facts and what accounting says about that incarnation."""
+    from dslurm import slurm
+    from dslurm.facts import list_starts, read_start
+
+    for d in list_starts(run_dir):
+        if d == current or (d / "ending.json").exists():
+            continue
+        job, _, restart = d.name.rpartition(".")
+        incs = slurm.incarnations(job, env=env) if job.isdigit() else []
+        n = int(restart) if restart.isdigit() else -1
+        state = str(incs[n]["state"]) if 0 <= n < len(incs) else None
+        if state in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING", "SUSPENDED"):
+            continue  # another job of this run is still in that start (e.g. a second submission)
+        ending = E.classify(read_start(d), E.SlurmView(state=state))
+        if ending.cls != E.NODE_FAILURE and (state or "").startswith("NODE_FAIL"):
+            ending.cls = E.NODE_FAILURE
+        ending.evidence.append("recorded late, by the next start: this start's batch shell left no ending")
+        _record_ending(run_dir, d, ending, job_id=job, restart=n, late=True, slurm_state=state)
+
+
+def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str]) -> tuple[E.Ending, Path | None]:
+    from dslurm import slurm
+    from dslurm.facts import StartFacts, read_start, start_dir
+    from dslurm.slurm_env import expand_hosts
+
+    d = start_dir(env, run_dir)
+    facts = read_start(d) if d is not None else StartFacts("?", [], [], [], None)
+    job = env.get("SLURM_JOB_ID", "")
+    incs = slurm.incarnations(job, env=env) if job else []
+    hosts = expand_hosts(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else []
+    down = slurm.down_nodes(hosts, env=env) if hosts else {}
+    view = E.SlurmView(state=str(incs[-1]["state"]) if incs else None, down_nodes=tuple(down),
+                       node_states=tuple(f"{k}: {v}" for k, v in down.items()))
+    return E.classify(facts, view, rc), d
+
+
 def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
-    """Decide, record in the ledger, act (scontrol requeue / cancel later links)."""
+    """Classify this start's ending, decide, record both in the ledger, act."""
     from dslurm import slurm
     from dslurm.ledger import Ledger, read_events
 
     env = dict(os.environ if env is None else env)
     run_dir = Path(env["DSLURM_RUN_DIR"])
+    ending, d = classify_this_start(run_dir, rc, env)
+    close_earlier_starts(run_dir, d, env)
     events = list(read_events(run_dir))
     job_id = env.get("SLURM_JOB_ID", "")
+    failures = failures_of(events, job_id)
+    if d is not None:
+        _record_ending(run_dir, d, ending, step_rc=rc)
     chain = chain_of(events, job_id)
-    d = decide(rc=rc, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
-               max_restarts=int(env.get("DSLURM_MAX_RESTARTS", "3")),
-               no_progress_limit=int(env.get("DSLURM_NO_PROGRESS_LIMIT", "3")),
-               start_steps=start_steps_of(events), pointer_step=pointer_step(run_dir),
-               in_chain=bool(chain), requeue_enabled=env.get("DSLURM_REQUEUE", "1") == "1")
-    Ledger(run_dir).append("requeue", decision=d.action, step_rc=rc, exit_code=d.exit_code, reason=d.reason)
-    print(f"dslurm: step exited {rc}: {d.reason}", flush=True)
-    if d.action == "requeue":
+    dec = decide(ending=ending.cls, failures=failures,
+                 max_restarts=int(env.get("DSLURM_MAX_RESTARTS", "3")),
+                 no_progress_limit=int(env.get("DSLURM_NO_PROGRESS_LIMIT", "3")),
+                 start_steps=start_steps_of(events), pointer_step=pointer_step(run_dir),
+                 in_chain=bool(chain), requeue_enabled=env.get("DSLURM_REQUEUE", "1") == "1",
+                 detail=ending.reason)
+    Ledger(run_dir).append("requeue", decision=dec.action, step_rc=rc, exit_code=dec.exit_code,
+                           reason=dec.reason, ending=ending.cls)
+    print(f"dslurm: step ended: {ending.cls} ({ending.reason}); exit {rc}; decision: {dec.action}: "
+          f"{dec.reason}", flush=True)
+    if dec.action == "requeue":
         from dslurm.submit import read_blocklist
 
         blocked = read_blocklist(run_dir)
@@ -145,12 +229,12 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
             requeue_excluding(job_ref(env), blocked)
         else:
             slurm.run_cmd(["scontrol", "requeue", job_ref(env)])
-    elif d.action == "end" and rc == X.OK and chain:
+    elif dec.action == "end" and ending.cls == E.COMPLETED and chain:
         later = [i for i in chain if job_id.isdigit() and i > int(job_id)]
         if later:
             slurm.run_cmd(["scancel", *map(str, later)], check=False)
             Ledger(run_dir).append("chain_cancel", job_ids=later, reason="training complete")
-    return d.exit_code
+    return dec.exit_code
 
 
 def requeue_excluding(job: str, hosts: list[str]) -> None:

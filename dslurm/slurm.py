@@ -7,6 +7,7 @@ failure into `SlurmError` carrying Slurm's own stderr. Parsing lives in pure fun
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -247,3 +248,56 @@ def squeue(user: str | None = None, job_ids: Iterable[int | str] = (),
     if ids:
         args += ["-j", ",".join(ids)]
     return parse_squeue(run_cmd(args, env=env).stdout)
+
+
+# ------------------------------------------------------------- job endings (sacct/sinfo --json)
+# 22.05's scontrol has no --json here; sacct and sinfo do, so no Key=Value guessing is needed.
+
+
+def _state_text(state: object) -> str:
+    """sacct's `state` is a string in some versions, {"current": str | [str]} in others."""
+    if isinstance(state, dict):
+        state = state.get("current")
+    if isinstance(state, list):
+        state = state[0] if state else ""
+    return str(state or "").upper()
+
+
+def parse_sacct_incarnations(stdout: str) -> list[dict[str, object]]:
+    """`sacct --json -D -j JOB` -> one record per incarnation (restart), oldest first. Pure."""
+    try:
+        jobs = json.loads(stdout).get("jobs", [])
+    except (ValueError, AttributeError):
+        return []
+    out = []
+    for j in jobs:
+        t = j.get("time") if isinstance(j.get("time"), dict) else {}
+        out.append({"state": _state_text(j.get("state")), "nodes": str(j.get("nodes") or ""),
+                    "start": int(t.get("start") or 0), "end": int(t.get("end") or 0)})
+    return sorted(out, key=lambda r: (r["start"], r["end"]))
+
+
+def parse_sinfo_down(stdout: str, hosts: Iterable[str]) -> dict[str, str]:
+    """Which of `hosts` `sinfo --json` reports down, failing or not responding, with the state
+    words that said so. Pure."""
+    try:
+        nodes = json.loads(stdout).get("nodes", [])
+    except (ValueError, AttributeError):
+        return []
+    wanted, out = set(hosts), {}
+    for n in nodes:
+        words = [_state_text(n.get("state"))] + [str(f).upper() for f in n.get("state_flags") or []]
+        bad = any(w.startswith(("DOWN", "FAIL")) or w in ("NOT_RESPONDING", "NO_RESPOND") for w in words)
+        if n.get("name") in wanted and bad:
+            out[str(n["name"])] = "+".join(words)
+    return dict(sorted(out.items()))
+
+
+def incarnations(job_id: int | str, env: Mapping[str, str] | None = None) -> list[dict[str, object]]:
+    proc = run_cmd(["sacct", "--json", "-D", "-j", str(job_id)], check=False, env=env)
+    return parse_sacct_incarnations(proc.stdout) if proc.returncode == 0 else []
+
+
+def down_nodes(hosts: Iterable[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
+    proc = run_cmd(["sinfo", "--json"], check=False, env=env)
+    return parse_sinfo_down(proc.stdout, hosts) if proc.returncode == 0 else {}

@@ -91,6 +91,23 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
     return Submission(ids, script, r.run_dir, log_dir)
 
 
+def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list[dict[str, object]]:
+    """Jobs submitted for this run directory (its ledger's submit events) that the controller
+    still has pending or running."""
+    from dslurm import slurm
+    from dslurm.errors import SlurmError
+    from dslurm.ledger import read_events
+
+    ids = sorted({int(i) for e in read_events(run_dir) if e.get("event") == "submit" for i in e.get("job_ids", [])})
+    if not ids:
+        return []
+    try:
+        return [j for j in slurm.squeue(job_ids=ids, env=env) if j["state"] in ("PENDING", "RUNNING",
+                                                                                 "CONFIGURING", "REQUEUED")]
+    except SlurmError:  # squeue refuses ids it has forgotten: none of them is active
+        return []
+
+
 def _with_auto_lead(r: Resolved) -> tuple[Resolved, str]:
     from dataclasses import replace
 
@@ -135,6 +152,13 @@ def run_submit(args) -> int:
 
     r = load(args.site, args.job, args.overrides, args.site_overrides, base_dir=os.getcwd())
     _plan_check(r, strict=args.strict)
+    if not args.dry_run:
+        busy = active_jobs_of_run(r.run_dir)
+        if busy:
+            which = ", ".join(f"{j['job_id']} ({j['state']})" for j in busy)
+            print(f"warning: run directory {r.run_dir} already has job {which}. While that job holds the run "
+                  "lock, this one is refused (exit 79, not retried). Fix: wait for it, cancel it, use --chain "
+                  "to queue links behind it, or give this job its own checkpoint.run_dir", file=sys.stderr)
     sub = submit(r, chain=args.chain, dry_run=args.dry_run)
     if args.dry_run:
         print(f"dry run: wrote {sub.script} (not submitted)")

@@ -5,7 +5,11 @@ The layout is resolved and checked *before* any process-group work, so a bad lay
 exits 2 with the numbers and no traceback. The world the launcher started wins over the
 job file's node count: `nodes` and `procs_per_node` are taken from torchrun's environment
 (WORLD_SIZE, LOCAL_WORLD_SIZE), so the parallel degrees are checked against the real world.
-Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 2 user error.
+Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 143 stopped by
+TERM (saved), 2 user error, 74 a save the ending needs failed, 79 refused (run dir locked).
+On its way out every process writes its own report (dslurm/facts.py): what kind of ending,
+its code, the step reached, the error, and the time the failure happened -- the facts from
+which `dslurm requeue-me` classifies the step's ending.
 """
 
 from __future__ import annotations
@@ -71,6 +75,24 @@ def init_distributed(resolved, local_rank: int, world: int):
     return device
 
 
+class Outcome:
+    """How this process is ending, noted where it happens (the time of a failure, not of
+    the cleanup after it)."""
+
+    def __init__(self) -> None:
+        self.error, self.t, self.step = "", None, None
+        self.trainer: object = None
+        self.stop: object = None
+
+    def failed(self, exc: BaseException) -> None:
+        if self.t is None:
+            self.t, self.error = time.time(), f"{type(exc).__name__}: {exc}"[:2000]
+        self.step = getattr(self.trainer, "step", self.step)
+
+
+OUTCOME = Outcome()
+
+
 def main(argv: list[str] | None = None) -> int:
     from dslurm.errors import UserError
 
@@ -81,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolved = resolve_for_world(args, world, local_world)
     except UserError as exc:
+        OUTCOME.failed(exc)
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     import torch.distributed as dist
@@ -96,28 +119,58 @@ def main(argv: list[str] | None = None) -> int:
         code = gate_in_process(device)  # the burn-in, when the launcher asked for one
         if code:
             return code
-        trainer = Trainer(resolved, device=device, rank=rank, world_size=world, t_start=T_START)
-        StopRequest().install(trainer)  # USR2 -> save, exit 75; TERM -> save, exit 143
-        return trainer.run()
-    except UserError as exc:  # e.g. data file too small: found after the group exists
+        OUTCOME.stop = StopRequest().install(None)  # a TERM during the build is recorded too
+        trainer = OUTCOME.trainer = Trainer(resolved, device=device, rank=rank, world_size=world, t_start=T_START)
+        OUTCOME.stop.install(trainer)  # USR2 -> save, exit 75; TERM -> save, exit 143
+        code = trainer.run()
+        OUTCOME.step = trainer.step
+        return code
+    except UserError as exc:  # e.g. data file too small, run dir locked, a final save failed
+        OUTCOME.failed(exc)
         print(f"error: [rank {rank}] {exc}", file=sys.stderr)
         return exc.exit_code
+    except BaseException as exc:
+        OUTCOME.failed(exc)
+        raise
     finally:
         if trainer is not None:
             trainer.close()
         dist.destroy_process_group()
 
 
-def _main_reporting() -> int:
-    """Run, then tell the launcher this process's own exit code (torchrun reports any
-    worker failure as 1, which would hide a requeue request)."""
+def report(code: int, rank: int) -> None:
+    """This process's own account of its ending, for the launcher and for requeue-me."""
+    from dslurm import exitcodes, facts
+    from dslurm.endings import is_peer_error
     from dslurm.launch import write_worker_code
+
+    write_worker_code(code)
+    kind = exitcodes.KIND_OF_CODE.get(code, "crash")
+    signame = getattr(OUTCOME.stop, "signame", None)
+    if kind == "crash" and is_peer_error(OUTCOME.error):
+        kind = "peer_lost"  # a peer went first; that peer's own report names the cause
+    elif kind == "crash" and signame:
+        kind = "killed_by_teardown"  # stopped by a signal and died before it could save
+    run_dir = getattr(getattr(OUTCOME.trainer, "resolved", None), "run_dir", None)
+    facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=OUTCOME.step,
+                                             error=OUTCOME.error, t=OUTCOME.t or time.time(), signal=signame),
+                            run_dir=run_dir)
+
+
+def _main_reporting() -> int:
+    """Run, then report this process's own exit code and ending (torchrun reports any worker
+    failure as 1, which would hide a requeue request)."""
+    from dslurm import faults
 
     code = 1
     try:
         code = main()
+    except BaseException as exc:  # raised before main's own handlers (e.g. rendezvous)
+        OUTCOME.failed(exc)
+        raise
     finally:
-        write_worker_code(code)
+        report(code, world_from_env()[0])
+        faults.delay_exit()
     return code
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from dslurm import exitcodes
+from dslurm import exitcodes, faults
 from dslurm.ledger import Ledger
 from train.data import dp_coords, make_loader
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
@@ -44,27 +44,6 @@ EXIT_COMPLETED, EXIT_REQUEUE, EXIT_TERMINATED = exitcodes.OK, exitcodes.REQUEUE,
 def _local(x: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
     return x.full_tensor() if isinstance(x, DTensor) else x
-
-
-def _test_stop_at(rank: int) -> int | None:
-    """Test hook: DSLURM_TEST_STOP_AT=STEP[:RANK] makes RANK (default 0) request a stop after
-    optimizer step STEP (1-based), as a signal handler would; the other ranks must follow."""
-    raw = os.environ.get("DSLURM_TEST_STOP_AT")
-    if not raw:
-        return None
-    step, _, who = raw.partition(":")
-    return int(step) if int(who or 0) == rank else None
-
-
-def _test_crash_at(rank: int) -> int | None:
-    """Test hook: DSLURM_TEST_CRASH_AT=STEP[:RANK] makes RANK (default 0) raise before
-    optimizer step STEP (1-based): a crash at the same step on every start, for the
-    no-progress guard."""
-    raw = os.environ.get("DSLURM_TEST_CRASH_AT")
-    if not raw:
-        return None
-    step, _, who = raw.partition(":")
-    return int(step) if int(who or 0) == rank else None
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,8 +73,9 @@ class Trainer:
         self.dims = ParallelDims.from_layout(resolved.layout, world_size, device.type)
         self.stop_requested = False  # set by a signal handler; only read at step boundaries
         self.stop_terminated = False  # the stop came from TERM (scancel/preemption): save, do not requeue
-        self._test_stop_at = _test_stop_at(rank)
-        self._test_crash_at = _test_crash_at(rank)
+        self._fault_stop = faults.step_fault("DSLURM_FAULT_STOP")  # test knobs: dslurm/faults.py
+        self._fault_crash = faults.step_fault("DSLURM_FAULT_CRASH")
+        self._fault_kill9 = faults.step_fault("DSLURM_FAULT_KILL9")
         self.step = 0
         pp_mb = job.parallel.microbatches if self.dims.pp_enabled else 1
         self.loss_scale = 1.0 / (self.train.grad_accum * pp_mb)
@@ -138,8 +118,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step; ends with the collective that also agrees on the stop flag."""
-        if self._test_crash_at is not None and self.step + 1 >= self._test_crash_at:
-            raise RuntimeError(f"injected crash before step {self.step + 1} (DSLURM_TEST_CRASH_AT)")
+        faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9)
         with self.metrics.phase("data"):
             inputs, targets = self.loader.next_batch()
         lp = self.dims.loss_parallel_enabled  # vocab-sharded logits: CE must run in this context
@@ -155,7 +134,7 @@ class Trainer:
                 sched.step()
         # One all-reduce for the logged loss and the stop flag: only the ranks holding the
         # last stage contribute a loss (world/pp of them, each a dp-rank mean).
-        if self._test_stop_at is not None and self.step + 1 >= self._test_stop_at:
+        if self._fault_stop is not None and self.step + 1 >= self._fault_stop:
             self.stop_requested = True
         holder = self.built.has_last_stage
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
@@ -186,6 +165,17 @@ class Trainer:
             with self.metrics.phase("checkpoint"):
                 self.ckpt.save(self.step, train_state(self.built.parts, self.optimizers),
                                {"data": self.loader.state_dict()}, blocking=blocking)
+
+    def _save_final(self) -> None:
+        """A save the run's ending depends on (the last step, a stop): it must commit, whatever
+        `on_error` says for periodic saves, or the run ends as a save failure, never as a success."""
+        if self.ckpt is None:
+            return
+        self._save(blocking=True)
+        out = self.ckpt.last_outcome
+        if out is not None and out.step == self.step and not out.ok:
+            self._event("exit", reason="save_failed", step=self.step, code=exitcodes.SAVE_FAILED)
+            raise self.ckpt.failure(out)
 
     def restore(self) -> Any:
         """Resume from the run directory's pointer (if any); the LR follows the restored step."""
@@ -232,7 +222,7 @@ class Trainer:
                 self._event("stragglers", **straggler_event(self.step, times, hosts))
             if result.stop:
                 self._event("signal", signal="stop_requested", step=self.step)
-                self._save(blocking=True)
+                self._save_final()
                 code = EXIT_TERMINATED if result.terminated else EXIT_REQUEUE
                 self._event("exit", reason=exitcodes.NAMES[code], step=self.step, code=code)
                 # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
@@ -241,8 +231,8 @@ class Trainer:
                 return code
             if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
                 self._save(blocking=False)
-        if self.ckpt is not None and result is not None:  # None: resumed at the end already
-            self._save(blocking=True)
+        if result is not None:  # None: resumed at the end already
+            self._save_final()
         self._event("exit", reason="completed", step=self.step, code=EXIT_COMPLETED)
         return EXIT_COMPLETED
 

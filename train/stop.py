@@ -37,6 +37,8 @@ class StopRequest:
         early = read_stop_file()
         if early and self.signame is None:
             self._set(early)
+        elif self.signame is not None:  # arrived before the trainer existed: hand it over
+            self._set(self.signame)
         return self
 
     def _handle(self, signum: int, _frame: object) -> None:

@@ -141,7 +141,7 @@ def test_the_same_crash_on_every_start_stops_on_the_no_progress_guard(slurm_clus
     from dslurm import exitcodes
 
     env = slurm_cluster.env()
-    spec = job_spec(tmp_path, "crash", env={"DSLURM_TEST_CRASH_AT": "15"},
+    spec = job_spec(tmp_path, "crash", env={"DSLURM_FAULT_CRASH": "15"},
                     requeue={"max_restarts": 4, "no_progress_limit": 1})
     job = submit(cli, env, spec)
     assert slurm.wait_job(job, timeout=400, env=env) == "FAILED"

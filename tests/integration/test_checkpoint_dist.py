@@ -3,7 +3,7 @@ middle of a save, then bit-identical resume from the previous generation, and re
 process. Two torchrun launches in all (each costs seconds on 2 cores):
 
 1. "first": the uninterrupted reference run, then a run that saves (async) at steps 2 and K and is
-   killed in its save at step K+1: DSLURM_CKPT_TEST_KILL=1:after_write:3 (see `_test_kill` in
+   killed in its save at step K+1: DSLURM_FAULT_CKPT_KILL=1:after_write:3 (see `ckpt_kill` in dslurm/faults.py;
    dslurm/checkpoint_dcp.py) makes rank 1 SIGKILL itself once its shards are on disk, before rank 0
    can write the manifest or move the pointer. That makes "the middle of a save" deterministic.
 2. "resume": the next start, which must come back at step K and match the reference bit for bit.
@@ -127,7 +127,7 @@ def torchrun(mode: str, run_dir: Path, out: Path, env: dict[str, str] | None = N
 @pytest.fixture(scope="module")
 def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess]:
     base = tmp_path_factory.mktemp("ckpt_dist")
-    res = torchrun("first", base / "run", base / "out", env={"DSLURM_CKPT_TEST_KILL": "1:after_write:3"})
+    res = torchrun("first", base / "run", base / "out", env={"DSLURM_FAULT_CKPT_KILL": "1:after_write:3"})
     assert (base / "out" / "ref-1.json").is_file(), res.stderr[-4000:]
     return base / "run", base / "out", res
 
@@ -140,7 +140,7 @@ def _copy(run_dir: Path, dest: Path) -> Path:
 def test_kill_9_of_one_rank_mid_save_keeps_previous_pointer(first):
     run_dir, _, res = first
     from dslurm import checkpoint as ck
-    assert res.returncode != 0 and "DSLURM_CKPT_TEST_KILL: killing myself at after_write" in res.stderr
+    assert res.returncode != 0 and "DSLURM_FAULT_CKPT_KILL: killing myself at after_write" in res.stderr
     gens = ck.list_generations(run_dir)
     assert [(g.step, g.committed) for g in gens] == [(2, True), (K, True), (K + 1, False)]
     assert (gens[2].path / "__1_0.distcp").is_file()  # rank 1 had written its shard: truly mid-save

@@ -1,5 +1,5 @@
 """Resharded resume with the real trainer (`python -m train`, under torchrun): a run stopped by
-the test hook (DSLURM_TEST_STOP_AT -> agreed stop -> synchronous save -> exit 75) and resumed in
+the test hook (DSLURM_FAULT_STOP -> agreed stop -> synchronous save -> exit 75) and resumed in
 another layout trains on as if it had never stopped.
 
 One uninterrupted single-process run is the reference for every step. Against it:
@@ -51,7 +51,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 def run_link(nproc: int | None, job: Path, sets: tuple[str, ...], stop_at: int | None) -> None:
     """One start: stopped by the hook on the LAST rank (the others learn it from the all-reduce)
     with exit 75, or run to the end with exit 0."""
-    env = {"DSLURM_TEST_STOP_AT": f"{stop_at}:{(nproc or 1) - 1}"} if stop_at else None
+    env = {"DSLURM_FAULT_STOP": f"{stop_at}:{(nproc or 1) - 1}"} if stop_at else None
     proc = run_train(nproc, job, *sets, env=env)
     if stop_at is None:
         assert proc.returncode == 0, proc.stderr[-3000:]

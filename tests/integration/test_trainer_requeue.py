@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 def test_stop_on_one_rank_saves_and_exits_75_then_resume_completes(tmp_path):
     job = write_job(tmp_path, "rq")
     # Rank 1 alone "receives the signal" after step 2; rank 0 learns it from the all-reduce.
-    first = run_train(2, job, env={"DSLURM_TEST_STOP_AT": "2:1"})
+    first = run_train(2, job, env={"DSLURM_FAULT_STOP": "2:1"})
     # torchrun turns any non-zero worker exit into its own 1; the workers' 75 is in its report.
     assert first.returncode == 1 and "exitcode  : 75" in first.stderr, first.stderr[-3000:]
     events = list(read_events(tmp_path / "rq"))
@@ -40,7 +40,7 @@ def test_stop_on_one_rank_saves_and_exits_75_then_resume_completes(tmp_path):
 
 
 def test_plain_process_exits_75_itself(tmp_path):
-    proc = run_train(None, write_job(tmp_path, "one", steps=3), env={"DSLURM_TEST_STOP_AT": "1"})
+    proc = run_train(None, write_job(tmp_path, "one", steps=3), env={"DSLURM_FAULT_STOP": "1"})
     assert proc.returncode == 75, proc.stderr[-3000:]
     exits = [e for e in read_events(tmp_path / "one") if e["event"] == "exit"]
     assert [(e["reason"], e["step"]) for e in exits] == [("requeue", 1)]

@@ -243,6 +243,25 @@ def test_retention_never_deletes_pointer_target_or_unpublished_newer(tmp_path):
     assert doomed == []
 
 
+def test_after_a_fallback_retention_deletes_the_corrupt_generation_not_the_good_fallback(tmp_path):
+    # Issue 12.5: the pointer named 30, which turned out corrupt; restore fell back to 20 and
+    # marked 30 rejected; the next save (40) moved the pointer. keep=2 must keep 20 and 40.
+    good, bad = make_gen(tmp_path, 20), make_gen(tmp_path, 30)
+    make_gen(tmp_path, 10)
+    publish(tmp_path, bad)
+    (bad / "__0_0.distcp").write_bytes(b"rot")
+    sel = ck.select_generation(ck.plan_restore(tmp_path), lambda n, c: ck.verify_generation(
+        ck.generations_dir(tmp_path) / n, pointer_crc=c))
+    assert sel.fell_back and sel.generation == good.name and sel.rejected[0][0] == bad.name
+    ck.mark_rejected(bad, sel.rejected[0][1])
+    new = make_gen(tmp_path, 40)
+    publish(tmp_path, new)
+    ck.collect_garbage(tmp_path, keep=2)
+    left = {g.name for g in ck.list_generations(tmp_path)}
+    assert left == {good.name, new.name}  # the corrupt one is gone, the good fallback stays
+    assert not ck.verify_generation(good)
+
+
 def test_retention_refuses_keep_below_two(tmp_path):
     with pytest.raises(UserError, match="at least 2"):
         ck.plan_retention([], None, keep=1)

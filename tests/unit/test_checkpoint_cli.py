@@ -104,7 +104,7 @@ def test_gc_refuses_while_a_job_holds_the_run(run3, monkeypatch, capsys):
     lock.acquire()
     try:
         monkeypatch.delenv("SLURM_JOB_ID")
-        assert main(["ckpt", "gc", str(run)]) == 1
+        assert main(["ckpt", "gc", str(run)]) == 79  # exitcodes.REFUSED: another job holds the run
         assert "Slurm job 4242" in capsys.readouterr().err
         assert len(ck.list_generations(run)) == 3
     finally:

@@ -235,3 +235,18 @@ def test_cli_missing_ledger_exits_2(cli, tmp_path):
     res = cli("report", str(tmp_path))
     assert res.returncode == 2 and str(tmp_path / "ledger.jsonl") in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_run_that_ended_on_a_failed_save_counts_the_steps_in_no_checkpoint():
+    # Disk full with on_error: continue: every save failed; the run ended save_failed at 25.
+    led = Ledger()
+    led.ev("submit", 0.0, job_ids=[7])
+    t = led.start(10.0, 0, 0)
+    t = led.train(t, 0, 24, 0)
+    led.ev("ckpt_save_failed", t, 0, step=25, reason="No space left on device")
+    led.ev("exit", t, 0, reason="save_failed", step=25, code=74)
+    led.ev("ending", t + 1, 0, cls="save_failed", reason="save failed on rank 0: ENOSPC")
+    led.ev("requeue", t + 1, 0, decision="stop", step_rc=74, exit_code=74, reason="not durable")
+    sm = summarize(led.events)
+    assert sm.undurable_steps == 25 and sm.lost_steps == 25
+    assert sm.starts[0].ending == "save_failed" and sm.endings == {"save_failed": 1}

@@ -3,29 +3,51 @@
 from __future__ import annotations
 
 from dslurm import exitcodes as X
-from dslurm.requeue import chain_of, decide, job_ref, starts_without_progress
+from dslurm import endings as E
+from dslurm.requeue import chain_of, decide, failures_of, job_ref, starts_without_progress
 
-BASE = dict(restart_count=0, max_restarts=3, no_progress_limit=2, start_steps=[0], pointer_step=10)
-
-
-def test_completion_and_user_error_never_requeue():
-    assert decide(rc=0, **BASE).action == "end"
-    d = decide(rc=2, **BASE)
-    assert (d.action, d.exit_code) == ("stop", 2)
-    assert decide(rc=X.TERMINATED, **BASE).action == "stop"
+BASE = dict(failures=0, max_restarts=3, no_progress_limit=2, start_steps=[0], pointer_step=10)
 
 
-def test_save_and_requeue_within_budget():
-    d = decide(rc=X.REQUEUE, **BASE)
-    assert (d.action, d.exit_code) == ("requeue", 0) and "restart 1 of 3" in d.reason
-    spent = decide(rc=X.REQUEUE, **{**BASE, "restart_count": 3})
+def test_completion_and_non_retryable_endings_never_requeue():
+    assert decide(ending=E.COMPLETED, **BASE).action == "end"
+    for ending, code in ((E.USER_ERROR, X.USER_ERROR), (E.REFUSED, X.REFUSED), (E.SAVE_FAILED, X.SAVE_FAILED)):
+        d = decide(ending=ending, **BASE)
+        assert (d.action, d.exit_code) == ("stop", code), ending
+    for ending in E.SLURM_STOPS:  # Slurm ended the step: it decides what comes next
+        assert (decide(ending=ending, **BASE).action, decide(ending=ending, **BASE).exit_code) == ("stop", 143)
+
+
+def test_a_refused_run_says_why_and_a_failed_save_names_the_fix():
+    d = decide(ending=E.REFUSED, **BASE, detail="run dir locked by job 12")
+    assert "lock" in d.reason and "job 12" in d.reason
+    assert "not durable" in decide(ending=E.SAVE_FAILED, **BASE).reason
+
+
+def test_crash_budget_counts_failures_only():
+    d = decide(ending=E.CRASH, **BASE)
+    assert (d.action, d.exit_code) == ("requeue", 0) and "failure restart 1 of 3" in d.reason
+    spent = decide(ending=E.CRASH, **{**BASE, "failures": 3})
     assert (spent.action, spent.exit_code) == ("stop", X.BUDGET) and "3 of 3" in spent.reason
+    # Preemptions and time-limit stops spend nothing: four of them earlier do not matter.
+    warned = decide(ending=E.WARNED_STOP, **{**BASE, "failures": 3})
+    assert warned.action == "requeue" and "no restart budget" in warned.reason
+    for ending in (E.NODE_FAILURE, E.BURNIN_REJECTED):
+        assert decide(ending=ending, **BASE).action == "requeue"
+        assert decide(ending=ending, **{**BASE, "failures": 3}).exit_code == X.BUDGET
+
+
+def test_failures_are_counted_from_this_jobs_failure_endings():
+    events = [{"event": "ending", "job_id": "7", "cls": c} for c in ("warned_stop", "warned_stop",
+                                                                      "preempted", "warned_stop", "crash")]
+    events += [{"event": "ending", "job_id": "8", "cls": "crash"}, {"event": "requeue", "job_id": "7"}]
+    assert failures_of(events, "7") == 1
 
 
 def test_crash_is_retried_but_the_same_crash_stops_on_no_progress():
     # Start 1 (fresh) saved step 10 and crashed at 15; start 2 resumed from 10 and crashed again.
-    assert decide(rc=1, **{**BASE, "start_steps": [0, 10]}).action == "requeue"
-    d = decide(rc=1, **{**BASE, "start_steps": [0, 10, 10]})
+    assert decide(ending=E.CRASH, **{**BASE, "start_steps": [0, 10]}).action == "requeue"
+    d = decide(ending=E.CRASH, **{**BASE, "start_steps": [0, 10, 10]})
     assert (d.action, d.exit_code) == ("stop", X.NO_PROGRESS)
     assert "last 2 starts all began at step 10" in d.reason
 
@@ -37,7 +59,7 @@ def test_progress_counter():
 
 
 def test_chain_links_end_instead_of_requeueing():
-    d = decide(rc=X.REQUEUE, **BASE, in_chain=True)
+    d = decide(ending=E.WARNED_STOP, **BASE, in_chain=True)
     assert (d.action, d.exit_code) == ("end", 0)
     events = [{"event": "submit", "job_ids": [5, 6, 7]}]
     assert chain_of(events, "6") == [5, 6, 7] and chain_of(events, "9") == []
@@ -62,5 +84,7 @@ def test_auto_signal_lead_from_measurements_with_a_floor():
 
 
 def test_requeue_off_stops_with_the_steps_code():
-    d = decide(rc=X.PREFLIGHT_FAILED, **BASE, requeue_enabled=False)
-    assert (d.action, d.exit_code) == ("stop", X.PREFLIGHT_FAILED) and "requeue is off" in d.reason
+    d = decide(ending=E.WARNED_STOP, **BASE, requeue_enabled=False)
+    assert (d.action, d.exit_code) == ("stop", X.REQUEUE) and "requeue is off" in d.reason
+    d = decide(ending=E.CRASH, **BASE, requeue_enabled=False)
+    assert (d.action, d.exit_code) == ("stop", 1) and "requeue is off" in d.reason

@@ -100,3 +100,20 @@ def test_failure_message_carries_reason_and_hint_when_unreachable() -> None:
 def test_run_cmd_missing_binary_says_what_to_install() -> None:
     with pytest.raises(SlurmError, match="not installed.*slurm-client"):
         slurm.run_cmd(["dslurm-no-such-slurm-command"])
+
+
+def test_sacct_json_incarnations_and_sinfo_down_nodes():
+    import json
+
+    from dslurm.slurm import parse_sacct_incarnations, parse_sinfo_down
+
+    out = json.dumps({"jobs": [
+        {"state": {"current": "CANCELLED", "reason": "None"}, "nodes": "node1", "time": {"start": 20, "end": 30}},
+        {"state": {"current": "REQUEUED", "reason": "None"}, "nodes": "node[1-2]", "time": {"start": 5, "end": 9}},
+        {"state": "NODE_FAIL", "nodes": "node2", "time": {"start": 10, "end": 15}}]})
+    assert [r["state"] for r in parse_sacct_incarnations(out)] == ["REQUEUED", "NODE_FAIL", "CANCELLED"]
+    assert parse_sacct_incarnations("garbage") == []
+    nodes = json.dumps({"nodes": [{"name": "node1", "state": "idle", "state_flags": []},
+                                  {"name": "node2", "state": "down", "state_flags": ["NOT_RESPONDING"]},
+                                  {"name": "node3", "state": "down", "state_flags": []}]})
+    assert parse_sinfo_down(nodes, ["node1", "node2"]) == {"node2": "DOWN+NOT_RESPONDING"}

@@ -1,0 +1,176 @@
+"""How a job step ended, decided from the facts its participants recorded (dslurm/facts.py)
+and from what Slurm says about the job. Pure: no I/O; `dslurm requeue-me` gathers the inputs.
+
+Rules, first match wins:
+  1. Slurm says the job hit NODE_FAIL, or reports one of the job's nodes down whose launcher
+     left no report (a node that wrote its report was alive at the end of the step: a down
+     state seen afterwards is not what ended it): node failure.
+  2. A TERM reached the *batch shell* before any rank failed of its own accord: Slurm ended
+     the step (scancel, preemption, `scontrol requeue`, the time limit). A TERM that reached
+     only a launcher may be srun tearing the step down after another node failed: it
+     decides nothing on its own.
+  3. The earliest failure a rank reported of its own: crash, save failure, user error,
+     refused (run dir locked), burn-in rejection. A peer's "connection closed" marks a
+     victim, never the origin.
+  4. A stop the ranks agreed on and saved (USR2: the time-limit warning; TERM that reached
+     the step only: a cancel aimed at the step).
+  5. Every rank completed.
+  6. A launcher whose torchrun failed while it had received no signal, with ranks that left
+     no report (killed -9, died in C code): a crash on that node.
+  7. No facts at all (nothing could be written): the step's exit code, said plainly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dslurm import exitcodes as X
+from dslurm.facts import OWN_FAILURES, StartFacts
+
+COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
+    "completed", "warned_stop", "cancelled", "preempted", "time_limit")
+CRASH, NODE_FAILURE, SAVE_FAILED, REFUSED, USER_ERROR, BURNIN_REJECTED = (
+    "crash", "node_failure", "save_failed", "refused", "user_error", "burnin_rejected")
+FAILURES = (CRASH, NODE_FAILURE, BURNIN_REJECTED)  # retried within the crash budget
+SLURM_STOPS = (CANCELLED, PREEMPTED, TIME_LIMIT)  # Slurm ended the step: Slurm decides what next
+
+# gloo/NCCL/c10d messages of a process whose peer went away first.
+_PEER = re.compile(r"connection (closed|reset)|broken pipe|ECONNRESET|EPIPE|peer .* (closed|died|gone)|"
+                   r"Socket Timeout|recvBytes|sendBytes|NCCL communicator was aborted|store.*(closed|refused)|"
+                   r"DistNetworkError|DistStoreError", re.I)
+
+
+def is_peer_error(error: str) -> bool:
+    """True when an exception text says a peer process went away (this rank is a victim)."""
+    return bool(_PEER.search(error or ""))
+
+
+@dataclass(frozen=True)
+class SlurmView:
+    """What Slurm says about the job at the end of the step (see dslurm.slurm.job_ending_view)."""
+
+    state: str | None = None  # accounting's state of this incarnation: RUNNING, CANCELLED, REQUEUED, ...
+    down_nodes: tuple[str, ...] = ()  # nodes of this job that Slurm reports down / failing
+    node_states: tuple[str, ...] = ()  # the state words that said so, for the evidence
+
+
+@dataclass
+class Ending:
+    cls: str
+    reason: str
+    origin_rank: int | None = None
+    origin_host: str | None = None
+    step: int | None = None
+    saved: bool = False  # the stop's synchronous save committed
+    evidence: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _own_failures(ranks: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Reports of ranks that failed of their own accord, earliest first."""
+    out = []
+    for r in ranks:
+        if r.get("kind") not in OWN_FAILURES:
+            continue
+        if r.get("kind") == CRASH and (is_peer_error(str(r.get("error", ""))) or r.get("signal")):
+            continue  # died because a peer went (or while being torn down): a victim
+        out.append(r)
+    return sorted(out, key=lambda r: float(r.get("t") or 0))
+
+
+def _slurm_stop(state: str | None) -> str:
+    s = (state or "").upper()
+    if s.startswith("CANCEL"):
+        return CANCELLED
+    if s.startswith("TIMEOUT"):
+        return TIME_LIMIT
+    return PREEMPTED  # REQUEUED (scontrol requeue, preemption with requeue), PREEMPTED, or unknown
+
+
+def _max_step(ranks: Sequence[Mapping[str, Any]]) -> int | None:
+    steps = [int(r["step"]) for r in ranks if isinstance(r.get("step"), int)]
+    return max(steps) if steps else None
+
+
+def _by_rc(rc: int | None) -> tuple[str, str]:
+    if rc == X.OK:
+        return COMPLETED, "exit 0"
+    if rc == X.REQUEUE:
+        return WARNED_STOP, "exit 75"
+    if rc == X.USER_ERROR:
+        return USER_ERROR, "exit 2"
+    if rc == X.TERMINATED:
+        return CANCELLED, "exit 143"
+    return CRASH, f"exit {rc}"
+
+
+def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) -> Ending:
+    """The ending of one start; see the module docstring for the rules."""
+    ranks, ev = facts.ranks, []
+    own = _own_failures(ranks)
+    first_fail_t = float(own[0].get("t") or 0) if own else None
+    reported = {str(ln.get("host")) for ln in facts.launchers}
+    lost = [n for n in slurm.down_nodes if n not in reported]
+    if lost or (slurm.state or "").upper().startswith("NODE_FAIL"):
+        nodes = ",".join(lost) or "?"
+        return Ending(NODE_FAILURE, f"node failure: Slurm reports {nodes} down and its launcher left no report "
+                      f"(job state {slurm.state})", origin_host=lost[0] if lost else None, step=_max_step(ranks),
+                      evidence=[f"slurm: nodes down {nodes} ({', '.join(slurm.node_states)})",
+                                f"slurm: job state {slurm.state}", f"launcher reports from {sorted(reported)}"])
+    terms = [t for s, t in facts.batch_signals if s in ("TERM", "SIGTERM")]
+    if terms and (first_fail_t is None or min(terms) <= first_fail_t):
+        cls = _slurm_stop(slurm.state)
+        saved = any(r.get("kind") == "terminated_saved" for r in ranks)
+        ev = [f"batch shell got TERM at {min(terms):.3f}", f"slurm: job state {slurm.state}"]
+        if own:
+            ev.append(f"first own failure later, at {first_fail_t:.3f} (rank {own[0].get('rank')})")
+        what = {CANCELLED: "cancelled by the user (scancel)", TIME_LIMIT: "killed at the time limit",
+                PREEMPTED: "preempted or requeued by Slurm"}[cls]
+        return Ending(cls, f"{what}; {'saved at step %s' % _max_step(ranks) if saved else 'no save'}",
+                      step=_max_step(ranks), saved=saved, evidence=ev)
+    if own:
+        f = own[0]
+        kind, rank, host = str(f["kind"]), f.get("rank"), f.get("host")
+        victims = [r.get("rank") for r in ranks if r is not f and r.get("kind") not in ("completed",)]
+        ev = [f"rank {rank} on {host} reported {kind} at {float(f.get('t') or 0):.3f}: {f.get('error', '')}"[:400]]
+        if terms:
+            ev.append(f"batch shell TERM only later, at {min(terms):.3f}")
+        if victims:
+            ev.append(f"other ranks ended after it: {victims}")
+        return Ending(kind, f"{kind.replace('_', ' ')} on rank {rank} ({host}) at step {f.get('step')}: "
+                      f"{str(f.get('error', ''))[:300]}", origin_rank=rank, origin_host=host,
+                      step=f.get("step"), evidence=ev)
+    kinds = {str(r.get("kind")) for r in ranks}
+    usr2 = [t for s, t in facts.batch_signals if s in ("USR2", "SIGUSR2")]
+    if "stop_saved" in kinds or "terminated_saved" in kinds:
+        term = "terminated_saved" in kinds
+        cls = CANCELLED if term else WARNED_STOP
+        ev = [f"ranks agreed to stop and saved: {sorted(kinds)}"]
+        if usr2:
+            ev.append(f"batch shell got USR2 at {min(usr2):.3f}")
+        why = "TERM aimed at the job step" if term else "a stop warning (USR2)"
+        return Ending(cls, f"stopped on {why}; saved at step {_max_step(ranks)}", step=_max_step(ranks),
+                      saved=True, evidence=ev)
+    if ranks and kinds == {"completed"}:
+        return Ending(COMPLETED, f"training complete at step {_max_step(ranks)}", step=_max_step(ranks),
+                      saved=True, evidence=[f"{len(ranks)} rank(s) reported completed"])
+    for ln in sorted(facts.launchers, key=lambda x: float(x.get("t") or 0)):
+        if ln.get("signals") or not ln.get("torchrun_rc"):
+            continue
+        silent = ln.get("silent_local_ranks") or []
+        return Ending(CRASH, f"crash on {ln.get('host')}: torchrun exited {ln.get('torchrun_rc')} with no "
+                      f"signal received; local rank(s) {silent} left no report (killed -9 or died in native code)",
+                      origin_host=ln.get("host"), step=_max_step(ranks),
+                      evidence=[f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, no signal, "
+                                f"worker codes {ln.get('worker_codes')}, silent {silent}"])
+    if not ranks and not facts.launchers and terms:
+        return Ending(_slurm_stop(slurm.state), f"ended by Slurm (TERM) before training reported; state "
+                      f"{slurm.state}", evidence=[f"batch shell got TERM at {min(terms):.3f}"])
+    cls, why = _by_rc(step_rc)
+    return Ending(cls, f"no per-rank facts were recorded; decided from the step's {why}",
+                  step=_max_step(ranks), evidence=[f"step rc {step_rc}", f"kinds {sorted(kinds)}"])

@@ -1,0 +1,169 @@
+"""What happened in one start of a run, recorded by each participant as it happens.
+
+Decisions about how a job step ended (dslurm/endings.py) read these records, never srun's
+or torchrun's return code alone: those fold a crash, a preemption and a teardown by srun
+into the same numbers. Each start of a run gets a directory of its own:
+
+  <run_dir>/starts/<job_id>.<restart>/
+    batch.signals        one line per signal the batch shell received: `SIGNAME UNIXTIME`
+                         (appended by the trap in the rendered script: only Slurm signals it)
+    launcher-<host>.json each node's launcher: the signals *it* received (srun's teardown
+                         reaches launchers, not the batch shell), torchrun's code, the
+                         workers' own codes, which local ranks left no report
+    rank-<rank>.json     each training process on its way out: kind, code, step reached,
+                         error, and the time of the failure itself (not of the cleanup)
+    ending.json          the classified ending, written once by `dslurm requeue-me` (or, for
+                         a start that died with its batch shell, by the next start)
+
+Writers are torch-free and never raise into the caller's exit path: a fact that cannot be
+written (disk full) is logged and the run goes on ending the way it would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dslurm.durable import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+ENV = "DSLURM_FACTS_DIR"  # set by the batch script; derived the same way when absent
+STARTS = "starts"
+ENDING = "ending.json"
+
+# Kinds a training process reports about itself. "victim" kinds say a peer went away:
+# they mark who was hurt, never where the failure began.
+OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected")
+VICTIM_KINDS = ("peer_lost", "killed_by_teardown")
+
+
+def start_name(job_id: str, restart: int) -> str:
+    return f"{job_id}.{restart}"
+
+
+def start_dir(env: Mapping[str, str] | None = None, run_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """This start's facts directory: $DSLURM_FACTS_DIR, else <run_dir>/starts/<job>.<restart>
+    (a run outside Slurm uses pid@host as its job id). None when there is no run dir."""
+    env = os.environ if env is None else env
+    if env.get(ENV):
+        return Path(env[ENV])
+    run_dir = run_dir or env.get("DSLURM_RUN_DIR")
+    if not run_dir:
+        return None
+    job = env.get("SLURM_JOB_ID") or f"local-{os.getppid()}"
+    return Path(run_dir) / STARTS / start_name(job, int(env.get("SLURM_RESTART_COUNT") or 0))
+
+
+def _write_json(path: Path, obj: Any) -> bool:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(obj, indent=1, default=str) + "\n")
+        return True
+    except OSError as exc:  # ENOSPC etc.: the ending is decided from what could be written
+        log.error("could not record %s: %s", path, exc)
+        return False
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class RankReport:
+    """One training process's own account of how it ended."""
+
+    rank: int
+    kind: str  # completed | stop_saved | terminated_saved | crash | save_failed | user_error |
+    #            refused | burnin_rejected | peer_lost | killed_by_teardown
+    code: int
+    step: int | None = None
+    error: str = ""
+    t: float = field(default_factory=time.time)  # when the failure happened
+    signal: str | None = None  # a stop signal this process received, if any
+    host: str = field(default_factory=socket.gethostname)
+
+
+@dataclass
+class LauncherReport:
+    host: str
+    node_rank: int | None
+    signals: list[tuple[str, float]]  # what this launcher itself received, with times
+    torchrun_rc: int | None
+    worker_codes: dict[str, int]  # local rank -> code the worker reported
+    silent_local_ranks: list[int]  # started but left no code: killed (-9) or died in C
+    code: int  # what the launcher exited with
+    t: float = field(default_factory=time.time)
+
+
+def write_rank_report(rep: RankReport, env: Mapping[str, str] | None = None,
+                      run_dir: str | os.PathLike[str] | None = None) -> None:
+    d = start_dir(env, run_dir)
+    if d is not None:
+        _write_json(d / f"rank-{rep.rank:05d}.json", asdict(rep))
+
+
+def write_launcher_report(rep: LauncherReport, env: Mapping[str, str] | None = None) -> None:
+    d = start_dir(env)
+    if d is not None:
+        _write_json(d / f"launcher-{rep.host}.json", asdict(rep))
+
+
+def write_ending(d: Path, ending: dict[str, Any]) -> bool:
+    return _write_json(d / ENDING, ending)
+
+
+@dataclass
+class StartFacts:
+    """Everything recorded for one start, as read back."""
+
+    name: str
+    batch_signals: list[tuple[str, float]]
+    launchers: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]
+    ending: dict[str, Any] | None
+
+
+def parse_signal_lines(text: str) -> list[tuple[str, float]]:
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            try:
+                out.append((parts[0], float(parts[1])))
+            except ValueError:
+                continue
+    return out
+
+
+def read_start(d: Path) -> StartFacts:
+    try:
+        sigs = parse_signal_lines((d / "batch.signals").read_text())
+    except OSError:
+        sigs = []
+    launchers = [x for p in sorted(d.glob("launcher-*.json")) if isinstance(x := _read_json(p), dict)]
+    ranks = [x for p in sorted(d.glob("rank-*.json")) if isinstance(x := _read_json(p), dict)]
+    ending = _read_json(d / ENDING)
+    return StartFacts(d.name, sigs, launchers, ranks, ending if isinstance(ending, dict) else None)
+
+
+def list_starts(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Start directories in start order (job id, then restart count)."""
+    def key(p: Path) -> tuple[int, str, int]:
+        job, _, restart = p.name.rpartition(".")
+        return (int(job) if job.isdigit() else 0, job, int(restart) if restart.isdigit() else 0)
+    root = Path(run_dir) / STARTS
+    return sorted((p for p in root.iterdir() if p.is_dir()), key=key) if root.is_dir() else []

@@ -1,0 +1,111 @@
+"""Fault injection: every test hook of dslurm in one place, all off unless a variable is set.
+
+Timing races (one node crashing while another is killed, a save cut in half) are made
+deterministic by these knobs, read from the environment of the training processes (a
+job's `env:` block sets them for every rank). Nothing in production code reads a test
+variable anywhere else.
+
+  DSLURM_FAULT_STOP=STEP[:RANKS][@RESTART]   RANKS request a stop after optimizer step STEP
+                                             (1-based), as a USR2 handler would
+  DSLURM_FAULT_CRASH=STEP[:RANKS][@RESTART]  RANKS raise before optimizer step STEP
+  DSLURM_FAULT_KILL9=STEP[:RANKS][@RESTART]  RANKS SIGKILL themselves before step STEP (no report)
+  DSLURM_FAULT_EXIT_DELAY=SECONDS[:RANKS][@RESTART]  RANKS wait SECONDS after their exit report,
+                                             before exiting: forces which node's processes exit first
+  DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
+                                             (before_write, after_write, before_pointer)
+  DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
+                                             staging: a window in which to kill the whole job
+
+RANKS is a comma list of global ranks (default 0); @RESTART limits the knob to one start
+(SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_EXIT_DELAY",
+         "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP")
+
+
+@dataclass(frozen=True)
+class StepFault:
+    step: int
+    ranks: frozenset[int]
+    restart: int | None
+
+
+def parse_step_fault(raw: str) -> StepFault:
+    """`STEP[:RANKS][@RESTART]` -> StepFault. Pure."""
+    body, _, restart = raw.partition("@")
+    step, _, ranks = body.partition(":")
+    return StepFault(int(step), frozenset(int(r) for r in (ranks or "0").split(",")),
+                     int(restart) if restart else None)
+
+
+def _rank(env: Mapping[str, str]) -> int:
+    return int(env.get("RANK", "0") or 0)
+
+
+def _restart(env: Mapping[str, str]) -> int:
+    return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def step_fault(name: str, env: Mapping[str, str] | None = None) -> int | None:
+    """The step at which knob `name` fires for this process (this rank, this start), or None."""
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if not raw:
+        return None
+    f = parse_step_fault(raw)
+    if _rank(env) not in f.ranks or (f.restart is not None and f.restart != _restart(env)):
+        return None
+    return f.step
+
+
+def before_step(next_step: int, crash_at: int | None, kill_at: int | None) -> None:
+    """Called by the trainer before optimizer step `next_step` (1-based)."""
+    if kill_at is not None and next_step >= kill_at:
+        log.warning("DSLURM_FAULT_KILL9: SIGKILL before step %d", next_step)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if crash_at is not None and next_step >= crash_at:
+        raise RuntimeError(f"injected crash before step {next_step} (DSLURM_FAULT_CRASH)")
+
+
+def exit_delay(env: Mapping[str, str] | None = None) -> float:
+    env = os.environ if env is None else env
+    raw = env.get("DSLURM_FAULT_EXIT_DELAY")
+    if not raw:
+        return 0.0
+    body, _, restart = raw.partition("@")
+    secs, _, ranks = body.partition(":")
+    if restart and int(restart) != _restart(env):
+        return 0.0
+    return float(secs) if _rank(env) in {int(r) for r in (ranks or "0").split(",")} else 0.0
+
+
+def delay_exit() -> None:
+    secs = exit_delay()
+    if secs:
+        log.warning("DSLURM_FAULT_EXIT_DELAY: exiting %.1f s late", secs)
+        time.sleep(secs)
+
+
+def ckpt_kill(phase: str, rank: int, nth: int) -> None:
+    """Make 'killed in the middle of a save' deterministic (see the module docstring)."""
+    if os.environ.get("DSLURM_FAULT_CKPT_KILL") == f"{rank}:{phase}:{nth}":
+        log.warning("[rank %d] DSLURM_FAULT_CKPT_KILL: killing myself at %s of save %d", rank, phase, nth)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_sleep() -> None:
+    secs = float(os.environ.get("DSLURM_FAULT_SAVE_SLEEP") or 0)
+    if secs:
+        time.sleep(secs)

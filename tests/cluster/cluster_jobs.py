@@ -1,0 +1,68 @@
+"""Helpers shared by the cluster tests: a tiny training job spec, submit, waits, and readers
+of what a run recorded (ledger events, endings, per-start facts)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dslurm.ledger import read_events
+
+SITE = "site-configs/local.yaml"
+
+
+def job_spec(tmp_path: Path, name: str, *, steps: int = 30, nodes: int = 2, tp: int = 2, interval: int = 10,
+             sleep: float = 0.4, run_dir: Path | None = None, train: dict | None = None,
+             checkpoint: dict | None = None, **extra: Any) -> str:
+    job = {"name": name, "nodes": nodes, "time": "00:10:00", "model": {"preset": "tiny"},
+           "parallel": {"tp": tp}, "preflight": {"enabled": False},
+           "train": {"steps": steps, "global_batch": 8, "log_every": 1, "step_sleep_s": sleep, **(train or {})},
+           "checkpoint": {"run_dir": str(run_dir or tmp_path / name), "interval": interval, **(checkpoint or {})},
+           **extra}
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(job))
+    return str(p)
+
+
+def submit(cli, env, spec: str, *args: str) -> int:
+    res = cli("submit", "--site", SITE, "--job", spec, *args, env=env)
+    assert res.returncode == 0, res.stderr
+    return int(re.search(r"submitted job (\d+)", res.stdout).group(1))
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def events(run: Path, name: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in read_events(run) if name is None or e["event"] == name]
+
+
+def endings(run: Path) -> list[str]:
+    return [e["cls"] for e in events(run, "ending")]
+
+
+def decisions(run: Path) -> list[str]:
+    return [e["decision"] for e in events(run, "requeue")]
+
+
+def logs(run: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run / "logs").glob("*")))
+
+
+def trained_steps(run: Path) -> dict[int, int]:
+    """How often each step was trained (log_every=1)."""
+    out: dict[int, int] = {}
+    for e in events(run, "steps"):
+        out[e["last"]] = out.get(e["last"], 0) + 1
+    return out

@@ -1,0 +1,117 @@
+"""Classifying how a job step ended from recorded facts (dslurm/endings.py), never from rc.
+
+The race that once lost a retry: node1's ranks crash, `srun --kill-on-bad-exit` TERMs node2's
+launcher, srun returns 143. Both exit orders are built here explicitly, with the step's
+return code set to what srun really returns in each, and must classify as the same crash.
+"""
+
+from __future__ import annotations
+
+from dslurm import endings as E
+from dslurm.facts import StartFacts
+
+T0 = 1_000.0
+
+
+def rank(r, kind, t, host="node1", code=1, step=14, error="", signal=None):
+    return {"rank": r, "kind": kind, "t": t, "host": host, "code": code, "step": step, "error": error,
+            "signal": signal}
+
+
+def launcher(host, signals=(), rc=0, silent=(), t=T0):
+    return {"host": host, "signals": [list(s) for s in signals], "torchrun_rc": rc,
+            "worker_codes": {}, "silent_local_ranks": list(silent), "t": t}
+
+
+def facts(ranks=(), launchers=(), batch=()):
+    return StartFacts("7.0", list(batch), list(launchers), list(ranks), None)
+
+
+RUNNING = E.SlurmView(state="RUNNING")
+PEER = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
+
+
+def test_crash_first_then_srun_tears_down_the_other_node():
+    # Order A: node1's ranks exit 1 first; srun TERMs node2's launcher, whose ranks die saving.
+    f = facts(
+        ranks=[rank(0, "crash", T0, error="RuntimeError: injected crash"),
+               rank(1, "killed_by_teardown", T0 + 2, error="", signal="SIGTERM"),
+               rank(2, "peer_lost", T0 + 2.1, host="node2", error=PEER, signal="SIGTERM"),
+               rank(3, "terminated_saved", T0 + 2.2, host="node2", code=143, signal="SIGTERM")],
+        launchers=[launcher("node1", rc=1, t=T0 + 0.5), launcher("node2", [("SIGTERM", T0 + 1.0)], rc=143)])
+    e = E.classify(f, RUNNING, step_rc=143)
+    assert (e.cls, e.origin_rank, e.origin_host) == (E.CRASH, 0, "node1")
+    assert "injected crash" in e.reason and any("other ranks" in x for x in e.evidence)
+
+
+def test_victims_exit_first_and_the_crashed_node_is_torn_down_later():
+    # Order B: the crashing rank reports, then lingers (DSLURM_FAULT_EXIT_DELAY); node2's ranks
+    # see the peer vanish and exit 1 first; srun then TERMs node1's launcher.
+    f = facts(
+        ranks=[rank(2, "peer_lost", T0 + 0.3, host="node2", error=PEER),
+               rank(3, "peer_lost", T0 + 0.3, host="node2", error=PEER),
+               rank(0, "crash", T0, error="RuntimeError: injected crash")],
+        launchers=[launcher("node2", rc=1, t=T0 + 0.5), launcher("node1", [("SIGTERM", T0 + 1)], rc=143, t=T0 + 3)])
+    e = E.classify(f, RUNNING, step_rc=1)
+    assert (e.cls, e.origin_rank, e.origin_host) == (E.CRASH, 0, "node1")
+
+
+def test_a_crash_report_with_a_peer_error_is_a_victim_not_the_origin():
+    f = facts(ranks=[rank(2, "crash", T0, host="node2", error=PEER), rank(0, "crash", T0 + 0.1, error="ValueError: x")])
+    assert E.classify(f, RUNNING).origin_rank == 0
+
+
+def test_term_at_the_batch_shell_before_any_failure_is_slurm():
+    saved = [rank(r, "terminated_saved", T0 + 1, code=143, signal="SIGTERM") for r in range(4)]
+    f = facts(ranks=saved, batch=[("TERM", T0)])
+    assert E.classify(f, E.SlurmView(state="CANCELLED")).cls == E.CANCELLED
+    e = E.classify(f, E.SlurmView(state="REQUEUED"))
+    assert e.cls == E.PREEMPTED and e.saved
+    assert E.classify(f, E.SlurmView(state="TIMEOUT")).cls == E.TIME_LIMIT
+
+
+def test_a_crash_before_slurms_term_is_still_a_crash():
+    f = facts(ranks=[rank(0, "crash", T0, error="boom")], batch=[("TERM", T0 + 5)])
+    assert E.classify(f, E.SlurmView(state="CANCELLED")).cls == E.CRASH
+
+
+def test_term_reaching_only_launchers_decides_nothing():
+    # srun's teardown: launchers got TERM, the batch shell did not, no rank failed of its own,
+    # node1's launcher saw its torchrun fail with a rank that left no report (kill -9).
+    f = facts(ranks=[rank(2, "killed_by_teardown", T0 + 1, host="node2", signal="SIGTERM")],
+              launchers=[launcher("node2", [("SIGTERM", T0 + 0.5)], rc=143, t=T0 + 1.2),
+                         launcher("node1", rc=1, silent=[0], t=T0 + 0.4)])
+    e = E.classify(f, RUNNING, step_rc=143)
+    assert (e.cls, e.origin_host) == (E.CRASH, "node1") and "left no report" in e.reason
+
+
+def test_agreed_stops_and_completion():
+    usr2 = [rank(r, "stop_saved", T0, code=75, signal="SIGUSR2") for r in range(2)]
+    e = E.classify(facts(ranks=usr2, batch=[("USR2", T0 - 1)]), RUNNING, 75)
+    assert (e.cls, e.saved) == (E.WARNED_STOP, True)
+    done = [rank(r, "completed", T0, code=0, step=30) for r in range(2)]
+    assert E.classify(facts(ranks=done), RUNNING, 0).cls == E.COMPLETED
+
+
+def test_own_failures_keep_their_class():
+    for kind in (E.SAVE_FAILED, E.REFUSED, E.USER_ERROR, E.BURNIN_REJECTED):
+        f = facts(ranks=[rank(0, kind, T0, error="why"), rank(1, "peer_lost", T0 + 1, error=PEER)])
+        assert E.classify(f, RUNNING).cls == kind
+
+
+def test_node_failure_wins_and_no_facts_falls_back_to_the_code_said_plainly():
+    f = facts(ranks=[rank(0, "peer_lost", T0, error=PEER)], launchers=[launcher("node1", rc=1)])
+    e = E.classify(f, E.SlurmView(state="RUNNING", down_nodes=("node2",)))
+    assert (e.cls, e.origin_host) == (E.NODE_FAILURE, "node2")
+    # A node that wrote its launcher report was alive when the step ended: a down state seen
+    # afterwards did not end it, and the crash on node1 stays the cause.
+    f = facts(ranks=[rank(0, "crash", T0, error="boom")], launchers=[launcher("node1", rc=1), launcher("node2")])
+    assert E.classify(f, E.SlurmView(state="RUNNING", down_nodes=("node2",))).cls == E.CRASH
+    assert E.classify(facts(), E.SlurmView(state="NODE_FAIL")).cls == E.NODE_FAILURE
+    e = E.classify(facts(), E.SlurmView(), step_rc=1)
+    assert e.cls == E.CRASH and "no per-rank facts" in e.reason
+
+
+def test_peer_error_patterns():
+    assert E.is_peer_error(PEER) and E.is_peer_error("Connection reset by peer")
+    assert not E.is_peer_error("RuntimeError: injected crash before step 15")

@@ -1,0 +1,33 @@
+"""The fault knobs (dslurm/faults.py): parsed in one place, scoped to ranks and starts."""
+
+from __future__ import annotations
+
+from dslurm import faults
+
+
+def test_step_fault_targets_ranks_and_one_start():
+    env = {"DSLURM_FAULT_CRASH": "15:0,1@0", "RANK": "1", "SLURM_RESTART_COUNT": "0"}
+    assert faults.step_fault("DSLURM_FAULT_CRASH", env) == 15
+    assert faults.step_fault("DSLURM_FAULT_CRASH", {**env, "RANK": "2"}) is None
+    assert faults.step_fault("DSLURM_FAULT_CRASH", {**env, "SLURM_RESTART_COUNT": "1"}) is None
+    assert faults.step_fault("DSLURM_FAULT_CRASH", {"DSLURM_FAULT_CRASH": "3"}) == 3  # rank 0 by default
+    assert faults.step_fault("DSLURM_FAULT_STOP", env) is None
+
+
+def test_exit_delay_only_for_the_named_ranks():
+    assert faults.exit_delay({"DSLURM_FAULT_EXIT_DELAY": "4:2,3", "RANK": "3"}) == 4.0
+    assert faults.exit_delay({"DSLURM_FAULT_EXIT_DELAY": "4:2,3", "RANK": "0"}) == 0.0
+
+
+def test_before_step_raises_at_the_crash_step():
+    import pytest
+
+    faults.before_step(4, crash_at=5, kill_at=None)
+    with pytest.raises(RuntimeError, match="injected crash before step 5"):
+        faults.before_step(5, crash_at=5, kill_at=None)
+
+
+def test_exit_delay_scoped_to_one_start():
+    env = {"DSLURM_FAULT_EXIT_DELAY": "6:0,1@0", "RANK": "1", "SLURM_RESTART_COUNT": "0"}
+    assert faults.exit_delay(env) == 6.0
+    assert faults.exit_delay({**env, "SLURM_RESTART_COUNT": "1"}) == 0.0

@@ -1,0 +1,45 @@
+"""The ledger is strict JSON lines, and a torn line never costs the next event."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from dslurm.ledger import FILENAME, Ledger, read_events
+
+
+def test_non_finite_numbers_are_strict_json_and_read_back_as_floats(tmp_path):
+    Ledger(tmp_path).append("steps", loss=math.nan, grad_norm=math.inf, lr=-math.inf, ok=1.5)
+    raw = (tmp_path / FILENAME).read_text()
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    rec = json.loads(raw, parse_constant=refuse)  # a strict parser accepts the line
+    assert rec["loss"] == "NaN" and rec["grad_norm"] == "Infinity"
+    ev = next(read_events(tmp_path))
+    assert math.isnan(ev["loss"]) and ev["grad_norm"] == math.inf and ev["lr"] == -math.inf and ev["ok"] == 1.5
+
+
+def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
+    led = Ledger(tmp_path)
+    led.append("submit", job_ids=[1])
+    with open(tmp_path / FILENAME, "ab") as fh:
+        fh.write(b'{"event":"steps","t":1,"lo')  # kill -9 in the middle of a write
+    led.append("train_start", step=0)
+    names = [e["event"] for e in read_events(tmp_path)]
+    assert names == ["submit", "train_start"]
+    lines = (tmp_path / FILENAME).read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "train_start"
+
+
+def test_a_full_disk_does_not_raise_into_the_writer(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    rec = Ledger(tmp_path).append("steps", loss=1.0)
+    assert rec["event"] == "steps"
