@@ -167,32 +167,42 @@ def test_a_diverging_run_never_commits_non_finite_state(slurm_cluster, cli, tmp_
 
 
 @pytest.fixture
-def tiny_disk(tmp_path):
-    """A 3 MB tmpfs: the run's data and logs fit, no checkpoint generation (~4.4 MB) does."""
+def tiny_disks(tmp_path):
+    """3 MB tmpfs mounts, one per run: the run's data (~2.1 MB) and logs fit, no checkpoint
+    generation (~4.4 MB) does."""
     import subprocess
 
-    mnt = tmp_path / "tiny-disk"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    mounts = []
+
+    def make(name: str) -> Path:
+        mnt = tmp_path / name
+        mnt.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+        mounts.append(mnt)
+        return mnt
+
+    yield make
+    for mnt in mounts:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.timeout(500)
-def test_a_full_disk_is_never_called_success(slurm_cluster, cli, tmp_path, tiny_disk):
+def test_a_full_disk_is_never_called_success(slurm_cluster, cli, tmp_path, tiny_disks):
     """ENOSPC on every save, with each on_error policy: both end as save_failed with the disk
     named, exit 74, no retry (not 'completed', not 76 'no progress'); the report counts the
     steps that are in no checkpoint."""
     env = slurm_cluster.env()
-    jobs = {}
+    jobs, runs = {}, {}
     for policy in ("continue", "stop"):
+        runs[policy] = tiny_disks(f"disk-{policy}") / "run"
         spec = job_spec(tmp_path, f"full-{policy}", nodes=1, steps=8, interval=3, sleep=0.0,
-                        run_dir=tiny_disk / policy, checkpoint={"on_error": policy})
+                        run_dir=runs[policy], checkpoint={"on_error": policy})
         jobs[policy] = submit(cli, env, spec)
     for policy, job in jobs.items():
-        run = tiny_disk / policy
+        run = runs[policy]
         assert slurm.wait_job(job, timeout=300, env=env) == "FAILED", logs(run)
         assert str(slurm.job_info(job, env=env)["exit_code"]).startswith(f"{X.SAVE_FAILED}:")
         ends = events(run, "ending")

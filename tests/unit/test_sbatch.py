@@ -117,7 +117,8 @@ def test_hostile_values_cannot_execute_when_the_script_runs(tmp_path):
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1"}
-    res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    # cwd: the run dir is a relative hostile path; the script creates its facts dir under it.
+    res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert not owned.exists()
     args = argfile.read_text().splitlines()
