@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from dslurm.config import JobSpec, SiteConfig, parse_time
+from dslurm.config import JobSpec, SiteConfig
 from dslurm.errors import UserError
 from dslurm.resolve import Resolved
 
@@ -86,13 +87,10 @@ def executor_parameters(r: Resolved, exclude: list[str] | None = None) -> dict[s
     for key, value in directives(r, log_dir="unused"):
         if key in _NATIVE:
             params[_NATIVE[key]] = value if key == "job-name" else int(str(value))
-        elif key == "time":
-            params["time"] = math.ceil(parse_time(str(value)) / 60)
+        elif key == "time":  # typed values from the Resolved, never the rendered text parsed back
+            params["time"] = math.ceil(r.time_s / 60)
         elif key == "signal":
-            sig, _, lead = str(value).removeprefix("B:").partition("@")
-            if sig != "USR2":
-                raise UserError(f"signal {value!r}: submitit's requeue handler listens for USR2 only")
-            params["signal_delay_s"] = int(lead)
+            params["signal_delay_s"] = r.policy.lead_s
         elif key not in _SUBMITIT_OWNS:
             extra[key] = True if value is None else value
     params["additional_parameters"] = extra
@@ -140,7 +138,7 @@ def _job_class() -> type:
 
 
 def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
-           site_overrides: list[str] | None = None, folder: str | Path | None = None) -> "submitit.Job":
+           site_overrides: list[str] | None = None, folder: str | Path | None = None) -> submitit.Job:
     """Submit `job` to Slurm through submitit; `job.result()` returns a RunSummary.
 
     The site and job are frozen into the run directory (like `dslurm submit`), so a requeue
@@ -150,18 +148,17 @@ def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
     import submitit
 
     from dslurm.api_job import TrainTask
-    from dslurm.ledger import Ledger
-    from dslurm.submit import freeze_and_render, read_blocklist
+    from dslurm.submit import freeze_and_render, read_blocklist, record_submission
 
     r = load_inputs(job, site, overrides, site_overrides)
     check_accounting()
     freeze_and_render(r)
     executor = submitit.SlurmExecutor(folder=str(folder or r.run_dir / "submitit" / "%j"),
                                       max_num_timeout=r.max_restarts)
-    executor.job_class = _job_class()
+    executor.job_class = _job_class()  # type: ignore[assignment]
     executor.update_parameters(**executor_parameters(r, exclude=read_blocklist(r.run_dir)))
     sub = executor.submit(TrainTask(str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")))
-    Ledger(r.run_dir).append("submit", job_ids=[int(sub.job_id)], via="api")
+    record_submission(r, [int(sub.job_id)], via="api")
     sub.run_dir = r.run_dir  # type: ignore[attr-defined]  # handy in a notebook
     return sub
 
@@ -170,7 +167,7 @@ def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
 
 
 def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrides: list[str] | None = None,
-              site_overrides: list[str] | None = None) -> "RunSummary":
+              site_overrides: list[str] | None = None) -> RunSummary:
     """Run the job on this machine without Slurm: torchrun with `nproc` processes (default:
     the job's world size, so the layout and the losses match the Slurm run), through the
     same dslurm.launch.launch. The output goes to `<run_dir>/logs/local-<id>.log`."""

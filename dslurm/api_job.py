@@ -19,9 +19,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import submitit
 
@@ -209,8 +210,8 @@ class TrainTask(submitit.helpers.Checkpointable):
 
 def _decide(r: Resolved, env: Mapping[str, str]) -> Any:
     """dslurm's requeue policy, recorded in the ledger like `dslurm requeue-me` does."""
-    from dslurm.ledger import Ledger, read_events
     from dslurm.endings import WARNED_STOP
+    from dslurm.ledger import Ledger, read_events
     from dslurm.requeue import decide, failures_of, pointer_step, start_steps_of
 
     events = list(read_events(r.run_dir))

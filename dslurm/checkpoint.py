@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dslurm.durable import atomic_write_bytes, fsync_dir  # noqa: F401 - re-exported
 from dslurm import exitcodes as X
+from dslurm.durable import atomic_write_bytes, fsync_dir  # noqa: F401 - re-exported
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ def select_generation(plan: RestorePlan, verify: Callable[[str, str | None], lis
     rejected: list[tuple[str, list[str]]] = []
     for i, name in enumerate(plan.candidates):
         is_target = ptr is not None and i == 0
-        problems = verify(name, ptr.manifest_crc32 if is_target else None)
+        problems = verify(name, ptr.manifest_crc32 if ptr is not None and is_target else None)
         if not problems:
             if is_target:
                 return Selection(name, parse_step(name) or 0, False, f"{POINTER} -> {name}", rejected)
@@ -451,7 +451,7 @@ class RunDirLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         self.acquire()
         return self
 

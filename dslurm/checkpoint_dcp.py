@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import dslurm
 from dslurm import checkpoint as ck
+from dslurm import faults
 from dslurm.checkpoint_io import crc_writer, make_stager, restore_test
 from dslurm.checkpoint_rng import apply_rng, capture_rng
-from dslurm import faults
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)

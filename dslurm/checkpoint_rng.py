@@ -30,7 +30,7 @@ def capture_rng() -> dict[str, Any]:
     try:
         import numpy as np
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]  # type: ignore[union-attr]
     except ImportError:
         pass
     return out

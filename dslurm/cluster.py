@@ -30,11 +30,31 @@ import time
 from pathlib import Path
 
 from dslurm import cluster_conf as cc
-from dslurm.cluster_proc import (  # process and file helpers, kept apart for size
-    alive as _alive, atomic_write as _atomic_write, port_open as _port_open, spawn_proc as _spawn_proc,
-    stop as _stop, tail as _tail, wait_for as _wait_for, write_in_place_or_atomic as _write_in_place_or_atomic,
-)
 from dslurm import slurm
+from dslurm.cluster_proc import (  # process and file helpers, kept apart for size
+    alive as _alive,
+)
+from dslurm.cluster_proc import (
+    atomic_write as _atomic_write,
+)
+from dslurm.cluster_proc import (
+    port_open as _port_open,
+)
+from dslurm.cluster_proc import (
+    spawn_proc as _spawn_proc,
+)
+from dslurm.cluster_proc import (
+    stop as _stop,
+)
+from dslurm.cluster_proc import (
+    tail as _tail,
+)
+from dslurm.cluster_proc import (
+    wait_for as _wait_for,
+)
+from dslurm.cluster_proc import (
+    write_in_place_or_atomic as _write_in_place_or_atomic,
+)
 from dslurm.errors import SlurmError, UserError
 
 log = logging.getLogger(__name__)
@@ -127,7 +147,7 @@ def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
 def is_up(state_dir: str | os.PathLike[str] | None = None) -> bool:
     sdir = state_dir_of(state_dir)
     rec = _load(sdir)
-    return bool(rec) and _healthy(sdir, rec)
+    return rec is not None and bool(rec) and _healthy(sdir, rec)
 
 
 def status(state_dir: str | os.PathLike[str] | None = None) -> dict[str, object]:

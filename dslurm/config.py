@@ -215,6 +215,9 @@ class RequeueSpec:
     no_progress_limit: int | None = field(None, help="starts without progress before giving up")
 
 
+_DEPENDENCY = r"[a-z]+(:[0-9_+]+)+([,?][a-z]+(:[0-9_+]+)+)*|singleton"  # e.g. afterany:12:13,afterok:14
+
+
 @dataclass(kw_only=True, slots=True)
 class JobSpec:
     name: str = field(help="job name (letters, digits, - _ . only)")
@@ -246,7 +249,7 @@ class JobSpec:
             raise ValueError(f"entry={self.entry!r} is not a Python module name like train or dslurm.probe")
         if self.procs_per_node is not None and self.procs_per_node < 1:
             raise ValueError(f"procs_per_node={self.procs_per_node} must be at least 1")
-        if self.dependency is not None and not re.fullmatch(r"[a-z]+(:[0-9_+]+)+([,?][a-z]+(:[0-9_+]+)+)*|singleton", self.dependency):
+        if self.dependency is not None and not re.fullmatch(_DEPENDENCY, self.dependency):
             raise ValueError(f"dependency={self.dependency!r} is not a Slurm dependency like afterany:1234")
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):

@@ -13,9 +13,10 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from dslurm.report import DIED, Start, _num, summarize
 
@@ -102,11 +103,12 @@ def _tps(s: Start) -> float | None:
 
 def _scaling(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     per_rank = [(s, t / s.world_size) for s in starts if s.world_size and (t := _tps(s)) is not None]
-    if len({s.world_size for s, _ in per_rank}) < 2:
+    sizes = {s.index: int(s.world_size or 0) for s, _ in per_rank}
+    if len(set(sizes.values())) < 2:
         return []
-    small = min(s.world_size for s, _ in per_rank)
-    base = max(r for s, r in per_rank if s.world_size == small)
-    bad = [(s, r) for s, r in per_rank if s.world_size > small and r < SCALING_MIN * base]
+    small = min(sizes.values())
+    base = max(r for s, r in per_rank if sizes[s.index] == small)
+    bad = [(s, r) for s, r in per_rank if sizes[s.index] > small and r < SCALING_MIN * base]
     if not bad:
         return []
     ev = [f"start {s.index}: {s.world_size} ranks, {r:,.0f} tokens/s per rank" for s, r in per_rank]

@@ -131,7 +131,7 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
             ev.append(f"first own failure later, at {first_fail_t:.3f} (rank {own[0].get('rank')})")
         what = {CANCELLED: "cancelled by the user (scancel)", TIME_LIMIT: "killed at the time limit",
                 PREEMPTED: "preempted or requeued by Slurm"}[cls]
-        return Ending(cls, f"{what}; {'saved at step %s' % _max_step(ranks) if saved else 'no save'}",
+        return Ending(cls, f"{what}; " + (f"saved at step {_max_step(ranks)}" if saved else "no save"),
                       step=_max_step(ranks), saved=saved, evidence=ev)
     if own:
         f = own[0]

@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from dslurm.errors import UserError
 from dslurm.slurm_env import LaunchInfo, derive

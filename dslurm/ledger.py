@@ -11,7 +11,8 @@ The file is strict JSON lines: non-finite floats (a NaN loss) are written as the
 even after a torn one, so a kill -9 never costs the next writer its event.
 
 Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`, `host`:
-  submit            job_ids (a chain lists every link), signal_lead_s, signal_lead_auto
+  submit            job_ids (a chain lists every link), signal_lead_s (effective; null with
+                    requeue off), signal_lead_setting, signal_lead_reason, checkpoint_interval, via
   preflight         passed, bad_nodes, problems, warnings, report (path), duration_s, nodes
   ckpt_fresh_start  / ckpt_restore / ckpt_fallback / ckpt_restore_failed: what restore found
   train_start       step (resumed from), generation, fell_back, startup_s, layout
@@ -37,8 +38,9 @@ import math
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 FILENAME = "ledger.jsonl"
 log = logging.getLogger(__name__)

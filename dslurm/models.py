@@ -83,4 +83,4 @@ PRESETS: dict[str, ModelShape] = {
 def shape_from(preset: str, **overrides: int | float | None) -> ModelShape:
     """A preset with the given fields replaced (None means "keep the preset's")."""
     base = PRESETS[preset]
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]

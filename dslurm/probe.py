@@ -20,7 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from dslurm.launch import write_worker_code
-
     from dslurm.preflight_gate import gate_in_process
 
     if torch.cuda.is_available():

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
@@ -230,7 +231,7 @@ def _undurable(starts: list[Start]) -> int:
         return 0
     if last.ending == "completed" or (last.ending is None and last.exit_reason == "completed"):
         return 0
-    saved = [int(e["step"]) for s in starts for e in s.all("ckpt_save") if _num(e, "step") is not None]
+    saved: list[int] = [int(e["step"]) for s in starts for e in s.all("ckpt_save") if _num(e, "step") is not None]
     saved += [s.resumed_from for s in starts if s.resumed_from is not None]
     return max(0, last.reached - max(saved, default=0))
 
@@ -241,7 +242,8 @@ def _attribute_steps(starts: list[Start]) -> None:
     for s in reversed(starts):
         keep_below = later_min  # steps >= this were redone by some later start
         for w in s.windows:
-            w.kept = max(0, min(w.last + 1, keep_below) - w.first) if keep_below != math.inf else w.last - w.first + 1
+            w.kept = (int(max(0, min(w.last + 1, keep_below) - w.first)) if keep_below != math.inf
+                      else w.last - w.first + 1)
             s.productive_s += w.kept * w.step_s
             s.redone_s += (w.last - w.first + 1 - w.kept) * w.step_s
         if s.reached is not None and keep_below != math.inf:

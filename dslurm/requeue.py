@@ -23,9 +23,10 @@ class:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 from dslurm import endings as E
 from dslurm import exitcodes as X
@@ -87,29 +88,6 @@ def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: 
         return Decision("stop", X.BUDGET, f"{what}, but the restart budget is spent "
                                           f"({failures} of {max_restarts} failure restarts){tail}")
     return Decision("requeue", X.OK, f"{what}: requeue (failure restart {failures + 1} of {max_restarts}){tail}")
-
-
-# Slurm checks time limits about every 30 s and may send the B: signal up to a minute
-# early or late relative to the nominal lead, so no lead below a minute is trustworthy.
-LEAD_FLOOR_S = 60
-
-
-def auto_signal_lead(events: Iterable[dict], *, default_s: int, floor_s: int = LEAD_FLOOR_S,
-                     safety: float = 2.0) -> tuple[int, str]:
-    """`requeue.signal_lead: auto`: the warning a stop needs = finish the current step, then
-    a synchronous save, times a safety factor, never below the floor. Measured from this
-    run's ledger (slowest step window, slowest save); the site's default when the run has
-    no history yet. Returns (seconds, how it was derived)."""
-    events = list(events)
-    step_s = max((float(e.get("step_time_s") or 0) for e in events if e.get("event") == "steps"), default=0.0)
-    save_s = max((float(e.get("total_s") or e.get("stall_s") or 0) for e in events
-                  if e.get("event") == "ckpt_save"), default=0.0)
-    if step_s == 0.0 and save_s == 0.0:
-        return max(default_s, floor_s), f"site default {default_s}s (no measurements in this run yet)"
-    need = safety * (step_s + save_s)
-    lead = max(floor_s, int(need + 0.999))
-    return lead, (f"{safety:g} x (step {step_s:.2f}s + save {save_s:.2f}s) = {need:.1f}s, "
-                  f"floor {floor_s}s")
 
 
 def job_ref(env: Mapping[str, str]) -> str:
@@ -196,6 +174,15 @@ def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str]) -> tuple
     return E.classify(facts, view, rc), d
 
 
+def frozen_policy(run_dir: Path) -> Any:
+    """The requeue policy of the run, from the config frozen into the run directory at submit
+    (site.yaml, job.yaml): the same `RequeuePolicy` render, submit and the API used."""
+    from dslurm.config import load_job, load_site
+    from dslurm.resolve import requeue_policy
+
+    return requeue_policy(load_site(run_dir / "site.yaml"), load_job(run_dir / "job.yaml"))
+
+
 def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
     """Classify this start's ending, decide, record both in the ledger, act."""
     from dslurm import slurm
@@ -211,11 +198,10 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
     if d is not None:
         _record_ending(run_dir, d, ending, step_rc=rc)
     chain = chain_of(events, job_id)
-    dec = decide(ending=ending.cls, failures=failures,
-                 max_restarts=int(env.get("DSLURM_MAX_RESTARTS", "3")),
-                 no_progress_limit=int(env.get("DSLURM_NO_PROGRESS_LIMIT", "3")),
-                 start_steps=start_steps_of(events), pointer_step=pointer_step(run_dir),
-                 in_chain=bool(chain), requeue_enabled=env.get("DSLURM_REQUEUE", "1") == "1",
+    policy = frozen_policy(run_dir)
+    dec = decide(ending=ending.cls, failures=failures, max_restarts=policy.max_restarts,
+                 no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(events),
+                 pointer_step=pointer_step(run_dir), in_chain=bool(chain), requeue_enabled=policy.enabled,
                  detail=ending.reason)
     Ledger(run_dir).append("requeue", decision=dec.action, step_rc=rc, exit_code=dec.exit_code,
                            reason=dec.reason, ending=ending.cls)

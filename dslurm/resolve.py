@@ -1,16 +1,18 @@
 """Check a site and a job together and compute, once, the numbers every link uses.
 
 Node count, processes per node, world size, the resolved parallel degrees, the time
-limit, the signal lead and the run directory are decided here and nowhere else: the
-sbatch renderer, the launcher, the trainer and the notebook API all read them from a
-`Resolved`.
+limit, the requeue policy (with the effective signal lead) and the run directory are decided
+here and nowhere else: the sbatch renderer, `dslurm submit`, the launcher, the trainer, the
+notebook API and `dslurm requeue-me` all read them from a `Resolved`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from dslurm.config import JobSpec, SiteConfig, format_time, parse_time
 from dslurm.errors import UserError
@@ -99,6 +101,66 @@ def check_model_layout(shape: ModelShape, layout: Layout, par, where: str = "job
         raise UserError(f"{where}: field 'parallel': " + "; ".join(msgs))
 
 
+# Slurm checks time limits about every 30 s and may send the B: signal up to a minute
+# early or late relative to the nominal lead, so no measured lead below a minute is trusted.
+LEAD_FLOOR_S = 60
+
+
+def auto_signal_lead(events: Iterable[dict[str, Any]], *, default_s: int, floor_s: int = LEAD_FLOOR_S,
+                     safety: float = 2.0) -> tuple[int, str]:
+    """`requeue.signal_lead: auto`: the warning a stop needs = finish the current step, then
+    a synchronous save, times a safety factor, never below the floor. Measured from this
+    run's ledger (slowest step window, slowest save); the site's default when the run has
+    no history yet. Returns (seconds, how it was derived). Pure."""
+    events = list(events)
+    step_s = max((float(e.get("step_time_s") or 0) for e in events if e.get("event") == "steps"), default=0.0)
+    save_s = max((float(e.get("total_s") or e.get("stall_s") or 0) for e in events
+                  if e.get("event") == "ckpt_save"), default=0.0)
+    if step_s == 0.0 and save_s == 0.0:
+        return max(default_s, floor_s), f"site default {default_s}s (no measurements in this run yet), floor {floor_s}s"
+    need = safety * (step_s + save_s)
+    lead = max(floor_s, int(need + 0.999))
+    return lead, (f"{safety:g} x (step {step_s:.2f}s + save {save_s:.2f}s) = {need:.1f}s, "
+                  f"floor {floor_s}s")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RequeuePolicy:
+    """The requeue policy of one job, computed once (here) and read by every path: the rendered
+    script, `dslurm submit`, the notebook API and `dslurm requeue-me` (from the frozen run config)."""
+
+    enabled: bool
+    """requeue on a warned stop or a failure (and render --requeue); false: --no-requeue"""
+    lead_setting: int | Literal["auto"]
+    """what the job or site asked for"""
+    lead_s: int
+    """the effective --signal=B:USR2@lead_s"""
+    lead_reason: str
+    """how lead_s was derived (explicit, site default, or measured with its floor)"""
+    max_restarts: int
+    """restart budget for failures (crash, node failure, burn-in); preemptions spend none"""
+    no_progress_limit: int
+    """stop after this many starts without the pointer advancing (0: never)"""
+
+
+def requeue_policy(site: SiteConfig, job: JobSpec, history: Iterable[dict[str, Any]] = ()) -> RequeuePolicy:
+    """The policy from job, site and (for `auto`) the run's ledger events. Pure; `resolve`
+    checks the lead against the time limit."""
+    rq = job.requeue
+    setting = rq.signal_lead if rq.signal_lead is not None else site.requeue.signal_lead_s
+    if setting == "auto":
+        lead, how = auto_signal_lead(history, default_s=site.requeue.signal_lead_s)
+        how = f"auto: {how}"
+    else:
+        lead = int(setting)
+        how = "job requeue.signal_lead" if rq.signal_lead is not None else "site requeue.signal_lead_s"
+    return RequeuePolicy(
+        enabled=site.requeue.enabled if rq.enabled is None else rq.enabled, lead_setting=setting, lead_s=lead,
+        lead_reason=how,
+        max_restarts=site.requeue.max_restarts if rq.max_restarts is None else rq.max_restarts,
+        no_progress_limit=site.requeue.no_progress_limit if rq.no_progress_limit is None else rq.no_progress_limit)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Resolved:
     site: SiteConfig
@@ -109,11 +171,25 @@ class Resolved:
     procs_per_node: int
     layout: Layout
     time_s: int
-    signal_lead_s: int | None  # None when lead is "auto": the launcher measures it
-    requeue: bool
-    max_restarts: int
-    no_progress_limit: int
+    policy: RequeuePolicy
     run_dir: Path
+
+    # Read-only views of the policy (one home: `policy`).
+    @property
+    def requeue(self) -> bool:
+        return self.policy.enabled
+
+    @property
+    def signal_lead_s(self) -> int:
+        return self.policy.lead_s
+
+    @property
+    def max_restarts(self) -> int:
+        return self.policy.max_restarts
+
+    @property
+    def no_progress_limit(self) -> int:
+        return self.policy.no_progress_limit
 
     @property
     def world_size(self) -> int:
@@ -129,8 +205,10 @@ class Resolved:
 
 
 def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path: str = "job",
-            base_dir: str | Path | None = None) -> Resolved:
-    """Cross-field checks of site + job; every message names the file, field and numbers."""
+            base_dir: str | Path | None = None, history: Iterable[dict[str, Any]] | None = None) -> Resolved:
+    """Cross-field checks of site + job; every message names the file, field and numbers.
+    `history`: the run's ledger events for `signal_lead: auto`; None reads the run's ledger
+    (the one read this function does)."""
     ppn = job.procs_per_node or site.procs_per_node
     if site.node.gpus and ppn > site.node.gpus:
         raise UserError(f"{job_path}: field 'procs_per_node': {ppn} > GPUs per node ({site.node.gpus}) "
@@ -162,21 +240,18 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
         raise UserError(f"{job_path}: field 'train.dtype': bf16 training needs GPUs; site {site.name!r} has "
                         "none. Fix: dtype: fp32")
     time_s = parse_time(job.time or site.slurm.default_time, f"{job_path}: field 'time'")
-    rq = job.requeue
-    lead = rq.signal_lead if rq.signal_lead is not None else site.requeue.signal_lead_s
-    if lead != "auto" and not 0 <= lead < time_s:
-        raise UserError(f"{job_path}: field 'requeue.signal_lead': {lead}s must be below the time limit "
-                        f"({time_s}s). Fix: lower the lead or raise the time")
+    run_dir = run_dir_for(site, job, base_dir)
+    if history is None and job.requeue.signal_lead == "auto":
+        from dslurm.ledger import read_events
+
+        history = read_events(run_dir)
+    policy = requeue_policy(site, job, history or ())
+    if not 0 <= policy.lead_s < time_s:
+        raise UserError(f"{job_path}: field 'requeue.signal_lead': {policy.lead_s}s ({policy.lead_reason}) must be "
+                        f"below the time limit ({time_s}s). Fix: lower the lead or raise the time")
     return Resolved(
         site=site, job=job, site_path=site_path, job_path=job_path, nnodes=job.nodes,
-        procs_per_node=ppn, layout=layout, time_s=time_s,
-        signal_lead_s=None if lead == "auto" else int(lead),
-        requeue=site.requeue.enabled if rq.enabled is None else rq.enabled,
-        max_restarts=site.requeue.max_restarts if rq.max_restarts is None else rq.max_restarts,
-        no_progress_limit=(site.requeue.no_progress_limit if rq.no_progress_limit is None
-                           else rq.no_progress_limit),
-        run_dir=run_dir_for(site, job, base_dir),
-    )
+        procs_per_node=ppn, layout=layout, time_s=time_s, policy=policy, run_dir=run_dir)
 
 
 def run_dir_for(site: SiteConfig, job: JobSpec, base_dir: str | Path | None = None) -> Path:

@@ -16,7 +16,6 @@ from dslurm.errors import UserError
 from dslurm.resolve import Resolved
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class RenderRefs:
     """How the script refers to the config (paths as the job will see them)."""
@@ -60,9 +59,8 @@ def directives(r: Resolved, log_dir: str) -> list[tuple[str, str | None]]:
         value = getattr(site.slurm, name)
         if value:
             flags.append((name, value))
-    if r.requeue:
-        lead = r.signal_lead_s if r.signal_lead_s is not None else site.requeue.signal_lead_s
-        flags += [("signal", f"B:USR2@{lead}"), ("requeue", None)]
+    if r.policy.enabled:
+        flags += [("signal", f"B:USR2@{r.policy.lead_s}"), ("requeue", None)]
     else:
         flags.append(("no-requeue", None))
     flags += [
@@ -83,10 +81,7 @@ def job_env(r: Resolved, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment every job exports: site env, job env, then dslurm's own. The
     rendered script and the submitit path (dslurm/api_job.py) both take it from here."""
     env = {**r.site.env, **r.job.env, **(extra or {})}
-    env["DSLURM_RUN_DIR"] = str(r.run_dir)
-    env["DSLURM_REQUEUE"] = "1" if r.requeue else "0"
-    env["DSLURM_MAX_RESTARTS"] = str(r.max_restarts)
-    env["DSLURM_NO_PROGRESS_LIMIT"] = str(r.no_progress_limit)
+    env["DSLURM_RUN_DIR"] = str(r.run_dir)  # the requeue policy is read from the frozen config there
     return env
 
 

@@ -53,7 +53,7 @@ class _Where:
     def __init__(self, source: str, path: str = "") -> None:
         self.source, self.path = source, path
 
-    def child(self, name: str) -> "_Where":
+    def child(self, name: str) -> _Where:
         return _Where(self.source, f"{self.path}.{name}" if self.path else name)
 
     def fail(self, what: str, fix: str) -> UserError:
@@ -74,7 +74,7 @@ def _convert(tp: Any, value: Any, where: _Where) -> Any:
                 continue
         raise where.fail(f"expected {_type_name(tp)}, got {value!r}", f"set it to {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, where)
+        return build(tp, value, where)  # type: ignore[arg-type]
     if origin is Literal:
         if value in get_args(tp):
             return value
@@ -119,7 +119,7 @@ def build(cls: type[T], data: Any, where: _Where | str) -> T:
     if not isinstance(data, dict):
         raise where.fail(f"expected a mapping, got {data!r}", "write `key: value` lines")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(str(k) for k in data if k not in fields)
     if unknown:
         raise where.fail(

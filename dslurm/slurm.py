@@ -149,7 +149,7 @@ def parse_sinfo_nodes(stdout: str) -> list[dict[str, object]]:
                                       "responding": not state.endswith("*"),
                                       "cpus": _int(cpus), "memory_mb": _int(mem),
                                       "partitions": []})
-        node["partitions"].append(part.rstrip("*"))  # type: ignore[union-attr]
+        node["partitions"].append(part.rstrip("*"))  # type: ignore[attr-defined]
     return list(seen.values())
 
 
@@ -283,7 +283,7 @@ def parse_sinfo_down(stdout: str, hosts: Iterable[str]) -> dict[str, str]:
     try:
         nodes = json.loads(stdout).get("nodes", [])
     except (ValueError, AttributeError):
-        return []
+        return {}
     wanted, out = set(hosts), {}
     for n in nodes:
         words = [_state_text(n.get("state"))] + [str(f).upper() for f in n.get("state_flags") or []]

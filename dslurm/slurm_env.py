@@ -7,8 +7,9 @@ Host lists are expanded with python-hostlist, not a home-made parser.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal, Mapping
+from typing import Literal
 
 import hostlist
 
@@ -147,7 +148,7 @@ def derive(env: Mapping[str, str], *, nproc_per_node: int | None = None,
     if gpus and nproc > gpus:
         raise UserError(f"--nproc-per-node={nproc} but Slurm gave this node {gpus} GPUs "
                         "(SLURM_GPUS_ON_NODE). Fix: ask for whole nodes or lower --nproc-per-node")
-    return LaunchInfo(**common, nproc_per_node=nproc, world_size=nproc * nnodes)
+    return LaunchInfo(**common, nproc_per_node=nproc, world_size=nproc * nnodes)  # type: ignore[arg-type]
 
 
 def _derive_srun(env: Mapping[str, str], common: dict, gpus: int | None) -> LaunchInfo:

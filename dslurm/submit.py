@@ -72,9 +72,6 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
 
     if chain < 1:
         raise UserError(f"--chain {chain}: must be at least 1")
-    lead_note = None
-    if r.requeue and r.signal_lead_s is None:  # requeue.signal_lead: auto
-        r, lead_note = _with_auto_lead(r)
     script = freeze_and_render(r)
     log_dir = r.run_dir / "logs"
     if dry_run:
@@ -87,7 +84,7 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
     for _ in range(chain):
         dep = [f"--dependency=afterany:{ids[-1]}"] if ids else []
         ids.append(slurm.sbatch(script, [*extra, *dep], cwd=os.getcwd(), env=env))
-    _record_submission(r.run_dir, ids, r.signal_lead_s, lead_note)
+    record_submission(r, ids)
     return Submission(ids, script, r.run_dir, log_dir)
 
 
@@ -108,23 +105,15 @@ def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list
         return []
 
 
-def _with_auto_lead(r: Resolved) -> tuple[Resolved, str]:
-    from dataclasses import replace
-
-    from dslurm.ledger import read_events
-    from dslurm.requeue import auto_signal_lead
-
-    lead, how = auto_signal_lead(read_events(r.run_dir), default_s=r.site.requeue.signal_lead_s)
-    if lead >= r.time_s:
-        raise UserError(f"{r.job_path}: field 'requeue.signal_lead': auto gives {lead}s ({how}), not below "
-                        f"the time limit {r.time_s}s. Fix: raise the time limit or set the lead by hand")
-    return replace(r, signal_lead_s=lead), how
-
-
-def _record_submission(run_dir: Path, ids: list[int], lead_s: int | None, lead_note: str | None) -> None:
+def record_submission(r: Resolved, ids: list[int], **extra: object) -> None:
+    """The ledger's submit event: job ids, the effective signal lead and how it was derived,
+    the checkpoint interval (so the report can tell whether the lead was long enough)."""
     from dslurm.ledger import Ledger
 
-    Ledger(run_dir).append("submit", job_ids=ids, signal_lead_s=lead_s, signal_lead_auto=lead_note)
+    p = r.policy
+    Ledger(r.run_dir).append("submit", job_ids=ids, signal_lead_s=p.lead_s if p.enabled else None,
+                             signal_lead_setting=p.lead_setting, signal_lead_reason=p.lead_reason,
+                             checkpoint_interval=r.job.checkpoint.interval, **extra)
 
 
 # ------------------------------------------------------------------------------ CLI

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), then run every layer of the suite:
 # unit (pure), integration (torchrun + gloo on this machine), cluster (the built-in
-# local real Slurm cluster, started by the test session's fixture).
+# local real Slurm cluster, started by the test session's fixture), after ruff and mypy.
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m "not cluster"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Static checks first: lint (ruff) and types (mypy on the torch-free toolkit, dslurm/).
+.venv/bin/ruff check .
+.venv/bin/mypy
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from contextlib import nullcontext
 from typing import Any

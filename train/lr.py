@@ -14,7 +14,8 @@ restored step (no scheduler state to carry); `lr_lambda` gives the same curve as
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 PHASES = ("data", "compute", "optimizer", "checkpoint")
 """Named parts of a step; the rest of the wall time is reported as "other"."""

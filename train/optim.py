@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -13,9 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)

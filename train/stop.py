@@ -29,7 +29,7 @@ class StopRequest:
         self.signame: str | None = None
         self._target: Any = None
 
-    def install(self, trainer: Any) -> "StopRequest":
+    def install(self, trainer: Any) -> StopRequest:
         """Route stop signals to `trainer.stop_requested`; pick up an earlier request."""
         self._target = trainer
         for sig in STOP_SIGNALS:

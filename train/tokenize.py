@@ -18,9 +18,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 

@@ -35,7 +35,7 @@ def from_files(site_path: str, job_path: str) -> ConfigInputs:
     return from_resolved(load(site_path, job_path))
 
 
-def from_resolved(res: "Resolved") -> ConfigInputs:
+def from_resolved(res: Resolved) -> ConfigInputs:
     """Map an already resolved site + job onto planner inputs."""
     site_path, job_path = res.site_path, res.job_path
     node, job, lay = res.site.node, res.job, res.layout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from dslurm.errors import UserError
 from dslurm.models import ModelShape
@@ -129,8 +130,9 @@ def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload) -> dict[st
     per_stage = math.ceil(model.n_layers / layout.pp)
     # 1F1B: the first stage holds min(p, m) microbatches in flight, the last stage one plus the logits.
     in_flight = min(layout.pp, layout.microbatches)
-    first = in_flight * activation_bytes(layers=per_stage, recompute=layout.recompute, **shape)
-    last = (activation_bytes(layers=per_stage, recompute=layout.recompute, **shape)
+    rc: Any = layout.recompute  # validated against RECOMPUTES in __post_init__
+    first = in_flight * activation_bytes(layers=per_stage, recompute=rc, **shape)
+    last = (activation_bytes(layers=per_stage, recompute=rc, **shape)
             + logits_bytes(seq_len=seq, micro_batch=work.micro_batch, vocab_size=model.vocab_size,
                            tp=layout.tp))
     acts = max(first, last) if layout.pp > 1 else last

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +57,8 @@ def parse_fault(value: str | None) -> dict[str, float]:
 
 def fault_delay(host: str, env: dict[str, str] | None = None) -> float:
     """Seconds this host sleeps per timed exchange (0 unless fault injection names it)."""
-    env = os.environ if env is None else env
-    return parse_fault(env.get(FAULT_ENV)).get(host, 0.0)
+    source: Mapping[str, str] = os.environ if env is None else env
+    return parse_fault(source.get(FAULT_ENV)).get(host, 0.0)
 
 
 @dataclass(slots=True)

@@ -10,8 +10,9 @@ Everything returned is plain dataclasses that `dataclasses.asdict` turns into JS
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from dslurm.preflight.thresholds import Thresholds
 

@@ -8,8 +8,9 @@ bf16 peak). `None` / 0 means "not judged" for checks whose expectation depends o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from dslurm.errors import UserError
 
@@ -60,7 +61,7 @@ class Thresholds:
             )
 
     @classmethod
-    def from_site(cls, site: Any) -> "Thresholds":
+    def from_site(cls, site: Any) -> Thresholds:
         """From a dslurm.config.SiteConfig: its burnin section plus node.gpus and the peak."""
         section = {name: getattr(site.burnin, name) for name in site.burnin.__slots__}
         section["expected_gpus_per_node"] = site.node.gpus or None
@@ -68,7 +69,7 @@ class Thresholds:
         return cls.from_mapping(section, source="site burnin")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str = "burnin") -> "Thresholds":
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "burnin") -> Thresholds:
         """Build from a config section; unknown keys are errors that list the valid ones."""
         valid = [f.name for f in dataclasses.fields(cls)]
         data = {k: v for k, v in data.items() if k not in NOT_THRESHOLDS}

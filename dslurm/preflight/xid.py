@@ -38,7 +38,8 @@ class XidWatcher:
         """GPU index -> Xid codes seen; None when Xids could not be watched."""
         if self._set is None:
             return None
-        nv, seen = self._nv, {i: [] for i in self._gpus}
+        nv: Any = self._nv
+        seen: dict[int, list[int]] = {i: [] for i in self._gpus}
         try:
             while True:
                 data = nv.nvmlEventSetWait_v2(self._set, 0)

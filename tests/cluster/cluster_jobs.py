@@ -4,13 +4,13 @@ of what a run recorded (ledger events, endings, per-start facts)."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dslurm.ledger import read_events
+from testkit import wait_for  # noqa: F401 - re-exported for the cluster tests
 
 SITE = "site-configs/local.yaml"
 
@@ -32,16 +32,6 @@ def submit(cli, env, spec: str, *args: str) -> int:
     res = cli("submit", "--site", SITE, "--job", spec, *args, env=env)
     assert res.returncode == 0, res.stderr
     return int(re.search(r"submitted job (\d+)", res.stdout).group(1))
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events(run: Path, name: str | None = None) -> list[dict[str, Any]]:

@@ -20,8 +20,8 @@ def test_bad_node_is_drained_where_the_site_allows_it(slurm_cluster, cli, tmp_pa
     node1; sbatch exports the submitting environment to the job). Resumed afterwards."""
     env = {**slurm_cluster.env(), "DSLURM_FAULT_SLOW_NODE": "node1:0.2"}
     site = tmp_path / "site.yaml"
-    site.write_text((__import__("pathlib").Path("site-configs/local.yaml").read_text()
-                     .replace("burnin:\n", "burnin:\n  allow_drain: true\n")))
+    site.write_text(__import__("pathlib").Path("site-configs/local.yaml").read_text()
+                     .replace("burnin:\n", "burnin:\n  allow_drain: true\n"))
     try:
         res = cli("burnin", "--site", str(site), "--nodes", "3", "--run-dir", str(tmp_path / "d"), "--wait",
                   env=env, timeout=300)

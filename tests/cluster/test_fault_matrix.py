@@ -84,7 +84,8 @@ def test_crash_first_then_srun_kills_the_other_node_is_a_crash(slurm_cluster, cl
     assert [e["step"] for e in events(run, "train_start")] == [0, 10]
     assert "injected crash before step 15" in logs(run)
     first = events(run, "requeue")[0]
-    record(f"crash on node1 first, srun TERMs node2 (order A){f' #{attempt + 1}' if RACE_REPEAT > 1 else ''}", "crash retried, same crash stops (76)",
+    nth = f" #{attempt + 1}" if RACE_REPEAT > 1 else ""
+    record(f"crash on node1 first, srun TERMs node2 (order A){nth}", "crash retried, same crash stops (76)",
            f"endings crash, crash (origin node1); step rc {first['step_rc']}; decisions requeue, stop 76", run)
 
 
@@ -107,7 +108,8 @@ def test_victims_exit_first_then_the_crashed_node_is_torn_down_is_a_crash(slurm_
     assert victims and all(r["kind"] in ("peer_lost", "killed_by_teardown") for r in victims), victims
     assert decisions(run) == ["requeue", "end"]
     assert [e["step"] for e in events(run, "train_start")] == [0, 10]
-    record(f"node2's victims exit first, node1 torn down later (order B){f' #{attempt + 1}' if RACE_REPEAT > 1 else ''}", "crash on node1 retried, completes",
+    nth = f" #{attempt + 1}" if RACE_REPEAT > 1 else ""
+    record(f"node2's victims exit first, node1 torn down later (order B){nth}", "crash on node1 retried, completes",
            f"endings crash (origin node1), completed; node2 reported {sorted({v['kind'] for v in victims})}", run)
 
 
@@ -252,7 +254,8 @@ def test_a_second_job_for_a_running_run_is_refused_not_retried(slurm_cluster, cl
 
 
 def _steps_in(run: Path, restart: int, job: int | None = None) -> int:
-    got = [e["last"] for e in events(run, "steps") if e["restart"] == restart and (job is None or e["job_id"] == str(job))]
+    got = [e["last"] for e in events(run, "steps")
+           if e["restart"] == restart and (job is None or e["job_id"] == str(job))]
     return max(got, default=-1)
 
 

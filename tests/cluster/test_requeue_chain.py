@@ -7,44 +7,17 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
+from cluster_jobs import job_spec, submit, wait_for
 from dslurm import slurm
 from dslurm.checkpoint import read_pointer
 from dslurm.ledger import read_events
 
 STEPS = 30
-
-
-def job_spec(tmp_path: Path, name: str, **extra) -> str:
-    job = {"name": name, "nodes": 2, "time": "00:10:00", "model": {"preset": "tiny"},
-           "parallel": {"tp": 2}, "preflight": {"enabled": False},
-           "train": {"steps": STEPS, "global_batch": 8, "log_every": 1, "step_sleep_s": 0.4},
-           "checkpoint": {"run_dir": str(tmp_path / name), "interval": 10}, **extra}
-    p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(job))
-    return str(p)
-
-
-def submit(cli, env, spec: str) -> int:
-    res = cli("submit", "--site", "site-configs/local.yaml", "--job", spec, env=env)
-    assert res.returncode == 0, res.stderr
-    return int(re.search(r"submitted job (\d+)", res.stdout).group(1))
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def losses(run: Path) -> dict[int, float]:

@@ -17,6 +17,7 @@ from dslurm.errors import UserError
 from dslurm.resolve import load
 from dslurm.sbatch import RenderRefs, directives, render_sbatch
 from dslurm.sbatch_cli import EXAMPLES
+from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL, TINY = "site-configs/local.yaml", "examples/jobs/tiny-2node.yaml"
@@ -27,19 +28,10 @@ def at_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
-def sbatch_lines(text: str) -> dict[str, str | None]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#SBATCH --"):
-            key, _, value = line[len("#SBATCH --"):].partition("=")
-            out[key] = value or None
-    return out
-
-
 @pytest.mark.parametrize("site,job", EXAMPLES)
 def test_submitit_script_carries_every_directive(site, job, tmp_path):
     r = load(site, job)
-    rendered = sbatch_lines(_make_sbatch_string(command="true", folder=tmp_path, **api.executor_parameters(r)))
+    rendered = sbatch_flags(_make_sbatch_string(command="true", folder=tmp_path, **api.executor_parameters(r)))
     for key, value in directives(r, "logs"):
         if key in ("output", "error"):
             assert rendered[key].startswith(str(tmp_path))  # submitit's own per-job log files

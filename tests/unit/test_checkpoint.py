@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -170,7 +169,7 @@ def test_pointer_target_is_chosen_and_newer_generations_are_invisible(tmp_path):
 
 
 def test_corrupt_target_falls_back_to_newest_older_verified(tmp_path):
-    oldest, older, target = make_gen(tmp_path, 2), make_gen(tmp_path, 4), make_gen(tmp_path, 6)
+    _oldest, older, target = make_gen(tmp_path, 2), make_gen(tmp_path, 4), make_gen(tmp_path, 6)
     publish(tmp_path, target)
     (target / "__0_0.distcp").write_bytes(b"short")
     make_gen(tmp_path, 8)  # newer than the pointer: must not be used as a fallback

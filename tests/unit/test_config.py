@@ -133,7 +133,8 @@ def test_product_must_equal_world_size(tmp_path):
 
 
 def test_dp_shard_rest_is_resolved(tmp_path):
-    r = _resolve(h100_site(), {"name": "j", "nodes": 2, "parallel": {"tp": 4, "pp": 2, "microbatches": 2}, "model": {"preset": "small"}}, tmp_path)
+    job = {"name": "j", "nodes": 2, "parallel": {"tp": 4, "pp": 2, "microbatches": 2}, "model": {"preset": "small"}}
+    r = _resolve(h100_site(), job, tmp_path)
     assert (r.layout.dp_shard, r.world_size) == (2, 16)
     with pytest.raises(UserError, match="does not divide world_size"):
         _resolve(h100_site(), {"name": "j", "nodes": 1, "parallel": {"tp": 3}}, tmp_path)

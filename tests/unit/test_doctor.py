@@ -6,9 +6,9 @@ import argparse
 import json
 
 import pytest
+from test_report import Ledger, two_requeues, uninterrupted
 
 from dslurm.doctor import LogLine, diagnose, read_logs, run
-from test_report import Ledger, two_requeues, uninterrupted
 
 
 def healthy() -> Ledger:

@@ -7,8 +7,17 @@ from pathlib import Path
 import pytest
 
 from dslurm.config import load_site
-from train.metrics import (Peak, StepMetrics, flag_stragglers, format_log_line, gather_step_times,
-                           mfu, peak_for, straggler_event, tokens_per_s)
+from train.metrics import (
+    Peak,
+    StepMetrics,
+    flag_stragglers,
+    format_log_line,
+    gather_step_times,
+    mfu,
+    peak_for,
+    straggler_event,
+    tokens_per_s,
+)
 
 SITES = Path(__file__).resolve().parents[2] / "site-configs"
 

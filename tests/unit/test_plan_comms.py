@@ -5,9 +5,16 @@ import math
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.plan.comms import (all_gather_bytes, allreduce_mean, allreduce_time_s, collective_spans,
-                               fsdp_step_bytes, reduce_scatter_bytes, ring_allreduce_bytes,
-                               transfer_time_s)
+from dslurm.plan.comms import (
+    all_gather_bytes,
+    allreduce_mean,
+    allreduce_time_s,
+    collective_spans,
+    fsdp_step_bytes,
+    reduce_scatter_bytes,
+    ring_allreduce_bytes,
+    transfer_time_s,
+)
 from dslurm.plan.mfu import RECOMPUTE_FLOPS_FACTOR, mfu, model_flops_per_token, tokens_per_s_at
 from dslurm.plan.pipeline import bubble_fraction, microbatches_for_bubble, tp_shard_shapes
 

@@ -3,9 +3,17 @@
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.plan.memory import (GB, ByteLayout, activation_bytes, activation_bytes_per_layer,
-                                logits_bytes, persistent_state, recompute_memory, sharded_state,
-                                train_memory)
+from dslurm.plan.memory import (
+    GB,
+    ByteLayout,
+    activation_bytes,
+    activation_bytes_per_layer,
+    logits_bytes,
+    persistent_state,
+    recompute_memory,
+    sharded_state,
+    train_memory,
+)
 
 
 def test_8b_adam_layout_is_128_gb_by_kind():

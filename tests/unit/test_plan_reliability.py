@@ -5,9 +5,17 @@ import math
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.plan.reliability import (HOURS_PER_YEAR, expected_failures, first_order_goodput,
-                                     implied_gpu_mtbf_h, interval_from_loss_budget, job_mtbf_h,
-                                     lost_work_cost, save_fraction, young_daly_interval_s)
+from dslurm.plan.reliability import (
+    HOURS_PER_YEAR,
+    expected_failures,
+    first_order_goodput,
+    implied_gpu_mtbf_h,
+    interval_from_loss_budget,
+    job_mtbf_h,
+    lost_work_cost,
+    save_fraction,
+    young_daly_interval_s,
+)
 
 FIVE_YEARS_H = 5 * HOURS_PER_YEAR
 

@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.preflight import EXIT_BAD_NODES, EXIT_NO_REPORT, EXIT_OK
-from dslurm.preflight import cli
+from dslurm.preflight import EXIT_BAD_NODES, EXIT_NO_REPORT, EXIT_OK, cli
 from dslurm.preflight.gate import SCHEMA, write_report
 
 

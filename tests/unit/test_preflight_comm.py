@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.preflight.comm import (FAULT_ENV, algbw_gbps, busbw_gbps, fault_delay, make_point,
-                                   parse_fault, peak_busbw)
+from dslurm.preflight.comm import FAULT_ENV, algbw_gbps, busbw_gbps, fault_delay, make_point, parse_fault, peak_busbw
 from dslurm.preflight.gemm import fraction_of_peak, gemm_tflops
 from dslurm.preflight.run import group_nodes, merge_pairs, node_identity
 

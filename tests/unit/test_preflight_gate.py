@@ -12,8 +12,7 @@ import pytest
 from dslurm.config import BurninSpec
 from dslurm.errors import UserError
 from dslurm.preflight import EXIT_BAD_NODES, EXIT_OK, EXIT_UNLOCALIZED
-from dslurm.preflight.gate import (SCHEMA, bad_nodes, exit_code, judge, load_report, render_table,
-                                   write_report)
+from dslurm.preflight.gate import SCHEMA, bad_nodes, exit_code, judge, load_report, render_table, write_report
 from dslurm.preflight.thresholds import NOT_THRESHOLDS, Thresholds
 
 

@@ -14,6 +14,7 @@ import yaml
 from dslurm.resolve import load
 from dslurm.sbatch import RenderRefs, render_sbatch
 from dslurm.sbatch_cli import EXAMPLES, examples, golden_path, render_files
+from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,18 +26,9 @@ def shellcheck() -> str:
     return exe
 
 
-def directives(text: str) -> dict[str, str | None]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#SBATCH --"):
-            key, _, value = line[len("#SBATCH --"):].partition("=")
-            out[key] = value or None
-    return out
-
-
 def test_h100_script_has_every_whole_node_directive():
     text = render_files("site-configs/h100-ib.yaml", "examples/jobs/llama8b-h100.yaml")
-    d = directives(text)
+    d = sbatch_flags(text)
     assert d["nodes"] == "4" and d["ntasks-per-node"] == "1" and "exclusive" in d
     assert d["gpus-per-node"] == "8" and d["cpus-per-task"] == "96" and d["mem"] == "0"
     assert d["time"] == "1-00:00:00" and d["signal"] == "B:USR2@300" and "requeue" in d
@@ -52,7 +44,7 @@ def test_h100_script_has_every_whole_node_directive():
 
 def test_gres_sites_and_srun_mode():
     text = render_files("site-configs/a100-eth.yaml", "examples/jobs/llama1b-a100-srun.yaml")
-    d = directives(text)
+    d = sbatch_flags(text)
     assert d["gres"] == "gpu:a100:4" and "gpus-per-node" not in d
     assert d["ntasks-per-node"] == "4" and d["cpus-per-task"] == "16"  # one task per GPU
     assert '--ntasks-per-node="$NPROC_PER_NODE"' in text and "--mode srun" in text
@@ -63,7 +55,7 @@ def test_dependency_and_no_requeue(tmp_path):
     job.update(dependency="afterany:123", requeue={"enabled": False})
     p = tmp_path / "job.yaml"
     p.write_text(yaml.safe_dump(job))
-    d = directives(render_files(str(ROOT / "site-configs/local.yaml"), str(p)))
+    d = sbatch_flags(render_files(str(ROOT / "site-configs/local.yaml"), str(p)))
     assert d["dependency"] == "afterany:123" and "no-requeue" in d
     assert "requeue" not in d and "signal" not in d
 

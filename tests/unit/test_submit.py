@@ -31,6 +31,6 @@ def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):
     Ledger(run).append("ckpt_save", total_s=45.0, stall_s=45.0)
     r = load(ROOT / "site-configs/h100-ib.yaml", ROOT / "examples/jobs/llama8b-h100.yaml",
              overrides=[f"checkpoint.run_dir={run}"])
-    assert r.signal_lead_s is None  # the example asks for `auto`
+    assert r.policy.lead_setting == "auto" and r.policy.lead_s == 170  # measured in resolve, once
     text = submit(r, dry_run=True).script.read_text()
     assert "#SBATCH --signal=B:USR2@170" in text  # 2 x (40 + 45)

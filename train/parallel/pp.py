@@ -12,7 +12,8 @@ caller, before the `PipelineStage` is created.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -17,8 +17,13 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> None:

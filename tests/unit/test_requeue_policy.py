@@ -1,0 +1,99 @@
+"""One requeue policy, computed once in resolve (issue 13): every path that submits a job emits
+the same #SBATCH flags, and `dslurm requeue-me` reads the policy from the frozen run config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from testkit import sbatch_flags
+
+from dslurm import api
+from dslurm import exitcodes as X
+from dslurm.ledger import Ledger
+from dslurm.resolve import load
+from dslurm.submit import submit
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = ROOT / "site-configs/local.yaml"  # signal_lead_s: 30, max_restarts: 4
+
+
+@pytest.fixture(autouse=True)
+def at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def _job(tmp_path: Path, run: Path, **requeue) -> Path:
+    job = yaml.safe_load((ROOT / "examples/jobs/tiny-2node.yaml").read_text())
+    job["checkpoint"]["run_dir"] = str(run)
+    job["requeue"] = requeue
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(job))
+    return p
+
+
+def _three_ways(cli, tmp_path: Path, job: Path) -> list[tuple[str, str]]:
+    """(signal, time) as `dslurm render`, `dslurm submit --dry-run` and the notebook API emit them."""
+    res = cli("render", "--site", str(SITE), "--job", str(job))
+    assert res.returncode == 0, res.stderr
+    rendered = sbatch_flags(res.stdout)
+    res = cli("submit", "--site", str(SITE), "--job", str(job), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    run = Path(yaml.safe_load(job.read_text())["checkpoint"]["run_dir"])
+    submitted = sbatch_flags((run / "job.sbatch").read_text())
+    params = api.executor_parameters(api.load_inputs(str(job), str(SITE)))
+    from_api = (f"B:USR2@{params['signal_delay_s']}", params["time"])
+    return [(rendered["signal"], rendered["time"]), (submitted["signal"], submitted["time"]),
+            (from_api[0], "00:10:00" if from_api[1] == 10 else str(from_api[1]))]
+
+
+@pytest.mark.parametrize("lead,history,want", [
+    (100, False, 100),  # explicit in the job
+    (None, False, 30),  # the site's default
+    ("auto", False, 60),  # no measurements yet: the site default, raised to the 60 s floor
+    ("auto", True, 170),  # measured: 2 x (40 s step + 45 s save)
+])
+def test_render_submit_and_api_emit_the_same_signal_flag(cli, tmp_path, lead, history, want):
+    run = tmp_path / "run"
+    if history:
+        Ledger(run).append("steps", step_time_s=40.0)
+        Ledger(run).append("ckpt_save", total_s=45.0, stall_s=45.0)
+    job = _job(tmp_path, run, **({} if lead is None else {"signal_lead": lead}))
+    got = _three_ways(cli, tmp_path, job)
+    assert got == [(f"B:USR2@{want}", "00:10:00")] * 3, got
+
+
+def test_the_submit_event_records_the_effective_lead_and_the_checkpoint_interval(tmp_path, monkeypatch):
+    from dslurm import slurm
+
+    monkeypatch.setattr(slurm, "sbatch", lambda *a, **k: 4242)  # no controller in this unit test
+    run = tmp_path / "run"
+    r = load(SITE, _job(tmp_path, run, signal_lead="auto"))
+    submit(r)
+    from dslurm.ledger import read_events
+
+    ev = [e for e in read_events(run) if e["event"] == "submit"][-1]
+    assert ev["signal_lead_s"] == 60 and ev["signal_lead_setting"] == "auto" and "floor 60s" in ev["signal_lead_reason"]
+    assert ev["checkpoint_interval"] == 20
+
+
+def test_requeue_me_applies_the_frozen_budget_without_any_policy_variable(tmp_path, monkeypatch):
+    """max_restarts: 1 in the job (site 4, config default 5, the old env default 3): after one
+    earlier crash, a second crash spends the budget -- read from run_dir/job.yaml, no DSLURM_*."""
+    from dslurm import requeue, slurm
+    from dslurm.facts import RankReport, write_rank_report
+
+    run = tmp_path / "run"
+    r = load(SITE, _job(tmp_path, run, max_restarts=1, no_progress_limit=0))
+    submit(r, dry_run=True)  # freezes site.yaml and job.yaml into the run dir
+    calls = []
+    monkeypatch.setattr(slurm, "incarnations", lambda job, env=None: [])  # no accounting here
+    monkeypatch.setattr(slurm, "down_nodes", lambda hosts, env=None: {})
+    monkeypatch.setattr(slurm, "run_cmd", lambda args, **k: calls.append(args))
+    env = {"DSLURM_RUN_DIR": str(run), "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
+    Ledger(run).append("ending", job_id="7", restart=0, cls="crash")
+    write_rank_report(RankReport(rank=0, kind="crash", code=1, step=3, error="boom"), env)
+    assert not any(k.startswith("DSLURM_") and k != "DSLURM_RUN_DIR" for k in env)
+    assert requeue.requeue_me(1, env) == X.BUDGET
+    assert calls == []  # no scontrol requeue
