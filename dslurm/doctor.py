@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dslurm import exitcodes as X
 from dslurm.report import DIED, Start, _num, summarize
 
 HANG_S = 600.0  # a start this long without a first step is a hang, not a slow startup
@@ -183,7 +184,7 @@ def _resume(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     names = ("ckpt_fallback", "ckpt_restore_failed", "ckpt_save_failed")
     ev = [_ev(e, "step", "generation", "reason", "rejected") for s in starts for e in s.all(*names)]
     ev += [_ev(e, "decision", "reason") for s in starts for e in s.all("requeue")
-           if e.get("exit_code") == 76]
+           if e.get("exit_code") == X.NO_PROGRESS]
     ev += _grep(logs, CKPT)
     if not ev:
         return []

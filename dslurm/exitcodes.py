@@ -14,6 +14,12 @@ PREFLIGHT_FAILED = 78  # burn-in found bad nodes: requeue without them
 REFUSED = 79  # another job holds the run directory's lock: not started, not retried
 TERMINATED = 143  # SIGTERM (scancel, preemption): saved if there was time, do not requeue ourselves
 
+# The standalone burn-in (`python -m dslurm.preflight.run`, `dslurm burnin`); inside a training
+# job the gate exits PREFLIGHT_FAILED instead.
+BURNIN_BAD_NODES = 3  # at least one node failed; the report's verdict names them and why
+BURNIN_UNLOCALIZED = 4  # a cluster-wide threshold failed but no single node was to blame
+BURNIN_NO_REPORT = 5  # `dslurm burnin`: the runner crashed before writing its report
+
 NAMES = {OK: "completed", USER_ERROR: "user_error", SAVE_FAILED: "save_failed", REQUEUE: "requeue",
          NO_PROGRESS: "no_progress", BUDGET: "budget", PREFLIGHT_FAILED: "preflight_failed",
          REFUSED: "refused", TERMINATED: "terminated"}

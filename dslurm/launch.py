@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dslurm import exitcodes
 from dslurm.errors import UserError
 from dslurm.slurm_env import LaunchInfo, derive
 
@@ -67,7 +68,7 @@ def agreed_exit_code(torchrun_rc: int, worker_codes: list[int]) -> int:
     nonzero = [c for c in worker_codes if c != 0]
     if torchrun_rc != 0 and nonzero:
         # Mixed: prefer a real failure over a requeue request so crashes are not retried as saves.
-        failures = [c for c in nonzero if c != 75]
+        failures = [c for c in nonzero if c != exitcodes.REQUEUE]
         return failures[0] if failures else nonzero[0]
     return torchrun_rc
 
@@ -213,7 +214,7 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
         rc = _run_forwarding(argv, child_env)
         codes = read_worker_code_map(Path(status_dir))
         code = agreed_exit_code(rc, list(codes.values()))
-        if code == 143 and STOP_SIGNAL != "SIGTERM":
+        if code == exitcodes.TERMINATED and STOP_SIGNAL != "SIGTERM":
             # Our workers saw TERM but this launcher never did: torchrun tore them down because
             # a peer failed. That is a crash of the job, not a preemption.
             code = 1
@@ -270,7 +271,6 @@ def _run_launch(args) -> int:
         info = derive(env, nproc_per_node=args.nproc_per_node, mode=args.mode)
         env.update(preflight_env(env, args.site, info.job_id, info.restart_count))
     if STOP_SIGNAL:  # stopped before training started: nothing trained, nothing to save
-        from dslurm import exitcodes
 
         log.warning("dslurm launch: %s arrived before training started; not starting it", STOP_SIGNAL)
         code = exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE

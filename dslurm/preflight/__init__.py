@@ -4,13 +4,10 @@ Light to import (no torch): `dslurm.preflight.cli` is loaded by the `dslurm` CLI
 See docs/burnin.md for the checks, thresholds and fault injection.
 """
 
-# Exit codes of `python -m dslurm.preflight.run` (rank 0; under srun each task's code is
-# kept, torchrun folds any non-zero worker code into 1) and of `dslurm burnin`.
-EXIT_OK = 0
-"""Every node passed."""
-EXIT_BAD_NODES = 3
-"""At least one node failed; report["verdict"]["bad_nodes"] names them and why."""
-EXIT_UNLOCALIZED = 4
-"""A cluster-wide threshold failed (e.g. inter-node busbw) but no single node was to blame."""
-EXIT_NO_REPORT = 5
-"""`dslurm burnin`: the runner crashed before writing its report."""
+# Exit codes of the standalone burn-in: one home, dslurm.exitcodes (BURNIN_*).
+from dslurm.exitcodes import BURNIN_BAD_NODES as EXIT_BAD_NODES
+from dslurm.exitcodes import BURNIN_NO_REPORT as EXIT_NO_REPORT
+from dslurm.exitcodes import BURNIN_UNLOCALIZED as EXIT_UNLOCALIZED
+from dslurm.exitcodes import OK as EXIT_OK
+
+__all__ = ["EXIT_OK", "EXIT_BAD_NODES", "EXIT_UNLOCALIZED", "EXIT_NO_REPORT"]

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testkit import sbatch_flags
 
 from dslurm import api
 from dslurm import exitcodes as X
 from dslurm.ledger import Ledger
 from dslurm.resolve import load
 from dslurm.submit import submit
+from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "site-configs/local.yaml"  # signal_lead_s: 30, max_restarts: 4
