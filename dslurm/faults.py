@@ -15,6 +15,8 @@ variable anywhere else.
                                              (before_write, after_write, before_pointer)
   DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
                                              staging: a window in which to kill the whole job
+  DSLURM_FAULT_SLOW_NODE=HOST:SECONDS[,...]  the burn-in's timed exchanges on HOST sleep SECONDS
+                                             each: a slow link for the localization to find
 
 RANKS is a comma list of global ranks (default 0); @RESTART limits the knob to one start
 (SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue.
@@ -31,8 +33,9 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_EXIT_DELAY",
-         "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP")
+         "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP", SLOW_NODE)
 
 
 @dataclass(frozen=True)
@@ -109,3 +112,28 @@ def save_sleep() -> None:
     secs = float(os.environ.get("DSLURM_FAULT_SAVE_SLEEP") or 0)
     if secs:
         time.sleep(secs)
+
+
+def parse_slow_nodes(value: str | None) -> dict[str, float]:
+    """'node2:0.05,node5:0.1' -> {'node2': 0.05, 'node5': 0.1}. Pure."""
+    from dslurm.errors import UserError
+
+    if not value:
+        return {}
+    out: dict[str, float] = {}
+    for item in value.split(","):
+        host, sep, secs = item.strip().rpartition(":")
+        try:
+            delay = float(secs)
+        except ValueError:
+            delay = -1.0
+        if not sep or not host or delay < 0:
+            raise UserError(f"{SLOW_NODE}={value!r}: item {item!r} must be HOST:SECONDS, e.g. node2:0.05")
+        out[host] = delay
+    return out
+
+
+def slow_node_delay(host: str, env: Mapping[str, str] | None = None) -> float:
+    """Seconds this host sleeps per timed burn-in exchange (0 unless the knob names it)."""
+    source = os.environ if env is None else env
+    return parse_slow_nodes(source.get(SLOW_NODE)).get(host, 0.0)

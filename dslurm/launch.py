@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dslurm import exitcodes
+from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 from dslurm.slurm_env import LaunchInfo, derive
 
@@ -93,9 +94,7 @@ def write_worker_code(code: int) -> None:
     d = os.environ.get(STATUS_DIR_ENV)
     rank = os.environ.get("LOCAL_RANK", "0")
     if d:
-        tmp = Path(d) / f".{rank}.tmp"
-        tmp.write_text(str(code))
-        os.replace(tmp, Path(d) / f"{rank}.code")
+        atomic_write_text(Path(d) / f"{rank}.code", str(code))
 
 
 # The first stop signal this launcher received (it may come before training started,
@@ -119,10 +118,8 @@ def _note_stop(signame: str, status_dir: str | None) -> None:
     if STOP_SIGNAL != "SIGTERM":
         STOP_SIGNAL = signame
     if status_dir:
-        tmp = Path(status_dir) / ".stop.tmp"
         try:
-            tmp.write_text(STOP_SIGNAL or signame)
-            os.replace(tmp, Path(status_dir) / "stop")
+            atomic_write_text(Path(status_dir) / "stop", STOP_SIGNAL or signame)
         except OSError:  # the status dir is gone: the run is ending anyway
             pass
 

@@ -14,6 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
+from dslurm.durable import atomic_write_text
+
 
 def main(argv: list[str] | None = None) -> int:
     import torch
@@ -21,13 +23,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dslurm.launch import write_worker_code
     from dslurm.preflight_gate import gate_in_process
+    from dslurm.process_group import init_process_group
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)  # before the group: NCCL object collectives use it
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_process_group()
     code = gate_in_process(device)
     if code:
         dist.destroy_process_group()
@@ -45,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(os.environ.get("DSLURM_RUN_DIR", ".")) / "probe"
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".rank-{rank}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, out / f"rank-{rank}.json")
+    atomic_write_text(out / f"rank-{rank}.json", json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
     write_worker_code(0)

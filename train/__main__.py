@@ -53,26 +53,13 @@ def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
 
 
 def init_distributed(resolved, local_rank: int, world: int):
-    """Process group + device; one-process runs use an in-memory store (no port, no torchrun)."""
-    import torch
-    import torch.distributed as dist
+    """Process group + device (dslurm.process_group: the one init every entry point uses).
+    A CPU site on a machine with GPUs still trains on the CPU with its own backend."""
+    from dslurm.process_group import init_process_group
 
-    from dslurm.errors import UserError
-
-    if resolved.site.node.gpus > 0:
-        if not torch.cuda.is_available():
-            raise UserError(f"{resolved.site_path}: site {resolved.site.name!r} has GPUs but torch sees no "
-                            "CUDA device here. Fix: run on a GPU node or use a CPU site")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    backend = resolved.site.network.backend
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    return device
+    gpus = resolved.site.node.gpus > 0
+    return init_process_group(resolved.site.network.backend, require_cuda=gpus, cpu_only=not gpus,
+                              where=f"{resolved.site_path}: site {resolved.site.name!r}")
 
 
 class Outcome:

@@ -2,21 +2,16 @@
 
 Definitions follow nccl-tests (doc/PERFORMANCE.md): algbw = bytes / time; for all-reduce,
 busbw = algbw * 2(n-1)/n, the per-link traffic of a ring, comparable to the hardware link speed
-whatever n is. Fault injection: DSLURM_FAULT_SLOW_NODE="host:seconds[,host:seconds]" makes the
+whatever n is. Fault injection (dslurm/faults.py): DSLURM_FAULT_SLOW_NODE="host:seconds[,host:seconds]" makes the
 named node sleep that long before each timed collective or pair exchange it takes part in.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dslurm.errors import UserError
-
-FAULT_ENV = "DSLURM_FAULT_SLOW_NODE"
 MiB = 1 << 20
 CPU_SIZES = (64 * 1024, 1 * MiB, 8 * MiB)
 GPU_SIZES = (1 * MiB, 16 * MiB, 128 * MiB, 1024 * MiB)
@@ -34,31 +29,6 @@ def busbw_gbps(algbw: float, n: int) -> float:
     if n < 1:
         raise ValueError(f"ranks must be >= 1, got {n}")
     return algbw * 2 * (n - 1) / n
-
-
-def parse_fault(value: str | None) -> dict[str, float]:
-    """'node2:0.05,node5:0.1' -> {'node2': 0.05, 'node5': 0.1}."""
-    if not value:
-        return {}
-    out: dict[str, float] = {}
-    for item in value.split(","):
-        host, sep, secs = item.strip().rpartition(":")
-        try:
-            delay = float(secs)
-        except ValueError:
-            delay = -1.0
-        if not sep or not host or delay < 0:
-            raise UserError(
-                f"{FAULT_ENV}={value!r}: item {item!r} must be HOST:SECONDS, e.g. node2:0.05"
-            )
-        out[host] = delay
-    return out
-
-
-def fault_delay(host: str, env: dict[str, str] | None = None) -> float:
-    """Seconds this host sleeps per timed exchange (0 unless fault injection names it)."""
-    source: Mapping[str, str] = os.environ if env is None else env
-    return parse_fault(source.get(FAULT_ENV)).get(host, 0.0)
 
 
 @dataclass(slots=True)

@@ -6,23 +6,17 @@ gate every training job runs first (dslurm/preflight_gate.py), and nothing after
 
 from __future__ import annotations
 
-import os
 import sys
 
 
 def main() -> int:
-    import torch
     import torch.distributed as dist
 
     from dslurm.launch import write_worker_code
     from dslurm.preflight_gate import gate_in_process
+    from dslurm.process_group import init_process_group
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_process_group()
     try:
         code = gate_in_process(device)
     finally:

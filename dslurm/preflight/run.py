@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any
 
-from dslurm.preflight.comm import CPU_SIZES, GPU_SIZES, fault_delay, peak_busbw
+from dslurm.faults import slow_node_delay
+from dslurm.preflight.comm import CPU_SIZES, GPU_SIZES, peak_busbw
 from dslurm.preflight.gate import SCHEMA, exit_code, judge, render_table, write_report
 from dslurm.preflight.localize import localize
 from dslurm.preflight.thresholds import Thresholds
@@ -76,7 +77,7 @@ def _measure(args: argparse.Namespace, th: Thresholds, device: Any) -> dict[str,
     leader = node_ranks[me][0] == rank
     watcher = XidWatcher() if leader else None
     health = check_node(host, th).to_dict() if leader else None
-    delay = fault_delay(host)
+    delay = slow_node_delay(host)
     sizes = tuple(args.sizes) if args.sizes else (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
     rec: dict[str, Any] = {"rank": rank, "host": host, "delay": delay,
                            "gemm": _asdict(measure_gemm(device))}
@@ -93,16 +94,6 @@ def _measure(args: argparse.Namespace, th: Thresholds, device: Any) -> dict[str,
                inter=[_asdict(p) for p in inter], device=str(device),
                backend=dist.get_backend())
     return rec
-
-
-def _device() -> Any:
-    import torch
-
-    if torch.cuda.is_available():
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
 
 
 def _asdict(obj: Any) -> dict[str, Any]:
@@ -194,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     th = load_thresholds(args)
     import torch.distributed as dist
 
-    # The device is set before the process group: NCCL object collectives use the current one.
-    device = _device()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    from dslurm.process_group import init_process_group
+
+    device = init_process_group()
     try:
         verdict = run_in_group(args, th, device)
         return 0 if args.exit_zero else exit_code(verdict)  # every task exits alike

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.preflight.comm import FAULT_ENV, algbw_gbps, busbw_gbps, fault_delay, make_point, parse_fault, peak_busbw
+from dslurm.faults import SLOW_NODE as FAULT_ENV
+from dslurm.faults import parse_slow_nodes as parse_fault
+from dslurm.faults import slow_node_delay as fault_delay
+from dslurm.preflight.comm import algbw_gbps, busbw_gbps, make_point, peak_busbw
 from dslurm.preflight.gemm import fraction_of_peak, gemm_tflops
 from dslurm.preflight.run import group_nodes, merge_pairs, node_identity
 

@@ -1,0 +1,39 @@
+"""One process-group initialisation for every in-job entry point (trainer, burn-in, probe).
+
+In-job only (imports torch when called). The device is chosen and set before the group
+exists, because NCCL object collectives use the current device; a world of one started
+without torchrun (no MASTER_ADDR) gets an in-memory store, so it needs no port.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dslurm.errors import UserError
+
+
+def init_process_group(backend: str | None = None, *, require_cuda: bool = False, cpu_only: bool = False,
+                       where: str = "") -> Any:
+    """Initialise torch.distributed from torchrun's (or srun's) environment; return the device.
+    `require_cuda`: the site has GPUs, so a missing CUDA device is a user error naming `where`;
+    `cpu_only`: the site has none, so stay on the CPU even where CUDA exists."""
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and not cpu_only:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    elif require_cuda:
+        raise UserError(f"{where}: the site has GPUs but torch sees no CUDA device here. "
+                        "Fix: run on a GPU node or use a CPU site")
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return device
