@@ -29,8 +29,8 @@ def main() -> None:
     from bench_burnin import memcpy_gbps
 
     from dslurm import cluster, slurm
-    from dslurm.ledger import read_events
-    from dslurm.resolve import load
+    from dslurm.config.resolve import load
+    from dslurm.observe.ledger import read_events
     from dslurm.submit import submit
 
     if not cluster.is_up():

@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dslurm.checkpoint_dcp as cdcp  # noqa: E402
-from dslurm.checkpoint_dcp import CheckpointManager  # noqa: E402
+import dslurm.checkpoint.dcp as cdcp  # noqa: E402
+from dslurm.checkpoint.dcp import CheckpointManager  # noqa: E402
 
 
 def make_model(mb: int) -> nn.Module:

@@ -4,7 +4,7 @@
 
 Runs examples/preempt_demo.py (the demo job: 2 nodes x 2 processes, 2x2 FSDP x TP, burn-in
 on, interrupted `--preemptions` times while training) and reads its ledger with
-`dslurm.report.summarize`. Prints:
+`dslurm.observe.report.summarize`. Prints:
   - restart-to-first-step of each restart as a ratio to the cold start's start-to-first-step
     (goal <= 1.3): both measured from the start's begin to its first step, burn-in included;
   - goodput (productive training time over wall time, queue wait excluded) with the length
@@ -31,8 +31,8 @@ def main() -> None:
     ap.add_argument("--preemptions", type=int, default=2)
     args = ap.parse_args()
     from dslurm import cluster
-    from dslurm.ledger import read_events
-    from dslurm.report import summarize
+    from dslurm.observe.ledger import read_events
+    from dslurm.observe.report import summarize
 
     if not cluster.is_up():
         cluster.up(nodes=3, accounting=True)

@@ -6,7 +6,7 @@ On the built-in local real Slurm (brought up if it is not; left running). Both k
 job are submitted alternately in one run, 2 nodes each, and timed from submission until
 the controller reports COMPLETED:
   - wrap:     sbatch --parsable -N2 --exclusive --wrap true
-  - rendered: `dslurm submit` of a 2-node x 2-process job (torchrun + gloo, dslurm.probe
+  - rendered: `dslurm submit` of a 2-node x 2-process job (torchrun + gloo, dslurm.launch.probe
               as the entry, burn-in off): render, freeze, sbatch, srun, dslurm launch,
               torchrun rendezvous, an all-reduce, requeue-me.
 The ratio shows what the whole launch chain costs over Slurm's own turnaround.
@@ -39,7 +39,7 @@ def time_wrap(tmp: Path) -> float:
 
 
 def time_rendered(tmp: Path, i: int) -> float:
-    job = {"name": "bench", "nodes": 2, "time": "00:05:00", "entry": "dslurm.probe",
+    job = {"name": "bench", "nodes": 2, "time": "00:05:00", "entry": "dslurm.launch.probe",
            "preflight": {"enabled": False}, "checkpoint": {"run_dir": str(tmp / f"run{i}")}}
     spec = tmp / f"job{i}.yaml"
     spec.write_text(yaml.safe_dump(job))

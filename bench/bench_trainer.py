@@ -46,7 +46,7 @@ def overhead(preset: str, steps: int, blocks: int) -> tuple[float, float, float]
     import torch
     import torch.distributed as dist
 
-    from dslurm.resolve import load
+    from dslurm.config.resolve import load
     from train.loop import Trainer
     from train.model import build_model, cross_entropy
     from train_helpers import SITE, write_job

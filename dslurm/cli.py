@@ -19,18 +19,18 @@ from dslurm.errors import UserError
 # Only the module of the command being run is imported, so a command pays for its own
 # imports alone (`dslurm render` must stay near the cost of starting Python).
 COMMANDS = {
-    "render": "dslurm.sbatch_cli",
+    "render": "dslurm.render.cli",
     "submit": "dslurm.submit",
     "status": "dslurm.submit",
     "cluster": "dslurm.cluster",
     "launch": "dslurm.launch",
     "env": "dslurm.launch",
     "burnin": "dslurm.preflight.cli",
-    "ckpt": "dslurm.checkpoint_cli",
-    "data": "dslurm.data_cli",
+    "ckpt": "dslurm.checkpoint.cli",
+    "data": "dslurm.data.cli",
     "plan": "dslurm.plan.cli",
-    "doctor": "dslurm.doctor",
-    "report": "dslurm.report",
+    "doctor": "dslurm.observe.doctor",
+    "report": "dslurm.observe.report",
     "requeue-me": "dslurm.requeue",
 }
 

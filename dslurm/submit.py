@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.resolve import Resolved
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,9 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
     """Write site.yaml, job.yaml and job.sbatch into the run directory; return the script."""
     import yaml
 
-    from dslurm.sbatch import RenderRefs, render_sbatch
-    from dslurm.sbatch_cli import write_atomic
-    from dslurm.schema import to_dict
+    from dslurm.config.schema import to_dict
+    from dslurm.render import RenderRefs, render_sbatch
+    from dslurm.render.cli import write_atomic
 
     run_dir = r.run_dir
     log_dir = run_dir / "logs"
@@ -93,7 +93,7 @@ def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list
     still has pending or running."""
     from dslurm import slurm
     from dslurm.errors import SlurmError
-    from dslurm.ledger import read_events
+    from dslurm.observe.ledger import read_events
 
     ids = sorted({int(i) for e in read_events(run_dir) if e.get("event") == "submit" for i in e.get("job_ids", [])})
     if not ids:
@@ -108,7 +108,7 @@ def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list
 def record_submission(r: Resolved, ids: list[int], **extra: object) -> None:
     """The ledger's submit event: job ids, the effective signal lead and how it was derived,
     the checkpoint interval (so the report can tell whether the lead was long enough)."""
-    from dslurm.ledger import Ledger
+    from dslurm.observe.ledger import Ledger
 
     p = r.policy
     Ledger(r.run_dir).append("submit", job_ids=ids, signal_lead_s=p.lead_s if p.enabled else None,
@@ -137,7 +137,7 @@ def register(sub) -> None:
 
 
 def run_submit(args) -> int:
-    from dslurm.resolve import load
+    from dslurm.config.resolve import load
 
     r = load(args.site, args.job, args.overrides, args.site_overrides, base_dir=os.getcwd())
     _plan_check(r, strict=args.strict)

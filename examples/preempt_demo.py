@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def wait_for_step(run_dir: Path, restart: int, step: int, timeout: float = 600) -> None:
-    from dslurm.ledger import read_events
+    from dslurm.observe.ledger import read_events
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -45,7 +45,7 @@ def interrupt(job_id: int, how: str) -> None:
 
 def run(steps: int, preemptions: int, run_dir: Path, step_sleep: float, extra: list[str]) -> int:
     from dslurm import slurm
-    from dslurm.resolve import load
+    from dslurm.config.resolve import load
     from dslurm.submit import submit
 
     overrides = [f"checkpoint.run_dir={run_dir}", f"train.steps={steps}", f"train.step_sleep_s={step_sleep}",

@@ -7,7 +7,7 @@ job file's node count: `nodes` and `procs_per_node` are taken from torchrun's en
 (WORLD_SIZE, LOCAL_WORLD_SIZE), so the parallel degrees are checked against the real world.
 Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 143 stopped by
 TERM (saved), 2 user error, 74 a save the ending needs failed, 79 refused (run dir locked).
-On its way out every process writes its own report (dslurm/facts.py): what kind of ending,
+On its way out every process writes its own report (dslurm/requeue/facts.py): what kind of ending,
 its code, the step reached, the error, and the time the failure happened -- the facts from
 which `dslurm requeue-me` classifies the step's ending.
 """
@@ -43,8 +43,8 @@ def world_from_env() -> tuple[int, int, int, int]:
 
 def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
     """Load site + job with the launcher's world; raises UserError with the numbers."""
+    from dslurm.config.resolve import load
     from dslurm.errors import UserError
-    from dslurm.resolve import load
 
     if world % local_world:
         raise UserError(f"WORLD_SIZE({world}) is not a multiple of LOCAL_WORLD_SIZE({local_world})")
@@ -53,9 +53,9 @@ def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
 
 
 def init_distributed(resolved, local_rank: int, world: int):
-    """Process group + device (dslurm.process_group: the one init every entry point uses).
+    """Process group + device (dslurm.launch.process_group: the one init every entry point uses).
     A CPU site on a machine with GPUs still trains on the CPU with its own backend."""
-    from dslurm.process_group import init_process_group
+    from dslurm.launch.process_group import init_process_group
 
     gpus = resolved.site.node.gpus > 0
     return init_process_group(resolved.site.network.backend, require_cuda=gpus, cpu_only=not gpus,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed(resolved, local_rank, world)
     trainer = None
     try:
-        from dslurm.preflight_gate import gate_in_process
+        from dslurm.preflight.in_job import gate_in_process
 
         code = gate_in_process(device)  # the burn-in, when the launcher asked for one
         if code:
@@ -127,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(code: int, rank: int) -> None:
     """This process's own account of its ending, for the launcher and for requeue-me."""
-    from dslurm import exitcodes, facts
-    from dslurm.endings import is_peer_error
+    from dslurm import exitcodes
     from dslurm.launch import write_worker_code
+    from dslurm.requeue import facts
+    from dslurm.requeue.endings import is_peer_error
 
     write_worker_code(code)
     kind = exitcodes.KIND_OF_CODE.get(code, "crash")

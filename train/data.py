@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dslurm.data.tokenize import TokenFile, write_synthetic
 from dslurm.errors import UserError
-from train.tokenize import TokenFile, write_synthetic
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ Policy = Literal["drop", "pad"]
 
 
 def dp_coords(layout: Any, rank: int) -> tuple[int, int]:
-    """Global rank -> (dp_rank, dp_size) on a `dslurm.resolve.Layout`.
+    """Global rank -> (dp_rank, dp_size) on a `dslurm.config.resolve.Layout`.
 
     The data-parallel index combines the HSDP replica and the FSDP shard coordinate;
     TP, CP and PP peers of one data-parallel slot get the same dp_rank, hence the
@@ -229,7 +229,7 @@ def ensure_synthetic(path: Path, n_tokens: int, vocab_size: int, seed: int, *, r
 
 def make_loader(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu",
                 rank: int | None = None, wait_s: float = 600.0) -> TokenLoader:
-    """The loader for a `dslurm.resolve.Resolved` job on one data-parallel rank.
+    """The loader for a `dslurm.config.resolve.Resolved` job on one data-parallel rank.
 
     `rank` (global; default $RANK, else 0) only decides who writes the synthetic corpus
     when `data.path` is null. A relative `data.path` is relative to the working

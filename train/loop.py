@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dslurm import exitcodes, faults
-from dslurm.ledger import Ledger
+from dslurm.observe.ledger import Ledger
 from train.data import dp_coords, make_loader
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
 from train.model import cross_entropy
@@ -149,7 +149,7 @@ class Trainer:
 
     def _checkpoint_manager(self) -> Any:
         from dslurm import checkpoint as ck
-        from dslurm.checkpoint_dcp import CheckpointManager
+        from dslurm.checkpoint.dcp import CheckpointManager
         c, job = self.resolved.job.checkpoint, self.resolved.job
         return CheckpointManager(
             self.resolved.run_dir, keep=c.keep, keep_every=c.keep_every, async_mode=c.async_save,

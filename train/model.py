@@ -1,4 +1,4 @@
-"""A Llama-style decoder built from `dslurm.models.ModelShape`.
+"""A Llama-style decoder built from `dslurm.config.models.ModelShape`.
 
 RMSNorm, rotary position embeddings (RoPE), SwiGLU feed-forward and grouped-query
 attention, with untied input embedding and output projection (what `ModelShape.num_params`
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dslurm.models import ModelShape
+from dslurm.config.models import ModelShape
 
 
 class RMSNorm(nn.Module):

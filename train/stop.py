@@ -2,7 +2,7 @@
 
 Slurm's time-limit warning (USR2, from `--signal=B:USR2@LEAD`) and TERM (scancel,
 preemption) reach the training processes through the batch shell's trap, srun and the
-launcher (dslurm/launch.py). The handler only sets a flag — never save inside a signal
+launcher (dslurm/launch/__init__.py). The handler only sets a flag — never save inside a signal
 handler — and the loop agrees on the flag at the next step boundary (it rides on the
 all-reduce that already carries the logged loss, so agreement costs no extra
 collective), saves synchronously, and exits.

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
-from dslurm.models import ModelShape
 from dslurm.plan.layout import Cluster, Layout, Plan, Workload, _budget, _gb, _microbatches, memory_per_gpu
 from dslurm.plan.memory import GB
 from dslurm.plan.pipeline import bubble_fraction

@@ -62,7 +62,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """(model, cluster, workload, the job's layout or None) from files and flags; flags win."""
     from dataclasses import replace
 
-    from dslurm.models import PRESETS
+    from dslurm.config.models import PRESETS
     from dslurm.plan.layout import Cluster, Workload
 
     if bool(args.site) != bool(args.job):

@@ -1,4 +1,4 @@
-"""Planner inputs from the project's site and job files (dslurm.config / dslurm.resolve).
+"""Planner inputs from the project's site and job files (dslurm.config / dslurm.config.resolve).
 
 Kept apart from the arithmetic so the pure functions never depend on the YAML schema:
 this module is the only place that knows which config field feeds which planner input.
@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
-from dslurm.models import ModelShape
 from dslurm.plan.layout import Cluster, Layout, Workload
 
 if TYPE_CHECKING:
-    from dslurm.resolve import Resolved
+    from dslurm.config.resolve import Resolved
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,7 +30,7 @@ class ConfigInputs:
 
 def from_files(site_path: str, job_path: str) -> ConfigInputs:
     """Load and resolve a site and a job, and map them onto planner inputs."""
-    from dslurm.resolve import load  # the config tree is only needed on this path
+    from dslurm.config.resolve import load  # the config tree is only needed on this path
 
     return from_resolved(load(site_path, job_path))
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
-from dslurm.models import ModelShape
 from dslurm.plan._check import count, fraction, non_negative, positive
 from dslurm.plan.memory import GB, RECOMPUTES, ByteLayout, activation_bytes, logits_bytes
 

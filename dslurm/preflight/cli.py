@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 def run_job(args: argparse.Namespace) -> int:
     """Render and submit the standalone burn-in job; with --wait, print its verdict."""
     from dslurm.config import load_job, load_site
-    from dslurm.resolve import resolve
+    from dslurm.config.resolve import resolve
     from dslurm.submit import submit
 
     site = load_site(args.site)
@@ -106,7 +106,7 @@ def run_job(args: argparse.Namespace) -> int:
 
 def _wait_verdict(job_id: int, run_dir: Path) -> int:
     from dslurm import slurm
-    from dslurm.ledger import read_events
+    from dslurm.observe.ledger import read_events
     from dslurm.preflight.gate import exit_code, load_report, render_table
 
     state = slurm.wait_job(job_id, timeout=3600, poll=1)

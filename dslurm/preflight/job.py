@@ -1,5 +1,5 @@
 """Entry of the standalone burn-in job (`dslurm burnin --site S --nodes N`): the same
-gate every training job runs first (dslurm/preflight_gate.py), and nothing after it.
+gate every training job runs first (dslurm/preflight/in_job.py), and nothing after it.
 
     python -m dslurm.preflight.job --site S --job J     (under dslurm launch --preflight)
 """
@@ -13,8 +13,8 @@ def main() -> int:
     import torch.distributed as dist
 
     from dslurm.launch import write_worker_code
-    from dslurm.preflight_gate import gate_in_process
-    from dslurm.process_group import init_process_group
+    from dslurm.launch.process_group import init_process_group
+    from dslurm.preflight.in_job import gate_in_process
 
     device = init_process_group()
     try:

@@ -1,6 +1,6 @@
 """Burn-in thresholds: what a healthy node must reach.
 
-Field names follow `BurninSpec` (the `burnin` section of the site config, dslurm/config.py);
+Field names follow `BurninSpec` (the `burnin` section of the site config, dslurm/config/__init__.py);
 `Thresholds.from_site(site)` adds what the burn-in takes from the node description (GPU count,
 bf16 peak). `None` / 0 means "not judged" for checks whose expectation depends on the hardware.
 """

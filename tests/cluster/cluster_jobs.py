@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from dslurm.ledger import read_events
+from dslurm.observe.ledger import read_events
 from testkit import wait_for  # noqa: F401 - re-exported for the cluster tests
 
 SITE = "site-configs/local.yaml"

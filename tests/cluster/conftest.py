@@ -1,4 +1,4 @@
-"""Fixtures for tests against the built-in local real Slurm (see dslurm/cluster.py).
+"""Fixtures for tests against the built-in local real Slurm (see dslurm/cluster/__init__.py).
 
 `slurm_cluster` brings the cluster up once per pytest session: 3 nodes (tests need 3) with
 accounting (slurmdbd + MariaDB: ~5 s warm, ~7 s on a fresh database), so one fixture serves

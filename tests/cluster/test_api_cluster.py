@@ -18,7 +18,7 @@ from submitit.core.utils import FailedJobError
 
 from dslurm import api, slurm
 from dslurm.errors import UserError
-from dslurm.ledger import read_events
+from dslurm.observe.ledger import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslurm import slurm
-from dslurm.ledger import read_events
+from dslurm.observe.ledger import read_events
 
 
 def test_standalone_burnin_job_prints_its_verdict(slurm_cluster, cli, tmp_path):

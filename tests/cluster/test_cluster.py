@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dslurm import cli, cluster, slurm
-from dslurm import cluster_conf as cc
+from dslurm.cluster import conf as cc
 from dslurm.errors import SlurmError
 
 pytestmark = pytest.mark.cluster

@@ -19,7 +19,7 @@ import pytest
 from cluster_jobs import decisions, endings, events, job_spec, logs, submit, trained_steps, wait_for
 from dslurm import exitcodes as X
 from dslurm import slurm
-from dslurm.report import summarize
+from dslurm.observe.report import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / os.environ.get("DSLURM_FAULT_MATRIX_DOC", "docs/fault-matrix.md")
@@ -428,7 +428,7 @@ def _kill_node(name: str) -> None:
     import signal
 
     from dslurm import cluster
-    from dslurm.cluster_proc import descendants
+    from dslurm.cluster.proc import descendants
 
     rec = json.loads((cluster.state_dir_of(None) / "cluster.json").read_text())
     proc = next(p for p in rec["procs"] if p["name"] == name)

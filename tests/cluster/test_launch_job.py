@@ -1,7 +1,7 @@
 """The first link end to end on the real local Slurm: dslurm submit -> sbatch -> srun ->
 dslurm launch -> torchrun (or one srun task per process) -> a gloo process group.
 
-The job runs `dslurm.probe` in place of the trainer: every rank all-reduces its rank and
+The job runs `dslurm.launch.probe` in place of the trainer: every rank all-reduces its rank and
 writes what it saw into the run directory.
 """
 
@@ -18,7 +18,7 @@ from dslurm import slurm
 
 def probe_job(tmp_path, mode: str) -> str:
     job = {"name": f"probe-{mode}", "nodes": 2, "time": "00:05:00", "launch": mode,
-           "entry": "dslurm.probe", "preflight": {"enabled": False},
+           "entry": "dslurm.launch.probe", "preflight": {"enabled": False},
            "checkpoint": {"run_dir": str(tmp_path / "run")}}
     p = tmp_path / "job.yaml"
     p.write_text(yaml.safe_dump(job))

@@ -8,11 +8,11 @@ import re
 import yaml
 
 from dslurm import slurm
-from dslurm.ledger import read_events
+from dslurm.observe.ledger import read_events
 
 
 def submit_probe(cli, env, tmp_path, extra_env=None, nodes=2):
-    job = {"name": "gate", "nodes": nodes, "time": "00:05:00", "entry": "dslurm.probe",
+    job = {"name": "gate", "nodes": nodes, "time": "00:05:00", "entry": "dslurm.launch.probe",
            "preflight": {"enabled": True}, "env": extra_env or {},
            "checkpoint": {"run_dir": str(tmp_path / "run")}}
     p = tmp_path / "job.yaml"

@@ -15,7 +15,7 @@ import torch
 from cluster_jobs import job_spec, submit, wait_for
 from dslurm import slurm
 from dslurm.checkpoint import read_pointer
-from dslurm.ledger import read_events
+from dslurm.observe.ledger import read_events
 
 STEPS = 30
 

@@ -4,7 +4,7 @@ process. Two torchrun launches in all (each costs seconds on 2 cores):
 
 1. "first": the uninterrupted reference run, then a run that saves (async) at steps 2 and K and is
    killed in its save at step K+1: DSLURM_FAULT_CKPT_KILL=1:after_write:3 (see `ckpt_kill` in dslurm/faults.py;
-   dslurm/checkpoint_dcp.py) makes rank 1 SIGKILL itself once its shards are on disk, before rank 0
+   dslurm/checkpoint/dcp.py) makes rank 1 SIGKILL itself once its shards are on disk, before rank 0
    can write the manifest or move the pointer. That makes "the middle of a save" deterministic.
 2. "resume": the next start, which must come back at step K and match the reference bit for bit.
 
@@ -54,7 +54,7 @@ def train(model: nn.Module, opt: Any, sched: Any, extra: dict[str, Any], start: 
           mgr: Any = None, saves: tuple[int, ...] = ()) -> dict[str, list[float]]:
     """Global batch 8 from the sampler position, split across ranks; loss averaged over ranks.
     `probe` draws from each rank's torch RNG: equal only if per-rank RNG state came back."""
-    from dslurm.checkpoint_dcp import TrainState
+    from dslurm.checkpoint.dcp import TrainState
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     state = {"train": TrainState(model, opt, sched)}
     losses, probes = [], []
@@ -84,7 +84,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def worker(mode: str, run_dir: Path, out: Path) -> None:
-    from dslurm.checkpoint_dcp import CheckpointManager, TrainState
+    from dslurm.checkpoint.dcp import CheckpointManager, TrainState
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = {"dp_shard": world}
     fresh = lambda: {"sampler": {"index": 5}}  # noqa: E731
@@ -167,7 +167,7 @@ def test_fsdp2_resume_is_bit_identical(first, tmp_path):
 
 def test_reshard_fsdp2x2_to_one_process(first, tmp_path, caplog):
     run_dir, ref_out, _ = first
-    from dslurm.checkpoint_dcp import CheckpointManager, TrainState
+    from dslurm.checkpoint.dcp import CheckpointManager, TrainState
     model, opt, sched = build(1, seed=1)
     extra: dict[str, Any] = {}
     with caplog.at_level("INFO"):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint import filesystem as dcp_fs
 
 from dslurm import checkpoint as ck
-from dslurm.checkpoint_dcp import CheckpointManager, TrainState
+from dslurm.checkpoint.dcp import CheckpointManager, TrainState
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ def reference(tmp_path_factory) -> list[tuple[float, float, float]]:
     import torch
     import torch.distributed as dist
 
-    from dslurm.resolve import load
+    from dslurm.config.resolve import load
     from train.loop import Trainer
 
     tmp = tmp_path_factory.mktemp("ref")

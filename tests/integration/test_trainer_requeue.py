@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dslurm.ledger import read_events
+from dslurm.observe.ledger import read_events
 from train_helpers import run_train, step_records, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dslurm.ledger import read_events
+from dslurm.observe.ledger import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "site-configs" / "local.yaml"

@@ -11,12 +11,12 @@ import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
 from dslurm import api
-from dslurm.api_job import job_env, output_tail, summarize, trainer_argv
+from dslurm.api.job import job_env, output_tail, summarize, trainer_argv
 from dslurm.config import load_job, load_site, parse_time
+from dslurm.config.resolve import load
 from dslurm.errors import UserError
-from dslurm.resolve import load
-from dslurm.sbatch import RenderRefs, directives, render_sbatch
-from dslurm.sbatch_cli import EXAMPLES
+from dslurm.render import RenderRefs, directives, render_sbatch
+from dslurm.render.cli import EXAMPLES
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_requeue_off_is_kept():
 
 
 def test_inputs_as_paths_dicts_or_objects_resolve_alike():
-    from dslurm.schema import to_dict
+    from dslurm.config.schema import to_dict
 
     by_path = api.load_inputs(TINY, LOCAL, ["train.steps=7"])
     job, site = load_job(TINY), load_site(LOCAL)
@@ -93,7 +93,7 @@ def test_job_env_is_what_the_script_exports():
     exported = {ln.split("=", 1)[0].removeprefix("export ") for ln in script.splitlines() if ln.startswith("export ")}
     env = job_env(r)
     # The facts dir names the job id and restart, known only at run time: the script exports it
-    # from SLURM_*, the submitit path derives the same path (dslurm.facts.start_dir).
+    # from SLURM_*, the submitit path derives the same path (dslurm.requeue.facts.start_dir).
     exported.discard("DSLURM_FACTS_DIR")
     assert set(env) == exported and env["DSLURM_RUN_DIR"] == str(r.run_dir) and env["OMP_NUM_THREADS"] == "1"
 

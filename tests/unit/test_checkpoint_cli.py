@@ -127,6 +127,6 @@ def test_cli_process_exit_code_and_no_torch_import(run3, cli):
     import subprocess
     import sys
     probe = subprocess.run([sys.executable, "-c", "import sys, dslurm.cli as c; c.build_parser(); "
-                            "import dslurm.checkpoint_cli; print('torch' in sys.modules)"],
+                            "import dslurm.checkpoint.cli; print('torch' in sys.modules)"],
                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     assert probe.stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""Pure rendering of the local cluster's config (dslurm.cluster_conf)."""
+"""Pure rendering of the local cluster's config (dslurm.cluster.conf)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dslurm import cluster_conf as cc
+from dslurm.cluster import conf as cc
 
 
 def _spec(**kw: object) -> cc.ClusterSpec:

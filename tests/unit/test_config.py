@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from dslurm.config import format_time, load_job, load_site, parse_time
+from dslurm.config.resolve import load, resolve
 from dslurm.errors import UserError
-from dslurm.resolve import load, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 SITES = sorted((ROOT / "site-configs").glob("*.yaml"))

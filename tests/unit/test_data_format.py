@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from dslurm import data_cli
+from dslurm.data import cli as data_cli
 from dslurm.errors import UserError
 from train import tokenize as tk
 
@@ -116,7 +116,7 @@ def test_cli_synth_tokenize_info(tmp_path, capsys):
 
 
 def test_cli_module_is_light_to_import():
-    code = ("import sys, dslurm.data_cli; bad = {'torch', 'h5py', 'train.tokenize'} & "
+    code = ("import sys, dslurm.data.cli; bad = {'torch', 'h5py', 'dslurm.data.tokenize'} & "
             "set(sys.modules); sys.exit(f'imported {bad}' if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

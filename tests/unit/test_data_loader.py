@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dslurm.config import load_job, load_site
+from dslurm.config.resolve import resolve
 from dslurm.errors import UserError
-from dslurm.resolve import resolve
 from train import tokenize as tk
 from train.data import GlobalBatchSampler, TokenLoader, make_loader, synthetic_path
 

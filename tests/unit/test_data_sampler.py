@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from dslurm.config.resolve import Layout
 from dslurm.errors import UserError
-from dslurm.resolve import Layout
 from train.data import GlobalBatchSampler, dp_coords
 
 N, B = 37, 8  # 37 % 8 = 5: an uneven tail on purpose

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_report import Ledger, two_requeues, uninterrupted
 
-from dslurm.doctor import LogLine, diagnose, read_logs, run
+from dslurm.observe.doctor import LogLine, diagnose, read_logs, run
 
 
 def healthy() -> Ledger:

@@ -1,4 +1,4 @@
-"""Classifying how a job step ended from recorded facts (dslurm/endings.py), never from rc.
+"""Classifying how a job step ended from recorded facts (dslurm/requeue/endings.py), never from rc.
 
 The race that once lost a retry: node1's ranks crash, `srun --kill-on-bad-exit` TERMs node2's
 launcher, srun returns 143. Both exit orders are built here explicitly, with the step's
@@ -7,8 +7,8 @@ return code set to what srun really returns in each, and must classify as the sa
 
 from __future__ import annotations
 
-from dslurm import endings as E
-from dslurm.facts import StartFacts
+from dslurm.requeue import endings as E
+from dslurm.requeue.facts import StartFacts
 
 T0 = 1_000.0
 

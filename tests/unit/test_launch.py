@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from dslurm.launch import agreed_exit_code, torchrun_argv
-from dslurm.slurm_env import derive
+from dslurm.launch.slurm_env import derive
 
 ENV = {"SLURM_JOB_ID": "99", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from dslurm.ledger import FILENAME, Ledger, read_events
+from dslurm.observe.ledger import FILENAME, Ledger, read_events
 
 
 def test_non_finite_numbers_are_strict_json_and_read_back_as_floats(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslurm.models import PRESETS, shape_from
+from dslurm.config.models import PRESETS, shape_from
 from train.model import Attention, apply_rope, build_model, cross_entropy, rope_cache
 from train.parallel.pp import layer_split, split_stage, stage_ids
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslurm.models import PRESETS
+from dslurm.config.models import PRESETS
 from train.model import build_model, cross_entropy
 from train.parallel.ac import apply_ac
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dslurm.models import PRESETS
+from dslurm.config.models import PRESETS
 from train.lr import lr_at
 from train.model import build_model
 from train.optim import build_optimizers, clip_grad_norm_

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dslurm.config.resolve import Layout
 from dslurm.errors import UserError
-from dslurm.resolve import Layout
 from train.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_get_mesh_with_a_wrong_name_lists_the_valid_ones_before_building_anythin
 
 SCRIPT = """
 import json, sys, torch.distributed as dist
-from dslurm.resolve import Layout
+from dslurm.config.resolve import Layout
 from train.parallel.dims import ParallelDims
 dist.init_process_group("gloo")
 layout = Layout(pp=2, dp_replicate=1, dp_shard=1, tp=2)

@@ -2,8 +2,8 @@
 
 import pytest
 
+from dslurm.config.models import PRESETS
 from dslurm.errors import UserError
-from dslurm.models import PRESETS
 from dslurm.plan.choose import propose_layout, validate_layout
 from dslurm.plan.layout import Cluster, Layout, Workload, memory_per_gpu
 from dslurm.plan.memory import GB

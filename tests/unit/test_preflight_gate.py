@@ -102,7 +102,7 @@ def test_low_inter_busbw_without_culprit_is_unlocalized():
 
 
 def test_thresholds_cover_every_config_burnin_field():
-    # The contract with dslurm/config.py: each threshold field there exists here by name.
+    # The contract with dslurm/config/__init__.py: each threshold field there exists here by name.
     config_fields = {f.name for f in dataclasses.fields(BurninSpec)} - NOT_THRESHOLDS
     assert config_fields <= {f.name for f in dataclasses.fields(Thresholds)}
     Thresholds.from_mapping(dataclasses.asdict(BurninSpec()))

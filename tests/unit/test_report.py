@@ -13,8 +13,8 @@ import math
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.report import DIED, load, run, split_starts, summarize
-from dslurm.report_plot import plot_timeline
+from dslurm.observe.plot import plot_timeline
+from dslurm.observe.report import DIED, load, run, split_starts, summarize
 
 
 class Ledger:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.requeue import chain_of, decide, failures_of, job_ref, starts_without_progress
+from dslurm.requeue import endings as E
 
 BASE = dict(failures=0, max_restarts=3, no_progress_limit=2, start_steps=[0], pointer_step=10)
 
@@ -71,7 +71,7 @@ def test_array_tasks_requeue_by_array_id():
 
 
 def test_auto_signal_lead_from_measurements_with_a_floor():
-    from dslurm.resolve import auto_signal_lead
+    from dslurm.config.resolve import auto_signal_lead
 
     lead, how = auto_signal_lead([], default_s=300)
     assert lead == 300 and "site default" in how

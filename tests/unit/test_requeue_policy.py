@@ -10,8 +10,8 @@ import yaml
 
 from dslurm import api
 from dslurm import exitcodes as X
-from dslurm.ledger import Ledger
-from dslurm.resolve import load
+from dslurm.config.resolve import load
+from dslurm.observe.ledger import Ledger
 from dslurm.submit import submit
 from testkit import sbatch_flags
 
@@ -71,7 +71,7 @@ def test_the_submit_event_records_the_effective_lead_and_the_checkpoint_interval
     run = tmp_path / "run"
     r = load(SITE, _job(tmp_path, run, signal_lead="auto"))
     submit(r)
-    from dslurm.ledger import read_events
+    from dslurm.observe.ledger import read_events
 
     ev = [e for e in read_events(run) if e["event"] == "submit"][-1]
     assert ev["signal_lead_s"] == 60 and ev["signal_lead_setting"] == "auto" and "floor 60s" in ev["signal_lead_reason"]
@@ -82,7 +82,7 @@ def test_requeue_me_applies_the_frozen_budget_without_any_policy_variable(tmp_pa
     """max_restarts: 1 in the job (site 4, config default 5, the old env default 3): after one
     earlier crash, a second crash spends the budget -- read from run_dir/job.yaml, no DSLURM_*."""
     from dslurm import requeue, slurm
-    from dslurm.facts import RankReport, write_rank_report
+    from dslurm.requeue.facts import RankReport, write_rank_report
 
     run = tmp_path / "run"
     r = load(SITE, _job(tmp_path, run, max_restarts=1, no_progress_limit=0))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dslurm.resolve import load
-from dslurm.sbatch import RenderRefs, render_sbatch
-from dslurm.sbatch_cli import EXAMPLES, examples, golden_path, render_files
+from dslurm.config.resolve import load
+from dslurm.render import RenderRefs, render_sbatch
+from dslurm.render.cli import EXAMPLES, examples, golden_path, render_files
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dslurm.errors import UserError
-from dslurm.slurm_env import derive, master_port
+from dslurm.launch.slurm_env import derive, master_port
 
 BASE = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[001-003,010]", "SLURM_NNODES": "4",
         "SLURM_NODEID": "3", "SLURM_GPUS_ON_NODE": "8"}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from dslurm.ledger import Ledger
-from dslurm.resolve import load
+from dslurm.config.resolve import load
+from dslurm.observe.ledger import Ledger
 from dslurm.submit import submit
 
 ROOT = Path(__file__).resolve().parents[2]

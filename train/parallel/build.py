@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dslurm.models import ModelShape
+from dslurm.config.models import ModelShape
 from train.model import build_model
 from train.parallel.ac import apply_ac
 from train.parallel.compile import apply_compile

@@ -1,7 +1,7 @@
 """Parallel degrees of one run and the DeviceMesh built from them, once.
 
 `ParallelDims` mirrors torchtitan's: built from the resolved `Layout` (dp_shard already
-resolved by `dslurm.resolve`), validated on creation, `*_enabled` properties, and a lazily
+resolved by `dslurm.config.resolve`), validated on creation, `*_enabled` properties, and a lazily
 built world mesh with dims (pp, dp_replicate, dp_shard, cp, tp), tp fastest, matching
 `Layout.coords` so a rank's mesh coordinates equal the pure ones. Size-1 dims are kept in
 the mesh so every name is always valid (FSDP on a 1-process mesh is how the benchmark
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dslurm.config.resolve import Layout
 from dslurm.errors import UserError
-from dslurm.resolve import Layout
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLAT_NAMES = {"dp": ("dp_replicate", "dp_shard")}

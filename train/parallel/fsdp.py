@@ -7,7 +7,7 @@ them into 2-D (dp_shard, tp) DTensors.
 
 Mixed precision: on GPU with dtype bf16, parameters are all-gathered and computed in bf16
 while gradients are reduced in fp32 (the reduction is where bf16 loses the most); on CPU
-everything stays fp32 (bf16 matmuls on CPU are slow and `dslurm.resolve` refuses them).
+everything stays fp32 (bf16 matmuls on CPU are slow and `dslurm.config.resolve` refuses them).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each stage is a deep copy of the full model with the layers it does not own dele
 the embedding / final norm + output removed where they do not belong), so its parameter
 names are those of the unsplit model and DCP can reshard between PP layouts. Stages are
 assigned loop-style: with v virtual stages per rank, pp rank r owns stages r, r+pp, ...
-Schedules need microbatches >= stages (checked in `dslurm.resolve` before any process
+Schedules need microbatches >= stages (checked in `dslurm.config.resolve` before any process
 group work). Parameters of a stage are then parallelised (TP, AC, compile, FSDP) by the
 caller, before the `PipelineStage` is created.
 """

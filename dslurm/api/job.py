@@ -3,7 +3,7 @@ summary it returns.
 
 One submitit task runs per node (torchrun mode) or per training process (srun mode),
 exactly like the `srun ... dslurm launch` line of a rendered script. Each task calls
-`dslurm.launch.launch`, which derives ranks from SLURM_* (`dslurm.slurm_env.derive`),
+`dslurm.launch.launch`, which derives ranks from SLURM_* (`dslurm.launch.slurm_env.derive`),
 starts the trainer in its own process group and forwards USR2/TERM to it.
 
 Requeue (see docs/notebook.md): Slurm's USR2 reaches every task while `launch` is running,
@@ -27,9 +27,9 @@ from typing import Any
 import submitit
 
 from dslurm import exitcodes as X
+from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.launch import FORWARDED, launch, reset_stop
-from dslurm.resolve import Resolved
 
 
 class TrainerFailed(RuntimeError):
@@ -49,7 +49,7 @@ class RunSummary:
     hosts: list[str] = field(default_factory=list)
     """host of each global rank (the trainer's last `stragglers` event)"""
     nodes: list[str] = field(default_factory=list)
-    """the allocation's nodes, in node-rank order (from dslurm.slurm_env.derive)"""
+    """the allocation's nodes, in node-rank order (from dslurm.launch.slurm_env.derive)"""
     restarts: int = 0
     lost_steps: int = 0
     """steps trained but not saved before a stop, trained again after the restart"""
@@ -66,7 +66,7 @@ class RunSummary:
 def job_env(r: Resolved) -> dict[str, str]:
     """The environment the rendered script exports (site env, job env, DSLURM_*), taken from
     the renderer itself so the two paths cannot drift apart."""
-    from dslurm.sbatch import job_env as rendered_env
+    from dslurm.render import job_env as rendered_env
 
     return rendered_env(r)
 
@@ -75,7 +75,7 @@ def trainer_argv(r: Resolved, site_file: str, job_file: str) -> list[str]:
     """`python -m ENTRY --site S --job J`, as the rendered script runs it. The interpreter is
     this one: it already imports dslurm, and the site's `python` may only be on PATH after
     the batch script's setup lines."""
-    from dslurm.sbatch import RenderRefs, trainer_args
+    from dslurm.render import RenderRefs, trainer_args
 
     argv = trainer_args(r, RenderRefs(site=site_file, job=job_file))
     return [sys.executable, *argv[1:]]
@@ -97,8 +97,8 @@ def summarize(events: Iterable[dict], job_id: str, run_dir: str | Path,
               nodes: list[str] | None = None) -> RunSummary:
     """RunSummary from ledger events; only the events of `job_id` count (a run directory
     keeps the events of every earlier job that trained in it). Goodput, wall time, lost steps
-    and restarts are `dslurm report`'s (dslurm.report.summarize). Pure."""
-    from dslurm.report import summarize as report
+    and restarts are `dslurm report`'s (dslurm.observe.report.summarize). Pure."""
+    from dslurm.observe.report import summarize as report
 
     evs = [e for e in events if str(e.get("job_id")) == str(job_id)
            or (e.get("event") == "submit" and str(job_id) in map(str, e.get("job_ids", [])))]
@@ -141,16 +141,16 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.job_file = job_file
 
     def __call__(self) -> RunSummary:
-        from dslurm.resolve import load
-        from dslurm.slurm_env import derive
+        from dslurm.config.resolve import load
+        from dslurm.launch.slurm_env import derive
 
         r = load(self.site_file, self.job_file)
         env = {**os.environ, **job_env(r)}
         info = derive(env, nproc_per_node=r.procs_per_node, mode=r.job.launch)
         # Read submitit's USR2 handler before launch replaces it: it is how rank 0 requeues.
         submitit_usr2 = signal.getsignal(signal.SIGUSR2)
-        if r.job.preflight.enabled:  # run by the trainer processes first (dslurm/preflight_gate.py)
-            from dslurm.preflight_gate import preflight_env
+        if r.job.preflight.enabled:  # run by the trainer processes first (dslurm/preflight/in_job.py)
+            from dslurm.preflight.in_job import preflight_env
 
             env.update(preflight_env(env, self.site_file, info.job_id, info.restart_count))
         log = Path(submitit.JobEnvironment().paths.stderr)
@@ -160,7 +160,7 @@ class TrainTask(submitit.helpers.Checkpointable):
             rc = launch_keeping_handlers(trainer_argv(r, self.site_file, self.job_file),
                                          mode=r.job.launch, nproc_per_node=r.procs_per_node, env=env)
         if rc == X.OK:
-            from dslurm.ledger import read_events
+            from dslurm.observe.ledger import read_events
 
             return summarize(read_events(r.run_dir), info.job_id, r.run_dir, info.hosts)
         if rc == X.PREFLIGHT_FAILED:
@@ -210,9 +210,9 @@ class TrainTask(submitit.helpers.Checkpointable):
 
 def _decide(r: Resolved, env: Mapping[str, str]) -> Any:
     """dslurm's requeue policy, recorded in the ledger like `dslurm requeue-me` does."""
-    from dslurm.endings import WARNED_STOP
-    from dslurm.ledger import Ledger, read_events
+    from dslurm.observe.ledger import Ledger, read_events
     from dslurm.requeue import decide, failures_of, pointer_step, start_steps_of
+    from dslurm.requeue.endings import WARNED_STOP
 
     events = list(read_events(r.run_dir))
     d = decide(ending=WARNED_STOP, failures=failures_of(events, env.get("SLURM_JOB_ID", "")),

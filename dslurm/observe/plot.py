@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dslurm.report import Start, Summary
+    from dslurm.observe.report import Start, Summary
 
 # One colour per kind of time, the same in the bands and the legend.
 COLORS = {"queue wait": "#d9d9d9", "startup": "#ffd966", "burn-in": "#f4a261",

@@ -23,8 +23,8 @@ EXAMPLES = (
 
 def render_files(site_path: str, job_path: str, overrides: list[str] | None = None,
                  site_overrides: list[str] | None = None) -> str:
-    from dslurm.resolve import load
-    from dslurm.sbatch import RenderRefs, render_sbatch
+    from dslurm.config.resolve import load
+    from dslurm.render import RenderRefs, render_sbatch
 
     r = load(site_path, job_path, overrides, site_overrides)
     refs = RenderRefs(site=site_path, job=job_path, overrides=tuple(overrides or ()),

@@ -1,5 +1,5 @@
 """DCP file I/O for the checkpoint protocol: crc32 computed while DCP writes, the host stager,
-and the bounded restore test. Imported by dslurm.checkpoint_dcp (in-job code; imports torch).
+and the bounded restore test. Imported by dslurm.checkpoint.dcp (in-job code; imports torch).
 
 Why checksum while writing: re-reading every shard after `dcp.save` cost as much as a third of
 a sync save (docs/checkpoint.md, bench). That re-read came from the page cache the write had

@@ -3,7 +3,7 @@
 Imported only by code running inside the job (it imports torch); the CLI uses dslurm.checkpoint.
 
 A save, on every rank: capture RNG and extra state, stage (async) or use the live tensors (sync),
-write a new generation with DCP, its crc32s computed while writing (dslurm.checkpoint_io: no
+write a new generation with DCP, its crc32s computed while writing (dslurm.checkpoint.io: no
 re-read on the save path), gather them.
 Rank 0 then writes the manifest, checks sizes, restore-tests (reads .metadata, loads the smallest
 tensor back), and only then moves the pointer and prunes. The outcome is broadcast so every rank
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 import dslurm
 from dslurm import checkpoint as ck
 from dslurm import faults
-from dslurm.checkpoint_io import crc_writer, make_stager, restore_test
-from dslurm.checkpoint_rng import apply_rng, capture_rng
+from dslurm.checkpoint.io import crc_writer, make_stager, restore_test
+from dslurm.checkpoint.rng import apply_rng, capture_rng
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A connectivity probe to run in place of the trainer (`entry: dslurm.probe`).
+"""A connectivity probe to run in place of the trainer (`entry: dslurm.launch.probe`).
 
 Each process joins the process group the launcher set up (env://, gloo or NCCL),
 all-reduces its rank and writes what it saw — host, ranks, master, the sum — to
@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from dslurm.launch import write_worker_code
-    from dslurm.preflight_gate import gate_in_process
-    from dslurm.process_group import init_process_group
+    from dslurm.launch.process_group import init_process_group
+    from dslurm.preflight.in_job import gate_in_process
 
     device = init_process_group()
     code = gate_in_process(device)

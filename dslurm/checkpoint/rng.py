@@ -1,7 +1,7 @@
 """Per-rank RNG streams as JSON-able state (saved as ranks/rank-NNNNN.json in a generation).
 
 Restored only when the world size is unchanged: per-rank streams have no meaning for a
-different set of ranks (dslurm.checkpoint_dcp.RestoreResult.rng_restored).
+different set of ranks (dslurm.checkpoint.dcp.RestoreResult.rng_restored).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ inherited across exec, and the trainer installs its own handler explicitly.
 Exit code: torchrun reports any worker failure as 1, which would hide the trainer's
 "requeue me" code (75). Workers write their exit code into a status directory the
 launcher owns; the launcher returns the workers' agreed code. That code is only a summary:
-the launcher also records its facts (dslurm/facts.py) -- which signals *it* received and
+the launcher also records its facts (dslurm/requeue/facts.py) -- which signals *it* received and
 when (srun's teardown after another node's crash reaches launchers, never the batch
 shell), torchrun's code, the workers' codes, and which local ranks left no code at all.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 from dslurm import exitcodes
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
-from dslurm.slurm_env import LaunchInfo, derive
+from dslurm.launch.slurm_env import LaunchInfo, derive
 
 log = logging.getLogger(__name__)
 
@@ -222,10 +222,10 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
 
 def record(node_rank: int | None, rc: int | None, codes: dict[str, int], silent: list[int], code: int,
            env: dict[str, str]) -> None:
-    """This launcher's facts for requeue-me (dslurm/facts.py)."""
+    """This launcher's facts for requeue-me (dslurm/requeue/facts.py)."""
     import socket
 
-    from dslurm import facts
+    from dslurm.requeue import facts
 
     facts.write_launcher_report(facts.LauncherReport(
         host=socket.gethostname(), node_rank=node_rank, signals=list(SIGNALS), torchrun_rc=rc,
@@ -260,8 +260,8 @@ def _run_launch(args) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     env = dict(os.environ)
-    if args.preflight:  # the training processes run it first thing (dslurm/preflight_gate.py)
-        from dslurm.preflight_gate import preflight_env
+    if args.preflight:  # the training processes run it first thing (dslurm/preflight/in_job.py)
+        from dslurm.preflight.in_job import preflight_env
 
         if not args.site:
             raise UserError("dslurm launch --preflight needs --site FILE (the thresholds live in the site config)")

@@ -7,9 +7,9 @@
     summary = api.run_local("examples/jobs/tiny-2node.yaml", site="site-configs/local.yaml")
 
 Nothing is decided twice. The site and job are validated and resolved by dslurm.config and
-dslurm.resolve; the Slurm flags are dslurm.sbatch.directives, renamed for submitit by
+dslurm.config.resolve; the Slurm flags are dslurm.render.directives, renamed for submitit by
 `executor_parameters`; inside the allocation every submitit task runs dslurm.launch.launch
-(dslurm/api_job.py), like the `srun ... dslurm launch` line of a rendered script. submitit is
+(dslurm/api/job.py), like the `srun ... dslurm launch` line of a rendered script. submitit is
 imported only when a function here needs it, so `import dslurm` stays light.
 """
 
@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from dslurm.config import JobSpec, SiteConfig
+from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.resolve import Resolved
 
 if TYPE_CHECKING:
     import submitit
 
-    from dslurm.api_job import RunSummary
+    from dslurm.api.job import RunSummary
 
 JobLike = Union[JobSpec, dict, str, Path]
 SiteLike = Union[SiteConfig, dict, str, Path]
@@ -52,8 +52,8 @@ def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None
                 site_overrides: list[str] | None = None) -> Resolved:
     """Validate and resolve a job and a site given as objects, dicts or YAML paths."""
     from dslurm.config import load_job, load_site
-    from dslurm.resolve import resolve
-    from dslurm.schema import to_dict
+    from dslurm.config.resolve import resolve
+    from dslurm.config.schema import to_dict
 
     if isinstance(site, (str, Path)):
         site_obj, site_path = load_site(site, site_overrides), str(site)
@@ -69,7 +69,7 @@ def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None
 
 
 def executor_parameters(r: Resolved, exclude: list[str] | None = None) -> dict[str, Any]:
-    """submitit `SlurmExecutor.update_parameters` kwargs for the flags of dslurm.sbatch.directives.
+    """submitit `SlurmExecutor.update_parameters` kwargs for the flags of dslurm.render.directives.
 
     Two translations, both because submitit runs the Python process in every task itself:
     - `--signal=B:USR2@LEAD` becomes `--signal=USR2@LEAD` (submitit's `signal_delay_s`): the
@@ -80,7 +80,7 @@ def executor_parameters(r: Resolved, exclude: list[str] | None = None) -> dict[s
     srun gets `--kill-on-bad-exit=1` and `--cpus-per-task` like the rendered script's srun line
     (Slurm 22.05's srun no longer inherits --cpus-per-task from sbatch).
     """
-    from dslurm.sbatch import directives
+    from dslurm.render import directives
 
     params: dict[str, Any] = {}
     extra: dict[str, Any] = {}
@@ -147,7 +147,7 @@ def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
     """
     import submitit
 
-    from dslurm.api_job import TrainTask
+    from dslurm.api.job import TrainTask
     from dslurm.submit import freeze_and_render, read_blocklist, record_submission
 
     r = load_inputs(job, site, overrides, site_overrides)
@@ -172,8 +172,8 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
     the job's world size, so the layout and the losses match the Slurm run), through the
     same dslurm.launch.launch. The output goes to `<run_dir>/logs/local-<id>.log`."""
     from dslurm import exitcodes as X
-    from dslurm.api_job import TrainerFailed, launch_keeping_handlers, output_tail, summarize, trainer_argv
-    from dslurm.ledger import Ledger, read_events
+    from dslurm.api.job import TrainerFailed, launch_keeping_handlers, output_tail, summarize, trainer_argv
+    from dslurm.observe.ledger import Ledger, read_events
     from dslurm.submit import freeze_and_render
 
     r = load_inputs(job, site, overrides, site_overrides)
@@ -193,13 +193,13 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
 
 
 def _job_env(r: Resolved) -> dict[str, str]:
-    from dslurm.api_job import job_env
+    from dslurm.api.job import job_env
 
     return job_env(r)
 
 
 def _one_node_env() -> dict[str, str]:
-    """What dslurm.slurm_env.derive reads, for a one-node "allocation" on this machine: the
+    """What dslurm.launch.slurm_env.derive reads, for a one-node "allocation" on this machine: the
     launcher and the rank math stay the ones a Slurm job uses."""
     return {"SLURM_JOB_ID": f"local-{os.getpid()}", "SLURM_JOB_NODELIST": "localhost",
             "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_RESTART_COUNT": "0"}

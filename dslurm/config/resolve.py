@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dslurm.config import JobSpec, SiteConfig, format_time, parse_time
+from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
-from dslurm.models import ModelShape
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -242,7 +242,7 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
     time_s = parse_time(job.time or site.slurm.default_time, f"{job_path}: field 'time'")
     run_dir = run_dir_for(site, job, base_dir)
     if history is None and job.requeue.signal_lead == "auto":
-        from dslurm.ledger import read_events
+        from dslurm.observe.ledger import read_events
 
         history = read_events(run_dir)
     policy = requeue_policy(site, job, history or ())

@@ -29,30 +29,30 @@ import tempfile
 import time
 from pathlib import Path
 
-from dslurm import cluster_conf as cc
 from dslurm import slurm
-from dslurm.cluster_proc import (  # process and file helpers, kept apart for size
+from dslurm.cluster import conf as cc
+from dslurm.cluster.proc import (  # process and file helpers, kept apart for size
     alive as _alive,
 )
-from dslurm.cluster_proc import (
+from dslurm.cluster.proc import (
     atomic_write as _atomic_write,
 )
-from dslurm.cluster_proc import (
+from dslurm.cluster.proc import (
     port_open as _port_open,
 )
-from dslurm.cluster_proc import (
+from dslurm.cluster.proc import (
     spawn_proc as _spawn_proc,
 )
-from dslurm.cluster_proc import (
+from dslurm.cluster.proc import (
     stop as _stop,
 )
-from dslurm.cluster_proc import (
+from dslurm.cluster.proc import (
     tail as _tail,
 )
-from dslurm.cluster_proc import (
+from dslurm.cluster.proc import (
     wait_for as _wait_for,
 )
-from dslurm.cluster_proc import (
+from dslurm.cluster.proc import (
     write_in_place_or_atomic as _write_in_place_or_atomic,
 )
 from dslurm.errors import SlurmError, UserError

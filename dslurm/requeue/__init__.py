@@ -2,7 +2,7 @@
 
 The batch script runs `dslurm requeue-me --rc RC` on node 0 once the step is over and
 exits with what it returns. First the ending is classified from the facts recorded during
-the start (dslurm/endings.py: who received which signal, each rank's own report, what Slurm
+the start (dslurm/requeue/endings.py: who received which signal, each rank's own report, what Slurm
 says), never from the step's exit code alone; then the policy (`decide`, pure) follows the
 class:
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dslurm import endings as E
 from dslurm import exitcodes as X
+from dslurm.requeue import endings as E
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ def failures_of(events: Iterable[dict[str, Any]], job_id: str) -> int:
 
 
 def _record_ending(run_dir: Path, d: Path, ending: E.Ending, **ctx: Any) -> None:
-    from dslurm.facts import write_ending
-    from dslurm.ledger import Ledger
+    from dslurm.observe.ledger import Ledger
+    from dslurm.requeue.facts import write_ending
 
     rec = {**ending.as_dict(), **ctx}
     write_ending(d, rec)
@@ -140,7 +140,7 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
     (node failure, SIGKILL of the whole job). Whoever runs next records it, from that start's
     facts and what accounting says about that incarnation."""
     from dslurm import slurm
-    from dslurm.facts import list_starts, read_start
+    from dslurm.requeue.facts import list_starts, read_start
 
     for d in list_starts(run_dir):
         if d == current or (d / "ending.json").exists():
@@ -160,8 +160,8 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
 
 def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str]) -> tuple[E.Ending, Path | None]:
     from dslurm import slurm
-    from dslurm.facts import StartFacts, read_start, start_dir
-    from dslurm.slurm_env import expand_hosts
+    from dslurm.launch.slurm_env import expand_hosts
+    from dslurm.requeue.facts import StartFacts, read_start, start_dir
 
     d = start_dir(env, run_dir)
     facts = read_start(d) if d is not None else StartFacts("?", [], [], [], None)
@@ -178,7 +178,7 @@ def frozen_policy(run_dir: Path) -> Any:
     """The requeue policy of the run, from the config frozen into the run directory at submit
     (site.yaml, job.yaml): the same `RequeuePolicy` render, submit and the API used."""
     from dslurm.config import load_job, load_site
-    from dslurm.resolve import requeue_policy
+    from dslurm.config.resolve import requeue_policy
 
     return requeue_policy(load_site(run_dir / "site.yaml"), load_job(run_dir / "job.yaml"))
 
@@ -186,7 +186,7 @@ def frozen_policy(run_dir: Path) -> Any:
 def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
     """Classify this start's ending, decide, record both in the ledger, act."""
     from dslurm import slurm
-    from dslurm.ledger import Ledger, read_events
+    from dslurm.observe.ledger import Ledger, read_events
 
     env = dict(os.environ if env is None else env)
     run_dir = Path(env["DSLURM_RUN_DIR"])

@@ -3,7 +3,7 @@
 `dslurm launch --preflight` does not start a second torchrun (that would cost a whole
 process start-up per job start, ~10 s of every restart here); it tells the training
 processes where the report goes (DSLURM_PREFLIGHT_REPORT, DSLURM_PREFLIGHT_SITE) and the
-trainer (or `dslurm.probe`) calls `gate_in_process` right after its process group exists,
+trainer (or `dslurm.launch.probe`) calls `gate_in_process` right after its process group exists,
 before building the model. Every rank measures; rank 0 writes the report into the run
 directory, records a ledger event and, when nodes are bad, adds them to the run's
 blocklist; every rank gets the same verdict and exits PREFLIGHT_FAILED (78) on a bad one,
@@ -39,7 +39,7 @@ def preflight_env(env: Mapping[str, str], site_path: str, job_id: str, restart: 
 
 def add_to_blocklist(run_dir: Path, hosts: list[str]) -> list[str]:
     """Merge hosts into the run's blocklist atomically; return the whole list."""
-    from dslurm.sbatch_cli import write_atomic
+    from dslurm.render.cli import write_atomic
     from dslurm.submit import blocklist_path, read_blocklist
 
     merged = sorted(set(read_blocklist(run_dir)) | set(hosts))
@@ -57,7 +57,7 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
     import torch.distributed as dist
 
     from dslurm.config import load_site
-    from dslurm.ledger import Ledger
+    from dslurm.observe.ledger import Ledger
     from dslurm.preflight.run import parse_args, run_in_group
     from dslurm.preflight.thresholds import Thresholds
 

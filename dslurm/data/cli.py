@@ -4,7 +4,7 @@
     dslurm data tokenize IN OUT [--seq-len L]      (byte level, vocab 256)
     dslurm data info FILE
 
-Light to import: numpy, h5py and the format module (`train.tokenize`, torch-free) are
+Light to import: numpy, h5py and the format module (`dslurm.data.tokenize`, torch-free) are
 imported inside the commands.
 """
 
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch on the action; user mistakes raise UserError (exit 2)."""
-    from train import tokenize as tk
+    from dslurm.data import tokenize as tk
 
     if args.data_command == "synth":
         if args.tokens < 2:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_info(info) -> str:
-    """Human-readable header of a `train.tokenize.TokenFileInfo`."""
+    """Human-readable header of a `dslurm.data.tokenize.TokenFileInfo`."""
     lines = [
         f"file        {info.path}",
         f"tokens      {info.n_tokens:,} ({info.dtype}, {info.size_bytes / 1e6:.1f} MB on disk)",

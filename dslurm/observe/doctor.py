@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes as X
-from dslurm.report import DIED, Start, _num, summarize
+from dslurm.observe.report import DIED, Start, _num, summarize
 
 HANG_S = 600.0  # a start this long without a first step is a hang, not a slow startup
 STALL_FRACTION = 0.05  # save stalls above this share of training time are worth fixing
@@ -243,7 +243,7 @@ _ENDING_HELP = {
 
 
 def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
-    """Starts whose classified ending (dslurm/endings.py) was a failure, with its evidence."""
+    """Starts whose classified ending (dslurm/requeue/endings.py) was a failure, with its evidence."""
     out = []
     for cls, (cause, fix) in _ENDING_HELP.items():
         hits = [s for s in starts if s.ending == cls]
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from dslurm.report import load
+    from dslurm.observe.report import load
 
     events, _ = load(args.run_dir)
     findings = diagnose(events, read_logs(args.run_dir))

@@ -22,12 +22,12 @@ Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`,
   ckpt_save         step, generation, bytes, stall_s, total_s (ckpt_save_failed/_skipped too)
   signal            the stop request the ranks agreed on, and the step
   exit              reason (completed | requeue | terminated), step, code
-  ending            how a start ended (dslurm/endings.py): cls, reason, origin_rank, origin_host,
+  ending            how a start ended (dslurm/requeue/endings.py): cls, reason, origin_rank, origin_host,
                     step, saved, evidence, step_rc; late=True when the next start wrote it
   requeue           decision (requeue | stop | end), step_rc, exit_code, reason, ending (class)
   chain_cancel      job_ids cancelled because training completed
-Writers: dslurm/submit.py, dslurm/preflight_gate.py, dslurm/checkpoint_dcp.py, train/loop.py,
-dslurm/requeue.py. Readers: dslurm/report.py, dslurm/doctor.py, dslurm/requeue.py.
+Writers: dslurm/submit.py, dslurm/preflight/in_job.py, dslurm/checkpoint/dcp.py, train/loop.py,
+dslurm/requeue/__init__.py. Readers: dslurm/observe/report.py, dslurm/observe/doctor.py, dslurm/requeue/__init__.py.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from dslurm import __version__
+from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.resolve import Resolved
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +79,7 @@ def _directive_lines(flags: list[tuple[str, str | None]]) -> list[str]:
 
 def job_env(r: Resolved, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment every job exports: site env, job env, then dslurm's own. The
-    rendered script and the submitit path (dslurm/api_job.py) both take it from here."""
+    rendered script and the submitit path (dslurm/api/job.py) both take it from here."""
     env = {**r.site.env, **r.job.env, **(extra or {})}
     env["DSLURM_RUN_DIR"] = str(r.run_dir)  # the requeue policy is read from the frozen config there
     return env
@@ -129,7 +129,7 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "# Environment (site, then job).",
         *_env_lines(r, refs),
         "",
-        "# This start's facts (dslurm/facts.py): how it ended is decided from them, not from rc.",
+        "# This start's facts (dslurm/requeue/facts.py): how it ended is decided from them, not from rc.",
         'export DSLURM_FACTS_DIR="$DSLURM_RUN_DIR/starts/${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"',
         'mkdir -p "$DSLURM_FACTS_DIR" || true',
         "",
@@ -163,7 +163,7 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "",
         "# Requeue, stop or finish: dslurm classifies the ending from the recorded facts, then",
         "# decides from the class, the restart budget, the ledger and the checkpoint pointer",
-        "# (dslurm/endings.py, dslurm/requeue.py), and names the reason.",
+        "# (dslurm/requeue/endings.py, dslurm/requeue/__init__.py), and names the reason.",
         "set +e",
         f'{py} -m dslurm requeue-me --rc "$rc"',
         'exit $?',

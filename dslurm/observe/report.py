@@ -1,6 +1,6 @@
 """`dslurm report RUN_DIR`: goodput, lost work, restarts, saves, MFU, stragglers, a PNG.
 
-Reads the run's ledger (`dslurm.ledger`) and nothing else. `summarize(events)` is pure;
+Reads the run's ledger (`dslurm.observe.ledger`) and nothing else. `summarize(events)` is pure;
 the definitions (goodput, productive time, lost steps, restart overhead) are in
 docs/report.md and in the docstrings below. `dslurm doctor` reuses `split_starts`.
 """
@@ -72,7 +72,7 @@ class Start:
     exit_reason: str = DIED
     decision: str | None = None
     ending: str | None = None
-    """the classified ending (dslurm/endings.py): completed, crash, preempted, save_failed, ..."""
+    """the classified ending (dslurm/requeue/endings.py): completed, crash, preempted, save_failed, ..."""
     ending_reason: str | None = None
     windows: list[Window] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -312,7 +312,7 @@ def summarize(events: Iterable[dict[str, Any]], skipped_lines: int = 0) -> Summa
 
 def load(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
     """(events, garbled lines skipped); UserError naming the path when there is nothing to read."""
-    from dslurm.ledger import FILENAME, read_events
+    from dslurm.observe.ledger import FILENAME, read_events
 
     path = Path(run_dir) / FILENAME
     if not path.is_file():
@@ -339,7 +339,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from dslurm.report_plot import print_summary
+    from dslurm.observe.plot import print_summary
 
     events, skipped = load(args.run_dir)
     summary = summarize(events, skipped)
@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_summary(summary, args.run_dir)
     if not args.no_png:
-        from dslurm.report_plot import plot_timeline
+        from dslurm.observe.plot import plot_timeline
 
         png = args.png or Path(args.run_dir) / "report.png"
         try:

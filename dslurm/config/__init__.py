@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dslurm.config.models import PRESETS, ModelShape, shape_from
+from dslurm.config.schema import apply_overrides, build, field, load_yaml
 from dslurm.errors import UserError
-from dslurm.models import PRESETS, ModelShape, shape_from
-from dslurm.schema import apply_overrides, build, field, load_yaml
 
 # ----------------------------------------------------------------------------- site
 
@@ -227,7 +227,7 @@ class JobSpec:
     launch: Literal["torchrun", "srun"] = field(
         "torchrun", help="torchrun: one task per node; srun: one task per process")
     entry: str = field("train", help="Python module run in every training process (python -m ENTRY "
-                       "--site S --job J); dslurm.probe is a connectivity check")
+                       "--site S --job J); dslurm.launch.probe is a connectivity check")
     model: ModelSpec = field(factory=ModelSpec, help="model shape")
     parallel: ParallelSpec = field(factory=ParallelSpec, help="parallel degrees")
     train: TrainSpec = field(factory=TrainSpec, help="optimisation")
@@ -246,7 +246,7 @@ class JobSpec:
         if self.nodes < 1:
             raise ValueError(f"nodes={self.nodes} must be at least 1")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.entry):
-            raise ValueError(f"entry={self.entry!r} is not a Python module name like train or dslurm.probe")
+            raise ValueError(f"entry={self.entry!r} is not a Python module name like train or dslurm.launch.probe")
         if self.procs_per_node is not None and self.procs_per_node < 1:
             raise ValueError(f"procs_per_node={self.procs_per_node} must be at least 1")
         if self.dependency is not None and not re.fullmatch(_DEPENDENCY, self.dependency):

@@ -1,0 +1,1 @@
+"""Observe a run: the event ledger, `dslurm report`, `dslurm doctor`."""
