@@ -173,7 +173,7 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
     same dslurm.launch.launch. The output goes to `<run_dir>/logs/local-<id>.log`."""
     from dslurm import exitcodes as X
     from dslurm.api.job import TrainerFailed, launch_keeping_handlers, output_tail, summarize, trainer_argv
-    from dslurm.observe.ledger import Ledger, read_events
+    from dslurm.observe.ledger import read_events
     from dslurm.submit import freeze_and_render
 
     r = load_inputs(job, site, overrides, site_overrides)
@@ -182,7 +182,6 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     env.update({**_one_node_env(), **_job_env(r)})
     log = r.run_dir / "logs" / f"{env['SLURM_JOB_ID']}.log"
-    Ledger(r.run_dir).append("local_start", job_id=env["SLURM_JOB_ID"], nproc=nproc or r.world_size)
     with _output_to(log):
         rc = launch_keeping_handlers(trainer_argv(r, str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")),
                                      mode="torchrun", nproc_per_node=nproc or r.world_size, env=env)

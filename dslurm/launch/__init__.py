@@ -204,6 +204,13 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
     info = derive(base_env, nproc_per_node=nproc_per_node, mode=mode)  # type: ignore[arg-type]
     child_env = {**base_env, **info.worker_env()}
     log.info("dslurm launch: %s", json.dumps(info.as_dict()))
+    if info.node_rank == 0 and (mode != "srun" or info.rank == 0) and base_env.get("DSLURM_RUN_DIR"):
+        from dslurm.observe.ledger import Ledger
+
+        # The start's first event, before any worker imports torch: `dslurm report` measures
+        # start-up from here.
+        Ledger(base_env["DSLURM_RUN_DIR"]).append("job_start", job_id=info.job_id, restart=info.restart_count,
+                                                  hosts=info.hosts, mode=mode, nproc_per_node=info.nproc_per_node)
     nlocal = 1 if mode == "srun" else info.nproc_per_node
     with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
         child_env[STATUS_DIR_ENV] = status_dir

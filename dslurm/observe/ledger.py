@@ -11,6 +11,8 @@ The file is strict JSON lines: non-finite floats (a NaN loss) are written as the
 even after a torn one, so a kill -9 never costs the next writer its event.
 
 Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`, `host`:
+  job_start         the launcher on node 0 as the start begins: hosts, mode, nproc_per_node
+                    (runs outside Slurm, e.g. api.run_local, too; older ledgers: local_start)
   submit            job_ids (a chain lists every link), signal_lead_s (effective; null with
                     requeue off), signal_lead_setting, signal_lead_reason, checkpoint_interval, via
   preflight         passed, bad_nodes, problems, warnings, report (path), duration_s, nodes
@@ -26,8 +28,9 @@ Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`,
                     step, saved, evidence, step_rc; late=True when the next start wrote it
   requeue           decision (requeue | stop | end), step_rc, exit_code, reason, ending (class)
   chain_cancel      job_ids cancelled because training completed
-Writers: dslurm/submit.py, dslurm/preflight/in_job.py, dslurm/checkpoint/dcp.py, train/loop.py,
-dslurm/requeue/__init__.py. Readers: dslurm/observe/report.py, dslurm/observe/doctor.py, dslurm/requeue/__init__.py.
+Writers: dslurm/submit.py, dslurm/launch/__init__.py, dslurm/api/__init__.py, dslurm/preflight/in_job.py,
+dslurm/checkpoint/dcp.py, train/loop.py, dslurm/requeue/__init__.py.
+Readers: dslurm/observe/report.py, dslurm/observe/doctor.py, dslurm/requeue/__init__.py.
 """
 
 from __future__ import annotations

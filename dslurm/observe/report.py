@@ -127,7 +127,7 @@ def _opens_new(cur: list[dict[str, Any]], ev: dict[str, Any]) -> bool:
     """Does `ev` belong to a new start rather than to the current one (`cur`)?"""
     names = {e["event"] for e in cur}
     name = ev["event"]
-    if _key(ev) != _key(cur[0]) or "requeue" in names or name == "job_start":
+    if _key(ev) != _key(cur[0]) or "requeue" in names or name in ("job_start", "local_start"):
         return True  # another job/restart, or the last start already took its decision
     trained = "train_start" in names or "exit" in names
     if name in _RESTORES or name == "train_start":
