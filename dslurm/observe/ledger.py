@@ -50,14 +50,14 @@ log = logging.getLogger(__name__)
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def _finite(obj: Any) -> Any:
+def finite_json(obj: Any) -> Any:
     """JSON has no NaN/Infinity: encode them as strings (decoded again by read_events)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [finite_json(v) for v in obj]
     return obj
 
 
@@ -67,7 +67,7 @@ def _decode(obj: dict[str, Any]) -> dict[str, Any]:
 
 def encode(record: dict[str, Any]) -> bytes:
     """One strict-JSON line. Pure."""
-    return (json.dumps(_finite(record), default=str, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    return (json.dumps(finite_json(record), default=str, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
 def _ends_torn(fd: int) -> bool:

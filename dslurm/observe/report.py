@@ -344,7 +344,9 @@ def run(args: argparse.Namespace) -> int:
     events, skipped = load(args.run_dir)
     summary = summarize(events, skipped)
     if args.json:
-        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        from dslurm.observe.ledger import finite_json
+
+        print(json.dumps(finite_json(summary.to_dict()), indent=2, default=str, allow_nan=False))
     else:
         print_summary(summary, args.run_dir)
     if not args.no_png:

@@ -250,3 +250,22 @@ def test_a_run_that_ended_on_a_failed_save_counts_the_steps_in_no_checkpoint():
     sm = summarize(led.events)
     assert sm.undurable_steps == 25 and sm.lost_steps == 25
     assert sm.starts[0].ending == "save_failed" and sm.endings == {"save_failed": 1}
+
+
+def test_report_json_is_strict_json_with_a_nan_loss(tmp_path, capsys):
+    import json
+    import math
+
+    from dslurm.cli import main
+    from dslurm.observe.ledger import Ledger as RealLedger
+
+    led = RealLedger(tmp_path)
+    led.append("train_start", step=0, startup_s=1.0)
+    led.append("steps", first=0, last=0, loss=math.nan, step_time_s=0.1, duration_s=0.1)
+    assert main(["report", str(tmp_path), "--json", "--no-png"]) == 0
+
+    def refuse(name):
+        raise ValueError(name)
+
+    out = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert out["starts"][0]["job_id"] is None
