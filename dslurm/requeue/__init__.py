@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dslurm import exitcodes as X
+from dslurm.errors import UserError
 from dslurm.requeue import endings as E
 
 
@@ -140,6 +141,7 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
     (node failure, SIGKILL of the whole job). Whoever runs next records it, from that start's
     facts and what accounting says about that incarnation."""
     from dslurm import slurm
+    from dslurm.launch.slurm_env import expand_hosts
     from dslurm.requeue.facts import list_starts, read_start
 
     for d in list_starts(run_dir):
@@ -151,7 +153,17 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
         state = str(incs[n]["state"]) if 0 <= n < len(incs) else None
         if state in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING", "SUSPENDED"):
             continue  # another job of this run is still in that start (e.g. a second submission)
-        ending = E.classify(read_start(d), E.SlurmView(state=state))
+        facts = read_start(d)
+        # The nodes of that incarnation that left no launcher report: the ones that were lost.
+        nodes = str(incs[n]["nodes"]) if 0 <= n < len(incs) else ""
+        try:
+            hosts = expand_hosts(nodes) if nodes and nodes not in ("None assigned", "None") else []
+        except UserError:  # an odd node list must not stop the decision
+            hosts = []
+        silent = tuple(h for h in hosts if h not in {str(x.get("host")) for x in facts.launchers})
+        view = E.SlurmView(state=state, down_nodes=silent if (state or "").startswith("NODE_FAIL") else (),
+                           node_states=tuple(f"{h}: no launcher report" for h in silent))
+        ending = E.classify(facts, view)
         if ending.cls != E.NODE_FAILURE and (state or "").startswith("NODE_FAIL"):
             ending.cls = E.NODE_FAILURE
         ending.evidence.append("recorded late, by the next start: this start's batch shell left no ending")

@@ -97,3 +97,26 @@ def test_requeue_me_applies_the_frozen_budget_without_any_policy_variable(tmp_pa
     assert not any(k.startswith("DSLURM_") and k != "DSLURM_RUN_DIR" for k in env)
     assert requeue.requeue_me(1, env) == X.BUDGET
     assert calls == []  # no scontrol requeue
+
+
+def test_a_start_that_died_with_its_node_gets_a_late_ending_naming_the_node(tmp_path, monkeypatch):
+    """The batch shell died too (NODE_FAIL took the job down): the next start writes the ending,
+    naming the node of that incarnation whose launcher left no report."""
+    import json
+
+    from dslurm import requeue, slurm
+    from dslurm.observe.ledger import read_events
+    from dslurm.requeue.facts import LauncherReport, write_launcher_report
+
+    run = tmp_path / "run"
+    old = {"DSLURM_FACTS_DIR": str(run / "starts" / "7.0")}
+    write_launcher_report(LauncherReport(host="node1", node_rank=0, signals=[], torchrun_rc=1, worker_codes={},
+                                         silent_local_ranks=[], code=1), old)
+    monkeypatch.setattr(slurm, "incarnations", lambda job, env=None: [
+        {"state": "NODE_FAIL", "nodes": "node[1-2]", "start": 1, "end": 2},
+        {"state": "RUNNING", "nodes": "node[1,3]", "start": 3, "end": 0}])
+    requeue.close_earlier_starts(run, run / "starts" / "7.1", {})
+    ends = [e for e in read_events(run) if e["event"] == "ending"]
+    assert len(ends) == 1 and ends[0]["late"] and (ends[0]["job_id"], ends[0]["restart"]) == ("7", 0)
+    assert (ends[0]["cls"], ends[0]["origin_host"]) == ("node_failure", "node2"), ends[0]
+    assert json.loads((run / "starts" / "7.0" / "ending.json").read_text())["cls"] == "node_failure"
