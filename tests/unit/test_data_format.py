@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dslurm.data import cli as data_cli
+from dslurm.data import tokenize as tk
 from dslurm.errors import UserError
-from train import tokenize as tk
 
 
 def test_synthetic_round_trip_through_hdf5(tmp_path):

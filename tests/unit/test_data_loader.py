@@ -10,8 +10,8 @@ import torch
 
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
+from dslurm.data import tokenize as tk
 from dslurm.errors import UserError
-from train import tokenize as tk
 from train.data import GlobalBatchSampler, TokenLoader, make_loader, synthetic_path
 
 SITE = Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml"
