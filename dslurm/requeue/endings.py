@@ -8,7 +8,8 @@ Rules, first match wins:
   2. A TERM reached the *batch shell* before any rank failed of its own accord: Slurm ended
      the step (scancel, preemption, `scontrol requeue`, the time limit). A TERM that reached
      only a launcher may be srun tearing the step down after another node failed: it
-     decides nothing on its own.
+     decides nothing on its own. A TERM that came after every rank had saved on a stop
+     warning (the time limit arriving while requeue-me runs) does not undo that stop.
   3. The earliest failure a rank reported of its own: crash, save failure, user error,
      refused (run dir locked), burn-in rejection. A peer's "connection closed" marks a
      victim, never the origin.
@@ -123,7 +124,9 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
                       evidence=[f"slurm: nodes down {nodes} ({', '.join(slurm.node_states)})",
                                 f"slurm: job state {slurm.state}", f"launcher reports from {sorted(reported)}"])
     terms = [t for s, t in facts.batch_signals if s in ("TERM", "SIGTERM")]
-    if terms and (first_fail_t is None or min(terms) <= first_fail_t):
+    saved_t = [float(r.get("t") or 0) for r in ranks if r.get("kind") == "stop_saved"]
+    warned_first = bool(terms) and bool(saved_t) and len(saved_t) == len(ranks) and max(saved_t) <= min(terms)
+    if terms and (first_fail_t is None or min(terms) <= first_fail_t) and not warned_first:
         cls = _slurm_stop(slurm.state)
         saved = any(r.get("kind") == "terminated_saved" for r in ranks)
         ev = [f"batch shell got TERM at {min(terms):.3f}", f"slurm: job state {slurm.state}"]

@@ -365,7 +365,8 @@ def test_cancel_resubmit_torn_ledger_and_corrupt_metadata(slurm_cluster, cli, tm
     assert read_pointer(run).step == 40
     assert [e["cls"] for e in events(run, "ending")] == ["cancelled", "cancelled", "completed"]
     record("scancel, resubmit; torn ledger line; corrupt .metadata", "resume at exactly the saved step; no "
-           "event lost after a torn line; loud fallback, corrupt generation deleted, fallback kept",
+           "event lost after a torn line; loud fallback to a verified generation, the corrupt one deleted "
+           "(recovery here includes the test's own resubmission)",
            f"job 2 resumed at {saved}; queue wait {sm.starts[1].queue_wait_s:.0f} s; job 3 fell back to step "
            f"{fb[0]['step']}", run)
 

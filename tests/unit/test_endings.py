@@ -115,3 +115,14 @@ def test_node_failure_wins_and_no_facts_falls_back_to_the_code_said_plainly():
 def test_peer_error_patterns():
     assert E.is_peer_error(PEER) and E.is_peer_error("Connection reset by peer")
     assert not E.is_peer_error("RuntimeError: injected crash before step 15")
+
+
+def test_a_term_after_a_saved_warned_stop_does_not_undo_it():
+    # USR2 (the time-limit warning), every rank saved and exited 75; then the time limit's TERM
+    # reaches the batch shell while requeue-me runs: still a warned stop, to be requeued.
+    saved = [rank(r, "stop_saved", T0 + 1, code=75, signal="SIGUSR2") for r in range(2)]
+    f = facts(ranks=saved, batch=[("USR2", T0), ("TERM", T0 + 5)])
+    assert E.classify(f, E.SlurmView(state="RUNNING"), 75).cls == E.WARNED_STOP
+    # ... but a TERM before the save finished is Slurm's stop.
+    f = facts(ranks=saved, batch=[("USR2", T0), ("TERM", T0 + 0.5)])
+    assert E.classify(f, E.SlurmView(state="TIMEOUT"), 75).cls == E.TIME_LIMIT
