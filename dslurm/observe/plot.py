@@ -127,7 +127,8 @@ def plot_timeline(sm: Summary, path: str | Path) -> Path:
         for kind, a, w in _bands(s):
             top.broken_barh([(x(a), w / scale)], (s.index - 0.35, 0.7), color=COLORS[kind])
         _markers(top, s, x, s.index)
-    top.set_yticks([s.index for s in starts], [f"{s.index}: {s.exit_reason[:24]}" for s in starts], fontsize=8)
+    labels = [f"{s.index}: {(s.ending or s.exit_reason)[:24]}" for s in starts]  # the classified ending
+    top.set_yticks([s.index for s in starts], labels, fontsize=8)
     top.set_ylim(len(starts) - 0.5, -0.5)
     gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
     top.set_title(f"goodput {gp}, {sm.restarts} restart(s), {sm.lost_steps} step(s) redone", fontsize=10)

@@ -33,7 +33,8 @@ def _write_table():
     yield
     if not ROWS:
         return
-    head = ["# Fault matrix (written by the test run)", "",
+    title = "Crash race soak" if RACE_REPEAT > 1 else "Fault matrix"
+    head = [f"# {title} (written by the test run)", "",
             f"Produced by `{os.environ.get('DSLURM_FAULT_MATRIX_CMD', 'scripts/test.sh')}` on "
             f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, load average "
             f"{os.getloadavg()[0]:.1f}. Recovery = the requeue decision to the first step of the next start "
@@ -66,8 +67,9 @@ def rank_reports(run: Path) -> list[dict]:
 @pytest.mark.parametrize("attempt", range(RACE_REPEAT))
 def test_crash_first_then_srun_kills_the_other_node_is_a_crash(slurm_cluster, cli, tmp_path, attempt):
     """Order A (the race that lost a retry): node1's ranks crash and exit first; node2's ranks
-    linger, so srun's --kill-on-bad-exit TERMs node2 and the step returns 143. The crash is
-    retried; the same crash on the next start stops on the no-progress guard."""
+    linger, so srun's --kill-on-bad-exit TERMs node2's launcher (the step's code is then 1 or
+    143: it decides nothing). The crash is retried; the same crash on the next start stops on
+    the no-progress guard."""
     env = slurm_cluster.env()
     run = tmp_path / "race-a"
     spec = job_spec(tmp_path, "race-a", steps=20, env={"DSLURM_FAULT_CRASH": "15:0,1",
