@@ -34,43 +34,44 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
+# Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_EXIT_DELAY",
          "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP", SLOW_NODE)
 
 
 @dataclass(frozen=True)
-class StepFault:
-    step: int
+class ScopedKnob:
+    """A knob value `VALUE[:RANKS][@RESTART]`: what, for which ranks, on which start."""
+
+    value: str
     ranks: frozenset[int]
     restart: int | None
 
+    def applies(self, env: Mapping[str, str]) -> bool:
+        rank = int(env.get("RANK", "0") or 0)
+        restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+        return rank in self.ranks and self.restart in (None, restart)
 
-def parse_step_fault(raw: str) -> StepFault:
-    """`STEP[:RANKS][@RESTART]` -> StepFault. Pure."""
+
+def parse_scoped(raw: str) -> ScopedKnob:
+    """`VALUE[:RANKS][@RESTART]` -> ScopedKnob; RANKS defaults to rank 0. Pure."""
     body, _, restart = raw.partition("@")
-    step, _, ranks = body.partition(":")
-    return StepFault(int(step), frozenset(int(r) for r in (ranks or "0").split(",")),
-                     int(restart) if restart else None)
+    value, _, ranks = body.partition(":")
+    return ScopedKnob(value, frozenset(int(r) for r in (ranks or "0").split(",")), int(restart) if restart else None)
 
 
-def _rank(env: Mapping[str, str]) -> int:
-    return int(env.get("RANK", "0") or 0)
-
-
-def _restart(env: Mapping[str, str]) -> int:
-    return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+def _scoped(name: str, env: Mapping[str, str] | None) -> str | None:
+    """The knob's value when it is set and aims at this process (rank, start), else None."""
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    knob = parse_scoped(raw) if raw else None
+    return knob.value if knob is not None and knob.applies(env) else None
 
 
 def step_fault(name: str, env: Mapping[str, str] | None = None) -> int | None:
     """The step at which knob `name` fires for this process (this rank, this start), or None."""
-    env = os.environ if env is None else env
-    raw = env.get(name)
-    if not raw:
-        return None
-    f = parse_step_fault(raw)
-    if _rank(env) not in f.ranks or (f.restart is not None and f.restart != _restart(env)):
-        return None
-    return f.step
+    value = _scoped(name, env)
+    return int(value) if value is not None else None
 
 
 def before_step(next_step: int, crash_at: int | None, kill_at: int | None) -> None:
@@ -83,15 +84,8 @@ def before_step(next_step: int, crash_at: int | None, kill_at: int | None) -> No
 
 
 def exit_delay(env: Mapping[str, str] | None = None) -> float:
-    env = os.environ if env is None else env
-    raw = env.get("DSLURM_FAULT_EXIT_DELAY")
-    if not raw:
-        return 0.0
-    body, _, restart = raw.partition("@")
-    secs, _, ranks = body.partition(":")
-    if restart and int(restart) != _restart(env):
-        return 0.0
-    return float(secs) if _rank(env) in {int(r) for r in (ranks or "0").split(",")} else 0.0
+    value = _scoped("DSLURM_FAULT_EXIT_DELAY", env)
+    return float(value) if value is not None else 0.0
 
 
 def delay_exit() -> None:

@@ -130,15 +130,10 @@ def report(code: int, rank: int) -> None:
     from dslurm import exitcodes
     from dslurm.launch import write_worker_code
     from dslurm.requeue import facts
-    from dslurm.requeue.endings import is_peer_error
 
     write_worker_code(code)
-    kind = exitcodes.KIND_OF_CODE.get(code, "crash")
     signame = getattr(OUTCOME.stop, "signame", None)
-    if kind == "crash" and is_peer_error(OUTCOME.error):
-        kind = "peer_lost"  # a peer went first; that peer's own report names the cause
-    elif kind == "crash" and signame:
-        kind = "killed_by_teardown"  # stopped by a signal and died before it could save
+    kind = facts.victim_kind(exitcodes.KIND_OF_CODE.get(code, "crash"), OUTCOME.error, signame)
     run_dir = getattr(getattr(OUTCOME.trainer, "resolved", None), "run_dir", None)
     facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=OUTCOME.step,
                                              error=OUTCOME.error, t=OUTCOME.t or time.time(), signal=signame),

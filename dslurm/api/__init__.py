@@ -154,7 +154,7 @@ def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
     check_accounting()
     freeze_and_render(r)
     executor = submitit.SlurmExecutor(folder=str(folder or r.run_dir / "submitit" / "%j"),
-                                      max_num_timeout=r.max_restarts)
+                                      max_num_timeout=r.policy.max_restarts)
     executor.job_class = _job_class()  # type: ignore[assignment]
     executor.update_parameters(**executor_parameters(r, exclude=read_blocklist(r.run_dir)))
     sub = executor.submit(TrainTask(str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")))

@@ -196,7 +196,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         rank = int(env.get("SLURM_PROCID", "0"))
         if rank != 0:
             _wait_for_requeue()
-        if not r.requeue:
+        if not r.policy.enabled:
             raise TrainerFailed("saved on a stop signal; requeue is off for this job (requeue.enabled), "
                                 "so it ends here. Fix: submit it again to resume from the checkpoint")
         decision = _decide(r, env)
@@ -216,7 +216,7 @@ def _decide(r: Resolved, env: Mapping[str, str]) -> Any:
 
     events = list(read_events(r.run_dir))
     d = decide(ending=WARNED_STOP, failures=failures_of(events, env.get("SLURM_JOB_ID", "")),
-               max_restarts=r.max_restarts, no_progress_limit=r.no_progress_limit,
+               max_restarts=r.policy.max_restarts, no_progress_limit=r.policy.no_progress_limit,
                start_steps=start_steps_of(events), pointer_step=pointer_step(r.run_dir))
     Ledger(r.run_dir).append("requeue", decision=d.action, step_rc=X.REQUEUE, exit_code=d.exit_code,
                              reason=d.reason, via="submitit")

@@ -43,6 +43,7 @@ POINTER = "LATEST"
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
 RANKS = "ranks"
+REJECTED = "REJECTED.json"  # written into a generation a restore found corrupt
 LOCK = ".lock"
 HOLDER = "lock-holder.json"
 TRASH = ".trash-"
@@ -127,9 +128,6 @@ def list_generations(run_dir: str | os.PathLike[str]) -> list[GenInfo]:
         if step is not None and p.is_dir():
             out.append(GenInfo(p.name, step, p, (p / MANIFEST).is_file() and not (p / REJECTED).exists()))
     return sorted(out, key=lambda g: _sort_key(g.name))
-
-
-REJECTED = "REJECTED.json"
 
 
 def mark_rejected(gen_dir: Path, problems: list[str]) -> None:

@@ -465,12 +465,8 @@ class CheckpointManager:
             self._event("ckpt_save", step=out.step, generation=out.generation, bytes=out.bytes,
                         stall_s=round(out.stall_s, 4), total_s=round(out.total_s, 4))
             return
-        try:
-            ptr = ck.read_pointer(self.run_dir)
-        except ck.CheckpointError:
-            ptr = None
         log.error("[rank %d] checkpoint save at step %d FAILED, pointer unchanged (%s), on_error=%s: %s",
-                  self.rank, out.step, ptr.generation if ptr else "none", self.on_error, out.reason)
+                  self.rank, out.step, self._pointer_desc(), self.on_error, out.reason)
         self._event("ckpt_save_failed", step=out.step, generation=out.generation, reason=out.reason,
                     policy=self.on_error)
         if self.on_error == "stop":
@@ -478,13 +474,17 @@ class CheckpointManager:
 
     def failure(self, out: SaveOutcome) -> ck.SaveFailed:
         """The error a caller raises when a save it needs (the final one, a stop's) failed."""
+        return ck.SaveFailed(f"checkpoint save at step {out.step} failed: {out.reason}. Fix: "
+                             f"{failure_hint(out.reason, self.run_dir)}. The pointer still names "
+                             f"{self._pointer_desc()}.")
+
+    def _pointer_desc(self) -> str:
+        """What the pointer names now, for messages (a garbage pointer names nothing)."""
         try:
             ptr = ck.read_pointer(self.run_dir)
         except ck.CheckpointError:
             ptr = None
-        where = f"step {ptr.step} ({ptr.generation})" if ptr else "no generation"
-        return ck.SaveFailed(f"checkpoint save at step {out.step} failed: {out.reason}. Fix: "
-                             f"{failure_hint(out.reason, self.run_dir)}. The pointer still names {where}.")
+        return f"step {ptr.step} ({ptr.generation})" if ptr else "no generation"
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.ledger is not None and self.rank == 0:

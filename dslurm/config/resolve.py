@@ -174,23 +174,6 @@ class Resolved:
     policy: RequeuePolicy
     run_dir: Path
 
-    # Read-only views of the policy (one home: `policy`).
-    @property
-    def requeue(self) -> bool:
-        return self.policy.enabled
-
-    @property
-    def signal_lead_s(self) -> int:
-        return self.policy.lead_s
-
-    @property
-    def max_restarts(self) -> int:
-        return self.policy.max_restarts
-
-    @property
-    def no_progress_limit(self) -> int:
-        return self.policy.no_progress_limit
-
     @property
     def world_size(self) -> int:
         return self.nnodes * self.procs_per_node

@@ -85,10 +85,6 @@ def read_worker_code_map(status_dir: Path) -> dict[str, int]:
     return codes
 
 
-def read_worker_codes(status_dir: Path) -> list[int]:
-    return list(read_worker_code_map(status_dir).values())
-
-
 def write_worker_code(code: int) -> None:
     """Called by a training process on its way out (see train/__main__.py)."""
     d = os.environ.get(STATUS_DIR_ENV)
@@ -211,7 +207,8 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
         # start-up from here.
         Ledger(base_env["DSLURM_RUN_DIR"]).append("job_start", job_id=info.job_id, restart=info.restart_count,
                                                   hosts=info.hosts, mode=mode, nproc_per_node=info.nproc_per_node)
-    nlocal = 1 if mode == "srun" else info.nproc_per_node
+    # The local ranks this launcher starts: its own task (srun mode) or torchrun's workers.
+    local = [child_env.get("LOCAL_RANK", "0")] if mode == "srun" else [str(i) for i in range(info.nproc_per_node)]
     with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
         child_env[STATUS_DIR_ENV] = status_dir
         argv = list(cmd) if mode == "srun" else torchrun_argv(info, cmd, rdzv)
@@ -222,7 +219,6 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
             # Our workers saw TERM but this launcher never did: torchrun tore them down because
             # a peer failed. That is a crash of the job, not a preemption.
             code = 1
-        local = [str(int(child_env.get("LOCAL_RANK", "0")))] if mode == "srun" else [str(i) for i in range(nlocal)]
         record(info.node_rank, rc, codes, [int(r) for r in local if r not in codes], code, base_env)
         return code
 
@@ -275,7 +271,6 @@ def _run_launch(args) -> int:
         info = derive(env, nproc_per_node=args.nproc_per_node, mode=args.mode)
         env.update(preflight_env(env, args.site, info.job_id, info.restart_count))
     if STOP_SIGNAL:  # stopped before training started: nothing trained, nothing to save
-
         log.warning("dslurm launch: %s arrived before training started; not starting it", STOP_SIGNAL)
         code = exitcodes.TERMINATED if STOP_SIGNAL == "SIGTERM" else exitcodes.REQUEUE
         record(None, None, {}, [], code, env)

@@ -61,8 +61,15 @@ def finite_json(obj: Any) -> Any:
     return obj
 
 
+def _decode_value(v: Any) -> Any:
+    if isinstance(v, str):
+        return _NONFINITE.get(v, v)
+    return [_decode_value(x) for x in v] if isinstance(v, list) else v
+
+
 def _decode(obj: dict[str, Any]) -> dict[str, Any]:
-    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in obj.items()}
+    """json object_hook: the strings finite_json wrote back into floats (dicts nest by themselves)."""
+    return {k: _decode_value(v) for k, v in obj.items()}
 
 
 def encode(record: dict[str, Any]) -> bytes:

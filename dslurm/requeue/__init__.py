@@ -136,50 +136,68 @@ def _record_ending(run_dir: Path, d: Path, ending: E.Ending, **ctx: Any) -> None
     Ledger(run_dir).append("ending", **rec)
 
 
-def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, str]) -> None:
+class _Accounting:
+    """sacct's incarnations of each job, asked once per job while requeue-me runs."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+        self._seen: dict[str, list[dict[str, object]]] = {}
+
+    def incarnations(self, job: str) -> list[dict[str, object]]:
+        from dslurm import slurm
+
+        if job not in self._seen:
+            self._seen[job] = slurm.incarnations(job, env=self.env) if job.isdigit() else []
+        return self._seen[job]
+
+
+def _hosts(nodelist: str) -> list[str]:
+    """sacct's node list of an incarnation as host names ([] when none or unreadable)."""
+    from dslurm.launch.slurm_env import expand_hosts
+
+    if not nodelist or nodelist in ("None assigned", "None"):
+        return []
+    try:
+        return expand_hosts(nodelist)
+    except UserError:  # an odd node list must not stop the decision
+        return []
+
+
+def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, str],
+                         acct: _Accounting | None = None) -> None:
     """Write the ending of every earlier start that has none: its batch shell died with it
     (node failure, SIGKILL of the whole job). Whoever runs next records it, from that start's
     facts and what accounting says about that incarnation."""
-    from dslurm import slurm
-    from dslurm.launch.slurm_env import expand_hosts
     from dslurm.requeue.facts import list_starts, read_start
 
+    acct = acct or _Accounting(env)
     for d in list_starts(run_dir):
         if d == current or (d / "ending.json").exists():
             continue
         job, _, restart = d.name.rpartition(".")
-        incs = slurm.incarnations(job, env=env) if job.isdigit() else []
+        incs = acct.incarnations(job)
         n = int(restart) if restart.isdigit() else -1
-        state = str(incs[n]["state"]) if 0 <= n < len(incs) else None
+        inc = incs[n] if 0 <= n < len(incs) else {}
+        state = str(inc["state"]) if inc else None
         if state in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING", "SUSPENDED"):
             continue  # another job of this run is still in that start (e.g. a second submission)
-        facts = read_start(d)
-        # The nodes of that incarnation that left no launcher report: the ones that were lost.
-        nodes = str(incs[n]["nodes"]) if 0 <= n < len(incs) else ""
-        try:
-            hosts = expand_hosts(nodes) if nodes and nodes not in ("None assigned", "None") else []
-        except UserError:  # an odd node list must not stop the decision
-            hosts = []
-        silent = tuple(h for h in hosts if h not in {str(x.get("host")) for x in facts.launchers})
-        view = E.SlurmView(state=state, down_nodes=silent if (state or "").startswith("NODE_FAIL") else (),
-                           node_states=tuple(f"{h}: no launcher report" for h in silent))
-        ending = E.classify(facts, view)
-        if ending.cls != E.NODE_FAILURE and (state or "").startswith("NODE_FAIL"):
-            ending.cls = E.NODE_FAILURE
+        # A NODE_FAIL incarnation's nodes are the suspects; classify names those without a report.
+        suspects = tuple(_hosts(str(inc.get("nodes", "")))) if (state or "").startswith("NODE_FAIL") else ()
+        ending = E.classify(read_start(d), E.SlurmView(state=state, down_nodes=suspects,
+                                                       node_states=("incarnation NODE_FAIL",) if suspects else ()))
         ending.evidence.append("recorded late, by the next start: this start's batch shell left no ending")
         _record_ending(run_dir, d, ending, job_id=job, restart=n, late=True, slurm_state=state)
 
 
-def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str]) -> tuple[E.Ending, Path | None]:
+def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str],
+                        acct: _Accounting) -> tuple[E.Ending, Path | None]:
     from dslurm import slurm
-    from dslurm.launch.slurm_env import expand_hosts
     from dslurm.requeue.facts import StartFacts, read_start, start_dir
 
     d = start_dir(env, run_dir)
     facts = read_start(d) if d is not None else StartFacts("?", [], [], [], None)
-    job = env.get("SLURM_JOB_ID", "")
-    incs = slurm.incarnations(job, env=env) if job else []
-    hosts = expand_hosts(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else []
+    incs = acct.incarnations(env.get("SLURM_JOB_ID", ""))
+    hosts = _hosts(env.get("SLURM_JOB_NODELIST", ""))
     down = slurm.down_nodes(hosts, env=env) if hosts else {}
     view = E.SlurmView(state=str(incs[-1]["state"]) if incs else None, down_nodes=tuple(down),
                        node_states=tuple(f"{k}: {v}" for k, v in down.items()))
@@ -202,8 +220,9 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
 
     env = dict(os.environ if env is None else env)
     run_dir = Path(env["DSLURM_RUN_DIR"])
-    ending, d = classify_this_start(run_dir, rc, env)
-    close_earlier_starts(run_dir, d, env)
+    acct = _Accounting(env)
+    ending, d = classify_this_start(run_dir, rc, env, acct)
+    close_earlier_starts(run_dir, d, env, acct)
     events = list(read_events(run_dir))
     job_id = env.get("SLURM_JOB_ID", "")
     failures = failures_of(events, job_id)

@@ -23,13 +23,12 @@ Rules, first match wins:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dslurm import exitcodes as X
-from dslurm.requeue.facts import OWN_FAILURES, StartFacts
+from dslurm.requeue.facts import OWN_FAILURES, StartFacts, victim_kind
 
 COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
     "completed", "warned_stop", "cancelled", "preempted", "time_limit")
@@ -37,17 +36,6 @@ CRASH, NODE_FAILURE, SAVE_FAILED, REFUSED, USER_ERROR, BURNIN_REJECTED = (
     "crash", "node_failure", "save_failed", "refused", "user_error", "burnin_rejected")
 FAILURES = (CRASH, NODE_FAILURE, BURNIN_REJECTED)  # retried within the crash budget
 SLURM_STOPS = (CANCELLED, PREEMPTED, TIME_LIMIT)  # Slurm ended the step: Slurm decides what next
-
-# gloo/NCCL/c10d messages of a process whose peer went away first.
-_PEER = re.compile(r"connection (closed|reset)|broken pipe|ECONNRESET|EPIPE|peer .* (closed|died|gone)|"
-                   r"Socket Timeout|recvBytes|sendBytes|NCCL communicator was aborted|store.*(closed|refused)|"
-                   r"DistNetworkError|DistStoreError", re.I)
-
-
-def is_peer_error(error: str) -> bool:
-    """True when an exception text says a peer process went away (this rank is a victim)."""
-    return bool(_PEER.search(error or ""))
-
 
 @dataclass(frozen=True)
 class SlurmView:
@@ -78,8 +66,8 @@ def _own_failures(ranks: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     for r in ranks:
         if r.get("kind") not in OWN_FAILURES:
             continue
-        if r.get("kind") == CRASH and (is_peer_error(str(r.get("error", ""))) or r.get("signal")):
-            continue  # died because a peer went (or while being torn down): a victim
+        if victim_kind(str(r["kind"]), str(r.get("error", "")), r.get("signal")) != r["kind"]:
+            continue  # a crash report that is really a victim's (older writers): not the origin
         out.append(r)
     return sorted(out, key=lambda r: float(r.get("t") or 0))
 

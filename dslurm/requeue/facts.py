@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -43,6 +44,27 @@ ENDING = "ending.json"
 # they mark who was hurt, never where the failure began.
 OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected")
 VICTIM_KINDS = ("peer_lost", "killed_by_teardown")
+
+# gloo/NCCL/c10d messages of a process whose peer went away first.
+_PEER = re.compile(r"connection (closed|reset)|broken pipe|ECONNRESET|EPIPE|peer .* (closed|died|gone)|"
+                   r"Socket Timeout|recvBytes|sendBytes|NCCL communicator was aborted|store.*(closed|refused)|"
+                   r"DistNetworkError|DistStoreError", re.I)
+
+
+def is_peer_error(error: str) -> bool:
+    """True when an exception text says a peer process went away (this rank is a victim)."""
+    return bool(_PEER.search(error or ""))
+
+
+def victim_kind(kind: str, error: str, signal: str | None) -> str:
+    """The kind a rank reports: a crash whose error says a peer went away is `peer_lost`; one
+    that came after a stop signal (torchrun or srun tearing the step down) is
+    `killed_by_teardown`; anything else keeps its kind. Pure; the one home of this rule."""
+    if kind != "crash":
+        return kind
+    if is_peer_error(error):
+        return "peer_lost"
+    return "killed_by_teardown" if signal else kind
 
 
 def start_name(job_id: str, restart: int) -> str:

@@ -113,8 +113,13 @@ def test_node_failure_wins_and_no_facts_falls_back_to_the_code_said_plainly():
 
 
 def test_peer_error_patterns():
-    assert E.is_peer_error(PEER) and E.is_peer_error("Connection reset by peer")
-    assert not E.is_peer_error("RuntimeError: injected crash before step 15")
+    from dslurm.requeue.facts import is_peer_error, victim_kind
+
+    assert is_peer_error(PEER) and is_peer_error("Connection reset by peer")
+    assert not is_peer_error("RuntimeError: injected crash before step 15")
+    assert victim_kind("crash", PEER, None) == "peer_lost"
+    assert victim_kind("crash", "boom", "SIGTERM") == "killed_by_teardown"
+    assert victim_kind("crash", "boom", None) == "crash" and victim_kind("save_failed", PEER, None) == "save_failed"
 
 
 def test_a_term_after_a_saved_warned_stop_does_not_undo_it():

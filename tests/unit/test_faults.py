@@ -31,3 +31,14 @@ def test_exit_delay_scoped_to_one_start():
     env = {"DSLURM_FAULT_EXIT_DELAY": "6:0,1@0", "RANK": "1", "SLURM_RESTART_COUNT": "0"}
     assert faults.exit_delay(env) == 6.0
     assert faults.exit_delay({**env, "SLURM_RESTART_COUNT": "1"}) == 0.0
+
+
+def test_every_fault_knob_in_the_code_is_listed_and_documented():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    used = {m for d in ("dslurm", "train") for p in (root / d).rglob("*.py")
+            for m in re.findall(r"DSLURM_FAULT_[A-Z0-9_]+", p.read_text())}
+    assert used == set(faults.KNOBS), used ^ set(faults.KNOBS)
+    assert all(k in faults.__doc__ for k in faults.KNOBS)

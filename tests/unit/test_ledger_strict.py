@@ -19,6 +19,9 @@ def test_non_finite_numbers_are_strict_json_and_read_back_as_floats(tmp_path):
     assert rec["loss"] == "NaN" and rec["grad_norm"] == "Infinity"
     ev = next(read_events(tmp_path))
     assert math.isnan(ev["loss"]) and ev["grad_norm"] == math.inf and ev["lr"] == -math.inf and ev["ok"] == 1.5
+    Ledger(tmp_path).append("stragglers", times=[1.0, math.inf], by={"a": [math.nan]})
+    ev = [e for e in read_events(tmp_path) if e["event"] == "stragglers"][0]
+    assert ev["times"] == [1.0, math.inf] and math.isnan(ev["by"]["a"][0])
 
 
 def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
