@@ -20,9 +20,13 @@ CHILDREN: dict[int, subprocess.Popen] = {}  # reaped in stop(): avoids zombies i
 
 
 def spawn_proc(name: str, argv: list[str], out: Path, env: dict[str, str]) -> dict:
+    """Start a daemon logging to `out`. Its working directory is `out`'s folder (in the cluster's
+    state dir), never the caller's: a daemon outlives the shell that ran `dslurm cluster up`, and
+    slurmstepd inherits slurmd's cwd, so a deleted checkout would put "Unable to get current
+    working directory" into every job's output."""
     with out.open("ab") as f:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
+                             env=env, start_new_session=True, cwd=out.parent)
     CHILDREN[p.pid] = p
     return {"name": name, "pid": p.pid, "start": start_time(p.pid)}
 

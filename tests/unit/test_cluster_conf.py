@@ -77,3 +77,21 @@ def test_hosts_line_is_marked_with_state_dir() -> None:
 def test_spec_rejects_bad_values_naming_them(kw: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(kw))):
         _spec(**kw)
+
+
+def test_daemons_run_in_the_state_dir_not_in_the_callers_cwd(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from dslurm.cluster.proc import spawn_proc
+
+    log = tmp_path / "state" / "log"
+    log.mkdir(parents=True)
+    elsewhere = tmp_path / "checkout"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rec = spawn_proc("pwd", ["pwd"], log / "pwd.out", dict(os.environ))
+    deadline = time.monotonic() + 10
+    while not (log / "pwd.out").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rec["pid"] > 0 and (log / "pwd.out").read_text().strip() == str(log)
