@@ -155,6 +155,29 @@ def file_crc32(path: Path) -> tuple[int, str]:
     return size, f"{crc:08x}"
 
 
+FULL_BELOW_BYTES = 1 << 20  # a file system with less free than this cannot take a generation
+
+
+def disk_full_fact(path: Path) -> str:
+    """'No space left …' when the file system holding path is (nearly) full, else ''.
+
+    Asked right after a write failed, before the partial files are removed: a short write
+    does not always surface as ENOSPC (torch's zip writer reports "unexpected pos"), but the
+    free space says what happened."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free >= FULL_BELOW_BYTES:
+        return ""
+    return (f"No space left on device (ENOSPC): the file system holding {path} has {free} bytes free "
+            f"of {st.f_blocks * st.f_frsize}")
+
+
 def checksum_files(root: Path, relpaths: Iterable[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for rel in relpaths:

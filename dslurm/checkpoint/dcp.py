@@ -171,6 +171,12 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
+def _write_reason(exc: BaseException, path: Path) -> str:
+    """The reason a write failed, with the disk's state when that is the cause."""
+    reason, full = _reason(exc), ck.disk_full_fact(path)
+    return f"{full}; {reason}" if full and "No space left" not in reason else reason
+
+
 def _to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
@@ -399,7 +405,7 @@ class CheckpointManager:
             if bad:
                 err = f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
         except Exception as exc:
-            err = _reason(exc)
+            err = _write_reason(exc, gen)
         sums: dict[str, Any] = {}
         job.phases["prep"] = time.perf_counter() - job.t0
         if not any(comm.gather(err)):
@@ -416,7 +422,7 @@ class CheckpointManager:
                                               + [f"{ck.RANKS}/rank-{r:05d}.json"]))
                 job.phases["crc32"] = time.perf_counter() - job.t0
             except (Exception, CheckpointException) as exc:  # the latter is a BaseException
-                err = _reason(exc)
+                err = _write_reason(exc, gen)
         results = comm.gather((err, sums))
         verdict = self._commit(gen, job, results) if r == 0 else None
         ok, reason, nbytes = comm.bcast(verdict)

@@ -197,6 +197,37 @@ def test_full_disk_stops_when_asked(tmp_path, monkeypatch, async_mode):
     mgr.close()
 
 
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MB tmpfs (needs root; skipped elsewhere): the disk really fills."""
+    import subprocess
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_really_full_disk_is_named_whatever_the_writer_reports(tiny_fs):
+    """A short write can surface as torch's "unexpected pos" instead of ENOSPC; the reason must
+    still say the disk is full, from the file system's own free space, and name it."""
+    run = Run(dim=8192)  # ~0.9 MB of parameters + 2x AdamW state: more than the 1 MB disk
+    run.step()
+    with CheckpointManager(tiny_fs / "run", on_error="continue") as mgr:
+        assert mgr.save(1, run.state, run.extra) is False
+        reason = mgr.last_outcome.reason
+    assert "No space left on device" in reason and str(tiny_fs) in reason, reason
+    assert ck.read_pointer(tiny_fs / "run") is None and ck.list_generations(tiny_fs / "run") == []
+    assert ck.disk_full_fact(tiny_fs / "run") == ""  # the failed generation's space was freed
+
+
+def test_a_disk_with_room_is_not_called_full(tmp_path):
+    assert ck.disk_full_fact(tmp_path / "not" / "yet" / "made") == ""
+
+
 def _slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     import time
     original = dcp_fs._FileSystemWriter.write_data
