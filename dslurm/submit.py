@@ -93,9 +93,9 @@ def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list
     still has pending or running."""
     from dslurm import slurm
     from dslurm.errors import SlurmError
-    from dslurm.observe.ledger import read_events
+    from dslurm.observe import events
 
-    ids = sorted({int(i) for e in read_events(run_dir) if e.get("event") == "submit" for i in e.get("job_ids", [])})
+    ids = sorted({i for e in events.of(events.read(run_dir), events.Submit) for i in e.job_ids})
     if not ids:
         return []
     try:
@@ -105,15 +105,16 @@ def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list
         return []
 
 
-def record_submission(r: Resolved, ids: list[int], **extra: object) -> None:
+def record_submission(r: Resolved, ids: list[int], via: str | None = None) -> None:
     """The ledger's submit event: job ids, the effective signal lead and how it was derived,
     the checkpoint interval (so the report can tell whether the lead was long enough)."""
+    from dslurm.observe import events
     from dslurm.observe.ledger import Ledger
 
     p = r.policy
-    Ledger(r.run_dir).append("submit", job_ids=ids, signal_lead_s=p.lead_s if p.enabled else None,
-                             signal_lead_setting=p.lead_setting, signal_lead_reason=p.lead_reason,
-                             checkpoint_interval=r.job.checkpoint.interval, **extra)
+    Ledger(r.run_dir).append(events.Submit(
+        job_ids=ids, signal_lead_s=p.lead_s if p.enabled else None, signal_lead_setting=p.lead_setting,
+        signal_lead_reason=p.lead_reason, checkpoint_interval=r.job.checkpoint.interval, via=via))
 
 
 # ------------------------------------------------------------------------------ CLI

@@ -9,8 +9,8 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   143 stopped by TERM (scancel, preemption; `stop_terminated` set on any rank): saved like 75,
      but not to be requeued by us
   2  user error (bad config or layout), raised before any process-group work
-Ledger events written (rank 0 only): train_start, steps (every log_every), stragglers
-(every straggler_every), signal, exit; the checkpoint manager adds ckpt_* events.
+Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
+log_every), Stragglers (every straggler_every), Signal, Exit; the checkpoint manager adds Ckpt*.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dslurm import exitcodes, faults
+from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
 from train.data import dp_coords, make_loader
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
@@ -173,7 +174,7 @@ class Trainer:
         self._save(blocking=True)
         out = self.ckpt.last_outcome
         if out is not None and out.step == self.step and not out.ok:
-            self._event("exit", reason="save_failed", step=self.step, code=exitcodes.SAVE_FAILED)
+            self._event(events.Exit(reason="save_failed", step=self.step, code=exitcodes.SAVE_FAILED))
             raise self.ckpt.failure(out)
 
     def restore(self) -> Any:
@@ -191,22 +192,23 @@ class Trainer:
                     group["lr"] = base * fn(self.step)
         return res
 
-    def _event(self, event: str, **fields: Any) -> None:
+    def _event(self, ev: events.Event) -> None:
         if self.ledger is not None:
-            self.ledger.append(event, **fields)
+            self.ledger.append(ev)
 
     def _log_window(self, last: StepResult) -> None:
         win = self.metrics.summary()
         if win is not None and self.rank == 0:
-            self._event("steps", **win.ledger_fields(), grad_norm=last.grad_norm, lr=last.lr)
+            self._event(win.event(grad_norm=last.grad_norm, lr=last.lr))
             print(format_log_line(win, total_steps=self.train.steps, lr=last.lr), flush=True)
 
     def run(self) -> int:
         """Train to `train.steps` or until a stop is agreed; returns the exit code."""
         res = self.restore()
-        self._event("train_start", step=self.step, generation=res.generation if res else None,
-                    fell_back=bool(res and res.fell_back), startup_s=round(time.time() - self.t_start, 3),
-                    layout=dataclasses.asdict(self.resolved.layout))
+        self._event(events.TrainStart(step=self.step, generation=res.generation if res else None,
+                                      fell_back=bool(res and res.fell_back),
+                                      startup_s=round(time.time() - self.t_start, 3),
+                                      layout=dataclasses.asdict(self.resolved.layout)))
         self.metrics.start()
         result = None
         while self.step < self.train.steps:
@@ -218,12 +220,12 @@ class Trainer:
                 self._log_window(result)
             if self.step % self.train.straggler_every == 0:
                 times, hosts = gather_step_times(self.metrics.last_step_time_s)
-                self._event("stragglers", **straggler_event(self.step, times, hosts))
+                self._event(straggler_event(self.step, times, hosts))
             if result.stop:
-                self._event("signal", signal="stop_requested", step=self.step)
+                self._event(events.Signal(signal="stop_requested", step=self.step))
                 self._save_final()
                 code = EXIT_TERMINATED if result.terminated else EXIT_REQUEUE
-                self._event("exit", reason=exitcodes.NAMES[code], step=self.step, code=code)
+                self._event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))
                 # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
                 # before rank 0 has written the exit event (the save itself is collective).
                 dist.barrier()
@@ -232,7 +234,7 @@ class Trainer:
                 self._save(blocking=False)
         if result is not None:  # None: resumed at the end already
             self._save_final()
-        self._event("exit", reason="completed", step=self.step, code=EXIT_COMPLETED)
+        self._event(events.Exit(reason="completed", step=self.step, code=EXIT_COMPLETED))
         return EXIT_COMPLETED
 
     def close(self) -> None:

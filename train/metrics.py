@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from dslurm.observe import events
+
 PHASES = ("data", "compute", "optimizer", "checkpoint")
 """Named parts of a step; the rest of the wall time is reported as "other"."""
 
@@ -116,13 +118,12 @@ def flag_stragglers(times: list[float], hosts: list[str] | None = None, *,
 
 
 def straggler_event(step: int, times: list[float], hosts: list[str], *,
-                    factor: float = 1.5) -> dict[str, Any]:
-    """Fields of the ledger's `stragglers` event."""
+                    factor: float = 1.5) -> events.Stragglers:
+    """The ledger's `stragglers` event."""
     slow = flag_stragglers(times, hosts, factor=factor)
-    return {"step": step, "step_times_s": [round(t, 6) for t in times], "hosts": hosts,
-            "factor": factor,
-            "slow": [{"rank": s.rank, "host": s.host, "step_time_s": round(s.step_time_s, 6),
-                      "ratio": round(s.ratio, 3)} for s in slow]}
+    return events.Stragglers(step=step, step_times_s=[round(t, 6) for t in times], hosts=hosts, factor=factor,
+                             slow=[{"rank": s.rank, "host": s.host, "step_time_s": round(s.step_time_s, 6),
+                                    "ratio": round(s.ratio, 3)} for s in slow])
 
 
 def gather_step_times(local_time: float, group: Any = None) -> tuple[list[float], list[str]]:
@@ -156,14 +157,14 @@ class Window:
     """mean seconds per step in each phase, plus "other" (the unattributed rest)"""
     duration_s: float
 
-    def ledger_fields(self) -> dict[str, Any]:
-        """Fields of the ledger's `steps` event."""
-        return {"first": self.first, "last": self.last, "loss": self.loss,
-                "tokens_per_s": round(self.tokens_per_s, 3),
-                "mfu": None if self.mfu is None else round(self.mfu, 6),
-                "mfu_label": self.mfu_label, "step_time_s": round(self.step_time_s, 6),
-                "breakdown": {k: round(v, 6) for k, v in self.breakdown.items()},
-                "duration_s": round(self.duration_s, 6)}
+    def event(self, grad_norm: float | None = None, lr: float | None = None) -> events.Steps:
+        """The ledger's `steps` event for this window."""
+        return events.Steps(first=self.first, last=self.last, loss=self.loss,
+                            tokens_per_s=round(self.tokens_per_s, 3),
+                            mfu=None if self.mfu is None else round(self.mfu, 6),
+                            mfu_label=self.mfu_label, step_time_s=round(self.step_time_s, 6),
+                            breakdown={k: round(v, 6) for k, v in self.breakdown.items()},
+                            duration_s=round(self.duration_s, 6), grad_norm=grad_norm, lr=lr)
 
 
 @dataclass(slots=True)

@@ -173,7 +173,7 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
     same dslurm.launch.launch. The output goes to `<run_dir>/logs/local-<id>.log`."""
     from dslurm import exitcodes as X
     from dslurm.api.job import TrainerFailed, launch_keeping_handlers, output_tail, summarize, trainer_argv
-    from dslurm.observe.ledger import read_events
+    from dslurm.observe import events
     from dslurm.submit import freeze_and_render
 
     r = load_inputs(job, site, overrides, site_overrides)
@@ -186,7 +186,7 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
         rc = launch_keeping_handlers(trainer_argv(r, str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")),
                                      mode="torchrun", nproc_per_node=nproc or r.world_size, env=env)
     if rc == X.OK:
-        return summarize(read_events(r.run_dir), env["SLURM_JOB_ID"], r.run_dir, ["localhost"])
+        return summarize(events.read(r.run_dir), env["SLURM_JOB_ID"], r.run_dir, ["localhost"])
     what = "stopped on a signal after saving; run it again to resume" if rc == X.REQUEUE else "failed"
     raise TrainerFailed(f"the local run exited {rc} ({what}); log {log}:\n{output_tail(log)}")
 

@@ -30,6 +30,7 @@ from dslurm import exitcodes as X
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.launch import FORWARDED, launch, reset_stop
+from dslurm.observe.events import Event
 
 
 class TrainerFailed(RuntimeError):
@@ -93,22 +94,23 @@ def launch_keeping_handlers(cmd: list[str], **kwargs: Any) -> int:
             signal.signal(sig, handler)
 
 
-def summarize(events: Iterable[dict], job_id: str, run_dir: str | Path,
+def summarize(history: Iterable[Event], job_id: str, run_dir: str | Path,
               nodes: list[str] | None = None) -> RunSummary:
     """RunSummary from ledger events; only the events of `job_id` count (a run directory
     keeps the events of every earlier job that trained in it). Goodput, wall time, lost steps
     and restarts are `dslurm report`'s (dslurm.observe.report.summarize). Pure."""
+    from dslurm.observe.events import Steps, Stragglers, Submit, of
     from dslurm.observe.report import summarize as report
 
-    evs = [e for e in events if str(e.get("job_id")) == str(job_id)
-           or (e.get("event") == "submit" and str(job_id) in map(str, e.get("job_ids", [])))]
+    evs = [e for e in history if e.job_id == str(job_id)
+           or (isinstance(e, Submit) and str(job_id) in map(str, e.job_ids))]
     rep = report(evs)
-    steps = [e for e in evs if e.get("event") == "steps"]
-    hosts = [e["hosts"] for e in evs if e.get("event") == "stragglers" and e.get("hosts")]
+    steps = [e for e in of(evs, Steps) if e.last is not None and e.loss is not None]
+    hosts = [e.hosts for e in of(evs, Stragglers) if e.hosts]
     return RunSummary(
         job_id=str(job_id), run_dir=str(run_dir), final_step=int(rep.final_step or 0),
-        final_loss=float(steps[-1]["loss"]) if steps else None,
-        losses=[(int(e["last"]) + 1, float(e["loss"])) for e in steps],
+        final_loss=float(steps[-1].loss) if steps and steps[-1].loss is not None else None,
+        losses=[(int(e.last) + 1, float(e.loss)) for e in steps if e.last is not None and e.loss is not None],
         hosts=list(hosts[-1]) if hosts else [], nodes=list(nodes or []), restarts=rep.restarts,
         lost_steps=rep.lost_steps, train_s=round(rep.productive_s, 3), wall_s=round(rep.wall_s, 3),
         goodput=None if rep.goodput is None else round(rep.goodput, 4))
@@ -160,9 +162,9 @@ class TrainTask(submitit.helpers.Checkpointable):
             rc = launch_keeping_handlers(trainer_argv(r, self.site_file, self.job_file),
                                          mode=r.job.launch, nproc_per_node=r.procs_per_node, env=env)
         if rc == X.OK:
-            from dslurm.observe.ledger import read_events
+            from dslurm.observe import events
 
-            return summarize(read_events(r.run_dir), info.job_id, r.run_dir, info.hosts)
+            return summarize(events.read(r.run_dir), info.job_id, r.run_dir, info.hosts)
         if rc == X.PREFLIGHT_FAILED:
             raise TrainerFailed(f"the burn-in failed; bad nodes are in {r.run_dir}/blocklist.txt and the next "
                                 "dslurm.api.submit of this run excludes them. Fix: resubmit")
@@ -210,16 +212,17 @@ class TrainTask(submitit.helpers.Checkpointable):
 
 def _decide(r: Resolved, env: Mapping[str, str]) -> Any:
     """dslurm's requeue policy, recorded in the ledger like `dslurm requeue-me` does."""
-    from dslurm.observe.ledger import Ledger, read_events
+    from dslurm.observe import events
+    from dslurm.observe.ledger import Ledger
     from dslurm.requeue import decide, failures_of, pointer_step, start_steps_of
     from dslurm.requeue.endings import WARNED_STOP
 
-    events = list(read_events(r.run_dir))
-    d = decide(ending=WARNED_STOP, failures=failures_of(events, env.get("SLURM_JOB_ID", "")),
+    history = events.read(r.run_dir)
+    d = decide(ending=WARNED_STOP, failures=failures_of(history, env.get("SLURM_JOB_ID", "")),
                max_restarts=r.policy.max_restarts, no_progress_limit=r.policy.no_progress_limit,
-               start_steps=start_steps_of(events), pointer_step=pointer_step(r.run_dir))
-    Ledger(r.run_dir).append("requeue", decision=d.action, step_rc=X.REQUEUE, exit_code=d.exit_code,
-                             reason=d.reason, via="submitit")
+               start_steps=start_steps_of(history), pointer_step=pointer_step(r.run_dir))
+    Ledger(r.run_dir).append(events.Requeue(decision=d.action, step_rc=X.REQUEUE, exit_code=d.exit_code,
+                                            reason=d.reason, ending=WARNED_STOP, via="submitit"))
     return d
 
 

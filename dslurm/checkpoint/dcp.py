@@ -36,6 +36,7 @@ from dslurm import faults
 from dslurm.checkpoint.io import crc_writer, make_stager, restore_test
 from dslurm.checkpoint.rng import apply_rng, capture_rng
 from dslurm.errors import UserError
+from dslurm.observe import events
 
 log = logging.getLogger(__name__)
 # Single-process use (no process group) is deliberate here; DCP warns about it on every call.
@@ -43,7 +44,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class Ledger(Protocol):
-    def append(self, event: str, **fields: Any) -> None: ...
+    def append(self, ev: events.Event) -> Any: ...
 
 
 class TrainState(Stateful):
@@ -230,11 +231,11 @@ class CheckpointManager:
             sel = ck.select_generation(plan, self._verify)
         except ck.CheckpointError as exc:
             log.error("[rank %d] checkpoint restore refused: %s", self.rank, exc)
-            self._event("ckpt_restore_failed", reason=str(exc))
+            self._event(events.CkptRestoreFailed(run_dir=str(self.run_dir), reason=str(exc)))
             raise
         if sel.generation is None:
             log.info("[rank %d] %s: %s", self.rank, self.run_dir, sel.reason)
-            self._event("ckpt_fresh_start", reason=sel.reason)
+            self._event(events.CkptFreshStart(run_dir=str(self.run_dir), reason=sel.reason))
             return None
         for name, problems in sel.rejected:
             log.error("[rank %d] CHECKPOINT %s REJECTED: %s", self.rank, name, "; ".join(problems))
@@ -258,9 +259,9 @@ class CheckpointManager:
         res = RestoreResult(meta["step"], sel.generation, gen, sel.fell_back, sel.reason,
                             dict(meta["extra"]), rng_ok, meta["world_size"], meta["layout"], sel.rejected)
         log.info("[rank %d] restored step %d from %s", self.rank, res.step, gen)
-        self._event("ckpt_fallback" if sel.fell_back else "ckpt_restore", step=res.step,
-                    generation=res.generation, reason=res.reason,
-                    rejected=[n for n, _ in sel.rejected])
+        kind = events.CkptFallback if sel.fell_back else events.CkptRestore
+        self._event(kind(run_dir=str(self.run_dir), step=res.step, generation=res.generation,
+                         reason=res.reason, rejected=[n for n, _ in sel.rejected]))
         return res
 
     def _verify(self, name: str, pointer_crc: str | None) -> list[str]:
@@ -322,7 +323,7 @@ class CheckpointManager:
             if busy and not blocking and self.on_inflight == "skip":
                 log.warning("[rank %d] step %d: save skipped, previous save still in flight "
                             "(on_inflight=skip)", self.rank, step)
-                self._event("ckpt_save_skipped", step=step)
+                self._event(events.CkptSaveSkipped(run_dir=str(self.run_dir), step=step))
                 return False
             if busy:
                 log.info("[rank %d] step %d: waiting for the in-flight save (on_inflight=%s)",
@@ -468,13 +469,14 @@ class CheckpointManager:
             log.info("[rank %d] checkpoint step %d committed: %s, %.1f MB, training blocked %.3f s, "
                      "total %.2f s", self.rank, out.step, out.generation, out.bytes / 1e6,
                      out.stall_s, out.total_s)
-            self._event("ckpt_save", step=out.step, generation=out.generation, bytes=out.bytes,
-                        stall_s=round(out.stall_s, 4), total_s=round(out.total_s, 4))
+            self._event(events.CkptSave(run_dir=str(self.run_dir), step=out.step, generation=out.generation,
+                                        bytes=out.bytes, stall_s=round(out.stall_s, 4),
+                                        total_s=round(out.total_s, 4)))
             return
         log.error("[rank %d] checkpoint save at step %d FAILED, pointer unchanged (%s), on_error=%s: %s",
                   self.rank, out.step, self._pointer_desc(), self.on_error, out.reason)
-        self._event("ckpt_save_failed", step=out.step, generation=out.generation, reason=out.reason,
-                    policy=self.on_error)
+        self._event(events.CkptSaveFailed(run_dir=str(self.run_dir), step=out.step, generation=out.generation,
+                                          reason=out.reason, policy=self.on_error))
         if self.on_error == "stop":
             raise self.failure(out)
 
@@ -492,6 +494,6 @@ class CheckpointManager:
             ptr = None
         return f"step {ptr.step} ({ptr.generation})" if ptr else "no generation"
 
-    def _event(self, event: str, **fields: Any) -> None:
+    def _event(self, ev: events.Event) -> None:
         if self.ledger is not None and self.rank == 0:
-            self.ledger.append(event, run_dir=str(self.run_dir), **fields)
+            self.ledger.append(ev)

@@ -12,11 +12,14 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from dslurm.config import JobSpec, SiteConfig, format_time, parse_time
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
+
+if TYPE_CHECKING:
+    from dslurm.observe.events import Event
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,16 +109,17 @@ def check_model_layout(shape: ModelShape, layout: Layout, par, where: str = "job
 LEAD_FLOOR_S = 60
 
 
-def auto_signal_lead(events: Iterable[dict[str, Any]], *, default_s: int, floor_s: int = LEAD_FLOOR_S,
+def auto_signal_lead(history: Iterable[Event], *, default_s: int, floor_s: int = LEAD_FLOOR_S,
                      safety: float = 2.0) -> tuple[int, str]:
     """`requeue.signal_lead: auto`: the warning a stop needs = finish the current step, then
     a synchronous save, times a safety factor, never below the floor. Measured from this
     run's ledger (slowest step window, slowest save); the site's default when the run has
     no history yet. Returns (seconds, how it was derived). Pure."""
-    events = list(events)
-    step_s = max((float(e.get("step_time_s") or 0) for e in events if e.get("event") == "steps"), default=0.0)
-    save_s = max((float(e.get("total_s") or e.get("stall_s") or 0) for e in events
-                  if e.get("event") == "ckpt_save"), default=0.0)
+    from dslurm.observe.events import CkptSave, Steps, of
+
+    history = list(history)
+    step_s = max((e.step_time_s or 0.0 for e in of(history, Steps)), default=0.0)
+    save_s = max((e.total_s or e.stall_s for e in of(history, CkptSave)), default=0.0)
     if step_s == 0.0 and save_s == 0.0:
         return max(default_s, floor_s), f"site default {default_s}s (no measurements in this run yet), floor {floor_s}s"
     need = safety * (step_s + save_s)
@@ -143,7 +147,7 @@ class RequeuePolicy:
     """stop after this many starts without the pointer advancing (0: never)"""
 
 
-def requeue_policy(site: SiteConfig, job: JobSpec, history: Iterable[dict[str, Any]] = ()) -> RequeuePolicy:
+def requeue_policy(site: SiteConfig, job: JobSpec, history: Iterable[Event] = ()) -> RequeuePolicy:
     """The policy from job, site and (for `auto`) the run's ledger events. Pure; `resolve`
     checks the lead against the time limit."""
     rq = job.requeue
@@ -188,7 +192,7 @@ class Resolved:
 
 
 def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path: str = "job",
-            base_dir: str | Path | None = None, history: Iterable[dict[str, Any]] | None = None) -> Resolved:
+            base_dir: str | Path | None = None, history: Iterable[Event] | None = None) -> Resolved:
     """Cross-field checks of site + job; every message names the file, field and numbers.
     `history`: the run's ledger events for `signal_lead: auto`; None reads the run's ledger
     (the one read this function does)."""
@@ -225,9 +229,9 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
     time_s = parse_time(job.time or site.slurm.default_time, f"{job_path}: field 'time'")
     run_dir = run_dir_for(site, job, base_dir)
     if history is None and job.requeue.signal_lead == "auto":
-        from dslurm.observe.ledger import read_events
+        from dslurm.observe import events
 
-        history = read_events(run_dir)
+        history = events.read(run_dir)
     policy = requeue_policy(site, job, history or ())
     if not 0 <= policy.lead_s < time_s:
         raise UserError(f"{job_path}: field 'requeue.signal_lead': {policy.lead_s}s ({policy.lead_reason}) must be "

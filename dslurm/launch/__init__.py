@@ -201,12 +201,14 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
     child_env = {**base_env, **info.worker_env()}
     log.info("dslurm launch: %s", json.dumps(info.as_dict()))
     if info.node_rank == 0 and (mode != "srun" or info.rank == 0) and base_env.get("DSLURM_RUN_DIR"):
+        from dslurm.observe import events
         from dslurm.observe.ledger import Ledger
 
         # The start's first event, before any worker imports torch: `dslurm report` measures
         # start-up from here.
-        Ledger(base_env["DSLURM_RUN_DIR"]).append("job_start", job_id=info.job_id, restart=info.restart_count,
-                                                  hosts=info.hosts, mode=mode, nproc_per_node=info.nproc_per_node)
+        Ledger(base_env["DSLURM_RUN_DIR"]).append(events.JobStart(
+            job_id=info.job_id, restart=info.restart_count, hosts=list(info.hosts), mode=mode,
+            nproc_per_node=info.nproc_per_node))
     # The local ranks this launcher starts: its own task (srun mode) or torchrun's workers.
     local = [child_env.get("LOCAL_RANK", "0")] if mode == "srun" else [str(i) for i in range(info.nproc_per_node)]
     with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:

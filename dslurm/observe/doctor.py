@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dslurm import exitcodes as X
-from dslurm.observe.report import DIED, Start, _num, summarize
+from dslurm.observe import events as E
+from dslurm.observe.events import Event
+from dslurm.observe.report import DIED, Start, summarize
 
 HANG_S = 600.0  # a start this long without a first step is a hang, not a slow startup
 STALL_FRACTION = 0.05  # save stalls above this share of training time are worth fixing
@@ -62,10 +63,10 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
 
 
-def _ev(e: dict[str, Any], *keys: str) -> str:
-    """An event as one evidence line: time, name, the fields that matter."""
-    fields = " ".join(f"{k}={e[k]}" for k in keys if k in e)
-    return f"{_when(e['t'])} restart {e.get('restart')} {e['event']} {fields}".rstrip()
+def _ev(e: Event, *keys: str) -> str:
+    """An event as one evidence line: time, name, the fields that matter (those it has)."""
+    fields = " ".join(f"{k}={getattr(e, k)}" for k in keys if getattr(e, k, None) not in (None, [], {}))
+    return f"{_when(e.t)} restart {e.restart} {e.NAME} {fields}".rstrip()
 
 
 def _grep(logs: Iterable[LogLine], pattern: re.Pattern[str]) -> list[str]:
@@ -75,16 +76,16 @@ def _grep(logs: Iterable[LogLine], pattern: re.Pattern[str]) -> list[str]:
 def _no_first_step(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     ev = []
     for s in starts:
-        ts = s.first("train_start")
+        ts = s.first(E.TrainStart)
         clean = s.exit_reason in ("preflight_failed", "user_error") or s.exit_reason.startswith("completed")
-        waited = s.end - (ts["t"] if ts else s.begin)
+        waited = s.end - (ts.t if ts else s.begin)
         # A quick, recorded failure is a crash (see _crashes); long or killed without a word is a hang.
         if s.windows or clean or (waited < HANG_S and s.exit_reason != DIED):
             continue
         last = s.events[-1]
         what = "train_start but no steps" if ts else "no train_start"
         ev.append(f"start {s.index} ({s.job_id}.{s.restart}) from {_when(s.begin)}: {what} after {waited:.0f} s; "
-                  f"last event {last['event']} at {_when(last['t'])}; exit: {s.exit_reason}")
+                  f"last event {last.NAME} at {_when(last.t)}; exit: {s.exit_reason}")
     rdzv = _grep(logs, RDZV)
     if not ev and not rdzv:
         return []
@@ -97,7 +98,7 @@ def _no_first_step(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 def _tps(s: Start) -> float | None:
     """Steady tokens/s of a start: the median window, the first (warm-up) window left out."""
-    vals = [v for e in s.all("steps") if (v := _num(e, "tokens_per_s")) is not None]
+    vals = [e.tokens_per_s for e in s.all(E.Steps) if e.tokens_per_s is not None]
     vals = vals[1:] if len(vals) > 1 else vals
     return statistics.median(vals) if vals else None
 
@@ -124,13 +125,12 @@ def _scaling(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 def _idle_stages(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out = []
-    saves = [e for s in starts for e in s.all("ckpt_save")]
-    stall = sum(_num(e, "stall_s", 0.0) or 0.0 for e in saves)
+    saves = [e for s in starts for e in s.all(E.CkptSave)]
+    stall = sum(e.stall_s for e in saves)
     training = sum(w.step_s * (w.last - w.first + 1) for s in starts for w in s.windows)
     if training > 0 and stall / training > STALL_FRACTION:
-        sync = sum(1 for e in saves if (_num(e, "total_s", 0) or 0) <= 2 * (_num(e, "stall_s", 0) or 0))
-        spikes = [e for s in starts for e in s.all("steps")
-                  if (_num(e.get("breakdown") or {}, "checkpoint", 0) or 0) > 0]
+        sync = sum(1 for e in saves if e.total_s <= 2 * e.stall_s)
+        spikes = [e for s in starts for e in s.all(E.Steps) if e.phase_s("checkpoint") > 0]
         ev = [f"save stalls {stall:.1f} s = {stall / training:.0%} of {training:.1f} s of training "
               f"(threshold {STALL_FRACTION:.0%}); {sync} of {len(saves)} saves blocked for their whole write"]
         ev += [_ev(e, "step", "stall_s", "total_s") for e in saves[:3]]
@@ -139,8 +139,8 @@ def _idle_stages(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
                else "saves are already async: raise checkpoint.interval or check the storage bandwidth")
         out.append(Finding("periodic idle stages (step time spikes at checkpoint intervals)", ev,
                            "synchronous checkpoint saves stall every rank", fix))
-    data = [(e, b["data"] / e["step_time_s"]) for s in starts for e in s.all("steps")
-            if isinstance(b := e.get("breakdown"), dict) and _num(b, "data") and (_num(e, "step_time_s") or 0) > 0]
+    data = [(e, e.phase_s("data") / e.step_time_s) for s in starts for e in s.all(E.Steps)
+            if e.phase_s("data") and e.step_time_s]
     if data and statistics.median(f for _, f in data) > DATA_FRACTION:
         ev = [_ev(e, "first", "last", "step_time_s") + f" data wait {f:.0%}" for e, f in data[:MAX_EVIDENCE]]
         out.append(Finding("steps wait for input data", ev, "input path: the loader cannot keep up",
@@ -152,8 +152,8 @@ def _loss(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out, spikes, nans = [], [], []
     history: list[float] = []
     for s in starts:
-        for i, e in enumerate(s.all("steps")):
-            loss = _num(e, "loss")
+        for i, e in enumerate(s.all(E.Steps)):
+            loss = e.loss
             if loss is None:
                 continue
             if not math.isfinite(loss):
@@ -181,10 +181,10 @@ def _loss(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 
 def _resume(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
-    names = ("ckpt_fallback", "ckpt_restore_failed", "ckpt_save_failed")
-    ev = [_ev(e, "step", "generation", "reason", "rejected") for s in starts for e in s.all(*names)]
-    ev += [_ev(e, "decision", "reason") for s in starts for e in s.all("requeue")
-           if e.get("exit_code") == X.NO_PROGRESS]
+    kinds = (E.CkptFallback, E.CkptRestoreFailed, E.CkptSaveFailed)
+    ev = [_ev(e, "step", "generation", "reason", "rejected") for s in starts for e in s.all(*kinds)]
+    ev += [_ev(e, "decision", "reason") for s in starts for e in s.all(E.Requeue)
+           if e.exit_code == X.NO_PROGRESS]
     ev += _grep(logs, CKPT)
     if not ev:
         return []
@@ -199,18 +199,18 @@ def _stragglers(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out = []
     sm_hosts: dict[str, list[str]] = {}
     for s in starts:
-        for e in s.all("stragglers"):
-            for slow in e.get("slow") or []:
+        for e in s.all(E.Stragglers):
+            for slow in e.slow:
                 if isinstance(slow, dict):
                     sm_hosts.setdefault(str(slow.get("host")), []).append(
-                        f"{_when(e['t'])} step {e.get('step')}: rank {slow.get('rank')} x{slow.get('ratio')}")
+                        f"{_when(e.t)} step {e.step}: rank {slow.get('rank')} x{slow.get('ratio')}")
     for host, ev in sorted(sm_hosts.items()):
         if len(ev) >= 2:  # once can be noise (a GC pause); twice on the same host is a pattern
             out.append(Finding(f"straggler: {host} slow in {len(ev)} checks", ev[:MAX_EVIDENCE],
                                "one slow host delays every synchronized rank (thermal throttling, a bad "
                                "link, a noisy neighbour, input work on that host)",
                                f"run `dslurm burnin` on {host}; add it to the run's blocklist to exclude it"))
-    bad = [e for s in starts for e in s.all("preflight") if e.get("bad_nodes")]
+    bad = [e for s in starts for e in s.all(E.Preflight) if e.bad_nodes]
     if bad:
         out.append(Finding("burn-in found bad nodes", [_ev(e, "bad_nodes", "report") for e in bad],
                            "hardware or fabric below the site thresholds",
@@ -223,8 +223,8 @@ def _crashes(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
             or s.exit_reason == "budget"]
     if not dead:
         return []
-    ev = [f"start {s.index} ({s.job_id}.{s.restart}): {s.exit_reason}; last event {s.events[-1]['event']} "
-          f"at {_when(s.events[-1]['t'])}, step {s.reached}" for s in dead]
+    ev = [f"start {s.index} ({s.job_id}.{s.restart}): {s.exit_reason}; last event {s.events[-1].NAME} "
+          f"at {_when(s.events[-1].t)}, step {s.reached}" for s in dead]
     return [Finding("starts that died", ev + _grep(logs, CRASH),
                     "a crash, an OOM kill, a node failure or a time limit without the signal lead time",
                     "read the .err log of that start; `sacct -j JOB` for the state; raise the signal lead "
@@ -249,7 +249,7 @@ def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
         hits = [s for s in starts if s.ending == cls]
         if hits:
             ev = [f"start {s.index} ({s.job_id}.{s.restart}): {s.ending_reason}" for s in hits]
-            ev += [str(x) for s in hits for e in s.all("ending")[-1:] for x in (e.get("evidence") or [])]
+            ev += [str(x) for s in hits for e in s.all(E.Ending)[-1:] for x in e.evidence]
             out.append(Finding(f"ended by {cls.replace('_', ' ')}", ev[:MAX_EVIDENCE], cause, fix))
     return out
 
@@ -258,7 +258,7 @@ CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
     _no_first_step, _scaling, _idle_stages, _loss, _resume, _stragglers, _endings, _crashes]
 
 
-def diagnose(events: Iterable[dict[str, Any]], log_lines: Iterable[LogLine] = ()) -> list[Finding]:
+def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list[Finding]:
     """Every finding of every check, in the order of the symptom table (pure)."""
     starts, logs = summarize(events).starts, list(log_lines)
     return [f for check in CHECKS for f in check(starts, logs)]

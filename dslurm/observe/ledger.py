@@ -10,31 +10,14 @@ The file is strict JSON lines: non-finite floats (a NaN loss) are written as the
 "NaN", "Infinity", "-Infinity" and read back as floats. Every append starts on a fresh line,
 even after a torn one, so a kill -9 never costs the next writer its event.
 
-Event names (the field `event`), each with `t` (unix time), `job_id`, `restart`, `host`:
-  job_start         the launcher on node 0 as the start begins: hosts, mode, nproc_per_node
-                    (runs outside Slurm, e.g. api.run_local, too; older ledgers: local_start)
-  submit            job_ids (a chain lists every link), signal_lead_s (effective; null with
-                    requeue off), signal_lead_setting, signal_lead_reason, checkpoint_interval, via
-  preflight         passed, bad_nodes, problems, warnings, report (path), duration_s, nodes
-  ckpt_fresh_start  / ckpt_restore / ckpt_fallback / ckpt_restore_failed: what restore found
-  train_start       step (resumed from), generation, fell_back, startup_s, layout
-  steps             first, last (0-based step indices), loss, tokens_per_s, mfu, mfu_label,
-                    step_time_s, breakdown (data/compute/optimizer/checkpoint), duration_s, lr
-  stragglers        step, per-rank step times, slow ranks
-  ckpt_save         step, generation, bytes, stall_s, total_s (ckpt_save_failed/_skipped too)
-  signal            the stop request the ranks agreed on, and the step
-  exit              reason (completed | requeue | terminated), step, code
-  ending            how a start ended (dslurm/requeue/endings.py): cls, reason, origin_rank, origin_host,
-                    step, saved, evidence, step_rc; late=True when the next start wrote it
-  requeue           decision (requeue | stop | end), step_rc, exit_code, reason, ending (class)
-  chain_cancel      job_ids cancelled because training completed
-Writers: dslurm/submit.py, dslurm/launch/__init__.py, dslurm/api/__init__.py, dslurm/preflight/in_job.py,
-dslurm/checkpoint/dcp.py, train/loop.py, dslurm/requeue/__init__.py.
-Readers: dslurm/observe/report.py, dslurm/observe/doctor.py, dslurm/requeue/__init__.py.
+The events themselves, their fields and who writes them, are typed in
+dslurm/observe/events.py: producers construct one and call `Ledger.append(event)`;
+readers use `events.read(run_dir)`. This module only stores and reads the lines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -44,6 +27,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from dslurm.observe.events import Event
 
 FILENAME = "ledger.jsonl"
 log = logging.getLogger(__name__)
@@ -97,15 +82,22 @@ class Ledger:
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / FILENAME
 
-    def append(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"event": event, "t": round(time.time(), 3), **_context(), **fields}
+    def append(self, ev: Event) -> Event:
+        """Write one event (its envelope filled from this process where the event leaves it
+        unset); returns it as written."""
+        envelope = {k: v for k, v in (("job_id", ev.job_id), ("restart", ev.restart), ("host", ev.host))
+                    if v is not None}
+        ev = dataclasses.replace(ev, t=round(time.time(), 3), **{**_context(), **envelope})
+        event = ev.NAME
+        record = {"event": event, "t": ev.t, "job_id": ev.job_id, "restart": ev.restart, "host": ev.host,
+                  **ev.fields()}
         line = encode(record)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             log.error("ledger %s: could not record %s: %s", self.path, event, exc)
-            return record
+            return ev
         try:
             if _ends_torn(fd):  # finish the torn line so this event starts on a line of its own
                 line = b"\n" + line
@@ -115,7 +107,7 @@ class Ledger:
             log.error("ledger %s: could not record %s: %s", self.path, event, exc)
         finally:
             os.close(fd)
-        return record
+        return ev
 
 
 def read_events(run_dir: str | Path) -> Iterator[dict[str, Any]]:

@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dslurm.observe import events as ev
+
 if TYPE_CHECKING:
     from dslurm.observe.report import Start, Summary
 
@@ -69,33 +71,30 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
 
 def _bands(s: Start) -> list[tuple[str, float, float]]:
     """(kind, x0, width) in unix time for one start; later bands are drawn over earlier ones."""
-    ts = s.first("train_start")
-    first_step = ts["t"] if ts else s.end
+    ts = s.first(ev.TrainStart)
+    first_step = ts.t if ts else s.end
     out = [("queue wait", s.begin - s.queue_wait_s, s.queue_wait_s), ("startup", s.begin, first_step - s.begin)]
-    for e in s.all("preflight"):
-        d = float(e.get("duration_s") or 0.0)
-        out.append(("burn-in", e["t"] - d, d))
+    for pf in s.all(ev.Preflight):
+        out.append(("burn-in", pf.t - pf.duration_s, pf.duration_s))
     for w in s.windows:  # kept steps first in the window, the redone tail after them
         n = w.last - w.first + 1
         t0 = w.t - w.duration_s
         kept_w = w.duration_s * w.kept / n
         out += [("training", t0, kept_w), ("redone", t0 + kept_w, w.duration_s - kept_w)]
-    for e in s.all("ckpt_save"):
-        stall = float(e.get("stall_s") or 0.0)
-        out.append(("save stall", e["t"] - stall, stall))
+    for save in s.all(ev.CkptSave):
+        out.append(("save stall", save.t - save.stall_s, save.stall_s))
     return [b for b in out if b[2] > 0]
 
 
 def _markers(ax: Any, s: Start, x: Any, y: float) -> None:
     """Saves as ticks; signal, exit and requeue decisions as labelled markers."""
-    for e in s.all("ckpt_save"):
-        ax.plot([x(e["t"])] * 2, [y - 0.4, y + 0.4], color=COLORS["save stall"], lw=1)
-    for e in s.all("signal"):
-        ax.plot(x(e["t"]), y - 0.45, "v", color="crimson", ms=7)
-    for e in s.all("requeue"):
-        ax.plot(x(e["t"]), y, ">", color="black", ms=6)
-        ax.annotate(str(e.get("decision", "")), (x(e["t"]), y), xytext=(4, 6),
-                    textcoords="offset points", fontsize=7)
+    for save in s.all(ev.CkptSave):
+        ax.plot([x(save.t)] * 2, [y - 0.4, y + 0.4], color=COLORS["save stall"], lw=1)
+    for sig in s.all(ev.Signal):
+        ax.plot(x(sig.t), y - 0.45, "v", color="crimson", ms=7)
+    for rq in s.all(ev.Requeue):
+        ax.plot(x(rq.t), y, ">", color="black", ms=6)
+        ax.annotate(rq.decision, (x(rq.t), y), xytext=(4, 6), textcoords="offset points", fontsize=7)
     if s.exit_reason.startswith("died"):
         ax.plot(x(s.end), y, "X", color="crimson", ms=9)
         ax.annotate("no exit event", (x(s.end), y), xytext=(4, -10), textcoords="offset points",

@@ -1,6 +1,6 @@
 """`dslurm report RUN_DIR`: goodput, lost work, restarts, saves, MFU, stragglers, a PNG.
 
-Reads the run's ledger (`dslurm.observe.ledger`) and nothing else. `summarize(events)` is pure;
+Reads the run's ledger (typed events, `dslurm.observe.events`) and nothing else. `summarize(events)` is pure;
 the definitions (goodput, productive time, lost steps, restart overhead) are in
 docs/report.md and in the docstrings below. `dslurm doctor` reuses `split_starts`.
 """
@@ -11,24 +11,21 @@ import argparse
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
+from dslurm.observe import events as ev
+from dslurm.observe.events import Event
+
+E = TypeVar("E", bound=Event)
 
 DIED = "died without exit event (killed?)"
-# Events a fresh start writes before it trains; seeing one after the current start trained
-# (or exited) means a new start, even when job_id/restart do not change (runs outside Slurm).
-_RESTORES = {"ckpt_fresh_start", "ckpt_restore", "ckpt_fallback", "ckpt_restore_failed"}
-_OUTSIDE = {"submit", "chain_cancel"}  # written by the submitting host / after the decision
-
-
-def _num(ev: dict[str, Any], key: str, default: float | None = None) -> float | None:
-    """A numeric field, or `default` when it is missing or not a number (garbled producer)."""
-    v = ev.get(key)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+# Events a fresh start writes before it trains (ev.RESTORES); seeing one after the current start
+# trained (or exited) means a new start, even when job_id/restart do not change (runs outside Slurm).
+_OUTSIDE = (ev.Submit, ev.ChainCancel)  # written by the submitting host / after the decision
 
 
 @dataclass(slots=True)
@@ -75,13 +72,13 @@ class Start:
     """the classified ending (dslurm/requeue/endings.py): completed, crash, preempted, save_failed, ..."""
     ending_reason: str | None = None
     windows: list[Window] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
 
-    def first(self, name: str) -> dict[str, Any] | None:
-        return next((e for e in self.events if e["event"] == name), None)
+    def first(self, kind: type[E]) -> E | None:
+        return next(ev.of(self.events, kind), None)
 
-    def all(self, *names: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] in names]
+    def all(self, *kinds: type[E]) -> list[E]:
+        return list(ev.of(self.events, *kinds))
 
 
 @dataclass(slots=True)
@@ -119,70 +116,67 @@ class Summary:
         return d
 
 
-def _key(ev: dict[str, Any]) -> tuple[Any, Any]:
-    return ev.get("job_id"), ev.get("restart")
+def _key(e: Event) -> tuple[str | None, int]:
+    return e.job_id, e.restart or 0
 
 
-def _opens_new(cur: list[dict[str, Any]], ev: dict[str, Any]) -> bool:
-    """Does `ev` belong to a new start rather than to the current one (`cur`)?"""
-    names = {e["event"] for e in cur}
-    name = ev["event"]
-    if _key(ev) != _key(cur[0]) or "requeue" in names or name in ("job_start", "local_start"):
+def _opens_new(cur: list[Event], e: Event) -> bool:
+    """Does `e` belong to a new start rather than to the current one (`cur`)?"""
+    has = {type(x) for x in cur}
+    if _key(e) != _key(cur[0]) or ev.Requeue in has or isinstance(e, ev.JobStart):
         return True  # another job/restart, or the last start already took its decision
-    trained = "train_start" in names or "exit" in names
-    if name in _RESTORES or name == "train_start":
+    trained = ev.TrainStart in has or ev.Exit in has
+    restored = any(isinstance(x, ev.RESTORES) for x in cur)
+    if isinstance(e, (*ev.RESTORES, ev.TrainStart)):
         return trained
-    if name == "preflight":
-        return trained or "preflight" in names or bool(names & _RESTORES)
+    if isinstance(e, ev.Preflight):
+        return trained or ev.Preflight in has or restored
     return False
 
 
-def _late(ev: dict[str, Any]) -> bool:
+def _late(e: Event) -> bool:
     """An ending written by a later start for an earlier one (whose batch shell died with it)."""
-    return ev["event"] == "ending" and bool(ev.get("late"))
+    return isinstance(e, ev.Ending) and e.late
 
 
-def split_starts(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def split_starts(events: Iterable[Event]) -> list[list[Event]]:
     """The run's events grouped by start, in ledger order; submit/chain_cancel are left out,
     late endings join the start they describe."""
-    starts: list[list[dict[str, Any]]] = []
+    starts: list[list[Event]] = []
     events = list(events)
-    for ev in events:
-        if ev["event"] in _OUTSIDE or _num(ev, "t") is None or _late(ev):
+    for e in events:
+        if isinstance(e, _OUTSIDE) or _late(e):
             continue
-        if not starts or _opens_new(starts[-1], ev):
+        if not starts or _opens_new(starts[-1], e):
             starts.append([])
-        starts[-1].append(ev)
-    for ev in filter(_late, events):
+        starts[-1].append(e)
+    for e in filter(_late, events):
         for g in starts:
-            if (str(g[0].get("job_id")), str(g[0].get("restart"))) == (str(ev.get("job_id")), str(ev.get("restart"))):
-                g.append({**ev, "t": max(float(e["t"]) for e in g)})  # it describes that start's end
+            if _key(g[0]) == _key(e):
+                g.append(replace(e, t=max(x.t for x in g)))  # it describes that start's end
                 break
     return starts
 
 
-def _begin(evs: list[dict[str, Any]]) -> float:
-    cands = [float(e["t"]) for e in evs]
-    for e in evs:
-        if e["event"] == "preflight":
-            cands.append(e["t"] - (_num(e, "duration_s") or 0.0))
-        elif e["event"] == "train_start":
-            cands.append(e["t"] - (_num(e, "startup_s") or 0.0))
+def _begin(evs: list[Event]) -> float:
+    cands = [e.t for e in evs]
+    cands += [e.t - e.duration_s for e in ev.of(evs, ev.Preflight)]
+    cands += [e.t - e.startup_s for e in ev.of(evs, ev.TrainStart)]
     return min(cands)
 
 
 def _exit_reason(s: Start) -> tuple[str, str | None]:
     """(reason, requeue decision): the requeue decision wins when it stopped the chain."""
-    ex, rq = s.all("exit"), s.all("requeue")
+    ex, rq = s.all(ev.Exit), s.all(ev.Requeue)
     rq_ev = rq[-1] if rq else None
-    decision = rq_ev.get("decision") if rq_ev else None
-    if rq_ev and rq_ev.get("exit_code") in (X.NO_PROGRESS, X.BUDGET):
-        return X.NAMES[rq_ev["exit_code"]], decision
+    decision = rq_ev.decision if rq_ev else None
+    if rq_ev and rq_ev.exit_code in (X.NO_PROGRESS, X.BUDGET):
+        return X.NAMES[rq_ev.exit_code], decision
     if ex:
-        return str(ex[-1].get("reason", "?")), decision
+        return ex[-1].reason, decision
     if rq_ev:  # the step ended without the trainer's exit event; requeue-me saw its code
-        rc = rq_ev.get("step_rc")
-        name = X.NAMES.get(rc) if isinstance(rc, int) else None
+        rc = rq_ev.step_rc
+        name = X.NAMES.get(rc) if rc is not None else None
         if name and rc in (X.OK, X.REQUEUE):
             name += " (no exit event)"  # e.g. a burn-in-only job, or an exit line lost to a kill
         return name or f"failed (exit {rc})", decision
@@ -191,35 +185,31 @@ def _exit_reason(s: Start) -> tuple[str, str | None]:
 
 def _fill_start(s: Start) -> None:
     """Per-start facts that need only the start's own events."""
-    pf, ts = s.all("preflight"), s.first("train_start")
-    s.burnin_s = sum(_num(e, "duration_s", 0.0) or 0.0 for e in pf)
-    s.overhead_s = (ts["t"] - s.begin) if ts else (s.end - s.begin)
-    s.resumed_from = int(_num(ts, "step", 0) or 0) if ts else None
-    if ts and isinstance(ts.get("layout"), dict):
-        s.world_size = math.prod(int(v) for v in ts["layout"].values() if isinstance(v, int)) or None
-    s.save_stall_s = sum(_num(e, "stall_s", 0.0) or 0.0 for e in s.all("ckpt_save"))
+    ts = s.first(ev.TrainStart)
+    s.burnin_s = sum(e.duration_s for e in s.all(ev.Preflight))
+    s.overhead_s = (ts.t - s.begin) if ts else (s.end - s.begin)
+    s.resumed_from = ts.step if ts else None
+    s.world_size = ts.world_size if ts else None
+    s.save_stall_s = sum(e.stall_s for e in s.all(ev.CkptSave))
     reached = [s.resumed_from] if s.resumed_from is not None else []
+    marks: list[int | None] = [e.step for e in s.all(ev.Exit)] + [e.step for e in s.all(ev.Signal)]
+    reached += [m for m in marks + [e.step for e in s.all(ev.CkptSave)] if m is not None]
     tok_time = dur = 0.0
-    for e in s.events:
-        if e["event"] in ("exit", "signal", "ckpt_save") and _num(e, "step") is not None:
-            reached.append(int(e["step"]))
-        if e["event"] != "steps" or _num(e, "first") is None or _num(e, "last") is None:
+    for e in s.all(ev.Steps):
+        if e.first is None or e.last is None:
             continue
-        n = max(1, int(e["last"]) - int(e["first"]) + 1)
-        d = _num(e, "duration_s") or (_num(e, "step_time_s", 0.0) or 0.0) * n
-        ckpt = _num(e.get("breakdown") or {}, "checkpoint", 0.0) or 0.0
-        s.windows.append(Window(e["t"], int(e["first"]), int(e["last"]), _num(e, "loss"),
-                                 max(0.0, d / n - ckpt), d))
-        reached.append(int(e["last"]) + 1)
-        tps = _num(e, "tokens_per_s")
-        if tps is not None:
-            tok_time, dur = tok_time + tps * d, dur + d
+        n = max(1, e.last - e.first + 1)
+        d = e.duration_s or (e.step_time_s or 0.0) * n
+        s.windows.append(Window(e.t, e.first, e.last, e.loss, max(0.0, d / n - e.phase_s("checkpoint")), d))
+        reached.append(e.last + 1)
+        if e.tokens_per_s is not None:
+            tok_time, dur = tok_time + e.tokens_per_s * d, dur + d
     s.reached = max(reached) if reached else None
     s.tokens_per_s = tok_time / dur if dur else None
     s.exit_reason, s.decision = _exit_reason(s)
-    ends = s.all("ending")
+    ends = s.all(ev.Ending)
     if ends:
-        s.ending, s.ending_reason = str(ends[-1].get("cls")), str(ends[-1].get("reason", ""))
+        s.ending, s.ending_reason = ends[-1].cls, ends[-1].reason
 
 
 def _undurable(starts: list[Start]) -> int:
@@ -231,7 +221,7 @@ def _undurable(starts: list[Start]) -> int:
         return 0
     if last.ending == "completed" or (last.ending is None and last.exit_reason == "completed"):
         return 0
-    saved: list[int] = [int(e["step"]) for s in starts for e in s.all("ckpt_save") if _num(e, "step") is not None]
+    saved = [e.step for s in starts for e in s.all(ev.CkptSave) if e.step is not None]
     saved += [s.resumed_from for s in starts if s.resumed_from is not None]
     return max(0, last.reached - max(saved, default=0))
 
@@ -262,20 +252,20 @@ def _queue_waits(starts: list[Start], submits: list[float]) -> None:
 
 
 def _mfu(starts: list[Start]) -> tuple[float | None, str]:
-    steps = [e for s in starts for e in s.all("steps")]
-    vals = [v for e in steps if (v := _num(e, "mfu")) is not None]
+    steps = [e for s in starts for e in s.all(ev.Steps)]
+    vals = [e.mfu for e in steps if e.mfu is not None]
     if vals:
         return sum(vals) / len(vals), f"{sum(vals) / len(vals):.1%}"
-    label = next((str(e["mfu_label"]) for e in steps if e.get("mfu_label")), "cpu")
+    label = next((e.mfu_label for e in steps if e.mfu_label), "cpu")
     return None, f"n/a ({label})"
 
 
-def summarize(events: Iterable[dict[str, Any]], skipped_lines: int = 0) -> Summary:
+def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
     """The report of one run from its ledger events (pure; see docs/report.md)."""
     events = list(events)
     groups = split_starts(events)
-    starts = [Start(i, g[0].get("job_id"), int(_num(g[0], "restart", 0) or 0), _begin(g),
-                    max(float(e["t"]) for e in g), events=g) for i, g in enumerate(groups)]
+    starts = [Start(i, g[0].job_id, g[0].restart or 0, _begin(g), max(e.t for e in g), events=g)
+              for i, g in enumerate(groups)]
     for s in starts:
         _fill_start(s)
     _attribute_steps(starts)
@@ -284,18 +274,16 @@ def summarize(events: Iterable[dict[str, Any]], skipped_lines: int = 0) -> Summa
     for s in starts:
         if s.ending:
             endings[s.ending] = endings.get(s.ending, 0) + 1
-    submits = [float(e["t"]) for e in events if e["event"] == "submit" and _num(e, "t") is not None]
+    submits = [e.t for e in ev.of(events, ev.Submit)]
     _queue_waits(starts, submits)
     wall = sum(s.end - s.begin for s in starts)
     productive = sum(s.productive_s for s in starts)
     mfu, label = _mfu(starts)
     tps = [(s.tokens_per_s, sum(w.last - w.first + 1 for w in s.windows)) for s in starts if s.tokens_per_s]
     hosts: dict[str, int] = {}
-    checks = [e for s in starts for e in s.all("stragglers")]
-    for e in checks:
-        for slow in e.get("slow") or []:
-            host = str(slow.get("host", "?")) if isinstance(slow, dict) else "?"
-            hosts[host] = hosts.get(host, 0) + 1
+    checks = [e for s in starts for e in s.all(ev.Stragglers)]
+    for host in (h for e in checks for h in e.slow_hosts()):
+        hosts[host] = hosts.get(host, 0) + 1
     return Summary(
         wall_s=wall, queue_wait_s=sum(s.queue_wait_s for s in starts), productive_s=productive,
         goodput=productive / wall if wall > 0 else None,
@@ -303,22 +291,22 @@ def summarize(events: Iterable[dict[str, Any]], skipped_lines: int = 0) -> Summa
         restarts=max(0, len(starts) - 1), restart_overhead_s=sum(s.overhead_s for s in starts[1:]),
         startup_overhead_s=sum(s.overhead_s for s in starts[:1]),
         checkpoint_overhead_s=sum(s.save_stall_s for s in starts),
-        saves=sum(len(s.all("ckpt_save")) for s in starts), mfu=mfu, mfu_label=label,
+        saves=sum(len(s.all(ev.CkptSave)) for s in starts), mfu=mfu, mfu_label=label,
         tokens_per_s=(sum(t * n for t, n in tps) / sum(n for _, n in tps)) if tps else None,
         final_step=starts[-1].reached if starts else None, stragglers=hosts, straggler_checks=len(checks),
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
         undurable_steps=undurable, endings=endings)
 
 
-def load(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
-    """(events, garbled lines skipped); UserError naming the path when there is nothing to read."""
-    from dslurm.observe.ledger import FILENAME, read_events
+def load(run_dir: Path) -> tuple[list[Event], int]:
+    """(events, garbled or unknown lines skipped); UserError naming the path when there is nothing to read."""
+    from dslurm.observe.ledger import FILENAME
 
     path = Path(run_dir) / FILENAME
     if not path.is_file():
         raise UserError(f"{path}: no ledger. Fix: give the run directory a job wrote to "
                         "(the one holding ledger.jsonl)")
-    events = list(read_events(run_dir))
+    events = ev.read(run_dir)
     lines = sum(1 for raw in path.read_bytes().splitlines() if raw.strip())
     if not events:
         raise UserError(f"{path}: the ledger holds no readable event ({lines} line(s)). "

@@ -106,15 +106,15 @@ def run_job(args: argparse.Namespace) -> int:
 
 def _wait_verdict(job_id: int, run_dir: Path) -> int:
     from dslurm import slurm
-    from dslurm.observe.ledger import read_events
+    from dslurm.observe import events
     from dslurm.preflight.gate import exit_code, load_report, render_table
 
     state = slurm.wait_job(job_id, timeout=3600, poll=1)
-    mine = [e for e in read_events(run_dir) if e["event"] == "preflight" and e.get("job_id") == str(job_id)]
+    mine = [e for e in events.of(events.read(run_dir), events.Preflight) if e.job_id == str(job_id) and e.report]
     if not mine:
         print(f"dslurm burnin: job {job_id} ended {state} without a verdict; see {run_dir}/logs",
               file=sys.stderr)
         return EXIT_NO_REPORT
-    report = load_report(mine[-1]["report"])
+    report = load_report(str(mine[-1].report))
     print(render_table(report))
     return exit_code(report["verdict"])

@@ -57,6 +57,7 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
     import torch.distributed as dist
 
     from dslurm.config import load_site
+    from dslurm.observe import events
     from dslurm.observe.ledger import Ledger
     from dslurm.preflight.run import parse_args, run_in_group
     from dslurm.preflight.thresholds import Thresholds
@@ -69,9 +70,10 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
     if dist.get_rank() == 0:
         run_dir = Path(env.get("DSLURM_RUN_DIR", "."))
         nodes = _nodes(report)
-        Ledger(run_dir).append("preflight", passed=not bad, bad_nodes=bad, problems=verdict.get("problems", []),
-                               warnings=verdict.get("warnings", {}), report=report,
-                               duration_s=round(time.time() - t0, 2), nodes=nodes)
+        Ledger(run_dir).append(events.Preflight(
+            passed=not bad, bad_nodes=bad, problems=list(verdict.get("problems", [])),
+            warnings=dict(verdict.get("warnings", {})), report=report, duration_s=round(time.time() - t0, 2),
+            nodes=nodes))
         if bad:
             blocked = add_to_blocklist(run_dir, bad)
             if site.burnin.allow_drain:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
+from dslurm.observe import events as ev
 from dslurm.requeue import endings as E
 
 
@@ -98,17 +99,16 @@ def job_ref(env: Mapping[str, str]) -> str:
     return env["SLURM_JOB_ID"]
 
 
-def chain_of(events: Iterable[dict], job_id: str) -> list[int]:
+def chain_of(history: Iterable[ev.Event], job_id: str) -> list[int]:
     """The chain (list of job ids) this job belongs to, from the ledger's submit events."""
-    for ev in events:
-        ids = [int(i) for i in ev.get("job_ids", [])] if ev.get("event") == "submit" else []
-        if len(ids) > 1 and job_id.isdigit() and int(job_id) in ids:
-            return ids
+    for sub in ev.of(history, ev.Submit):
+        if len(sub.job_ids) > 1 and job_id.isdigit() and int(job_id) in sub.job_ids:
+            return list(sub.job_ids)
     return []
 
 
-def start_steps_of(events: Iterable[dict]) -> list[int]:
-    return [int(ev.get("step", 0)) for ev in events if ev.get("event") == "train_start"]
+def start_steps_of(history: Iterable[ev.Event]) -> list[int]:
+    return [e.step for e in ev.of(history, ev.TrainStart)]
 
 
 def pointer_step(run_dir: Path) -> int:
@@ -121,19 +121,23 @@ def pointer_step(run_dir: Path) -> int:
     return ptr.step if ptr else 0
 
 
-def failures_of(events: Iterable[dict[str, Any]], job_id: str) -> int:
+def failures_of(history: Iterable[ev.Event], job_id: str) -> int:
     """This job's earlier endings that were failures (crash, node failure, burn-in)."""
-    return sum(1 for e in events if e.get("event") == "ending" and str(e.get("job_id")) == job_id
-               and e.get("cls") in E.FAILURES)
+    return sum(1 for e in ev.of(history, ev.Ending) if e.job_id == job_id and e.cls in E.FAILURES)
 
 
-def _record_ending(run_dir: Path, d: Path, ending: E.Ending, **ctx: Any) -> None:
+def _record_ending(run_dir: Path, d: Path, ending: E.Ending, *, step_rc: int | None = None,
+                   late_for: tuple[str, int] | None = None, slurm_state: str | None = None) -> None:
+    """The ending into its start's directory and the ledger; `late_for`: (job, restart) of an
+    earlier start whose batch shell left no ending."""
     from dslurm.observe.ledger import Ledger
     from dslurm.requeue.facts import write_ending
 
-    rec = {**ending.as_dict(), **ctx}
-    write_ending(d, rec)
-    Ledger(run_dir).append("ending", **rec)
+    job_id, restart = late_for or (None, None)
+    event = ev.Ending(**ending.as_dict(), step_rc=step_rc, late=late_for is not None, slurm_state=slurm_state,
+                      job_id=job_id, restart=restart)
+    write_ending(d, {**event.fields(), "job_id": job_id, "restart": restart})
+    Ledger(run_dir).append(event)
 
 
 class _Accounting:
@@ -186,7 +190,7 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
         ending = E.classify(read_start(d), E.SlurmView(state=state, down_nodes=suspects,
                                                        node_states=("incarnation NODE_FAIL",) if suspects else ()))
         ending.evidence.append("recorded late, by the next start: this start's batch shell left no ending")
-        _record_ending(run_dir, d, ending, job_id=job, restart=n, late=True, slurm_state=state)
+        _record_ending(run_dir, d, ending, late_for=(job, n), slurm_state=state)
 
 
 def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str],
@@ -216,26 +220,26 @@ def frozen_policy(run_dir: Path) -> Any:
 def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
     """Classify this start's ending, decide, record both in the ledger, act."""
     from dslurm import slurm
-    from dslurm.observe.ledger import Ledger, read_events
+    from dslurm.observe.ledger import Ledger
 
     env = dict(os.environ if env is None else env)
     run_dir = Path(env["DSLURM_RUN_DIR"])
     acct = _Accounting(env)
     ending, d = classify_this_start(run_dir, rc, env, acct)
     close_earlier_starts(run_dir, d, env, acct)
-    events = list(read_events(run_dir))
+    history = ev.read(run_dir)
     job_id = env.get("SLURM_JOB_ID", "")
-    failures = failures_of(events, job_id)
+    failures = failures_of(history, job_id)
     if d is not None:
         _record_ending(run_dir, d, ending, step_rc=rc)
-    chain = chain_of(events, job_id)
+    chain = chain_of(history, job_id)
     policy = frozen_policy(run_dir)
     dec = decide(ending=ending.cls, failures=failures, max_restarts=policy.max_restarts,
-                 no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(events),
+                 no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(history),
                  pointer_step=pointer_step(run_dir), in_chain=bool(chain), requeue_enabled=policy.enabled,
                  detail=ending.reason)
-    Ledger(run_dir).append("requeue", decision=dec.action, step_rc=rc, exit_code=dec.exit_code,
-                           reason=dec.reason, ending=ending.cls)
+    Ledger(run_dir).append(ev.Requeue(decision=dec.action, step_rc=rc, exit_code=dec.exit_code,
+                                      reason=dec.reason, ending=ending.cls))
     print(f"dslurm: step ended: {ending.cls} ({ending.reason}); exit {rc}; decision: {dec.action}: "
           f"{dec.reason}", flush=True)
     if dec.action == "requeue":
@@ -250,7 +254,7 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
         later = [i for i in chain if job_id.isdigit() and i > int(job_id)]
         if later:
             slurm.run_cmd(["scancel", *map(str, later)], check=False)
-            Ledger(run_dir).append("chain_cancel", job_ids=later, reason="training complete")
+            Ledger(run_dir).append(ev.ChainCancel(job_ids=later, reason="training complete"))
     return dec.exit_code
 
 

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 
 from dslurm import checkpoint as ck
 from dslurm.checkpoint.dcp import CheckpointManager, TrainState
+from dslurm.observe.events import Event
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +32,13 @@ class Tiny(nn.Module):
 
 class Ledger:
     def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[Event] = []
 
-    def append(self, event: str, **fields: Any) -> None:
-        self.events.append((event, fields))
+    def append(self, ev: Event) -> None:
+        self.events.append(ev)
 
     def names(self) -> list[str]:
-        return [e for e, _ in self.events]
+        return [e.NAME for e in self.events]
 
 
 class Run:
@@ -126,7 +127,7 @@ def test_altered_shard_falls_back_loudly(tmp_path, caplog):
     assert res.generation == g2 and res.step == 2 and res.fell_back
     assert str(shard) in res.reason and "crc32" in res.reason
     assert "CHECKPOINT FALLBACK" in caplog.text and "REJECTED" in caplog.text
-    assert ledger.names() == ["ckpt_fallback"] and ledger.events[0][1]["rejected"] == [g4]
+    assert ledger.names() == ["ckpt_fallback"] and ledger.events[0].rejected == [g4]
     assert all(torch.equal(a, b) for a, b in zip(run.params(), at2))
     assert run.extra["sampler"]["index"] == 11
 

@@ -15,6 +15,7 @@ from dslurm.api.job import job_env, output_tail, summarize, trainer_argv
 from dslurm.config import load_job, load_site, parse_time
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
+from dslurm.observe.events import decode_all
 from dslurm.render import RenderRefs, directives, render_sbatch
 from dslurm.render.cli import EXAMPLES
 from testkit import sbatch_flags
@@ -121,7 +122,7 @@ def test_summary_counts_only_this_job_and_survives_a_requeue():
         ev("stragglers", 60, 7, 1, step=10, hosts=["n1", "n1", "n2", "n2"], step_times_s=[1, 1, 1, 1]),
         ev("exit", 61, 7, 1, step=10, reason="completed", code=0),
     ]
-    s = summarize(events, "7", "/runs/x", ["n1", "n2"])
+    s = summarize(decode_all(events), "7", "/runs/x", ["n1", "n2"])
     assert (s.job_id, s.final_step, s.final_loss, s.restarts, s.lost_steps) == ("7", 10, 4.0, 1, 0)
     assert s.losses == [(5, 5.0), (10, 4.0)] and s.hosts == ["n1", "n1", "n2", "n2"]
     assert s.nodes == ["n1", "n2"] and s.train_s == 20 and 0 < s.goodput < 1

@@ -57,7 +57,7 @@ def test_throughput_stops_scaling_with_more_ranks():
     t = led.train(led.start(0.0, 0, 0), 0, 29, 0)  # 4 ranks, 1000 tok/s = 250 per rank
     led.ev("exit", t, 0, reason="requeue", step=30, code=75)
     t = led.start(t + 10, 1, 30)
-    led.events[-1]["layout"] = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1}
+    led.records[-1]["layout"] = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1}
     t = led.train(t, 30, 59, 1)  # 8 ranks, still 1000 tok/s = 125 per rank
     led.ev("exit", t, 1, reason="completed", step=60, code=0)
     (f,) = diagnose(led.events)
@@ -75,7 +75,7 @@ def test_sync_save_stalls_are_periodic_idle_stages():
 
 def test_input_bound_steps():
     led = uninterrupted()
-    for e in led.events:
+    for e in led.records:
         if e["event"] == "steps":
             e["breakdown"]["data"] = 0.5 * e["step_time_s"]
     assert symptoms(led.events) == ["steps wait for input data"]
@@ -83,7 +83,7 @@ def test_input_bound_steps():
 
 def test_nan_loss_and_loss_spike_after_resume():
     led = two_requeues()
-    steps = [e for e in led.events if e["event"] == "steps"]
+    steps = [e for e in led.records if e["event"] == "steps"]
     steps[-1]["loss"] = float("nan")
     json.loads(json.dumps(steps[-1]))  # the ledger's json round-trips NaN
     first_after_resume = next(e for e in steps if e["restart"] == 1)
@@ -97,7 +97,7 @@ def test_nan_loss_and_loss_spike_after_resume():
 def test_resume_failures_from_fallback_restore_failed_and_no_progress():
     led = Ledger()
     t = led.start(0.0, 0, 30)
-    led.events[-2].update(event="ckpt_fallback", generation="step-30", reason="step-40 REJECTED")
+    led.records[-2].update(event="ckpt_fallback", generation="step-30", reason="step-40 REJECTED")
     t = led.train(t, 30, 39, 0)
     led.ev("exit", t, 0, reason="requeue", step=40, code=75)
     led.ev("ckpt_restore_failed", t + 60, 1, reason="shard count 4 != 8")
@@ -126,7 +126,7 @@ def test_killed_start_is_reported_with_crash_log_lines():
 
 
 def test_cli_exit_codes_and_log_reading(tmp_path, capsys):
-    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in healthy().events))
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in healthy().records))
     args = argparse.Namespace(run_dir=tmp_path)
     assert run(args) == 0 and "no symptom" in capsys.readouterr().out
     (tmp_path / "logs").mkdir()

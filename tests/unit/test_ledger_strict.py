@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 
+from dslurm.observe import events
 from dslurm.observe.ledger import FILENAME, Ledger, read_events
 
 
 def test_non_finite_numbers_are_strict_json_and_read_back_as_floats(tmp_path):
-    Ledger(tmp_path).append("steps", loss=math.nan, grad_norm=math.inf, lr=-math.inf, ok=1.5)
+    Ledger(tmp_path).append(events.Steps(loss=math.nan, grad_norm=math.inf, lr=-math.inf, tokens_per_s=1.5))
     raw = (tmp_path / FILENAME).read_text()
 
     def refuse(name):
@@ -18,18 +19,20 @@ def test_non_finite_numbers_are_strict_json_and_read_back_as_floats(tmp_path):
     rec = json.loads(raw, parse_constant=refuse)  # a strict parser accepts the line
     assert rec["loss"] == "NaN" and rec["grad_norm"] == "Infinity"
     ev = next(read_events(tmp_path))
-    assert math.isnan(ev["loss"]) and ev["grad_norm"] == math.inf and ev["lr"] == -math.inf and ev["ok"] == 1.5
-    Ledger(tmp_path).append("stragglers", times=[1.0, math.inf], by={"a": [math.nan]})
+    assert math.isnan(ev["loss"]) and ev["grad_norm"] == math.inf and ev["lr"] == -math.inf
+    steps = next(events.of(events.read(tmp_path), events.Steps))
+    assert math.isnan(steps.loss) and steps.grad_norm == math.inf and steps.tokens_per_s == 1.5
+    Ledger(tmp_path).append(events.Stragglers(step_times_s=[1.0, math.inf], slow=[{"ratio": math.nan}]))
     ev = [e for e in read_events(tmp_path) if e["event"] == "stragglers"][0]
-    assert ev["times"] == [1.0, math.inf] and math.isnan(ev["by"]["a"][0])
+    assert ev["step_times_s"] == [1.0, math.inf] and math.isnan(ev["slow"][0]["ratio"])
 
 
 def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
     led = Ledger(tmp_path)
-    led.append("submit", job_ids=[1])
+    led.append(events.Submit(job_ids=[1]))
     with open(tmp_path / FILENAME, "ab") as fh:
         fh.write(b'{"event":"steps","t":1,"lo')  # kill -9 in the middle of a write
-    led.append("train_start", step=0)
+    led.append(events.TrainStart(step=0))
     names = [e["event"] for e in read_events(tmp_path)]
     assert names == ["submit", "train_start"]
     lines = (tmp_path / FILENAME).read_text().splitlines()
@@ -44,5 +47,5 @@ def test_a_full_disk_does_not_raise_into_the_writer(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", full)
-    rec = Ledger(tmp_path).append("steps", loss=1.0)
-    assert rec["event"] == "steps"
+    rec = Ledger(tmp_path).append(events.Steps(loss=1.0))
+    assert rec.NAME == "steps" and rec.loss == 1.0

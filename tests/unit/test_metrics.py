@@ -47,7 +47,7 @@ def test_stragglers_are_named_with_their_host():
     assert flag_stragglers([0.1] * 8, factor=1.5) == []
     assert flag_stragglers([0.2, 1.0], factor=1.5)[0].host == "?"  # no hosts given
     event = straggler_event(50, times, hosts, factor=1.5)
-    assert event["step"] == 50 and [s["rank"] for s in event["slow"]] == [3, 7]
+    assert event.step == 50 and [s["rank"] for s in event.slow] == [3, 7] and event.slow_hosts() == ["node0", "node1"]
     with pytest.raises(ValueError, match="factor"):
         flag_stragglers(times, factor=1.0)
     with pytest.raises(ValueError, match="3 hosts for 8 ranks"):
@@ -92,9 +92,8 @@ def test_collector_splits_the_step_and_summarises_a_window():
                                            "checkpoint": 0.0, "other": 0.1})
     assert win.tokens_per_s == pytest.approx(2000 / 2.2)
     assert win.mfu == pytest.approx(2000 / 2.2 * 1e9 / 2e12)
-    fields = win.ledger_fields()
-    assert fields["first"] == 0 and fields["last"] == 1 and fields["mfu"] == pytest.approx(
-        win.mfu, rel=1e-4)
+    ev = win.event(lr=0.1)
+    assert ev.first == 0 and ev.last == 1 and ev.mfu == pytest.approx(win.mfu, rel=1e-4) and ev.lr == 0.1
     assert m.summary() is None  # the window was reset
     with pytest.raises(ValueError, match="phase 'io'"):
         with m.phase("io"):

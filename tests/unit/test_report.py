@@ -13,6 +13,7 @@ import math
 import pytest
 
 from dslurm.errors import UserError
+from dslurm.observe.events import Event, Steps, TrainStart, decode_all
 from dslurm.observe.plot import plot_timeline
 from dslurm.observe.report import DIED, load, run, split_starts, summarize
 
@@ -21,12 +22,17 @@ class Ledger:
     """Builds events the way the producers write them (t, job_id, restart, host + fields)."""
 
     def __init__(self, job_id: str | None = "6034286") -> None:
-        self.events: list[dict] = []
+        self.records: list[dict] = []
         self.job_id = job_id
 
+    @property
+    def events(self) -> list[Event]:
+        """Typed, as dslurm.observe.events.read gives them (a field a producer got wrong is dropped)."""
+        return decode_all(self.records)
+
     def ev(self, name: str, t: float, restart: int = 0, **fields) -> None:
-        self.events.append({"event": name, "t": t, "job_id": None if name == "submit" else self.job_id,
-                            "restart": restart, "host": "node1", **fields})
+        self.records.append({"event": name, "t": t, "job_id": None if name == "submit" else self.job_id,
+                             "restart": restart, "host": "node1", **fields})
 
     def start(self, t: float, restart: int, resume: int, burnin: float = 20.0, startup: float = 8.0) -> float:
         """Burn-in from t, then the trainer starts; returns the time of the first step."""
@@ -140,7 +146,7 @@ def test_nested_fallback_counts_each_redone_step_once():
 
 def test_crash_without_exit_event_and_no_requeue():
     led = two_requeues()
-    cut = max(i for i, e in enumerate(led.events) if e["event"] == "steps" and e["restart"] == 2)
+    cut = max(i for i, e in enumerate(led.events) if e.NAME == "steps" and e.restart == 2)
     sm = summarize(led.events[:cut + 1])  # killed: no exit, no requeue-me
     assert sm.starts[-1].exit_reason == DIED and sm.starts[-1].decision is None
     assert sm.final_step == 100 and sm.lost_steps == 30
@@ -186,7 +192,7 @@ def _write(tmp_path, events, tail: bytes = b"") -> None:
 
 def test_torn_last_line_and_garbage_are_skipped(tmp_path):
     led = uninterrupted()
-    _write(tmp_path, led.events[:-1], tail=b'{"event":"requeue","t":14')  # kill -9 mid-write
+    _write(tmp_path, led.records[:-1], tail=b'{"event":"requeue","t":14')  # kill -9 mid-write
     events, skipped = load(tmp_path)
     assert skipped == 1 and len(events) == len(led.events) - 1
     sm = summarize(events, skipped)
@@ -213,7 +219,7 @@ def test_png_is_written_and_valid(tmp_path):
 
 
 def test_cli_json_and_default_png(tmp_path, capsys):
-    _write(tmp_path, two_requeues().events)
+    _write(tmp_path, two_requeues().records)
     args = argparse.Namespace(run_dir=tmp_path, json=True, png=None, no_png=False)
     assert run(args) == 0
     out = json.loads(capsys.readouterr().out)  # stdout holds only the JSON
@@ -224,7 +230,7 @@ def test_cli_json_and_default_png(tmp_path, capsys):
 
 def test_cli_text_names_exit_reasons(tmp_path, capsys):
     led = two_requeues()
-    _write(tmp_path, led.events[:-2])  # the last start is killed before its exit event
+    _write(tmp_path, led.records[:-2])  # the last start is killed before its exit event
     assert run(argparse.Namespace(run_dir=tmp_path, json=False, png=None, no_png=True)) == 0
     out = capsys.readouterr().out
     assert "died without exit event" in out and "failed (exit 1)" in out and "goodput" in out
@@ -260,8 +266,8 @@ def test_report_json_is_strict_json_with_a_nan_loss(tmp_path, capsys):
     from dslurm.observe.ledger import Ledger as RealLedger
 
     led = RealLedger(tmp_path)
-    led.append("train_start", step=0, startup_s=1.0)
-    led.append("steps", first=0, last=0, loss=math.nan, step_time_s=0.1, duration_s=0.1)
+    led.append(TrainStart(step=0, startup_s=1.0))
+    led.append(Steps(first=0, last=0, loss=math.nan, step_time_s=0.1, duration_s=0.1))
     assert main(["report", str(tmp_path), "--json", "--no-png"]) == 0
 
     def refuse(name):

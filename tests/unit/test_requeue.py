@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dslurm import exitcodes as X
+from dslurm.observe import events as ev
 from dslurm.requeue import chain_of, decide, failures_of, job_ref, starts_without_progress
 from dslurm.requeue import endings as E
 
@@ -38,9 +39,9 @@ def test_crash_budget_counts_failures_only():
 
 
 def test_failures_are_counted_from_this_jobs_failure_endings():
-    events = [{"event": "ending", "job_id": "7", "cls": c} for c in ("warned_stop", "warned_stop",
-                                                                      "preempted", "warned_stop", "crash")]
-    events += [{"event": "ending", "job_id": "8", "cls": "crash"}, {"event": "requeue", "job_id": "7"}]
+    events = [ev.Ending(job_id="7", cls=c) for c in ("warned_stop", "warned_stop", "preempted", "warned_stop",
+                                                     "crash")]
+    events += [ev.Ending(job_id="8", cls="crash"), ev.Requeue(job_id="7", ending="crash")]
     assert failures_of(events, "7") == 1
 
 
@@ -61,7 +62,7 @@ def test_progress_counter():
 def test_chain_links_end_instead_of_requeueing():
     d = decide(ending=E.WARNED_STOP, **BASE, in_chain=True)
     assert (d.action, d.exit_code) == ("end", 0)
-    events = [{"event": "submit", "job_ids": [5, 6, 7]}]
+    events = [ev.Submit(job_ids=[5, 6, 7])]
     assert chain_of(events, "6") == [5, 6, 7] and chain_of(events, "9") == []
 
 
@@ -75,11 +76,10 @@ def test_auto_signal_lead_from_measurements_with_a_floor():
 
     lead, how = auto_signal_lead([], default_s=300)
     assert lead == 300 and "site default" in how
-    ev = [{"event": "steps", "step_time_s": 20.0}, {"event": "steps", "step_time_s": 35.0},
-          {"event": "ckpt_save", "total_s": 50.0, "stall_s": 50.0}]
-    lead, how = auto_signal_lead(ev, default_s=300)
+    history = [ev.Steps(step_time_s=20.0), ev.Steps(step_time_s=35.0), ev.CkptSave(total_s=50.0, stall_s=50.0)]
+    lead, how = auto_signal_lead(history, default_s=300)
     assert lead == 170 and "step 35.00s + save 50.00s" in how  # 2 x (35 + 50)
-    fast = [{"event": "steps", "step_time_s": 0.5}, {"event": "ckpt_save", "total_s": 1.0}]
+    fast = [ev.Steps(step_time_s=0.5), ev.CkptSave(total_s=1.0)]
     assert auto_signal_lead(fast, default_s=300)[0] == 60  # never below Slurm's granularity
 
 

@@ -11,6 +11,7 @@ import yaml
 from dslurm import api
 from dslurm import exitcodes as X
 from dslurm.config.resolve import load
+from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.submit import submit
 from testkit import sbatch_flags
@@ -57,8 +58,8 @@ def _three_ways(cli, tmp_path: Path, job: Path) -> list[tuple[str, str]]:
 def test_render_submit_and_api_emit_the_same_signal_flag(cli, tmp_path, lead, history, want):
     run = tmp_path / "run"
     if history:
-        Ledger(run).append("steps", step_time_s=40.0)
-        Ledger(run).append("ckpt_save", total_s=45.0, stall_s=45.0)
+        Ledger(run).append(ev.Steps(step_time_s=40.0))
+        Ledger(run).append(ev.CkptSave(total_s=45.0, stall_s=45.0))
     job = _job(tmp_path, run, **({} if lead is None else {"signal_lead": lead}))
     got = _three_ways(cli, tmp_path, job)
     assert got == [(f"B:USR2@{want}", "00:10:00")] * 3, got
@@ -92,7 +93,7 @@ def test_requeue_me_applies_the_frozen_budget_without_any_policy_variable(tmp_pa
     monkeypatch.setattr(slurm, "down_nodes", lambda hosts, env=None: {})
     monkeypatch.setattr(slurm, "run_cmd", lambda args, **k: calls.append(args))
     env = {"DSLURM_RUN_DIR": str(run), "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
-    Ledger(run).append("ending", job_id="7", restart=0, cls="crash")
+    Ledger(run).append(ev.Ending(job_id="7", restart=0, cls="crash"))
     write_rank_report(RankReport(rank=0, kind="crash", code=1, step=3, error="boom"), env)
     assert not any(k.startswith("DSLURM_") and k != "DSLURM_RUN_DIR" for k in env)
     assert requeue.requeue_me(1, env) == X.BUDGET

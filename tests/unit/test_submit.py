@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from dslurm.config.resolve import load
+from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.submit import submit
 
@@ -27,8 +28,8 @@ def test_dry_run_freezes_config_and_renders_absolute_paths(tmp_path):
 
 def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):
     run = tmp_path / "run"
-    Ledger(run).append("steps", step_time_s=40.0)
-    Ledger(run).append("ckpt_save", total_s=45.0, stall_s=45.0)
+    Ledger(run).append(ev.Steps(step_time_s=40.0))
+    Ledger(run).append(ev.CkptSave(total_s=45.0, stall_s=45.0))
     r = load(ROOT / "site-configs/h100-ib.yaml", ROOT / "examples/jobs/llama8b-h100.yaml",
              overrides=[f"checkpoint.run_dir={run}"])
     assert r.policy.lead_setting == "auto" and r.policy.lead_s == 170  # measured in resolve, once

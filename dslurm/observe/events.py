@@ -1,0 +1,332 @@
+"""The ledger's events, typed: one dataclass per event the chain writes.
+
+Producers construct one of these and hand it to `Ledger.append` (dslurm/observe/ledger.py);
+readers (`report`, `doctor`, `requeue-me`, `submit`) get them back from `read(run_dir)` or
+`decode(record)` and use attributes, never string keys. The field `event` on disk is the
+class's NAME. Every event also carries the envelope the ledger fills in: `t` (unix time),
+`job_id`, `restart`, `host`.
+
+Reading is tolerant, because a ledger outlives the code that wrote it and a kill -9 or an
+older/newer version can leave odd records: an unknown event name decodes to None (skipped),
+an unknown field is ignored, and a field of the wrong type (a garbled producer) reads as its
+default. A record without a numeric `t` is not an event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+E = TypeVar("E", bound="Event")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    NAME: ClassVar[str] = ""
+    t: float = 0.0
+    """set by the ledger when written"""
+    job_id: str | None = None
+    restart: int | None = None
+    host: str | None = None
+    """job_id, restart, host: the writer's (from its environment) unless set here, e.g. by a
+    late ending written for an earlier start"""
+
+    def fields(self) -> dict[str, Any]:
+        """The event's own fields (the envelope is the ledger's), as written to disk."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _ENVELOPE}
+
+
+_ENVELOPE = ("t", "job_id", "restart", "host")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStart(Event):
+    """The launcher on node 0 as a start begins, before any worker imports torch (also runs
+    outside Slurm, e.g. api.run_local). `report` measures start-up from here."""
+    NAME = "job_start"
+    hosts: list[str] = field(default_factory=list)
+    mode: str | None = None
+    nproc_per_node: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Submit(Event):
+    """A submission (a chain lists every link). The signal lead is the effective one (None with
+    requeue off); with the checkpoint interval the report can tell whether the lead sufficed."""
+    NAME = "submit"
+    job_ids: list[int] = field(default_factory=list)
+    signal_lead_s: int | None = None
+    signal_lead_setting: str | int | None = None
+    signal_lead_reason: str | None = None
+    checkpoint_interval: int | None = None
+    via: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preflight(Event):
+    NAME = "preflight"
+    passed: bool = False
+    bad_nodes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: dict[str, Any] = field(default_factory=dict)
+    report: str | None = None
+    duration_s: float = 0.0
+    nodes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptFreshStart(Event):
+    NAME = "ckpt_fresh_start"
+    run_dir: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptRestoreFailed(Event):
+    NAME = "ckpt_restore_failed"
+    run_dir: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptRestore(Event):
+    NAME = "ckpt_restore"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    reason: str = ""
+    rejected: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptFallback(CkptRestore):
+    """A restore that skipped the pointer's generation (rejected or garbage pointer)."""
+    NAME = "ckpt_fallback"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainStart(Event):
+    NAME = "train_start"
+    step: int = 0
+    """the step it resumed from (0: fresh)"""
+    generation: str | None = None
+    fell_back: bool = False
+    startup_s: float = 0.0
+    """process start -> about to train, as the trainer measured it"""
+    layout: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int | None:
+        degrees = [v for v in self.layout.values() if isinstance(v, int) and not isinstance(v, bool)]
+        prod = 1
+        for v in degrees:
+            prod *= v
+        return prod if degrees else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Steps(Event):
+    """A logging window: steps first..last (0-based) and their averages."""
+    NAME = "steps"
+    first: int | None = None
+    last: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    mfu_label: str | None = None
+    step_time_s: float | None = None
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """seconds per step in data / compute / optimizer / checkpoint"""
+    duration_s: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+
+    def phase_s(self, name: str) -> float:
+        v = self.breakdown.get(name)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stragglers(Event):
+    NAME = "stragglers"
+    step: int | None = None
+    step_times_s: list[float] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
+    factor: float | None = None
+    slow: list[dict[str, Any]] = field(default_factory=list)
+    """each: rank, host, step_time_s, ratio"""
+
+    def slow_hosts(self) -> list[str]:
+        return [str(s.get("host", "?")) if isinstance(s, dict) else "?" for s in self.slow]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptSave(Event):
+    NAME = "ckpt_save"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    bytes: int = 0
+    stall_s: float = 0.0
+    """how long training was blocked by this save"""
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptSaveFailed(Event):
+    NAME = "ckpt_save_failed"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    reason: str = ""
+    policy: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptSaveSkipped(Event):
+    NAME = "ckpt_save_skipped"
+    run_dir: str | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Signal(Event):
+    """The stop request the ranks agreed on, and the step."""
+    NAME = "signal"
+    signal: str = ""
+    step: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exit(Event):
+    """The trainer's own exit: reason completed | requeue | terminated | save_failed."""
+    NAME = "exit"
+    reason: str = "?"
+    step: int | None = None
+    code: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ending(Event):
+    """How a start ended (dslurm/requeue/endings.py). late=True: the next start wrote it."""
+    NAME = "ending"
+    cls: str = ""
+    reason: str = ""
+    origin_rank: int | None = None
+    origin_host: str | None = None
+    step: int | None = None
+    saved: bool = False
+    evidence: list[str] = field(default_factory=list)
+    step_rc: int | None = None
+    late: bool = False
+    slurm_state: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Requeue(Event):
+    """requeue-me's (or the API's) decision: requeue | stop | end."""
+    NAME = "requeue"
+    decision: str = ""
+    step_rc: int | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    ending: str | None = None
+    via: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainCancel(Event):
+    NAME = "chain_cancel"
+    job_ids: list[int] = field(default_factory=list)
+    reason: str = ""
+
+
+CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
+    JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
+    Steps, Stragglers, CkptSave, CkptSaveFailed, CkptSaveSkipped, Signal, Exit, Ending, Requeue, ChainCancel)}
+ALIASES = {"local_start": JobStart}  # older ledgers
+RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
+
+
+# ------------------------------------------------------------------------------ reading
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Does a decoded JSON value fit the annotated type? (bool is not a number here)"""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is Any:
+        return True
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, arg) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, tp)
+
+
+_HINTS: dict[str, dict[str, Any]] = {}
+
+
+def _hints(cls: type[Event]) -> dict[str, Any]:
+    """Field name -> type of an event class (computed once per class)."""
+    if cls.NAME not in _HINTS:
+        names = {f.name for f in dataclasses.fields(cls)}
+        _HINTS[cls.NAME] = {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+    return _HINTS[cls.NAME]
+
+
+def _members(tp: Any) -> tuple[Any, ...]:
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return value
+    if name == "job_id":
+        return str(value)  # a hand-written or older record
+    members = _members(tp)
+    return float(value) if float in members and int not in members else value
+
+
+def decode(record: Any) -> Event | None:
+    """The typed event of one ledger record; None for an unknown name or a record without time."""
+    if not isinstance(record, dict):
+        return None
+    cls = CATALOGUE.get(str(record.get("event"))) or ALIASES.get(str(record.get("event")))
+    if cls is None or not _matches(record.get("t"), float):
+        return None
+    kwargs = {}
+    for name, tp in _hints(cls).items():
+        if name in record:
+            value = _coerce(name, record[name], tp)
+            if _matches(value, tp):
+                kwargs[name] = value
+    return cls(**kwargs)
+
+
+def decode_all(records: Iterable[Any]) -> list[Event]:
+    return [ev for ev in map(decode, records) if ev is not None]
+
+
+def read(run_dir: str | Path) -> list[Event]:
+    """The run's events, typed, in ledger order (torn and unknown records skipped)."""
+    from dslurm.observe.ledger import read_events
+
+    return decode_all(read_events(run_dir))
+
+
+def of(events: Iterable[Event], *kinds: type[E]) -> Iterator[E]:
+    """The events of the given kinds (a subclass counts: CkptFallback is a CkptRestore)."""
+    return (e for e in events if isinstance(e, kinds))
