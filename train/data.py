@@ -42,17 +42,6 @@ log = logging.getLogger(__name__)
 Policy = Literal["drop", "pad"]
 
 
-def dp_coords(layout: Any, rank: int) -> tuple[int, int]:
-    """Global rank -> (dp_rank, dp_size) on a `dslurm.config.resolve.Layout`.
-
-    The data-parallel index combines the HSDP replica and the FSDP shard coordinate;
-    TP, CP and PP peers of one data-parallel slot get the same dp_rank, hence the
-    same batch.
-    """
-    c = layout.coords(rank)
-    return c["dp_replicate"] * layout.dp_shard + c["dp_shard"], layout.dp
-
-
 @dataclass(kw_only=True, slots=True)
 class GlobalBatchSampler:
     """Sample ids per step for one data-parallel rank; pure (numpy only), no I/O."""

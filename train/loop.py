@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dslurm import exitcodes, faults
 from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
-from train.data import dp_coords, make_loader
+from train.data import make_loader
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
 from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
@@ -77,13 +77,13 @@ class Trainer:
         self._fault_crash = faults.step_fault("DSLURM_FAULT_CRASH")
         self._fault_kill9 = faults.step_fault("DSLURM_FAULT_KILL9")
         self.step = 0
-        pp_mb = job.parallel.microbatches if self.dims.pp_enabled else 1
-        self.loss_scale = 1.0 / (self.train.grad_accum * pp_mb)
+        # The batch rule (dslurm.config.layout): grad_accum x microbatches equal micro-batches per rank.
+        self.loss_scale = 1.0 / (self.train.grad_accum * self.dims.layout.microbatches)
         self.built = build_parts(resolved.shape, job, self.dims, device, loss_fn=self._scaled_loss, fsdp=fsdp)
         self.params = [p for part in self.built.parts for p in part.parameters()]
         self.optimizers, self.schedulers = build_optimizers(self.built.parts, self.train)
-        self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.pp_enabled else None
-        dp_rank, dp_size = dp_coords(resolved.layout, rank)
+        self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.layout.pp_enabled else None
+        dp_rank, dp_size = resolved.layout.dp_coords(rank)
         self.loader = make_loader(resolved, dp_rank, dp_size, device=device, rank=rank)
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
         shape = resolved.shape
@@ -121,7 +121,7 @@ class Trainer:
         faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9)
         with self.metrics.phase("data"):
             inputs, targets = self.loader.next_batch()
-        lp = self.dims.loss_parallel_enabled  # vocab-sharded logits: CE must run in this context
+        lp = self.dims.layout.loss_parallel_enabled  # vocab-sharded logits: CE must run in this context
         with self.metrics.phase("compute"), (loss_parallel() if lp else nullcontext()):
             local_loss = self._forward_backward(inputs, targets)
         with self.metrics.phase("optimizer"):
@@ -141,7 +141,7 @@ class Trainer:
                            torch.tensor(float(self.stop_requested), device=self.device),
                            torch.tensor(float(self.stop_terminated), device=self.device)])
         dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-        result = StepResult(step=self.step, loss=vec[0].item() / (self.dims.world_size // self.dims.pp),
+        result = StepResult(step=self.step, loss=vec[0].item() / (self.dims.world_size // self.dims.layout.pp),
                             grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0, terminated=vec[2].item() > 0)
         self.step += 1
         return result
@@ -158,7 +158,7 @@ class Trainer:
             config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
                                           "train": dataclasses.asdict(job.train)}),
             model_shape=dataclasses.asdict(self.resolved.shape),
-            layout=dataclasses.asdict(self.resolved.layout), ledger=self.ledger)
+            layout=self.resolved.layout.degrees(), ledger=self.ledger)
 
     def _save(self, blocking: bool) -> None:
         if self.ckpt is not None:
@@ -208,7 +208,7 @@ class Trainer:
         self._event(events.TrainStart(step=self.step, generation=res.generation if res else None,
                                       fell_back=bool(res and res.fell_back),
                                       startup_s=round(time.time() - self.t_start, 3),
-                                      layout=dataclasses.asdict(self.resolved.layout)))
+                                      layout=self.resolved.layout.degrees()))
         self.metrics.start()
         result = None
         while self.step < self.train.steps:

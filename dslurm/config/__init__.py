@@ -140,7 +140,7 @@ class ParallelSpec:
     pp: int = field(1, help="pipeline stages")
     cp: int = field(1, help="context parallel degree (GPU only)")
     pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = field("1F1B", help="pipeline schedule")
-    microbatches: int = field(1, help="microbatches per step for the pipeline (>= stages)")
+    microbatches: int = field(1, help="pipeline microbatches per schedule step (>= stages; unused when pp=1)")
     allow_tp_outside_nvlink: bool = field(False, help="accept tp larger than the NVLink domain")
 
     def __post_init__(self) -> None:

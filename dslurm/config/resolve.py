@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from dslurm.config import JobSpec, SiteConfig, format_time, parse_time
+from dslurm.config import JobSpec, ParallelSpec, SiteConfig, format_time, parse_time
+from dslurm.config.layout import Layout, stages_per_rank
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
 
@@ -22,84 +23,10 @@ if TYPE_CHECKING:
     from dslurm.observe.events import Event
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Layout:
-    """Parallel degrees with dp_shard resolved. Ranks are laid out as a grid
-    (pp, dp_replicate, dp_shard, tp) with tp fastest, so a TP group is consecutive
-    ranks, i.e. inside one node."""
-
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    cp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> mesh coordinates; pure, the inverse of `rank_of`."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside world of {self.world_size}")
-        out = {}
-        for name, size in reversed(self.dims()):
-            out[name] = rank % size
-            rank //= size
-        return {name: out[name] for name, _ in self.dims()}
-
-    def rank_of(self, **coords: int) -> int:
-        rank = 0
-        for name, size in self.dims():
-            rank = rank * size + coords.get(name, 0)
-        return rank
-
-    def dims(self) -> list[tuple[str, int]]:
-        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                ("cp", self.cp), ("tp", self.tp)]
-
-
-def layout_for(par, world_size: int, where: str = "job") -> Layout:
-    """Resolve dp_shard=-1 and check the product against the world size, with the numbers."""
-    fixed = par.dp_replicate * par.tp * par.pp * par.cp
-    if par.dp_shard == -1:
-        if world_size % fixed:
-            raise UserError(
-                f"{where}: field 'parallel': dp_replicate({par.dp_replicate})*tp({par.tp})*pp({par.pp})"
-                f"*cp({par.cp})={fixed} does not divide world_size({world_size}). Fix: choose degrees "
-                f"whose product divides {world_size}")
-        dp_shard = world_size // fixed
-    else:
-        dp_shard = par.dp_shard
-    layout = Layout(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, cp=par.cp)
-    if layout.world_size != world_size:
-        raise UserError(
-            f"{where}: field 'parallel': dp_replicate({par.dp_replicate})*dp_shard({dp_shard})*tp({par.tp})"
-            f"*pp({par.pp})*cp({par.cp})={layout.world_size} != world_size({world_size}). Fix: make the "
-            f"product equal nodes x processes per node, or set dp_shard: -1")
-    return layout
-
-
-def check_model_layout(shape: ModelShape, layout: Layout, par, where: str = "job") -> None:
-    """Layout constraints that depend on the model shape (before any process group work)."""
-    msgs = []
-    if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
-        msgs.append(f"tp({layout.tp}) must divide n_heads({shape.n_heads}) and n_kv_heads({shape.n_kv_heads})")
-    if shape.ffn_dim % layout.tp:
-        msgs.append(f"tp({layout.tp}) must divide ffn_dim({shape.ffn_dim})")
-    if layout.tp > 1 and shape.seq_len % layout.tp:
-        msgs.append(f"tp({layout.tp}) must divide seq_len({shape.seq_len}) for sequence parallel")
-    if layout.pp > 1:
-        stages = layout.pp * (2 if par.pp_schedule == "Interleaved1F1B" else 1)
-        if shape.n_layers < stages:
-            msgs.append(f"n_layers({shape.n_layers}) < pipeline stages({stages})")
-        if par.microbatches < stages:
-            msgs.append(f"microbatches({par.microbatches}) < pipeline stages({stages}); "
-                        f"set parallel.microbatches >= {stages}")
+def check_model_layout(shape: ModelShape, layout: Layout, par: ParallelSpec, where: str = "job") -> None:
+    """Layout rules that depend on the model shape and the schedule (before any process group work)."""
+    v = stages_per_rank(par.pp_schedule)
+    msgs = layout.shape_problems(shape, v) + [m for m in [layout.schedule_problem(v)] if m]
     if msgs:
         raise UserError(f"{where}: field 'parallel': " + "; ".join(msgs))
 
@@ -202,7 +129,10 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
                         f"on site {site.name!r}. Fix: at most {site.node.gpus}")
     world = job.nodes * ppn
     par = job.parallel
-    layout = layout_for(par, world, job_path)
+    layout = Layout.for_world(
+        world, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp,
+        microbatches=par.microbatches, where=f"{job_path}: field 'parallel': ",
+        fix=f"make the product equal nodes({job.nodes}) x processes per node({ppn}), or set parallel.dp_shard: -1")
     if par.tp > site.node.nvlink_domain and not par.allow_tp_outside_nvlink:
         raise UserError(
             f"{job_path}: field 'parallel.tp': tp({par.tp}) > NVLink domain({site.node.nvlink_domain}) of "
@@ -211,18 +141,9 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
     if par.tp > 1 and ppn % par.tp:
         raise UserError(f"{job_path}: field 'parallel.tp': tp({par.tp}) does not divide processes per "
                         f"node({ppn}), so a TP group would span nodes. Fix: pick a divisor of {ppn}")
-    if par.cp > 1 and site.node.gpus == 0:
-        raise UserError(f"{job_path}: field 'parallel.cp': context parallel needs GPUs (the CPU attention op "
-                        f"has no sharding rule); site {site.name!r} has none. Fix: set cp: 1")
+    layout.check_device(site.node.gpus > 0, where=f"{job_path}: field 'parallel.cp': ", machine=f"site {site.name!r}")
     check_model_layout(job.model.shape(), layout, par, job_path)
-    if job.train.global_batch % (layout.dp * job.train.grad_accum):
-        raise UserError(f"{job_path}: field 'train.global_batch': {job.train.global_batch} is not divisible by "
-                        f"dp({layout.dp}) x grad_accum({job.train.grad_accum}). Fix: use a multiple of "
-                        f"{layout.dp * job.train.grad_accum}")
-    if layout.pp > 1 and (job.train.global_batch // (layout.dp * job.train.grad_accum)) % par.microbatches:
-        raise UserError(f"{job_path}: field 'parallel.microbatches': per-rank batch "
-                        f"{job.train.global_batch // (layout.dp * job.train.grad_accum)} is not divisible by "
-                        f"microbatches({par.microbatches})")
+    layout.micro_batch(job.train.global_batch, job.train.grad_accum, where=f"{job_path}: field 'train.global_batch': ")
     if site.node.gpus == 0 and job.train.dtype == "bf16":
         raise UserError(f"{job_path}: field 'train.dtype': bf16 training needs GPUs; site {site.name!r} has "
                         "none. Fix: dtype: fp32")

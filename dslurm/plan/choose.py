@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from dslurm.config.layout import Layout
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
-from dslurm.plan.layout import Cluster, Layout, Plan, Workload, _budget, _gb, _microbatches, memory_per_gpu
+from dslurm.plan.layout import Cluster, Plan, Workload, _budget, _gb, _splits, memory_per_gpu
 from dslurm.plan.memory import GB
 from dslurm.plan.pipeline import bubble_fraction
 
@@ -27,7 +28,7 @@ def _tp_options(model: ModelShape, cluster: Cluster) -> list[int]:
     limit = min(cluster.nvlink_domain or cluster.gpus_per_node, cluster.gpus_per_node)
     out, tp = [], 1
     while tp <= limit:
-        if cluster.gpus_per_node % tp == 0 and model.n_heads % tp == 0 and model.n_kv_heads % tp == 0:
+        if cluster.gpus_per_node % tp == 0 and not Layout(tp=tp).shape_problems(model):
             out.append(tp)
         tp *= 2
     return out
@@ -35,30 +36,31 @@ def _tp_options(model: ModelShape, cluster: Cluster) -> list[int]:
 
 def _pp_options(model: ModelShape, cluster: Cluster) -> list[int]:
     """Stage counts that give each stage whole nodes (pipeline traffic tolerates InfiniBand)."""
-    return [p for p in _divisors(cluster.nodes) if p <= model.n_layers]
+    return [p for p in _divisors(cluster.nodes) if not Layout(pp=p).shape_problems(model)]
 
 
 def _candidates(model: ModelShape, cluster: Cluster,
-                work: Workload) -> Iterator[tuple[Layout | tuple[int, int, str], str]]:
-    """Layouts in order of preference; a (pp, tp, recompute) key and a note where the batch rules one out."""
+                work: Workload) -> Iterator[tuple[tuple[Layout, str, int] | tuple[int, int, str], str]]:
+    """(layout, recompute, grad_accum) in order of preference; a (pp, tp, recompute) key and a
+    note where the batch rules one out."""
     recomputes = [work.recompute] if work.recompute else ["none", "full"]
     for pp in _pp_options(model, cluster):
         for rc in recomputes:
             for tp in _tp_options(model, cluster):
                 dp = cluster.world // (tp * pp)
-                m = _microbatches(pp, dp, work)
-                if m is None:
+                split = _splits(pp, dp, work)
+                if split is None:
                     yield (pp, tp, rc), (f"global_batch={work.global_batch} does not split into "
                                          f"dp({dp}) x micro_batch({work.micro_batch}) x >= {pp} microbatches")
                     continue
                 for g in _divisors(dp):
                     if work.max_shard_gpus and g > 1 and g * tp > work.max_shard_gpus:
                         break  # divisors ascend: every later group is larger still
-                    yield Layout(tp=tp, pp=pp, dp_shard=g, dp_replicate=dp // g, recompute=rc,
-                                 microbatches=m), ""
+                    lay = Layout(tp=tp, pp=pp, dp_shard=g, dp_replicate=dp // g, microbatches=split[0])
+                    yield (lay, rc, split[1]), ""
 
 
-def _reasons(chosen: Layout, mem: dict[str, float], cluster: Cluster,
+def _reasons(plan: Plan, mem: dict[str, float], cluster: Cluster,
              rejected: dict[tuple[int, int, str], tuple[float, str]], budget: float,
              forced: bool) -> dict[str, str]:
     """One sentence per degree: why it is this and not the cheaper one."""
@@ -67,16 +69,18 @@ def _reasons(chosen: Layout, mem: dict[str, float], cluster: Cluster,
         return note or f"needs {total / GB:.1f} GB per GPU with the widest shard group > {budget / GB:.1f} GB"
 
     r: dict[str, str] = {}
+    rc, grad_accum, chosen = plan.recompute, plan.grad_accum, plan.layout
     r["pp"] = ("1: the layer stack fits without pipeline stages" if chosen.pp == 1 else
                f"{chosen.pp} stages of {cluster.nodes // chosen.pp} node(s): the layer stack does not "
-               f"fit without them (tp={chosen.tp}: {need(1, chosen.tp, chosen.recompute)})")
+               f"fit without them (tp={chosen.tp}: {need(1, chosen.tp, rc)})")
     r["tp"] = (f"1: activations of {mem['activations'] / GB:.1f} GB fit unsplit" if chosen.tp == 1 else
                f"{chosen.tp}, inside the NVLink domain of {cluster.nvlink_domain}: tp={chosen.tp // 2} "
-               f"{need(chosen.pp, chosen.tp // 2, chosen.recompute)}")
-    r["microbatches"] = (f"{chosen.microbatches} per step, to keep the bubble small" if chosen.pp > 1 else
-                         f"{chosen.microbatches} gradient-accumulation step(s) (no pipeline)")
-    r["recompute"] = (f"{chosen.recompute}: requested" if forced else
-                      "none: activations fit without recomputation" if chosen.recompute == "none" else
+               f"{need(chosen.pp, chosen.tp // 2, rc)}")
+    r["microbatches"] = (f"{chosen.microbatches} per schedule step, to keep the bubble small" if chosen.pp > 1 else
+                         "1: no pipeline")
+    r["grad_accum"] = f"{grad_accum} gradient-accumulation pass(es) per step"
+    r["recompute"] = (f"{rc}: requested" if forced else
+                      "none: activations fit without recomputation" if rc == "none" else
                       "full: costs ~1/3 more arithmetic; without it "
                       + need(chosen.pp, chosen.tp, "none"))
     state = mem["state"] / GB
@@ -99,18 +103,21 @@ def propose_layout(model: ModelShape, cluster: Cluster, work: Workload | None = 
     budget = _budget(cluster, work)
     rejected: dict[tuple[int, int, str], tuple[float, str]] = {}
     notes: list[str] = []
-    for lay, note in _candidates(model, cluster, work):
-        if not isinstance(lay, Layout):
-            rejected[lay] = (float("inf"), note)
-            notes.append(f"pp={lay[0]} tp={lay[1]}: {note}")
+    for cand, note in _candidates(model, cluster, work):
+        if not isinstance(cand[0], Layout):
+            key = (int(cand[0]), int(cand[1]), str(cand[2]))
+            rejected[key] = (float("inf"), note)
+            notes.append(f"pp={key[0]} tp={key[1]}: {note}")
             continue
-        mem = memory_per_gpu(model, lay, work)
+        lay, rc, grad_accum = cand
+        mem = memory_per_gpu(model, lay, work, rc)
         if mem["total"] <= budget:
-            return Plan(layout=lay, memory_gb=_gb(mem), budget_gb=round(budget / GB, 2),
-                        bubble=bubble_fraction(lay.pp, lay.microbatches),
-                        reasons=_reasons(lay, mem, cluster, rejected, budget,
-                                                 forced=work.recompute is not None))
-        key = (lay.pp, lay.tp, lay.recompute)
+            plan = Plan(layout=lay, recompute=rc, grad_accum=grad_accum, memory_gb=_gb(mem),
+                        budget_gb=round(budget / GB, 2), bubble=bubble_fraction(lay.pp, lay.microbatches),
+                        reasons={})
+            plan.reasons = _reasons(plan, mem, cluster, rejected, budget, forced=work.recompute is not None)
+            return plan
+        key = (lay.pp, lay.tp, rc)
         # Keep the smallest need per (pp, tp, recompute): the fully sharded one.
         if mem["total"] < rejected.get(key, (float("inf"), ""))[0]:
             rejected[key] = (mem["total"], "")
@@ -126,32 +133,36 @@ def propose_layout(model: ModelShape, cluster: Cluster, work: Workload | None = 
 
 def validate_layout(model: ModelShape, cluster: Cluster, layout: Layout,
                     work: Workload | None = None) -> Plan:
-    """Check a requested layout: it must divide the world (else UserError), and fit memory."""
+    """Check a requested layout: it must divide the world and suit the model (else UserError),
+    and fit memory, the pipeline schedule and the batch rule (else `problems`)."""
     work = work or Workload()
-    if layout.world != cluster.world:
-        raise UserError(f"tp({layout.tp}) x pp({layout.pp}) x dp_shard({layout.dp_shard}) x "
-                        f"dp_replicate({layout.dp_replicate}) = {layout.world} != world size "
-                        f"{cluster.world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)")
-    for name, total in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads)):
-        if total % layout.tp:
-            raise UserError(f"tp={layout.tp} does not divide model.{name}={total}; choose a divisor")
-    if layout.pp > model.n_layers:
-        raise UserError(f"pp={layout.pp} exceeds model.n_layers={model.n_layers}")
+    layout.check_world(cluster.world, detail=f" ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)",
+                       fix=f"choose degrees whose product is {cluster.world}")
+    shape = layout.shape_problems(model)
+    if shape:
+        raise UserError("; ".join(shape) + ". Fix: choose degrees the model divides into")
     budget = _budget(cluster, work)
-    mem = memory_per_gpu(model, layout, work)
+    recompute = work.recompute or "none"
+    mem = memory_per_gpu(model, layout, work, recompute)
     problems, warnings = [], []
     if mem["total"] > budget:
         problems.append(f"needs {mem['total'] / GB:.1f} GB per GPU > {budget / GB:.1f} GB usable "
                         f"({cluster.gpu_mem_gb} GB less {work.reserve:.0%} reserve)")
-    if layout.pp > 1 and layout.microbatches < layout.pp:
-        problems.append(f"microbatches={layout.microbatches} < pp={layout.pp}: the schedule needs at "
-                        "least one microbatch per stage")
+    schedule = layout.schedule_problem()
+    if schedule:
+        problems.append(schedule)
+    if work.global_batch is not None:
+        try:
+            layout.micro_batch(work.global_batch, work.grad_accum, where="global_batch ")
+        except UserError as e:
+            problems.append(str(e))
     domain = cluster.nvlink_domain or cluster.gpus_per_node
     if layout.tp > domain or domain % layout.tp:
         warnings.append(f"tp={layout.tp} leaves the NVLink domain of {domain} GPUs: its per-layer "
                         "collectives cross the slower inter-node network")
-    bubble = bubble_fraction(layout.pp, max(layout.microbatches, 1))
+    bubble = bubble_fraction(layout.pp, layout.microbatches)
     if bubble > 0.25:
         warnings.append(f"pipeline bubble {bubble:.0%}: raise microbatches (bubble = (p-1)/(m+p-1))")
-    return Plan(layout=layout, memory_gb=_gb(mem), budget_gb=round(budget / GB, 2), bubble=bubble,
+    return Plan(layout=layout, recompute=recompute, grad_accum=work.grad_accum, memory_gb=_gb(mem),
+                budget_gb=round(budget / GB, 2), bubble=bubble,
                 reasons={"layout": "requested"}, problems=problems, warnings=warnings)

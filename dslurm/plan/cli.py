@@ -121,7 +121,7 @@ def _plan(args: argparse.Namespace) -> int:
     # The proposal chooses micro-batches itself unless a flag fixed them.
     proposal_work = work
     if job_layout is not None:  # propose freely, not bound by the job's own choices
-        proposal_work = replace(work, micro_batch=args.micro_batch or 1, microbatches=None,
+        proposal_work = replace(work, micro_batch=args.micro_batch or 1, microbatches=None, grad_accum=1,
                                 recompute=args.recompute)
     out["proposal"] = propose_layout(model, cluster, proposal_work).as_dict()
     if args.json:
@@ -148,7 +148,7 @@ def _print_plan(out: dict[str, Any]) -> None:
         table.add_column("value")
         table.add_column("why")
         lay = plan["layout"]
-        for name in ("tp", "pp", "dp_shard", "dp_replicate", "recompute", "microbatches"):
+        for name in ("tp", "pp", "dp_shard", "dp_replicate", "recompute", "microbatches", "grad_accum"):
             reason = plan["reasons"].get({"dp_shard": "dp", "dp_replicate": "dp"}.get(name, name), "")
             table.add_row(name, str(lay[name]), reason if name != "dp_replicate" else "")
         for name, gb in plan["memory_gb"].items():

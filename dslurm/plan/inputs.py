@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dslurm.config.layout import Layout
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
-from dslurm.plan.layout import Cluster, Layout, Workload
+from dslurm.plan.layout import Cluster, Workload
 
 if TYPE_CHECKING:
     from dslurm.config.resolve import Resolved
@@ -25,7 +26,7 @@ class ConfigInputs:
     cluster: Cluster
     work: Workload
     layout: Layout
-    """The job's own parallel degrees (dp_shard resolved), to be validated."""
+    """The job's own layout (`Resolved.layout` itself), to be validated."""
 
 
 def from_files(site_path: str, job_path: str) -> ConfigInputs:
@@ -45,19 +46,13 @@ def from_resolved(res: Resolved) -> ConfigInputs:
     if lay.cp != 1:
         raise UserError(f"{job_path}: field 'parallel.cp' is {lay.cp}: the planner does not model "
                         "context parallelism yet. Fix: plan with cp=1")
-    # Sequences each data-parallel rank processes per step, split into micro-batches by the
-    # pipeline schedule (pp > 1) or by gradient accumulation.
-    splits = job.parallel.microbatches if lay.pp > 1 else job.train.grad_accum
-    per_step = lay.dp * splits
-    if job.train.global_batch % per_step:
-        raise UserError(f"{job_path}: field 'train.global_batch' is {job.train.global_batch}: it does "
-                        f"not split into dp({lay.dp}) x {'microbatches' if lay.pp > 1 else 'grad_accum'}"
-                        f"({splits}). Fix: make it a multiple of {per_step}")
-    recompute = job.train.activation_checkpoint
-    work = Workload(micro_batch=job.train.global_batch // per_step, global_batch=job.train.global_batch,
-                    microbatches=splits if lay.pp > 1 else None, recompute=recompute)
+    # The one batch rule (dslurm.config.layout), already checked by resolve: this only reads
+    # the micro-batch it implies.
+    grad_accum = job.train.grad_accum
+    micro_batch = lay.micro_batch(job.train.global_batch, grad_accum, where=f"{job_path}: field 'train.global_batch': ")
+    work = Workload(micro_batch=micro_batch, global_batch=job.train.global_batch,
+                    microbatches=lay.microbatches if lay.pp_enabled else None, grad_accum=grad_accum,
+                    recompute=job.train.activation_checkpoint)
     cluster = Cluster(nodes=res.nnodes, gpus_per_node=res.procs_per_node, gpu_mem_gb=node.gpu_mem_gb,
                       nvlink_domain=node.nvlink_domain, peak_tflops=node.peak_tflops_bf16)
-    layout = Layout(tp=lay.tp, pp=lay.pp, dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate,
-                    recompute=recompute, microbatches=splits if lay.pp > 1 else 1)
-    return ConfigInputs(model=res.shape, cluster=cluster, work=work, layout=layout)
+    return ConfigInputs(model=res.shape, cluster=cluster, work=work, layout=lay)

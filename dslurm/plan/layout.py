@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dslurm.config.layout import Layout
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
 from dslurm.plan._check import count, fraction, non_negative, positive
@@ -60,7 +61,10 @@ class Workload:
     global_batch: int | None = None
     """Sequences per optimizer step; bounds data parallelism when given."""
     microbatches: int | None = None
-    """Pipeline microbatches per step; None = from the global batch, or a ≤10% bubble."""
+    """Pipeline microbatches per schedule step; None = from the global batch, or a ≤10% bubble."""
+    grad_accum: int = 1
+    """Gradient-accumulation passes per step (the job's); a proposal under a global batch
+    chooses its own (all splits to the pipeline when pp > 1, else to accumulation)."""
     recompute: str | None = None
     """Force "none", "selective" or "full"; None = let the planner choose."""
     bytes: ByteLayout = field(default_factory=ByteLayout)
@@ -73,6 +77,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         count("micro_batch", self.micro_batch)
+        count("grad_accum", self.grad_accum)
         for name in ("seq_len", "global_batch", "microbatches", "max_shard_gpus"):
             if getattr(self, name) is not None:
                 count(name, getattr(self, name))
@@ -81,41 +86,11 @@ class Workload:
         fraction("reserve", self.reserve)
 
 
-@dataclass(kw_only=True, slots=True)
-class Layout:
-    """Parallel degrees; their product is the world size."""
-
-    tp: int = 1
-    pp: int = 1
-    dp_shard: int = 1
-    """FSDP shard group size (1 = replicated state, DDP)."""
-    dp_replicate: int = 1
-    """Replicas of the shard group (HSDP when both dp degrees exceed 1)."""
-    recompute: str = "none"
-    microbatches: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp_shard", "dp_replicate", "microbatches"):
-            count(name, getattr(self, name))
-        if self.recompute not in RECOMPUTES:
-            raise UserError(f"recompute={self.recompute!r} is unknown; choose one of {', '.join(RECOMPUTES)}")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp_shard * self.dp_replicate
-
-    @property
-    def dp(self) -> int:
-        return self.dp_shard * self.dp_replicate
-
-    def describe(self) -> str:
-        kind = ("DDP" if self.dp_shard == 1 else "FSDP" if self.dp_replicate == 1 else "HSDP")
-        return (f"tp={self.tp} pp={self.pp} dp_shard={self.dp_shard} dp_replicate={self.dp_replicate}"
-                f" ({kind}), recompute={self.recompute}, microbatches={self.microbatches}")
-
-
-def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload) -> dict[str, float]:
+def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload,
+                   recompute: str = "none") -> dict[str, float]:
     """Bytes per GPU by kind for `layout` (the worst pipeline stage), and their total."""
+    if recompute not in RECOMPUTES:
+        raise UserError(f"recompute={recompute!r} is unknown; choose one of {', '.join(RECOMPUTES)}")
     b = work.bytes
     params = model.num_params()
     state = params * b.total / (layout.tp * layout.pp * layout.dp_shard)
@@ -130,7 +105,7 @@ def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload) -> dict[st
     per_stage = math.ceil(model.n_layers / layout.pp)
     # 1F1B: the first stage holds min(p, m) microbatches in flight, the last stage one plus the logits.
     in_flight = min(layout.pp, layout.microbatches)
-    rc: Any = layout.recompute  # validated against RECOMPUTES in __post_init__
+    rc: Any = recompute  # checked against RECOMPUTES above
     first = in_flight * activation_bytes(layers=per_stage, recompute=rc, **shape)
     last = (activation_bytes(layers=per_stage, recompute=rc, **shape)
             + logits_bytes(seq_len=seq, micro_batch=work.micro_batch, vocab_size=model.vocab_size,
@@ -145,6 +120,10 @@ class Plan:
     """A layout with its memory, bubble, and the reason for each choice."""
 
     layout: Layout
+    recompute: str
+    """"none", "selective" or "full" activation recomputation"""
+    grad_accum: int
+    """gradient-accumulation passes per step (each of layout.microbatches pipeline microbatches)"""
     memory_gb: dict[str, float]
     budget_gb: float
     bubble: float
@@ -161,8 +140,8 @@ class Plan:
     def as_dict(self) -> dict[str, object]:
         lay = self.layout
         return {"layout": {"tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
-                           "dp_replicate": lay.dp_replicate, "recompute": lay.recompute,
-                           "microbatches": lay.microbatches},
+                           "dp_replicate": lay.dp_replicate, "recompute": self.recompute,
+                           "microbatches": lay.microbatches, "grad_accum": self.grad_accum},
                 "memory_gb": self.memory_gb, "budget_gb": self.budget_gb, "bubble": self.bubble,
                 "fits": self.fits, "reasons": self.reasons, "problems": self.problems,
                 "warnings": self.warnings}
@@ -176,16 +155,20 @@ def _gb(mem: dict[str, float]) -> dict[str, float]:
     return {k: round(v / GB, 2) for k, v in mem.items()}
 
 
-def _microbatches(pp: int, dp: int, work: Workload) -> int | None:
-    """Microbatches per step for `dp` replicas, or None when the global batch forbids it."""
+def _splits(pp: int, dp: int, work: Workload) -> tuple[int, int] | None:
+    """(pipeline microbatches, grad_accum) per step for `dp` replicas, or None when the global
+    batch forbids it. Under a global batch this solves the one batch rule
+    (`dslurm.config.layout`: global_batch = dp x grad_accum x microbatches x micro_batch) for the
+    splits, sending them all to the pipeline when there is one (the smallest bubble)."""
     if work.global_batch is not None:
         per_step = dp * work.micro_batch
         if work.global_batch % per_step:
             return None
-        m = work.global_batch // per_step
-    elif work.microbatches is not None:
-        m = work.microbatches
+        n = work.global_batch // per_step
+        m, accum = (n, 1) if pp > 1 else (1, n)
+    elif pp == 1:
+        m, accum = 1, work.grad_accum
     else:
-        # No batch given: pick enough microbatches for a bubble of at most 10%.
-        m = 1 if pp == 1 else math.ceil(9 * (pp - 1))
-    return m if m >= pp else None
+        # No batch given: the asked microbatches, or enough for a bubble of at most 10%.
+        m, accum = work.microbatches or math.ceil(9 * (pp - 1)), work.grad_accum
+    return (m, accum) if m >= pp or pp == 1 else None

@@ -129,7 +129,8 @@ def test_product_must_equal_world_size(tmp_path):
     with pytest.raises(UserError) as e:
         _resolve(h100_site(), job, tmp_path)
     msg = str(e.value)
-    assert "dp_shard(3)*tp(2)" in msg and "=6 != world_size(16)" in msg
+    assert "pp(1)*dp_replicate(1)*dp_shard(3)*cp(1)*tp(2)=6 != world_size(16)" in msg
+    assert "field 'parallel'" in msg and "nodes(2) x processes per node(8)" in msg
 
 
 def test_dp_shard_rest_is_resolved(tmp_path):

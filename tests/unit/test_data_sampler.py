@@ -7,9 +7,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dslurm.config.resolve import Layout
+from dslurm.config.layout import Layout
 from dslurm.errors import UserError
-from train.data import GlobalBatchSampler, dp_coords
+from train.data import GlobalBatchSampler
 
 N, B = 37, 8  # 37 % 8 = 5: an uneven tail on purpose
 
@@ -132,9 +132,9 @@ def test_invalid_samplers_are_rejected_with_the_numbers():
 
 def test_dp_coords_follow_the_layout():
     layout = Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2)
-    coords = [dp_coords(layout, r) for r in range(layout.world_size)]
+    coords = [layout.dp_coords(r) for r in range(layout.world_size)]
     assert {size for _, size in coords} == {4}
     assert Counter(dp for dp, _ in coords) == {0: 4, 1: 4, 2: 4, 3: 4}
     for r in range(0, layout.world_size, 2):  # tp peers are consecutive ranks: same batch
         assert coords[r] == coords[r + 1]
-    assert dp_coords(layout, layout.rank_of(dp_replicate=1, dp_shard=0)) == (2, 4)
+    assert layout.dp_coords(layout.rank_of(dp_replicate=1, dp_shard=0)) == (2, 4)

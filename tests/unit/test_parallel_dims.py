@@ -1,5 +1,6 @@
-"""ParallelDims: validation with the numbers, mesh names, CPU refusal of CP, and (under
-torchrun) mesh coordinates equal to the pure `Layout.coords`."""
+"""ParallelDims: the torch part of the layout. It checks the shared `Layout` against the launcher's
+world and the device, names the mesh dims, and (under torchrun) gives mesh coordinates equal to
+the pure `Layout.coords`. The rules themselves are tested in test_layout.py."""
 
 from __future__ import annotations
 
@@ -10,60 +11,48 @@ from pathlib import Path
 
 import pytest
 
-from dslurm.config.resolve import Layout
+from dslurm.config.layout import DIM_NAMES, Layout
 from dslurm.errors import UserError
 from train.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def dims(**kw) -> ParallelDims:
-    base = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
-    return ParallelDims(**{**base, **kw})
-
-
-def test_product_must_equal_world_size_and_says_the_numbers():
+def test_the_launchers_world_must_equal_the_product_and_says_the_numbers():
     with pytest.raises(UserError, match=r"pp\(2\)\*dp_replicate\(1\)\*dp_shard\(3\)\*cp\(1\)\*tp\(1\)=6 != "
                                         r"world_size\(8\)"):
-        dims(pp=2, dp_shard=3, world_size=8)
-
-
-def test_degrees_below_one_are_refused():
-    with pytest.raises(UserError, match=r"parallel.tp=0"):
-        dims(tp=0)
+        ParallelDims.from_layout(Layout(pp=2, dp_shard=3), 8)
 
 
 def test_context_parallel_is_refused_on_cpu_with_the_reason():
     with pytest.raises(UserError, match="context parallel needs GPUs"):
-        dims(cp=2, world_size=2)
-    assert dims(cp=2, world_size=2, device_type="cuda").cp_enabled
+        ParallelDims(layout=Layout(cp=2))
+    assert ParallelDims.from_layout(Layout(cp=2), 2, "cuda").layout.cp_enabled
 
 
-def test_enabled_flags_and_fsdp_rule():
-    d = ParallelDims.from_layout(Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2), 16)
-    assert (d.pp_enabled, d.dp_replicate_enabled, d.dp_shard_enabled, d.tp_enabled) == (True,) * 4
-    assert d.dp == 4 and d.fsdp_enabled and d.loss_parallel_enabled and not d.cp_enabled
-    tp_only = dims(tp=2, world_size=2)
-    assert not tp_only.fsdp_enabled and tp_only.loss_parallel_enabled
+def test_dims_carry_the_shared_layout_itself():
+    layout = Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2)
+    d = ParallelDims.from_layout(layout, 16)
+    assert d.layout is layout and d.world_size == 16
 
 
 def test_get_mesh_with_a_wrong_name_lists_the_valid_ones_before_building_anything():
-    d = dims()
+    d = ParallelDims(layout=Layout())
     with pytest.raises(ValueError, match=r"unknown mesh dim\(s\) \['data'\]; valid names: pp, dp_replicate, "
                                          r"dp_shard, cp, tp, dp"):
         d.get_mesh("data")
-    assert d._mesh is None
+    assert d._mesh is None and DIM_NAMES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 SCRIPT = """
 import json, sys, torch.distributed as dist
-from dslurm.config.resolve import Layout
+from dslurm.config.layout import Layout
 from train.parallel.dims import ParallelDims
 dist.init_process_group("gloo")
 layout = Layout(pp=2, dp_replicate=1, dp_shard=1, tp=2)
 d = ParallelDims.from_layout(layout, dist.get_world_size())
 r = dist.get_rank()
-coords = dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), d.mesh.get_coordinate()))
+coords = dict(zip(d.mesh.mesh_dim_names, d.mesh.get_coordinate()))
 ok = coords == layout.coords(r) and d.get_mesh("tp").get_local_rank() == r % 2 and d.get_mesh("dp").size() == 1
 # One file per rank: four processes printing to one pipe can interleave their lines.
 open(f"{sys.argv[1]}/rank-{r}.json", "w").write(json.dumps({"rank": r, "ok": ok, "coords": coords}))

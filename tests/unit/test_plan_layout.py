@@ -2,17 +2,18 @@
 
 import pytest
 
+from dslurm.config.layout import Layout
 from dslurm.config.models import PRESETS
 from dslurm.errors import UserError
 from dslurm.plan.choose import propose_layout, validate_layout
-from dslurm.plan.layout import Cluster, Layout, Workload, memory_per_gpu
+from dslurm.plan.layout import Cluster, Workload, memory_per_gpu
 from dslurm.plan.memory import GB
 
 
 def test_small_model_gets_plain_ddp():
     plan = propose_layout(PRESETS["1b"], Cluster(nodes=2))
     lay = plan.layout
-    assert (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate, lay.recompute) == (1, 1, 1, 16, "none")
+    assert (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate, plan.recompute) == (1, 1, 1, 16, "none")
     assert "DDP" in plan.reasons["dp"] and plan.fits
 
 
@@ -32,7 +33,7 @@ def test_70b_needs_tensor_parallelism_inside_the_nvlink_domain():
     assert "NVLink domain of 8" in plan.reasons["tp"] and "tp=4 needs" in plan.reasons["tp"]
     # A 4-GPU NVLink domain caps tp at 4, so it must recompute instead.
     small = propose_layout(PRESETS["70b"], Cluster(nodes=4, nvlink_domain=4))
-    assert small.layout.tp <= 4 and small.layout.recompute == "full"
+    assert small.layout.tp <= 4 and small.recompute == "full"
 
 
 def test_pipeline_only_when_the_layer_stack_does_not_fit_a_shard_group():
@@ -62,14 +63,14 @@ def test_validate_flags_tp_outside_nvlink_memory_and_microbatches():
     ddp = validate_layout(model, Cluster(nodes=4), Layout(dp_replicate=32))
     assert not ddp.fits and "GB per GPU > 72.0 GB" in ddp.problems[0]
     pipe = validate_layout(model, Cluster(nodes=4), Layout(pp=4, dp_shard=8, microbatches=2))
-    assert any("microbatches=2 < pp=4" in p for p in pipe.problems)
+    assert any("microbatches(2) < pipeline stages(4)" in p for p in pipe.problems)
     assert validate_layout(model, Cluster(nodes=4), Layout(pp=4, dp_shard=8, microbatches=16)).bubble \
         == pytest.approx(3 / 19)
 
 
 @pytest.mark.parametrize("layout, match", [
-    (Layout(tp=2, dp_shard=3), r"= 6 != world size 32"),
-    (Layout(tp=32), r"does not divide model.n_kv_heads=8"),
+    (Layout(tp=2, dp_shard=3), r"=6 != world_size\(32\) \(4 nodes x 8 GPUs\)"),
+    (Layout(tp=32), r"tp\(32\) must divide n_heads\(32\) and n_kv_heads\(8\)"),
 ])
 def test_layout_that_does_not_divide_is_a_user_error(layout, match):
     with pytest.raises(UserError, match=match):

@@ -27,8 +27,8 @@ def run_entry(world: int, *sets: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("world, sets, expect", [
-    (4, ["parallel.dp_shard=3"], "dp_replicate(1)*dp_shard(3)*tp(2)*pp(1)*cp(1)=6 != world_size(4)"),
-    (3, [], "dp_replicate(1)*tp(2)*pp(1)*cp(1)=2 does not divide world_size(3)"),
+    (4, ["parallel.dp_shard=3"], "pp(1)*dp_replicate(1)*dp_shard(3)*cp(1)*tp(2)=6 != world_size(4)"),
+    (3, [], "pp(1)*dp_replicate(1)*cp(1)*tp(2)=2 does not divide world_size(3)"),
     (4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=1"],
      "microbatches(1) < pipeline stages(2)"),
     (2, ["model.n_heads=2", "model.n_kv_heads=1", "parallel.dp_shard=1"],

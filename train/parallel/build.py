@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from dslurm.config.layout import stages_per_rank
 from dslurm.config.models import ModelShape
 from train.model import build_model
 from train.parallel.ac import apply_ac
 from train.parallel.compile import apply_compile
 from train.parallel.dims import ParallelDims
 from train.parallel.fsdp import apply_fsdp
-from train.parallel.pp import build_schedule, split_stage, stage_ids, stages_per_rank
+from train.parallel.pp import build_schedule, split_stage, stage_ids
 from train.parallel.tp import apply_tp
 
 
@@ -42,15 +43,16 @@ class Built:
 
 
 def _parallelize_part(part: nn.Module, dims: ParallelDims, train: Any, fsdp: bool) -> None:
-    if dims.tp_enabled:
-        apply_tp(part, dims.get_mesh("tp"), loss_parallel=dims.loss_parallel_enabled)
+    lay = dims.layout
+    if lay.tp_enabled:
+        apply_tp(part, dims.get_mesh("tp"), loss_parallel=lay.loss_parallel_enabled)
     apply_ac(part, train.activation_checkpoint)
     if train.compile:
         apply_compile(part)
     if fsdp:
-        mesh = (dims.get_mesh(("dp_replicate", "dp_shard")) if dims.dp_replicate_enabled
+        mesh = (dims.get_mesh(("dp_replicate", "dp_shard")) if lay.dp_replicate_enabled
                 else dims.get_mesh("dp_shard"))
-        apply_fsdp(part, mesh, dtype=train.dtype, device_type=dims.device_type, pp_enabled=dims.pp_enabled)
+        apply_fsdp(part, mesh, dtype=train.dtype, device_type=dims.device_type, pp_enabled=lay.pp_enabled)
 
 
 def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.device, *,
@@ -58,14 +60,14 @@ def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.d
                 fsdp: bool | None = None) -> Built:
     """Model parts and (with PP) the schedule for this rank. `fsdp=None` applies FSDP when
     there is data parallelism; True forces it (the 1-process overhead benchmark)."""
-    train, par = job.train, job.parallel
-    fsdp = dims.fsdp_enabled if fsdp is None else fsdp
+    train, par, lay = job.train, job.parallel, dims.layout
+    fsdp = lay.fsdp_enabled if fsdp is None else fsdp
     meta = device.type != "cpu"
     full = build_model(shape, train.seed, "meta" if meta else "cpu")
-    if dims.pp_enabled:
+    if lay.pp_enabled:
         pp_rank = dims.get_mesh("pp").get_local_rank()
-        n_stages = dims.pp * stages_per_rank(par.pp_schedule)
-        ids = stage_ids(pp_rank, dims.pp, par.pp_schedule)
+        n_stages = lay.pp * stages_per_rank(par.pp_schedule)
+        ids = stage_ids(pp_rank, lay.pp, par.pp_schedule)
         parts = [split_stage(full, i, n_stages) for i in ids]
         del full
     else:
@@ -78,9 +80,9 @@ def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.d
             with torch.no_grad():
                 part.init_weights()
     schedule = None
-    if dims.pp_enabled:
+    if lay.pp_enabled:
         schedule = build_schedule(parts, ids, n_stages, pp_group=dims.get_mesh("pp").get_group(),
-                                  device=device, schedule=par.pp_schedule, microbatches=par.microbatches,
+                                  device=device, schedule=par.pp_schedule, microbatches=lay.microbatches,
                                   loss_fn=loss_fn)
     return Built(parts=parts, schedule=schedule, has_first_stage=0 in ids,
                  has_last_stage=n_stages - 1 in ids)

@@ -1,11 +1,12 @@
-"""Parallel degrees of one run and the DeviceMesh built from them, once.
+"""The DeviceMesh of one run, built once from the shared `Layout`.
 
-`ParallelDims` mirrors torchtitan's: built from the resolved `Layout` (dp_shard already
-resolved by `dslurm.config.resolve`), validated on creation, `*_enabled` properties, and a lazily
-built world mesh with dims (pp, dp_replicate, dp_shard, cp, tp), tp fastest, matching
-`Layout.coords` so a rank's mesh coordinates equal the pure ones. Size-1 dims are kept in
-the mesh so every name is always valid (FSDP on a 1-process mesh is how the benchmark
-measures wrapper overhead); "dp" is the flattened (dp_replicate, dp_shard) pair.
+The degrees, their order and every rule about them live in `dslurm.config.layout.Layout`
+(torch-free; built and checked by `dslurm.config.resolve`). `ParallelDims` adds only what
+needs torch, as torchtitan's does: a lazily built world mesh with dims `DIM_NAMES`
+(pp, dp_replicate, dp_shard, cp, tp), tp fastest, matching `Layout.coords` so a rank's mesh
+coordinates equal the pure ones. Size-1 dims are kept in the mesh so every name is always
+valid (FSDP on a 1-process mesh is how the benchmark measures wrapper overhead); "dp" is the
+flattened (dp_replicate, dp_shard) pair.
 """
 
 from __future__ import annotations
@@ -13,86 +14,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslurm.config.resolve import Layout
-from dslurm.errors import UserError
+from dslurm.config.layout import DIM_NAMES, Layout
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLAT_NAMES = {"dp": ("dp_replicate", "dp_shard")}
 
 
 @dataclass(kw_only=True, slots=True)
 class ParallelDims:
-    """Degrees of each parallelism; the product must equal the world size."""
+    """A checked `Layout` on this run's device, and its mesh."""
 
-    pp: int
-    """pipeline stages (one per rank along this dim)"""
-    dp_replicate: int
-    """HSDP replicas: each holds a full set of FSDP shards"""
-    dp_shard: int
-    """FSDP shard degree"""
-    cp: int
-    """context parallel degree (GPU only)"""
-    tp: int
-    """tensor + sequence parallel degree"""
-    world_size: int
-    """processes in the job"""
+    layout: Layout
+    """the degrees (read `dims.layout.tp`, `dims.layout.pp_enabled`, ...)"""
     device_type: str = "cpu"
     """'cpu' (gloo) or 'cuda' (nccl)"""
     _mesh: Any = field(default=None, repr=False)
     _flat: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for name in DIM_NAMES:
-            if getattr(self, name) < 1:
-                raise UserError(f"parallel.{name}={getattr(self, name)} must be at least 1")
-        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-        if product != self.world_size:
-            raise UserError(
-                f"pp({self.pp})*dp_replicate({self.dp_replicate})*dp_shard({self.dp_shard})*cp({self.cp})"
-                f"*tp({self.tp})={product} != world_size({self.world_size}). Fix: make the product equal "
-                f"the number of processes, or set parallel.dp_shard: -1")
-        if self.cp > 1 and self.device_type == "cpu":
-            # No sharding rule for the CPU flash-attention op (reproduced on torch 2.13 CPU).
-            raise UserError(f"parallel.cp={self.cp}: context parallel needs GPUs (the CPU attention op has "
-                            "no DTensor sharding rule). Fix: set parallel.cp: 1 on CPU")
+        self.layout.check_device(self.device_type != "cpu", machine="this CPU run")
 
     @classmethod
     def from_layout(cls, layout: Layout, world_size: int, device_type: str = "cpu") -> ParallelDims:
-        return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                   cp=layout.cp, tp=layout.tp, world_size=world_size, device_type=device_type)
+        """The layout checked against the launcher's world and the device."""
+        layout.check_world(world_size)
+        return cls(layout=layout, device_type=device_type)
 
     @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        """FSDP/HSDP is applied whenever there is data parallelism to shard or replicate over."""
-        return self.dp > 1
-
-    @property
-    def loss_parallel_enabled(self) -> bool:
-        return self.tp_enabled
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     @property
     def mesh(self) -> Any:
@@ -100,7 +49,7 @@ class ParallelDims:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(self.device_type, tuple(getattr(self, n) for n in DIM_NAMES),
+            mesh = init_device_mesh(self.device_type, tuple(d for _, d in self.layout.dims()),
                                     mesh_dim_names=DIM_NAMES)
             # Keep the flattened meshes ourselves: slicing a flattened dim from the root mesh
             # is deprecated (UserWarning in torch 2.13).

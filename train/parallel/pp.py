@@ -4,8 +4,8 @@ Each stage is a deep copy of the full model with the layers it does not own dele
 the embedding / final norm + output removed where they do not belong), so its parameter
 names are those of the unsplit model and DCP can reshard between PP layouts. Stages are
 assigned loop-style: with v virtual stages per rank, pp rank r owns stages r, r+pp, ...
-Schedules need microbatches >= stages (checked in `dslurm.config.resolve` before any process
-group work). Parameters of a stage are then parallelised (TP, AC, compile, FSDP) by the
+Schedules need microbatches >= stages (`Layout.schedule_problem`, checked in `dslurm.config.resolve`
+before any process group work). Parameters of a stage are then parallelised (TP, AC, compile, FSDP) by the
 caller, before the `PipelineStage` is created.
 """
 
@@ -19,12 +19,9 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from dslurm.config.layout import stages_per_rank
+
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Virtual stages per pipeline rank: 2 for the interleaved schedule, else 1."""
-    return 2 if schedule == "Interleaved1F1B" else 1
 
 
 def layer_split(n_layers: int, n_stages: int) -> list[range]:
