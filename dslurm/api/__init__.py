@@ -201,7 +201,9 @@ def _job_env(r: Resolved) -> dict[str, str]:
 def _one_node_env() -> dict[str, str]:
     """What dslurm.launch.slurm_env.derive reads, for a one-node "allocation" on this machine: the
     launcher and the rank math stay the ones a Slurm job uses."""
-    return {"SLURM_JOB_ID": f"local-{os.getpid()}", "SLURM_JOB_NODELIST": "localhost",
+    from dslurm.launch.slurm_env import local_job_id
+
+    return {"SLURM_JOB_ID": local_job_id(os.getpid()), "SLURM_JOB_NODELIST": "localhost",
             "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_RESTART_COUNT": "0"}
 
 
