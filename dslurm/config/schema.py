@@ -118,6 +118,12 @@ def _whole_number(value: float, where: Where) -> int:
                      f"write a whole number, e.g. {lo} or {hi}")
 
 
+def as_text(value: Any) -> str:
+    """A number where text is wanted, as the user wrote it (yaml12.Int/Float keep `.text`:
+    `NCCL_X: 1e3` stays "1e3", not "1000.0"), else str()."""
+    return getattr(value, "text", None) or str(value)
+
+
 _YAML11_BOOLS = {"yes", "no", "on", "off", "y", "n"}
 
 
@@ -152,7 +158,7 @@ def _convert(tp: Any, value: Any, where: Where) -> Any:
         for k, v in value.items():
             if not isinstance(v, (str, int, float)) or isinstance(v, bool):
                 raise where.child(str(k)).fail(f"expected a string, got {v!r}", "quote the value")
-            out[str(k)] = str(v)
+            out[str(k)] = as_text(v)
         return out
     # bool is an int in Python; refuse it where a number is meant, and vice versa.
     if tp is bool:
@@ -163,7 +169,7 @@ def _convert(tp: Any, value: Any, where: Where) -> Any:
                              "write true or false")
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return int(value)  # a plain int, not the loader's yaml12.Int
         if isinstance(value, float):
             return _whole_number(value, where)
     elif tp is float:
@@ -175,7 +181,7 @@ def _convert(tp: Any, value: Any, where: Where) -> Any:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            return as_text(value)  # `time: 90`, `name: 007`: the text as written
     raise where.fail(f"expected {_type_name(tp)}, got {value!r}", f"set it to {_type_name(tp)}")
 
 

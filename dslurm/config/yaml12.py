@@ -38,6 +38,19 @@ _CORE: list[tuple[str, re.Pattern[str], list[str]]] = [
 ]
 
 
+class Int(int):
+    """An integer that remembers how it was written: a field that wants text (an env value,
+    `time: 90`, a name) gets `007` or `0x1f` back, not `7` or `31`."""
+
+    text: str
+
+
+class Float(float):
+    """A float that remembers how it was written (`NCCL_X: 1e3` stays "1e3", not "1000.0")."""
+
+    text: str
+
+
 class DuplicateKeyError(yaml.constructor.ConstructorError):
     """A mapping names the same key twice; carries the key and both (1-based) lines."""
 
@@ -76,24 +89,27 @@ class Loader(yaml.SafeLoader):
         text = str(self.construct_scalar(node))
         try:
             if text.startswith("0o"):
-                return int(text[2:], 8)
-            if text.startswith("0x"):
-                return int(text[2:], 16)
-            return int(text, 10)  # 1.2: a leading 0 is not octal, `1:30` is not base 60
+                out = Int(text[2:], 8)
+            elif text.startswith("0x"):
+                out = Int(text[2:], 16)
+            else:
+                out = Int(text, 10)  # 1.2: a leading 0 is not octal, `1:30` is not base 60
         except ValueError:
             raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer",
                                                     node.start_mark) from None
+        out.text = text
+        return out
 
     def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
         text = str(self.construct_scalar(node))
         special = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
-        if text.lower() in special:
-            return special[text.lower()]
         try:
-            return float(text)
+            out = Float(special.get(text.lower(), text))
         except ValueError:
             raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not a number",
                                                     node.start_mark) from None
+        out.text = text
+        return out
 
 
 for _tag, _pattern, _first in _CORE:
@@ -111,6 +127,8 @@ class Dumper(yaml.SafeDumper):
 
 for _tag, _pattern, _first in _CORE:
     Dumper.add_implicit_resolver(_tag, _pattern, _first)
+Dumper.add_representer(Int, yaml.SafeDumper.represent_int)
+Dumper.add_representer(Float, yaml.SafeDumper.represent_float)
 
 
 def load(text: str) -> Any:

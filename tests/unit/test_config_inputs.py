@@ -284,3 +284,11 @@ def test_local_runner_keeps_its_own_interpreter(tmp_path):
 
     r = load(LOCAL, job_file(tmp_path, TINY), site_overrides=["python=python3 -X dev"])
     assert trainer_argv(r, "s.yaml", "j.yaml")[:3] == [sys.executable, "-m", "train"]
+
+
+def test_numbers_where_text_is_wanted_keep_their_spelling(tmp_path):
+    p = job_file(tmp_path, TINY + "time: 90\nenv:\n  A: 1e3\n  B: 007\n  C: 0x1f\n  D: 1.10\n  E: 3\n")
+    job = load_job(p)
+    assert job.env == {"A": "1e3", "B": "007", "C": "0x1f", "D": "1.10", "E": "3"} and job.time == "90"
+    assert load_job(p, ["env.A=2e3"]).env["A"] == "2e3"
+    assert type(load_job(p, ["train.steps=0x10"]).train.steps) is int  # a plain int, not the loader's
