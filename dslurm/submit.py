@@ -45,8 +45,7 @@ def read_blocklist(run_dir: Path) -> list[str]:
 def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
                       site_overrides: list[str] | None = None) -> Path:
     """Write site.yaml, job.yaml and job.sbatch into the run directory; return the script."""
-    import yaml
-
+    from dslurm.config import yaml12
     from dslurm.config.schema import to_dict
     from dslurm.render import RenderRefs, render_sbatch
     from dslurm.render.cli import write_atomic
@@ -57,8 +56,9 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
     site_file, job_file = run_dir / "site.yaml", run_dir / "job.yaml"
     job_data = to_dict(r.job)
     job_data["checkpoint"]["run_dir"] = str(run_dir)  # absolute: the same on every node
-    write_atomic(site_file, yaml.safe_dump(to_dict(r.site), sort_keys=False))
-    write_atomic(job_file, yaml.safe_dump(job_data, sort_keys=False))
+    # yaml12.dump quotes what the loader would otherwise retype ('1e3', '12:00:00', 'yes').
+    write_atomic(site_file, yaml12.dump(to_dict(r.site)))
+    write_atomic(job_file, yaml12.dump(job_data))
     refs = RenderRefs(site=str(site_file), job=str(job_file), log_dir=str(log_dir))
     script = run_dir / "job.sbatch"
     write_atomic(script, render_sbatch(r, refs), 0o755)

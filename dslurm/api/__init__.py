@@ -52,7 +52,7 @@ def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None
                 site_overrides: list[str] | None = None) -> Resolved:
     """Validate and resolve a job and a site given as objects, dicts or YAML paths."""
     from dslurm.config import load_job, load_site
-    from dslurm.config.resolve import resolve
+    from dslurm.config.resolve import naming_overrides, resolve
     from dslurm.config.schema import to_dict
 
     if isinstance(site, (str, Path)):
@@ -65,7 +65,8 @@ def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None
     else:
         job_obj = load_job(data=to_dict(job) if isinstance(job, JobSpec) else dict(job), overrides=overrides)
         job_path = "job"
-    return resolve(site_obj, job_obj, site_path=site_path, job_path=job_path, base_dir=os.getcwd())
+    with naming_overrides(overrides, site_overrides):
+        return resolve(site_obj, job_obj, site_path=site_path, job_path=job_path, base_dir=os.getcwd())
 
 
 def executor_parameters(r: Resolved, exclude: list[str] | None = None) -> dict[str, Any]:
@@ -200,7 +201,9 @@ def _job_env(r: Resolved) -> dict[str, str]:
 def _one_node_env() -> dict[str, str]:
     """What dslurm.launch.slurm_env.derive reads, for a one-node "allocation" on this machine: the
     launcher and the rank math stay the ones a Slurm job uses."""
-    return {"SLURM_JOB_ID": f"local-{os.getpid()}", "SLURM_JOB_NODELIST": "localhost",
+    from dslurm.launch.slurm_env import local_job_id
+
+    return {"SLURM_JOB_ID": local_job_id(os.getpid()), "SLURM_JOB_NODELIST": "localhost",
             "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_RESTART_COUNT": "0"}
 
 

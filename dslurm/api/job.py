@@ -79,7 +79,7 @@ def trainer_argv(r: Resolved, site_file: str, job_file: str) -> list[str]:
     from dslurm.render import RenderRefs, trainer_args
 
     argv = trainer_args(r, RenderRefs(site=site_file, job=job_file))
-    return [sys.executable, *argv[1:]]
+    return [sys.executable, *argv[len(r.site.python_argv):]]
 
 
 def launch_keeping_handlers(cmd: list[str], **kwargs: Any) -> int:

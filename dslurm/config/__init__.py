@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from dslurm.config.models import PRESETS, ModelShape, shape_from
-from dslurm.config.schema import apply_overrides, build, field, load_yaml
+from dslurm.config.schema import FieldError, Where, apply_overrides, build, field, load_yaml
 from dslurm.errors import UserError
 
 # ----------------------------------------------------------------------------- site
@@ -46,12 +47,16 @@ class NodeSpec:
 
     def __post_init__(self) -> None:
         for name in ("gpus", "cpus", "mem_gb", "nvlink_domain"):
-            if getattr(self, name) < (0 if name == "gpus" else 1):
-                raise ValueError(f"node.{name}={getattr(self, name)} is out of range")
+            low = 0 if name == "gpus" else 1
+            if getattr(self, name) < low:
+                raise FieldError(name, f"{getattr(self, name)} must be at least {low}",
+                                 f"set node.{name} to what one node has ({low} or more)")
         if self.procs_per_node is not None and self.procs_per_node < 1:
-            raise ValueError(f"node.procs_per_node={self.procs_per_node} must be at least 1")
+            raise FieldError("procs_per_node", f"{self.procs_per_node} must be at least 1",
+                             "set node.procs_per_node to 1 or more, or remove it (one per GPU)")
         if self.gpus == 0 and self.procs_per_node is None:
-            raise ValueError("node.gpus=0 needs node.procs_per_node (how many CPU processes per node)")
+            raise FieldError(("gpus", "procs_per_node"), "gpus: 0 leaves the processes per node unknown",
+                             "add node.procs_per_node: N (CPU processes per node)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,7 +103,8 @@ class SiteConfig:
     network: NetworkSpec = field(factory=NetworkSpec, help="interconnect")
     env: dict[str, str] = field(factory=dict, help="environment exported in every job (NCCL_* etc.)")
     setup: list[str] = field(factory=list, help="shell lines run before launch (modules, venv, container)")
-    python: str = field("python3", help="Python interpreter inside the job (after setup)")
+    python: str = field("python3", help="Python interpreter inside the job (after setup), with any "
+                        "arguments, split like a shell: python3 -X dev")
     requeue: SiteRequeueSpec = field(factory=SiteRequeueSpec, help="requeue policy")
     storage: StorageSpec = field(factory=StorageSpec, help="where run state lives")
     burnin: BurninSpec = field(factory=BurninSpec, help="pre-flight thresholds")
@@ -106,6 +112,12 @@ class SiteConfig:
     @property
     def procs_per_node(self) -> int:
         return self.node.procs_per_node or self.node.gpus
+
+    @property
+    def python_argv(self) -> list[str]:
+        """`python` as words: an interpreter may come with arguments (`python3 -X dev`,
+        `apptainer exec img.sif python3`); each word is quoted on its own when rendered."""
+        return shlex.split(self.python)
 
 
 # ------------------------------------------------------------------------------ job
@@ -124,7 +136,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
-            raise ValueError(f"model.preset={self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+            raise FieldError("preset", f"{self.preset!r} is unknown", f"choose one of {', '.join(PRESETS)}")
 
     def shape(self) -> ModelShape:
         return shape_from(self.preset, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
@@ -146,9 +158,11 @@ class ParallelSpec:
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "microbatches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name}={getattr(self, name)} must be at least 1")
+                raise FieldError(name, f"{getattr(self, name)} must be at least 1",
+                                 f"set parallel.{name} to 1 (off) or more")
         if self.dp_shard < 1 and self.dp_shard != -1:
-            raise ValueError(f"parallel.dp_shard={self.dp_shard} must be -1 (the rest) or at least 1")
+            raise FieldError("dp_shard", f"{self.dp_shard} must be -1 (the rest) or at least 1",
+                             "set parallel.dp_shard: -1 to shard over all ranks left")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,9 +186,12 @@ class TrainSpec:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "grad_accum", "log_every", "straggler_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be at least 1")
-        if self.lr <= 0 or self.warmup_steps < 0 or self.grad_clip < 0 or self.step_sleep_s < 0:
-            raise ValueError("train.lr must be > 0; warmup_steps, grad_clip, step_sleep_s >= 0")
+                raise FieldError(name, f"{getattr(self, name)} must be at least 1", f"set train.{name} to 1 or more")
+        if self.lr <= 0:
+            raise FieldError("lr", f"{self.lr} must be above 0", "set train.lr to the peak rate, e.g. 3e-4")
+        for name in ("min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "step_sleep_s"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"{getattr(self, name)} must not be negative", f"set train.{name} to 0 or more")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,9 +213,11 @@ class CheckpointSpec:
 
     def __post_init__(self) -> None:
         if self.interval < 1:
-            raise ValueError(f"checkpoint.interval={self.interval} must be at least 1")
+            raise FieldError("interval", f"{self.interval} must be at least 1",
+                             "set checkpoint.interval to the steps between saves")
         if self.keep < 2:
-            raise ValueError(f"checkpoint.keep={self.keep} must be at least 2 (the newest may be mid-write)")
+            raise FieldError("keep", f"{self.keep} must be at least 2 (the newest may be mid-write)",
+                             "set checkpoint.keep: 2 or more")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -240,26 +259,30 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name):
-            raise ValueError(
-                f"name={self.name!r} may only hold letters, digits, '-', '_' and '.' (max 64, "
-                "no spaces, quotes or newlines) because it names files and Slurm jobs")
+            raise FieldError("name", f"{self.name!r} may only hold letters, digits, '-', '_' and '.' (max 64, "
+                             "no spaces, quotes or newlines) because it names files and Slurm jobs",
+                             "rename the job, e.g. llama8b-run1")
         if self.nodes < 1:
-            raise ValueError(f"nodes={self.nodes} must be at least 1")
+            raise FieldError("nodes", f"nodes={self.nodes} must be at least 1", "set nodes: 1 or more")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.entry):
-            raise ValueError(f"entry={self.entry!r} is not a Python module name like train or dslurm.launch.probe")
+            raise FieldError("entry", f"{self.entry!r} is not a Python module name",
+                             "name a module like train or dslurm.launch.probe")
         if self.procs_per_node is not None and self.procs_per_node < 1:
-            raise ValueError(f"procs_per_node={self.procs_per_node} must be at least 1")
+            raise FieldError("procs_per_node", f"{self.procs_per_node} must be at least 1",
+                             "set procs_per_node: 1 or more, or remove it (the site's)")
         if self.dependency is not None and not re.fullmatch(_DEPENDENCY, self.dependency):
-            raise ValueError(f"dependency={self.dependency!r} is not a Slurm dependency like afterany:1234")
+            raise FieldError("dependency", f"{self.dependency!r} is not a Slurm dependency",
+                             "write it as Slurm does, e.g. afterany:1234 or afterok:12:13")
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise ValueError(f"env key {key!r} is not a valid environment variable name")
+                raise FieldError("env", f"{key!r} is not a valid environment variable name",
+                                 "use letters, digits and '_', not starting with a digit")
 
 
 # ------------------------------------------------------------------------ loading
 
 
-def _check_site_values(site: SiteConfig, source: str) -> None:
+def _check_site_values(site: SiteConfig, where: Where) -> None:
     """Values that land in #SBATCH lines or `export` lines must be single-line and sane."""
     directive_values = {
         "slurm.partition": site.slurm.partition, "slurm.account": site.slurm.account,
@@ -268,40 +291,61 @@ def _check_site_values(site: SiteConfig, source: str) -> None:
     }
     for name, value in directive_values.items():
         if value is not None and (not value.strip() or any(c in value for c in "\n\r\t\0 ")):
-            raise UserError(f"{source}: field '{name}': {value!r} must be one non-empty word "
-                            "without spaces or newlines. Fix: use the name Slurm shows for it")
+            raise _at(where, name).fail(f"{value!r} must be one non-empty word without spaces or newlines",
+                                        "use the name Slurm shows for it")
     for key in site.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise UserError(f"{source}: field 'env': {key!r} is not a valid environment variable name")
+            raise where.child("env").fail(f"{key!r} is not a valid environment variable name",
+                                          "use letters, digits and '_', not starting with a digit")
     for i, line in enumerate(site.setup):
         if "\0" in line or "\n" in line:
-            raise UserError(f"{source}: field 'setup.{i}': one shell line per list item, no newlines")
-    parse_time(site.slurm.default_time, f"{source}: field 'slurm.default_time'")
+            raise _at(where, f"setup.{i}").fail("one shell line per list item, no newlines",
+                                                "split it into several list items")
+    try:
+        words = site.python_argv
+    except ValueError as exc:  # shlex: unbalanced quotes
+        raise where.child("python").fail(f"{site.python!r} is not a command line ({exc})",
+                                         "write the interpreter and its arguments as you would in a shell, "
+                                         "e.g. python3 -X dev") from None
+    if not words or any(c in site.python for c in "\n\r\0"):
+        raise where.child("python").fail(f"{site.python!r} names no interpreter",
+                                         "give the interpreter, e.g. python3 or /opt/venv/bin/python -X dev")
+    parse_time(site.slurm.default_time, _at(where, "slurm.default_time").label())
+
+
+def _at(where: Where, dotted: str) -> Where:
+    for part in dotted.split("."):
+        where = where.child(part)
+    return where
 
 
 def load_site(path: str | Path | None = None, overrides: list[str] | None = None,
               data: dict[str, Any] | None = None) -> SiteConfig:
-    """Read and validate a site config from a YAML file (or a dict), with overrides."""
+    """Read and validate a site config from a YAML file (or a dict), with `--site-set` overrides."""
     source = str(path) if path is not None else "site"
     raw = load_yaml(path) if path is not None else dict(data or {})
-    data = apply_overrides(raw, overrides or [], "--site-set")
-    site = build(SiteConfig, data, source)
-    _check_site_values(site, source)
+    data, origins = apply_overrides(raw, overrides or [], "--site-set")
+    where = Where(source, origins=origins)
+    site = build(SiteConfig, data, where)
+    _check_site_values(site, where)
     return site
 
 
 def load_job(path: str | Path | None = None, overrides: list[str] | None = None,
              data: dict[str, Any] | None = None) -> JobSpec:
-    """Read and validate a job spec from a YAML file (or a dict), with `key=value` overrides."""
+    """Read and validate a job spec from a YAML file (or a dict), with `--set` overrides."""
     source = str(path) if path is not None else "job"
     raw = load_yaml(path) if path is not None else dict(data or {})
-    raw = apply_overrides(raw, overrides or [])
-    job = build(JobSpec, raw, source)
+    raw, origins = apply_overrides(raw, overrides or [])
+    where = Where(source, origins=origins)
+    job = build(JobSpec, raw, where)
     if job.time is not None:
-        parse_time(job.time, f"{source}: field 'time'")
+        parse_time(job.time, where.child("time").label())
     problems = job.model.shape().problems()
     if problems:
-        raise UserError(f"{source}: field 'model': {'; '.join(problems)}. Fix: change the overrides")
+        raise where.child("model").fail(
+            f"{'; '.join(problems)} (preset {job.model.preset!r} with the fields set here)",
+            "choose model fields that divide as stated, or remove the overrides to keep the preset's shape")
     return job
 
 

@@ -9,7 +9,8 @@ notebook API and `dslurm requeue-me` all read them from a `Resolved`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -28,7 +29,8 @@ def check_model_layout(shape: ModelShape, layout: Layout, par: ParallelSpec, whe
     v = stages_per_rank(par.pp_schedule)
     msgs = layout.shape_problems(shape, v) + [m for m in [layout.schedule_problem(v)] if m]
     if msgs:
-        raise UserError(f"{where}: field 'parallel': " + "; ".join(msgs))
+        raise UserError(f"{where}: field 'parallel': " + "; ".join(msgs) + ". Fix: change the parallel degrees "
+                        "(or parallel.microbatches) as stated, or pick a model whose shape they divide")
 
 
 # Slurm checks time limits about every 30 s and may send the B: signal up to a minute
@@ -147,7 +149,8 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
     if site.node.gpus == 0 and job.train.dtype == "bf16":
         raise UserError(f"{job_path}: field 'train.dtype': bf16 training needs GPUs; site {site.name!r} has "
                         "none. Fix: dtype: fp32")
-    time_s = parse_time(job.time or site.slurm.default_time, f"{job_path}: field 'time'")
+    time_s = parse_time(job.time or site.slurm.default_time,
+                        f"{job_path}: field 'time'" if job.time else f"{site_path}: field 'slurm.default_time'")
     run_dir = run_dir_for(site, job, base_dir)
     if history is None and job.requeue.signal_lead == "auto":
         from dslurm.observe import events
@@ -176,4 +179,18 @@ def load(site_path: str | Path, job_path: str | Path, overrides: list[str] | Non
 
     site = load_site(site_path, site_overrides)
     job = load_job(job_path, overrides)
-    return resolve(site, job, site_path=str(site_path), job_path=str(job_path), base_dir=base_dir)
+    with naming_overrides(overrides, site_overrides):
+        return resolve(site, job, site_path=str(site_path), job_path=str(job_path), base_dir=base_dir)
+
+
+@contextmanager
+def naming_overrides(overrides: list[str] | None, site_overrides: list[str] | None) -> Iterator[None]:
+    """A cross-field error may come from a value the user typed on the command line, not from
+    the file it names: add the overrides in effect to its message."""
+    typed = [f"--site-set {o}" for o in site_overrides or ()] + [f"--set {o}" for o in overrides or ()]
+    try:
+        yield
+    except UserError as exc:
+        if not typed:
+            raise
+        raise type(exc)(f"{exc} (overrides in effect: {' '.join(typed)})") from None

@@ -62,10 +62,30 @@ class LaunchInfo:
         return env
 
 
+# `dslurm.api.run_local` runs one "node" on this machine without Slurm under this job id prefix.
+LOCAL_JOB_PREFIX = "local-"
+
+
+def local_job_id(pid: int) -> str:
+    return f"{LOCAL_JOB_PREFIX}{pid}"
+
+
 def master_port(job_id: str, restart_count: int = 0) -> int:
     """Same value on every node of a job; differs between jobs and between restarts."""
     digits = "".join(c for c in job_id if c.isdigit()) or "0"
     return PORT_BASE + (int(digits) + 4099 * restart_count) % PORT_SPAN
+
+
+def _job_id(env: Mapping[str, str]) -> str:
+    """Slurm's job ids are decimal numbers (array tasks and het components too: their own
+    numeric SLURM_JOB_ID); the master port and the facts paths are derived from it."""
+    var = "SLURM_JOB_ID" if env.get("SLURM_JOB_ID") else "SLURM_JOBID"
+    job_id = _need(env, "SLURM_JOB_ID", "SLURM_JOBID")
+    number = job_id.removeprefix(LOCAL_JOB_PREFIX)
+    if not (number.isascii() and number.isdigit()):
+        raise UserError(f"environment variable {var}={job_id!r} is not a Slurm job id (a number like 4242). "
+                        "Fix: run inside a Slurm allocation, or set it to a number when testing by hand")
+    return job_id
 
 
 def _need(env: Mapping[str, str], *names: str) -> str:
@@ -78,13 +98,16 @@ def _need(env: Mapping[str, str], *names: str) -> str:
                     "allocation (sbatch/srun); outside one, set it by hand to test")
 
 
-def _int(env: Mapping[str, str], name: str, value: str, minimum: int = 0) -> int:
+def _int(env: Mapping[str, str], name: str, value: str, minimum: int = 0, maximum: int | None = None,
+         fix: str = "") -> int:
+    fix = f". Fix: {fix}" if fix else ""
     try:
         n = int(value)
     except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
-    if n < minimum:
-        raise UserError(f"environment variable {name}={n} must be at least {minimum}")
+        raise UserError(f"environment variable {name}={value!r} is not an integer{fix}") from None
+    if n < minimum or (maximum is not None and n > maximum):
+        span = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise UserError(f"environment variable {name}={n} must be {span}{fix}")
     return n
 
 
@@ -99,13 +122,21 @@ def expand_hosts(nodelist: str, var: str = "SLURM_JOB_NODELIST") -> list[str]:
 
 
 def gpus_on_node(env: Mapping[str, str]) -> int | None:
-    """GPUs Slurm gave this node: SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ('8' or 'h100:8')."""
+    """GPUs Slurm gave this node: SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE, which repeats
+    `--gpus-per-node=[type:]count[,[type:]count...]` ('8', 'h100:8', 'a100:2,v100:2' = 4)."""
     if env.get("SLURM_GPUS_ON_NODE"):
         return _int(env, "SLURM_GPUS_ON_NODE", env["SLURM_GPUS_ON_NODE"])
     per_node = env.get("SLURM_GPUS_PER_NODE")
-    if per_node:
-        return _int(env, "SLURM_GPUS_PER_NODE", per_node.rsplit(":", 1)[-1])
-    return None
+    if not per_node:
+        return None
+    total = 0
+    for item in per_node.split(","):
+        count = item.rsplit(":", 1)[-1].strip()
+        if not (count.isascii() and count.isdigit()):
+            raise UserError(f"environment variable SLURM_GPUS_PER_NODE={per_node!r}: {item!r} is not "
+                            "[type:]count. Fix: ask Slurm like --gpus-per-node=8 or --gpus-per-node=h100:8")
+        total += int(count)
+    return total
 
 
 def derive(env: Mapping[str, str], *, nproc_per_node: int | None = None,
@@ -115,7 +146,7 @@ def derive(env: Mapping[str, str], *, nproc_per_node: int | None = None,
     A job step's own variables (SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES) win over
     the job's, because a step may run on a subset of the allocation.
     """
-    job_id = _need(env, "SLURM_JOB_ID", "SLURM_JOBID")
+    job_id = _job_id(env)
     node_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     hosts = expand_hosts(_need(env, node_var, "SLURM_NODELIST"), node_var)
     nn_var = "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES"
@@ -134,15 +165,24 @@ def derive(env: Mapping[str, str], *, nproc_per_node: int | None = None,
     gpus = gpus_on_node(env)
     port = master_port(job_id, restart)
     if env.get("DSLURM_MASTER_PORT"):
-        port = _int(env, "DSLURM_MASTER_PORT", env["DSLURM_MASTER_PORT"], 1)
+        port = _int(env, "DSLURM_MASTER_PORT", env["DSLURM_MASTER_PORT"], 1, 65535,
+                    fix="use a free TCP port, e.g. 29500, or unset it to derive one from the job id")
     common = dict(job_id=job_id, restart_count=restart, hosts=hosts, nnodes=nnodes, node_rank=node_rank,
                   hostname=hosts[node_rank], master_addr=hosts[0], master_port=port, mode=mode)
     if mode == "srun":
         return _derive_srun(env, common, gpus)
-    nproc = nproc_per_node if nproc_per_node is not None else gpus
-    if nproc is None:
-        raise UserError("cannot tell processes per node: pass --nproc-per-node, or run with GPUs so that "
-                        "SLURM_GPUS_ON_NODE is set")
+    if nproc_per_node is not None:
+        nproc = nproc_per_node
+    elif gpus:
+        nproc = gpus
+    else:
+        if gpus == 0:
+            var = "SLURM_GPUS_ON_NODE" if env.get("SLURM_GPUS_ON_NODE") else "SLURM_GPUS_PER_NODE"
+            raise UserError(f"Slurm allocated no GPUs on this node ({var}={env.get(var)!r}), so there is no "
+                            "process per GPU to start. Fix: ask for GPUs (sbatch --gpus-per-node=N or "
+                            "--gres=gpu:N), or for a CPU run pass --nproc-per-node N")
+        raise UserError("cannot tell processes per node: Slurm reports no GPUs for this node (SLURM_GPUS_ON_NODE "
+                        "is not set). Fix: ask for GPUs (sbatch --gpus-per-node=N), or pass --nproc-per-node N")
     if nproc < 1:
         raise UserError(f"--nproc-per-node={nproc} must be at least 1")
     if gpus and nproc > gpus:

@@ -8,6 +8,7 @@ that lands in the script goes through `shlex.quote`.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -28,12 +29,28 @@ class RenderRefs:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def q(value: object) -> str:
+def _one_line(value: object) -> str:
     text = str(value)
     if "\n" in text or "\r" in text or "\0" in text:
         raise UserError(f"value {text!r} contains a newline or NUL and cannot go into a shell script safely. "
                         "Fix: remove it")
-    return shlex.quote(text)
+    return text
+
+
+def q(value: object) -> str:
+    """One literal word for the script body. `shlex.quote`, except for a value holding `$` or a
+    backtick: that goes in double quotes with backslash, `$`, backtick and `"` escaped (the same
+    word once bash reads it), because shellcheck's SC2016 takes a single-quoted `$x` for a
+    forgotten expansion and the rendered scripts are kept shellcheck-clean."""
+    text = _one_line(value)
+    if "$" not in text and "`" not in text:
+        return shlex.quote(text)
+    return '"' + re.sub(r'([\\$`"])', r"\\\1", text) + '"'
+
+
+def _directive_value(value: object) -> str:
+    """#SBATCH lines are read by sbatch (not bash, not shellcheck): POSIX single quotes."""
+    return shlex.quote(_one_line(value))
 
 
 def directives(r: Resolved, log_dir: str) -> list[tuple[str, str | None]]:
@@ -74,7 +91,7 @@ def directives(r: Resolved, log_dir: str) -> list[tuple[str, str | None]]:
 
 
 def _directive_lines(flags: list[tuple[str, str | None]]) -> list[str]:
-    return [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={q(v)}" for k, v in flags]
+    return [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={_directive_value(v)}" for k, v in flags]
 
 
 def job_env(r: Resolved, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -91,8 +108,7 @@ def _env_lines(r: Resolved, refs: RenderRefs) -> list[str]:
 
 def trainer_args(r: Resolved, refs: RenderRefs) -> list[str]:
     """`PYTHON -m ENTRY --site S --job J [--site-set ..] [--set ..]` as the job runs it."""
-    py = r.site.python
-    args = [py, "-m", r.job.entry, "--site", refs.site, "--job", refs.job]
+    args = [*r.site.python_argv, "-m", r.job.entry, "--site", refs.site, "--job", refs.job]
     for o in refs.site_overrides:
         args += ["--site-set", o]
     for o in refs.overrides:
@@ -103,7 +119,7 @@ def trainer_args(r: Resolved, refs: RenderRefs) -> list[str]:
 def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
     """The whole sbatch script as text."""
     log_dir = refs.log_dir or r.site.slurm.log_dir
-    py = q(r.site.python)
+    py = " ".join(q(w) for w in r.site.python_argv)  # `python3 -X dev`: one quoted word each
     launch_mode = r.job.launch
     srun_tasks = '"$NPROC_PER_NODE"' if launch_mode == "srun" else "1"
     preflight = ["--preflight", "--site", q(refs.site)] if r.job.preflight.enabled else []

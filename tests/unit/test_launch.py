@@ -122,3 +122,16 @@ def test_usr2_reaches_workers_that_torchrun_put_in_sessions_of_their_own(tmp_pat
     proc.send_signal(signal.SIGUSR2)
     assert proc.wait(timeout=20) == 0
     assert (tmp_path / "got").exists()
+
+
+def test_env_cli_user_mistakes_exit_2_naming_variable_and_fix(cli):
+    """What `dslurm launch` reads from SLURM_*: a clear message and exit 2, never a traceback."""
+    base = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu1", "SLURM_NNODES": "1", "SLURM_NODEID": "0"}
+    for change, expect in [({"SLURM_GPUS_ON_NODE": "0"}, "allocated no GPUs on this node"),
+                           ({"SLURM_GPUS_ON_NODE": "8", "DSLURM_MASTER_PORT": "70000"}, "DSLURM_MASTER_PORT=70000"),
+                           ({"SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID='abc'")]:
+        res = cli("env", "--json", env={**base, **change})
+        assert res.returncode == 2 and expect in res.stderr and "Fix:" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+    res = cli("env", "--json", env={**base, "SLURM_GPUS_PER_NODE": "a100:2,v100:2"})
+    assert res.returncode == 0 and '"nproc_per_node": 4' in res.stdout, res.stderr

@@ -79,24 +79,28 @@ def test_missing_golden_fails(tmp_path):
     assert len(examples(fake_root, write=False)) == len(EXAMPLES)
 
 
-EVIL = "$(touch {p})`touch {p}`;touch {p}'\"$HOME"
+EVIL = "$(touch {p})`touch {p}`;touch {p}'\"$HOME ${{HOME}} $((1+1)) \\$ !x"
 
 
 def test_hostile_values_cannot_execute_when_the_script_runs(tmp_path):
     """Every value is quoted: run the script with stub srun/python and check that the
-    values arrive verbatim and nothing got executed."""
+    values arrive verbatim, nothing got executed, and the script is shellcheck-clean
+    (SC2016: a single-quoted `$` looks like a forgotten expansion)."""
     owned = tmp_path / "owned"
     evil = EVIL.format(p=owned)
     job = yaml.safe_load((ROOT / "examples/jobs/tiny-2node.yaml").read_text())
-    job["env"] = {"EVIL": evil}
+    job["env"] = {"EVIL": evil, "TICK": "`date`", "DOLLAR": "$HOME"}
     job["data"] = {"path": evil}
     job_path = tmp_path / "job.yaml"
     job_path.write_text(yaml.safe_dump(job))
-    r = load(ROOT / "site-configs/local.yaml", job_path, overrides=[f"checkpoint.run_dir={evil}"])
+    r = load(ROOT / "site-configs/local.yaml", job_path, overrides=[f"checkpoint.run_dir={evil}"],
+             site_overrides=["python=python -X dev"])
     site = r.site
     site.setup.clear()  # no venv here; the stubs below stand in for srun
     text = render_sbatch(r, RenderRefs(site=str(ROOT / "site-configs/local.yaml"), job=str(job_path),
-                                       overrides=(f"data.path={evil}",)))
+                                       overrides=(f"data.path={evil}",), site_overrides=(f"description={evil}",)))
+    lint = subprocess.run([shellcheck(), "-"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
     bindir = tmp_path / "bin"
     bindir.mkdir()
     argfile = tmp_path / "args"
@@ -114,9 +118,11 @@ def test_hostile_values_cannot_execute_when_the_script_runs(tmp_path):
     assert res.returncode == 0, res.stderr
     assert not owned.exists()
     args = argfile.read_text().splitlines()
-    assert f"data.path={evil}" in args
+    assert f"data.path={evil}" in args and f"description={evil}" in args
     assert (tmp_path / "args.env").read_text() == evil
-    assert (tmp_path / "after").read_text().split() == ["-m", "dslurm", "requeue-me", "--rc", "0"]
+    # The site's `python -X dev` arrives as three words, before `-m`, on both command lines.
+    assert args[args.index("--") + 1:args.index("--") + 6] == ["python", "-X", "dev", "-m", "train"]
+    assert (tmp_path / "after").read_text().split() == ["-X", "dev", "-m", "dslurm", "requeue-me", "--rc", "0"]
 
 
 def test_newline_in_a_value_is_refused(tmp_path):

@@ -88,3 +88,45 @@ def test_srun_mode_uses_slurm_ranks_and_uneven_tasks_per_node():
         derive({**env, "SLURM_TASKS_PER_NODE": "3(x2),2"}, mode="srun")
     with pytest.raises(UserError, match="SLURM_PROCID"):
         derive({k: v for k, v in env.items() if k != "SLURM_PROCID"}, mode="srun")
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "99999", "-1"])
+def test_master_port_outside_the_tcp_range_is_refused(port):
+    with pytest.raises(UserError, match=rf"DSLURM_MASTER_PORT={port} must be between 1 and 65535\. Fix: "):
+        derive({**BASE, "DSLURM_MASTER_PORT": port})
+    assert derive({**BASE, "DSLURM_MASTER_PORT": "65535"}).master_port == 65535
+
+
+@pytest.mark.parametrize("per_node,n", [("a100:2,v100:2", 4), ("8", 8), ("h100:8", 8), ("gpu:a100:2,3", 5)])
+def test_typed_gpu_counts_are_summed(per_node, n):
+    cpu = {k: v for k, v in BASE.items() if k != "SLURM_GPUS_ON_NODE"}
+    assert derive({**cpu, "SLURM_GPUS_PER_NODE": per_node}).nproc_per_node == n
+
+
+def test_gpus_per_node_that_is_not_a_count_is_named():
+    cpu = {k: v for k, v in BASE.items() if k != "SLURM_GPUS_ON_NODE"}
+    with pytest.raises(UserError, match=r"SLURM_GPUS_PER_NODE='a100:2,v100:x': 'v100:x' is not \[type:\]count"):
+        derive({**cpu, "SLURM_GPUS_PER_NODE": "a100:2,v100:x"})
+
+
+def test_no_gpus_on_the_node_says_so_not_a_flag_the_user_never_passed():
+    with pytest.raises(UserError) as e:
+        derive({**BASE, "SLURM_GPUS_ON_NODE": "0"})
+    msg = str(e.value)
+    assert "no GPUs on this node (SLURM_GPUS_ON_NODE='0')" in msg and "--gpus-per-node=N" in msg
+    assert "--nproc-per-node=0" not in msg
+    assert derive({**BASE, "SLURM_GPUS_ON_NODE": "0"}, nproc_per_node=2).world_size == 8  # a CPU run
+
+
+@pytest.mark.parametrize("job_id", ["abc", "12x", "", " ", "local-", "4242_1"])
+def test_non_numeric_job_id_is_refused(job_id):
+    with pytest.raises(UserError, match="SLURM_JOB_ID"):
+        derive({**BASE, "SLURM_JOB_ID": job_id})
+
+
+def test_job_ids_slurm_and_the_local_runner_use_are_accepted():
+    assert derive({**BASE, "SLURM_JOB_ID": "4242"}).job_id == "4242"
+    assert derive({**BASE, "SLURM_JOB_ID": "local-77"}).job_id == "local-77"  # dslurm.api.run_local
+    env = {k: v for k, v in BASE.items() if k != "SLURM_JOB_ID"}
+    with pytest.raises(UserError, match="SLURM_JOBID='x' is not a Slurm job id"):
+        derive({**env, "SLURM_JOBID": "x"})
