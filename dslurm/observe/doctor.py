@@ -23,7 +23,7 @@ from dslurm.observe.events import Event
 from dslurm.observe.report import DIED, Start, summarize
 
 HANG_S = 600.0  # a start this long without a first step is a hang, not a slow startup
-STALL_FRACTION = 0.05  # save stalls above this share of training time are worth fixing
+STALL_FRACTION = 0.05  # periodic save stalls (not the save at a stop) above this share of training time
 DATA_FRACTION = 0.2  # data wait above this share of the step time: input-bound
 SCALING_MIN = 0.8  # per-rank tokens/s at more ranks, relative to the fewest ranks
 SPIKE = 1.25  # loss above SPIKE x the median of the previous windows
@@ -73,6 +73,17 @@ def _grep(logs: Iterable[LogLine], pattern: re.Pattern[str]) -> list[str]:
     return [ln.where() for ln in logs if pattern.search(ln.text)][:MAX_EVIDENCE]
 
 
+def _pct(share: float) -> float:
+    """A share in percent as the doctor prints it (one decimal). Thresholds are compared with
+    what is shown, so a value printed as 5.0% is never "over" a 5.0% threshold."""
+    return round(100 * share, 1)
+
+
+def _in_time_order(timed: Iterable[tuple[float, str]]) -> list[str]:
+    """Evidence lines from ledger events, oldest first (stable for equal times)."""
+    return [line for _, line in sorted(timed, key=lambda tl: tl[0])]
+
+
 def _no_first_step(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     ev = []
     for s in starts:
@@ -110,12 +121,12 @@ def _scaling(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
         return []
     small = min(sizes.values())
     base = max(r for s, r in per_rank if sizes[s.index] == small)
-    bad = [(s, r) for s, r in per_rank if sizes[s.index] > small and r < SCALING_MIN * base]
+    bad = [(s, r) for s, r in per_rank if sizes[s.index] > small and _pct(r / base) < _pct(SCALING_MIN)]
     if not bad:
         return []
     ev = [f"start {s.index}: {s.world_size} ranks, {r:,.0f} tokens/s per rank" for s, r in per_rank]
-    ev.append(f"efficiency at {bad[0][0].world_size} ranks: {bad[0][1] / base:.0%} of {small} ranks "
-              f"(threshold {SCALING_MIN:.0%})")
+    ev.append(f"efficiency at {bad[0][0].world_size} ranks: {_pct(bad[0][1] / base):.1f}% of {small} ranks "
+              f"(threshold {_pct(SCALING_MIN):.1f}%)")
     return [Finding("throughput stops scaling", ev,
                     "communication topology or parallelism: collectives cross a slower link as nodes are "
                     "added (tp across nodes, FSDP all-gathers not hidden behind compute)",
@@ -123,26 +134,41 @@ def _scaling(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
                     "the NVLink domain; check NCCL env (IB HCAs, NCCL_SOCKET_IFNAME)")]
 
 
+def _stop_steps(s: Start) -> set[int]:
+    """Steps at which the start stopped (its exit, an agreed stop): a save there is the one that
+    makes the stop durable. It blocks the exit, not training, and is synchronous by design."""
+    return {e.step for e in s.all(E.Exit) if e.step is not None} | {
+        e.step for e in s.all(E.Signal) if e.step is not None}
+
+
 def _idle_stages(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out = []
-    saves = [e for s in starts for e in s.all(E.CkptSave)]
+    saves = [e for s in starts for e in s.all(E.CkptSave) if e.step not in _stop_steps(s)]
+    at_stop = sum(len(s.all(E.CkptSave)) for s in starts) - len(saves)
     stall = sum(e.stall_s for e in saves)
     training = sum(w.step_s * (w.last - w.first + 1) for s in starts for w in s.windows)
-    if training > 0 and stall / training > STALL_FRACTION:
+    share = _pct(stall / training) if training > 0 else 0.0
+    if share > _pct(STALL_FRACTION):
         sync = sum(1 for e in saves if e.total_s <= 2 * e.stall_s)
         spikes = [e for s in starts for e in s.all(E.Steps) if e.phase_s("checkpoint") > 0]
-        ev = [f"save stalls {stall:.1f} s = {stall / training:.0%} of {training:.1f} s of training "
-              f"(threshold {STALL_FRACTION:.0%}); {sync} of {len(saves)} saves blocked for their whole write"]
-        ev += [_ev(e, "step", "stall_s", "total_s") for e in saves[:3]]
-        ev += [_ev(e, "first", "last", "step_time_s") + " (window holding a save)" for e in spikes[:3]]
+        head = (f"periodic save stalls {stall:.1f} s = {share:.1f}% of {training:.1f} s of training "
+                f"(threshold {_pct(STALL_FRACTION):.1f}%); {sync} of {len(saves)} saves blocked for their "
+                "whole write")
+        if at_stop:
+            head += f"; {at_stop} save(s) at a stop or the end not counted (they delay the exit, not training)"
+        timed = [(e.t, _ev(e, "step", "stall_s", "total_s")) for e in saves]
+        timed += [(e.t, _ev(e, "first", "last", "step_time_s") + " (window holding a save)") for e in spikes]
         fix = ("set checkpoint.async_save: true (the step waits only for the copy to host memory)" if sync
                else "saves are already async: raise checkpoint.interval or check the storage bandwidth")
-        out.append(Finding("periodic idle stages (step time spikes at checkpoint intervals)", ev,
+        out.append(Finding("periodic idle stages (step time spikes at checkpoint intervals)",
+                           [head] + _in_time_order(timed)[:MAX_EVIDENCE],
                            "synchronous checkpoint saves stall every rank", fix))
     data = [(e, e.phase_s("data") / e.step_time_s) for s in starts for e in s.all(E.Steps)
             if e.phase_s("data") and e.step_time_s]
-    if data and statistics.median(f for _, f in data) > DATA_FRACTION:
-        ev = [_ev(e, "first", "last", "step_time_s") + f" data wait {f:.0%}" for e, f in data[:MAX_EVIDENCE]]
+    median = _pct(statistics.median(f for _, f in data)) if data else 0.0
+    if median > _pct(DATA_FRACTION):
+        ev = [f"median data wait {median:.1f}% of the step time (threshold {_pct(DATA_FRACTION):.1f}%)"]
+        ev += [_ev(e, "first", "last", "step_time_s") + f" data wait {_pct(f):.1f}%" for e, f in data[:MAX_EVIDENCE]]
         out.append(Finding("steps wait for input data", ev, "input path: the loader cannot keep up",
                            "more loader workers, data on local scratch, pre-tokenized shards"))
     return out
@@ -182,10 +208,10 @@ def _loss(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 def _resume(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     kinds = (E.CkptFallback, E.CkptRestoreFailed, E.CkptSaveFailed)
-    ev = [_ev(e, "step", "generation", "reason", "rejected") for s in starts for e in s.all(*kinds)]
-    ev += [_ev(e, "decision", "reason") for s in starts for e in s.all(E.Requeue)
-           if e.exit_code == X.NO_PROGRESS]
-    ev += _grep(logs, CKPT)
+    timed = [(e.t, _ev(e, "step", "generation", "reason", "rejected")) for s in starts for e in s.all(*kinds)]
+    timed += [(e.t, _ev(e, "decision", "reason")) for s in starts for e in s.all(E.Requeue)
+              if e.exit_code == X.NO_PROGRESS]
+    ev = _in_time_order(timed) + _grep(logs, CKPT)
     if not ev:
         return []
     return [Finding("resume fails or falls back", ev[:2 * MAX_EVIDENCE],

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 from test_report import Ledger, two_requeues, uninterrupted
 
 from dslurm.observe.doctor import LogLine, diagnose, read_logs, run
+from dslurm.observe.events import decode_all
 
 
 def healthy() -> Ledger:
@@ -61,7 +63,7 @@ def test_throughput_stops_scaling_with_more_ranks():
     t = led.train(t, 30, 59, 1)  # 8 ranks, still 1000 tok/s = 125 per rank
     led.ev("exit", t, 1, reason="completed", step=60, code=0)
     (f,) = diagnose(led.events)
-    assert f.symptom == "throughput stops scaling" and "50%" in f.evidence[-1]
+    assert f.symptom == "throughput stops scaling" and "50.0% of 4 ranks" in f.evidence[-1]
 
 
 def test_sync_save_stalls_are_periodic_idle_stages():
@@ -70,7 +72,7 @@ def test_sync_save_stalls_are_periodic_idle_stages():
     led.ev("exit", t, 0, reason="completed", step=60, code=0)
     (f,) = diagnose(led.events)
     assert f.symptom.startswith("periodic idle stages") and "async_save" in f.action
-    assert "10%" in f.evidence[0] and any("window holding a save" in e for e in f.evidence)
+    assert "10.0% of 60.0 s" in f.evidence[0] and any("window holding a save" in e for e in f.evidence)
 
 
 def test_input_bound_steps():
@@ -140,3 +142,85 @@ def test_cli_missing_ledger_is_user_error(tmp_path):
 
     with pytest.raises(UserError, match="ledger.jsonl"):
         run(argparse.Namespace(run_dir=tmp_path))
+
+
+# ---------------------------------------------------------------- the shipped demo's own run
+
+DEMO = Path(__file__).parent / "data" / "demo-6042242"
+"""The ledger of a real `scripts/demo.sh` run on the local Slurm cluster (job 6042242: 2 nodes x 2
+processes, preempted at step 23 by `scontrol requeue`, stopped by USR2 at step 42, completed at
+60; async interval saves every 20 steps, synchronous saves at each stop and at the end)."""
+
+
+def demo_records() -> list[dict]:
+    return [json.loads(line) for line in (DEMO / "ledger.jsonl").read_text().splitlines()]
+
+
+def test_the_demo_run_has_no_finding_and_doctor_exits_0(capsys):
+    assert diagnose(decode_all(demo_records())) == []
+    assert run(argparse.Namespace(run_dir=DEMO)) == 0
+    assert "no symptom found" in capsys.readouterr().out
+
+
+def test_saves_at_a_stop_are_not_periodic_stalls():
+    # Slow storage at the stops: 3 x 1.2 s of synchronous stop/final saves against ~43 s of steps
+    # (8 %) is the exit getting slower, not training stalling at every interval.
+    recs = demo_records()
+    for r in recs:
+        if r["event"] == "ckpt_save" and r["step"] in (23, 42, 60):
+            r["stall_s"] = r["total_s"] = 1.2
+    assert diagnose(decode_all(recs)) == []
+    for r in recs:  # the interval saves (20, 40) blocking for their whole write: that is the symptom
+        if r["event"] == "ckpt_save" and r["step"] in (20, 40):
+            r["stall_s"] = r["total_s"] = 1.5
+    (f,) = diagnose(decode_all(recs))
+    assert f.symptom.startswith("periodic idle stages") and "async_save: true" in f.action
+    assert "2 of 2 saves blocked" in f.evidence[0] and "3 save(s) at a stop or the end not counted" in f.evidence[0]
+
+
+def _stall_share(stall: float) -> list:
+    """100 steps of 1 s (100 s of training) with one interval save stalling `stall` seconds."""
+    led = Ledger()
+    t = led.train(led.start(0.0, 0, 0), 0, 99, 0, saves={20: stall})
+    led.ev("ckpt_save", t + 0.3, 0, step=100, stall_s=0.3, total_s=0.3)  # the final save: not counted
+    led.ev("exit", t + 0.3, 0, reason="completed", step=100, code=0)
+    return diagnose(led.events)
+
+
+def test_a_share_shown_as_the_threshold_is_not_over_it():
+    assert _stall_share(5.04) == []  # 5.04 % is shown as 5.0 %: not over a 5.0 % threshold
+    (f,) = _stall_share(5.06)
+    assert "= 5.1% of 100.0 s of training (threshold 5.0%)" in f.evidence[0]
+
+
+def test_scaling_and_data_shares_compare_what_they_show():
+    led = uninterrupted()
+    for e in led.records:
+        if e["event"] == "steps":
+            e["breakdown"]["data"] = 0.2004 * e["step_time_s"]  # shown 20.0 %: at the threshold
+    assert symptoms(led.events) == []
+    for e in led.records:
+        if e["event"] == "steps":
+            e["breakdown"]["data"] = 0.2006 * e["step_time_s"]
+    (f,) = diagnose(led.events)
+    assert f.evidence[0] == "median data wait 20.1% of the step time (threshold 20.0%)"
+
+
+def test_evidence_lines_are_in_time_order():
+    led = Ledger()
+    t = led.train(led.start(0.0, 0, 0), 0, 59, 0, saves={10: 3.0, 30: 3.0, 50: 3.0})
+    led.ev("exit", t, 0, reason="completed", step=60, code=0)
+    (f,) = diagnose(led.events)
+    timed = f.evidence[1:]  # after the headline: saves and the windows holding them, interleaved
+    assert timed == sorted(timed) and len(timed) == 6
+    assert "ckpt_save" in timed[0] and "window holding a save" in timed[1] and "ckpt_save" in timed[2]
+
+    led = Ledger()
+    t = led.start(0.0, 0, 30)
+    led.records[-2].update(event="ckpt_fallback", generation="step-30", reason="step-40 REJECTED")
+    t = led.train(t, 30, 39, 0)
+    led.ev("requeue", t, 0, decision="stop", step_rc=1, exit_code=76, reason="no progress")
+    led.ev("ckpt_save_failed", t + 50, 1, step=40, reason="ENOSPC")
+    (f,) = [f for f in diagnose(led.events) if f.symptom == "resume fails or falls back"]
+    assert [e.split(" restart")[0] for e in f.evidence] == sorted(e.split(" restart")[0] for e in f.evidence)
+    assert "no progress" in f.evidence[1] and "ckpt_save_failed" in f.evidence[2]
