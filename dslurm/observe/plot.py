@@ -60,13 +60,20 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
         steps = "-" if s.reached is None else f"{s.resumed_from or 0}-{s.reached}"
         table.add_row(f"{s.index} {s.job_id or '-'}.{s.restart}", _fmt_s(s.queue_wait_s), _fmt_s(s.burnin_s),
                       _fmt_s(s.overhead_s), steps, str(s.discarded_steps), _fmt_s(s.productive_s),
-                      _fmt_s(s.save_stall_s), (s.ending or s.exit_reason) + (f" > {s.decision}" if s.decision else ""))
+                      _fmt_s(s.save_stall_s), start_label(s))
     console = Console()
     if not console.is_terminal:  # a file or a pipe: rich would assume 80 columns and fold
         console = Console(width=120)
     for line in lines:
         console.print(line, highlight=False)
     console.print(table)
+
+
+def start_label(s: Start, width: int | None = None) -> str:
+    """How a start ended and what happened next: `preempted > requeued by Slurm`."""
+    ended = s.ending or s.exit_reason
+    ended = ended if width is None or len(ended) <= width else ended[:width - 1] + "…"
+    return ended + (f" > {s.outcome}" if s.outcome else "")
 
 
 def _bands(s: Start) -> list[tuple[str, float, float]]:
@@ -92,17 +99,37 @@ def _markers(ax: Any, s: Start, x: Any, y: float) -> None:
         ax.plot([x(save.t)] * 2, [y - 0.4, y + 0.4], color=COLORS["save stall"], lw=1)
     for sig in s.all(ev.Signal):
         ax.plot(x(sig.t), y - 0.45, "v", color="crimson", ms=7)
-    for rq in s.all(ev.Requeue):
-        ax.plot(x(rq.t), y, ">", color="black", ms=6)
-        ax.annotate(rq.decision, (x(rq.t), y), xytext=(4, 6), textcoords="offset points", fontsize=7)
+    decided = s.all(ev.Requeue)[-1:]  # the decision that stands; else the start's end
+    when = decided[0].t if decided else s.end
+    if s.outcome:
+        ax.plot(x(when), y, ">", color="black", ms=6)
+        ax.annotate(s.outcome, (x(when), y), xytext=(4, 6), textcoords="offset points", fontsize=7)
     if s.exit_reason.startswith("died"):
         ax.plot(x(s.end), y, "X", color="crimson", ms=9)
         ax.annotate("no exit event", (x(s.end), y), xytext=(4, -10), textcoords="offset points",
                     fontsize=7, color="crimson")
 
 
+# The markers of `_markers`, as the legend names them (marker, colour, label).
+MARKERS = [("|", COLORS["save stall"], "save"), ("v", "crimson", "interruption (stop signal)"),
+           (">", "black", "outcome (what happened next)"), ("X", "crimson", "no exit event")]
+
+
 def plot_timeline(sm: Summary, path: str | Path) -> Path:
     """Write the timeline PNG: one lane per start (top) and the loss curve (bottom)."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(sm)
+    path = Path(path)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def timeline_figure(sm: Summary) -> Any:
+    """The timeline as a matplotlib Figure (the caller closes it)."""
     import logging
 
     import matplotlib
@@ -110,6 +137,7 @@ def plot_timeline(sm: Summary, path: str | Path) -> Path:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font-cache chatter on first use
     matplotlib.use("Agg")  # no display on a login node; must precede pyplot
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     starts = sm.starts
@@ -126,13 +154,15 @@ def plot_timeline(sm: Summary, path: str | Path) -> Path:
         for kind, a, w in _bands(s):
             top.broken_barh([(x(a), w / scale)], (s.index - 0.35, 0.7), color=COLORS[kind])
         _markers(top, s, x, s.index)
-    labels = [f"{s.index}: {(s.ending or s.exit_reason)[:24]}" for s in starts]  # the classified ending
+    labels = [f"{s.index}: {start_label(s, width=24)}" for s in starts]  # the classified ending > what next
     top.set_yticks([s.index for s in starts], labels, fontsize=8)
     top.set_ylim(len(starts) - 0.5, -0.5)
     gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
     top.set_title(f"goodput {gp}, {sm.restarts} restart(s), {sm.lost_steps} step(s) redone", fontsize=10)
-    top.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], fontsize=7, ncol=6,
-               loc="upper center", bbox_to_anchor=(0.5, -0.02), frameon=False)
+    handles: list[Any] = [Patch(color=c, label=k) for k, c in COLORS.items()]
+    handles += [Line2D([], [], ls="", marker=m, color=c, label=k) for m, c, k in MARKERS]
+    top.legend(handles=handles, fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.02),
+               frameon=False)
     for s in starts:  # one line per start: a restart is a visible break in the curve
         pts = [(x(w.t), w.loss) for w in s.windows if w.loss is not None and math.isfinite(w.loss)]
         if pts:
@@ -146,9 +176,4 @@ def plot_timeline(sm: Summary, path: str | Path) -> Path:
     if bottom.get_legend_handles_labels()[0]:
         bottom.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    try:
-        fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
-    return path
+    return fig

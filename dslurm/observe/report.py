@@ -71,6 +71,8 @@ class Start:
     ending: str | None = None
     """the classified ending (dslurm/requeue/endings.py): completed, crash, preempted, save_failed, ..."""
     ending_reason: str | None = None
+    outcome: str | None = None
+    """what happened next, in words (`outcome`): requeued by dslurm, requeued by Slurm, stopped, ended"""
     windows: list[Window] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
 
@@ -212,6 +214,26 @@ def _fill_start(s: Start) -> None:
         s.ending, s.ending_reason = ends[-1].cls, ends[-1].reason
 
 
+def outcome(decision: str | None, requeued_by_slurm: bool) -> str | None:
+    """What happened after a start, from its requeue decision and whether the same Slurm job
+    started again. `stop` after a Slurm stop (preemption, cancel, time limit) means dslurm left
+    the next move to Slurm: when a later start of the same job exists, Slurm requeued it."""
+    if decision == "requeue":
+        return "requeued by dslurm"
+    if decision == "end":
+        return "ended"
+    if requeued_by_slurm:  # `stop`, or no decision at all (killed with its batch shell)
+        return "requeued by Slurm"
+    return "stopped" if decision == "stop" else None
+
+
+def _outcomes(starts: list[Start]) -> None:
+    for i, s in enumerate(starts):
+        again = s.job_id is not None and any(
+            t.job_id == s.job_id and t.restart > s.restart for t in starts[i + 1:])
+        s.outcome = outcome(s.decision, again)
+
+
 def _undurable(starts: list[Start]) -> int:
     """Steps the finished run trained past its last committed save: they exist in no checkpoint.
     0 while the run may still go on (its last start has no stop/end decision yet), and 0 for a
@@ -269,6 +291,7 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
     for s in starts:
         _fill_start(s)
     _attribute_steps(starts)
+    _outcomes(starts)
     undurable = _undurable(starts)
     endings: dict[str, int] = {}
     for s in starts:

@@ -275,3 +275,59 @@ def test_report_json_is_strict_json_with_a_nan_loss(tmp_path, capsys):
 
     out = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert out["starts"][0]["job_id"] is None
+
+
+# ---------------------------------------------------------------- what happened after each start
+
+def _demo_summary():
+    from pathlib import Path
+
+    from dslurm.observe.events import read
+
+    return summarize(read(Path(__file__).parent / "data" / "demo-6042242"))
+
+
+def test_a_slurm_stop_followed_by_a_start_of_the_same_job_was_requeued_by_slurm(capsys):
+    from pathlib import Path
+
+    sm = _demo_summary()  # a real demo run: preempted (decision stop), USR2 (requeue), completed
+    assert [s.decision for s in sm.starts] == ["stop", "requeue", "end"]
+    assert [s.outcome for s in sm.starts] == ["requeued by Slurm", "requeued by dslurm", "ended"]
+    run_dir = Path(__file__).parent / "data" / "demo-6042242"
+    assert run(argparse.Namespace(run_dir=run_dir, json=False, png=None, no_png=True)) == 0
+    out = capsys.readouterr().out
+    assert "preempted > requeued by Slurm" in out and "> stop" not in out
+
+
+def test_outcome_names_what_came_next():
+    from dslurm.observe.report import outcome
+
+    assert outcome("stop", requeued_by_slurm=False) == "stopped"  # cancelled, or no budget left
+    assert outcome("stop", requeued_by_slurm=True) == "requeued by Slurm"
+    assert outcome(None, requeued_by_slurm=True) == "requeued by Slurm"  # killed with its batch shell
+    assert outcome(None, requeued_by_slurm=False) is None  # still running, or died: the exit says so
+    assert outcome("requeue", requeued_by_slurm=True) == "requeued by dslurm"
+    assert outcome("end", requeued_by_slurm=False) == "ended"
+    sm = summarize(two_requeues().events)
+    assert [s.outcome for s in sm.starts] == ["requeued by dslurm", "requeued by dslurm", "ended"]
+    led = two_requeues()  # a stop with no later start of that job: it stopped
+    sm = summarize(decode_all([{**r, "decision": "stop"} if r["event"] == "requeue" else r
+                               for r in led.records if r["restart"] == 0]))
+    assert sm.starts[-1].outcome == "stopped"
+
+
+def test_png_labels_name_what_came_next_and_the_legend_names_the_markers():
+    import matplotlib.pyplot as plt
+
+    from dslurm.observe.plot import timeline_figure
+
+    fig = timeline_figure(_demo_summary())
+    try:
+        top = fig.axes[0]
+        labels = [t.get_text() for t in top.get_yticklabels()]
+        assert labels[0] == "0: preempted > requeued by Slurm" and labels[2] == "2: completed > ended"
+        legend = [t.get_text() for t in top.get_legend().get_texts()]
+        assert "interruption (stop signal)" in legend and "outcome (what happened next)" in legend
+        assert {"save", "no exit event", "training", "queue wait"} <= set(legend)
+    finally:
+        plt.close(fig)
