@@ -120,21 +120,36 @@ def job_info_from_scontrol(rec: Mapping[str, str]) -> dict[str, object]:
     }
 
 
+SACCT_FIELDS = "JobID,JobName,State,NodeList,ExitCode,Reason,NNodes"
+
+
 def parse_sacct(stdout: str) -> dict[str, object] | None:
-    """Parse `sacct -X -n -P -o JobID,JobName,State,NodeList,ExitCode,Reason,NNodes`."""
+    """Parse `sacct -D -X -n -P -o SACCT_FIELDS`: one line per incarnation of the job (`-D`:
+    a requeued job has one per start, oldest first). The last line is the job now; the number
+    of lines is its restarts + 1.
+
+    The text form, not `--json`: Slurm 22.05's `sacct --json` reports every exit code as
+    0/SUCCESS (a FAILED job that exited 76 reads `{"status": "SUCCESS", "return_code": 0}`).
+    Accounting keeps the reason the job last waited for (`BeginTime` after a requeue) even
+    once it ran and ended, so a reason is kept only while the job is still pending.
+    """
+    rows = []
     for line in stdout.splitlines():
         parts = line.split("|")
         if len(parts) < 7 or not parts[0].split("_")[0].isdigit():
-            continue
-        # "CANCELLED by 0" -> "CANCELLED"
-        state = parts[2].split(" ")[0]
-        return {
-            "job_id": int(parts[0].split("_")[0]), "name": parts[1], "state": state,
-            "nodes": "" if parts[3] in ("None assigned", "") else parts[3],
-            "num_nodes": _int(parts[6]), "restarts": None, "exit_code": parts[4],
-            "reason": "" if parts[5] == "None" else parts[5], "source": "sacct",
-        }
-    return None
+            continue  # a step line (123.batch) or noise
+        rows.append(parts)
+    if not rows:
+        return None
+    parts = rows[-1]
+    state = parts[2].split(" ")[0]  # "CANCELLED by 0" -> "CANCELLED"
+    reason = "" if parts[5] == "None" or state != "PENDING" else parts[5]
+    return {
+        "job_id": int(parts[0].split("_")[0]), "name": parts[1], "state": state,
+        "nodes": "" if parts[3] in ("None assigned", "") else parts[3],
+        "num_nodes": _int(parts[6]), "restarts": len(rows) - 1, "exit_code": parts[4],
+        "reason": reason, "source": "sacct",
+    }
 
 
 def parse_sinfo_nodes(stdout: str) -> list[dict[str, object]]:
@@ -198,8 +213,7 @@ def job_info(job_id: int | str, env: Mapping[str, str] | None = None) -> dict[st
         raise SlurmError(failure_message(["scontrol", "show", "job", str(job_id)],
                                          proc.returncode, proc.stderr))
     # Gone from the controller (older than MinJobAge): ask accounting, if there is any.
-    acct = run_cmd(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o",
-                    "JobID,JobName,State,NodeList,ExitCode,Reason,NNodes"],
+    acct = run_cmd(["sacct", "-D", "-X", "-n", "-P", "-j", str(job_id), "-o", SACCT_FIELDS],
                    check=False, env=env)
     info = parse_sacct(acct.stdout) if acct.returncode == 0 else None
     if info is None:

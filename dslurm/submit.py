@@ -187,6 +187,18 @@ def run_status(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
-        for k, v in info.items():
-            print(f"{k:>10}: {v}")
+        print(format_status(info))
     return 0
+
+
+_SOURCES = {"scontrol": "slurmctld (scontrol)",
+            "sacct": "accounting (sacct; slurmctld no longer has the job)"}
+
+
+def format_status(info: dict[str, object]) -> str:
+    """`dslurm status` for a person: one `key: value` line each; an empty value shows as `-`."""
+    lines = []
+    for k, v in info.items():
+        shown = _SOURCES.get(str(v), v) if k == "source" else v
+        lines.append(f"{k:>10}: {'-' if shown in ('', None) else shown}")
+    return "\n".join(lines)

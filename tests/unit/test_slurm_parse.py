@@ -52,6 +52,52 @@ def test_job_info_pending_has_reason_and_no_nodes() -> None:
         "PENDING", "Resources", "", 2)
 
 
+# `sacct -D -X -n -P -o JobID,JobName,State,NodeList,ExitCode,Reason,NNodes`, captured from the local
+# cluster: the demo job (preempted, stopped by USR2, completed), a job that failed with 76 after a
+# requeue, and (without -X) a node failure that Slurm requeued, with its step lines.
+SACCT_DEMO = ("6042242|tiny-2node|REQUEUED|node[1-2]|0:0|None|2\n"
+              "6042242|tiny-2node|REQUEUED|node[1-2]|0:0|BeginTime|2\n"
+              "6042242|tiny-2node|COMPLETED|node[1-2]|0:0|BeginTime|2\n")
+SACCT_FAILED = "6041894|race-a|REQUEUED|node[1-2]|0:0|None|2\n6041894|race-a|FAILED|node[1-2]|76:0|BeginTime|2\n"
+SACCT_NODE_FAIL = ("6042853|nodeloss|NODE_FAIL|node[1-2]|0:0|None|2\n6042853.batch|batch|FAILED|node1|15:0||1\n"
+                   "6042853.0|python|FAILED|node[1-2]|1:0||2\n6042853|nodeloss|COMPLETED|node[1,3]|0:0|BeginTime|2\n"
+                   "6042853.batch|batch|COMPLETED|node1|0:0||1\n6042853.0|python|COMPLETED|node[1,3]|0:0||2\n")
+
+
+def test_sacct_counts_restarts_and_drops_a_stale_pending_reason() -> None:
+    info = slurm.parse_sacct(SACCT_DEMO)
+    assert info == {"job_id": 6042242, "name": "tiny-2node", "state": "COMPLETED", "nodes": "node[1-2]",
+                    "num_nodes": 2, "restarts": 2, "exit_code": "0:0", "reason": "", "source": "sacct"}
+    failed = slurm.parse_sacct(SACCT_FAILED)
+    assert failed is not None and (failed["state"], failed["restarts"], failed["exit_code"]) == ("FAILED", 1, "76:0")
+    moved = slurm.parse_sacct(SACCT_NODE_FAIL)  # step lines are not incarnations
+    assert moved is not None and (moved["state"], moved["restarts"], moved["nodes"]) == ("COMPLETED", 1, "node[1,3]")
+
+
+def test_status_of_a_job_gone_from_the_controller_comes_from_accounting(monkeypatch, capsys) -> None:
+    import subprocess
+
+    from dslurm.cli import main
+
+    calls = []
+
+    def fake(args, **kw):
+        calls.append(args)
+        if args[0] == "scontrol":
+            return subprocess.CompletedProcess(args, 1, "", "slurm_load_jobs error: Invalid job id specified\n")
+        return subprocess.CompletedProcess(args, 0, SACCT_DEMO, "")
+
+    monkeypatch.setattr(slurm, "run_cmd", fake)
+    assert main(["status", "6042242"]) == 0
+    out = capsys.readouterr().out
+    assert "restarts: 2" in out and "state: COMPLETED" in out and "reason: -" in out
+    assert "BeginTime" not in out and "None" not in out and "accounting (sacct" in out
+    assert "-D" in calls[-1]  # every incarnation, so the restarts can be counted
+    assert main(["status", "6042242", "--json"]) == 0
+    import json
+    assert json.loads(capsys.readouterr().out)["restarts"] == 2
+
+
 def test_parse_sacct() -> None:
     out = "6034231|wrap|CANCELLED by 0|node[1-2]|0:15|None|2\n"
     info = slurm.parse_sacct(out)
