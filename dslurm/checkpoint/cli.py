@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 from pathlib import Path
+from typing import Any
 
 from dslurm import checkpoint as ck
 from dslurm.errors import UserError
@@ -14,10 +15,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ckpt", help="list, verify and prune a run's checkpoint generations",
                        description="Checkpoints of one run directory (see docs/checkpoint.md).")
     acts = p.add_subparsers(dest="ckpt_action", metavar="ACTION", required=True)
-    ls = acts.add_parser("ls", help="generations: step, time, size, verified, pointer")
+    ls = acts.add_parser("ls", help="generations: step, size, check, pointer, name (with its UTC time)",
+                         description="One line per generation, oldest first: STEP SIZE CHECK POINTER GENERATION. "
+                         "No field holds a space, so the output is the same (without colour) in a pipe; "
+                         "problems go to stderr. CHECK: sizes (manifest and sizes match), crc32 (--full: "
+                         "every checksum matches), BAD, partial (no commit marker), rejected (a restore "
+                         "refused it), missing (the pointer names a generation that is gone).")
     ls.add_argument("run_dir", type=Path)
     ls.add_argument("--full", action="store_true",
                     help="checksum every file (default: manifest and sizes only, which is instant)")
+    ls.add_argument("--json", action="store_true", help="print the generations and the pointer as JSON")
     v = acts.add_parser("verify", help="exit 0 only if the generation is sound; else name the bad file")
     v.add_argument("run_dir", type=Path)
     v.add_argument("--generation", "-g", help="name (or unique prefix); default: the pointer's target")
@@ -42,37 +49,86 @@ def _console():  # rich only when a person is going to read something
 
 
 def _human(n: int) -> str:
+    """A size without a space (4.4MB), so a piped listing splits on whitespace."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1000  # type: ignore[assignment]
     return str(n)
 
 
-def _ls(args: argparse.Namespace) -> int:
-    from rich.table import Table
+def ls_rows(run_dir: Path, full: bool) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
+    """(one row per generation, oldest first, plus one for a pointer target that is gone;
+    the pointer; why the pointer could not be read)."""
     try:
-        ptr, note = ck.read_pointer(args.run_dir), ""
+        ptr, ptr_error = ck.read_pointer(run_dir), None
     except ck.CheckpointError as exc:
-        ptr, note = None, f"[red]{exc}[/red]"
-    table = Table(title=str(args.run_dir), caption=note or None)
-    for col in ("generation", "step", "time (UTC)", "size", "verified", "pointer"):
-        table.add_column(col, justify="right" if col in ("step", "size") else "left",
-                         no_wrap=col in ("generation", "time (UTC)"))
-    for g in ck.list_generations(args.run_dir):
-        size = sum(p.stat().st_size for p in g.path.rglob("*") if p.is_file())
-        when = _dt.datetime.strptime(g.name.split("-")[2], "%Y%m%dT%H%M%SZ")
-        if not g.committed:
-            status = "[yellow]partial[/yellow]"
+        ptr, ptr_error = None, str(exc)
+    rows = []
+    for g in ck.list_generations(run_dir):
+        stamp = g.name.split("-")[2]
+        saved = _dt.datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").strftime("%Y-%m-%dT%H:%M:%SZ")
+        problems: list[str] = []
+        if (g.path / ck.REJECTED).exists():
+            check = "rejected"
+        elif not g.committed:
+            check = "partial"
         else:
-            problems = ck.verify_generation(g.path, full=args.full)
-            status = f"[red]BAD: {problems[0]}[/red]" if problems else (
-                "[green]yes[/green]" if args.full else "[green]sizes[/green]")
-        mark = f"◀ {ck.POINTER}" if ptr and ptr.generation == g.name else ""
-        table.add_row(g.name, str(g.step), when.strftime("%Y-%m-%d %H:%M:%S"), _human(size), status, mark)
-    if ptr and not (args.run_dir / ck.GENERATIONS / ptr.generation).is_dir():
-        table.add_row(ptr.generation, str(ptr.step), "", "", "[red]missing[/red]", f"◀ {ck.POINTER}")
-    _console().print(table)
+            problems = ck.verify_generation(g.path, full=full)
+            check = "BAD" if problems else ("crc32" if full else "sizes")
+        rows.append({"generation": g.name, "step": g.step, "saved_utc": saved,
+                     "bytes": sum(p.stat().st_size for p in g.path.rglob("*") if p.is_file()),
+                     "check": check, "problems": problems, "pointer": bool(ptr and ptr.generation == g.name)})
+    if ptr and not (run_dir / ck.GENERATIONS / ptr.generation).is_dir():
+        rows.append({"generation": ptr.generation, "step": ptr.step, "saved_utc": None, "bytes": None,
+                     "check": "missing", "problems": [f"{run_dir / ck.POINTER} names it, but it is gone"],
+                     "pointer": True})
+    pointer = {"generation": ptr.generation, "step": ptr.step} if ptr else None
+    return rows, pointer, ptr_error
+
+
+_COLOUR = {"sizes": "green", "crc32": "green", "BAD": "red", "missing": "red", "partial": "yellow",
+           "rejected": "yellow"}
+
+
+def format_ls(rows: list[dict[str, Any]], colour: bool = False) -> list[str]:
+    """The listing as lines: STEP SIZE CHECK POINTER GENERATION, aligned, no field with a space.
+    The generation name comes last and whole (it holds the step and the UTC save time); a row is
+    about 75 characters, so it fits 80 columns."""
+    head = ("STEP", "SIZE", "CHECK", "POINTER", "GENERATION")
+    cells = [(str(r["step"]), "-" if r["bytes"] is None else _human(r["bytes"]), r["check"],
+              ck.POINTER if r["pointer"] else "-", r["generation"]) for r in rows]
+    w = [max(len(c[i]) for c in [head, *cells]) for i in range(4)]
+    out = []
+    for i, c in enumerate([head, *cells]):
+        check = c[2].ljust(w[2])
+        if colour and i and c[2] in _COLOUR:
+            check = f"[{_COLOUR[c[2]]}]{check}[/{_COLOUR[c[2]]}]"
+        out.append(f"{c[0].rjust(w[0])}  {c[1].rjust(w[1])}  {check}  {c[3].ljust(w[3])}  {c[4]}")
+    return out
+
+
+def _ls(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    rows, pointer, ptr_error = ls_rows(args.run_dir, args.full)
+    if args.json:
+        print(json.dumps({"run_dir": str(args.run_dir), "pointer": pointer, "pointer_error": ptr_error,
+                          "generations": rows}, indent=2))
+        return 0
+    con = _console()
+    for line in format_ls(rows, colour=con.is_terminal):
+        if con.is_terminal:
+            con.print(line, highlight=False, soft_wrap=True)
+        else:
+            print(line)
+    # Problems apart, on stderr: stdout stays one row per generation.
+    notes = [f"{r['generation']}: {r['check']}: {p}" for r in rows for p in r["problems"]]
+    notes += [f"{args.run_dir / ck.POINTER}: {ptr_error}"] if ptr_error else []
+    notes += [f"no generations in {ck.generations_dir(args.run_dir)}"] if not rows else []
+    for note in notes:
+        print(f"ckpt ls: {note}", file=sys.stderr)
     return 0
 
 

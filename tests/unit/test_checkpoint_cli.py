@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,16 +76,58 @@ def test_verify_unknown_generation_or_run_dir_is_a_user_error(run3, tmp_path, ca
     assert "no such run directory" in capsys.readouterr().err
 
 
-def test_ls_shows_steps_status_and_pointer(run3, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
+def test_ls_shows_steps_status_and_pointer(run3, capsys):
     run, gens = run3
     partial = make_gen(run, 400, commit=False)
     (gens[0] / "__0_0.distcp").write_bytes(b"x")
     assert main(["ckpt", "ls", str(run)]) == 0
-    lines = {ln.split("│")[1].strip(): ln for ln in capsys.readouterr().out.splitlines() if "step-" in ln}
-    assert "◀ LATEST" in lines[gens[2].name] and "sizes" in lines[gens[2].name]
-    assert "BAD" in lines[gens[0].name] and "partial" in lines[partial.name]
-    assert "LATEST" not in lines[gens[1].name]
+    out, err = capsys.readouterr()
+    rows = {ln.split()[-1]: ln.split() for ln in out.splitlines()[1:]}
+    assert rows[gens[2].name][:4] == ["300", "5.4KB", "sizes", "LATEST"]  # shards + manifest
+    assert rows[gens[0].name][2] == "BAD" and rows[partial.name][2:4] == ["partial", "-"]
+    assert rows[gens[1].name][3] == "-"
+    assert f"ckpt ls: {gens[0].name}: BAD: " in err and "size 1 != 5000" in err  # problems apart, whole
+
+
+def test_ls_fits_80_columns_and_splits_on_whitespace_when_piped(cli, run3):
+    run, gens = run3
+    make_gen(run, 12345678)  # the widest step a generation name holds
+    res = cli("ckpt", "ls", str(run), env={"COLUMNS": "80"})  # a pipe: no terminal
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and "…" not in res.stdout and "\x1b" not in res.stdout
+    assert max(len(ln) for ln in lines) <= 80
+    assert lines[0].split() == ["STEP", "SIZE", "CHECK", "POINTER", "GENERATION"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["100", "200", "300", "12345678"]
+    assert all(len(ln.split()) == 5 for ln in lines)
+    assert [ln.split()[4] for ln in lines[1:4]] == [g.name for g in gens]
+
+
+def test_ls_json(run3, capsys):
+    import json
+
+    run, gens = run3
+    (gens[1] / ck.REJECTED).write_text("{}")  # a restore refused it
+    gone = make_gen(run, 999)
+    ck.write_pointer(run, gone.name, 999)
+    shutil.rmtree(gone)  # the pointer names a generation that is gone
+    assert main(["ckpt", "ls", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pointer"] == {"generation": gone.name, "step": 999}
+    by_name = {g["generation"]: g for g in out["generations"]}
+    first = by_name[gens[0].name]
+    assert first["step"] == 100 and first["bytes"] > 5000 and first["saved_utc"] == "2026-01-02T04:44:05Z"
+    assert first["check"] == "sizes" and first["pointer"] is False
+    assert by_name[gens[1].name]["check"] == "rejected"
+    row = by_name[gone.name]
+    assert row["check"] == "missing" and row["pointer"] is True and row["bytes"] is None
+
+
+def test_ls_with_a_garbage_pointer_still_lists(run3, capsys):
+    run, _ = run3
+    (run / ck.POINTER).write_text("xx")
+    assert main(["ckpt", "ls", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 4 and "LATEST" not in out and "garbage pointer" in err
 
 
 def test_gc_keeps_last_k_and_removes_orphans(run3, capsys):
