@@ -157,7 +157,8 @@ def status(state_dir: str | os.PathLike[str] | None = None) -> dict[str, object]
     if not rec or not all(_alive(p) for p in rec["procs"]):
         return {"up": False, "state_dir": str(sdir), "nodes": [], "jobs": []}
     env = _info(sdir, rec).env()
-    return {"up": True, "state_dir": str(sdir), "settings": rec["settings"],
+    # host_cpus: the real cores all nodes share (their CPUs and memory are declared, not real).
+    return {"up": True, "state_dir": str(sdir), "settings": rec["settings"], "host_cpus": os.cpu_count(),
             "nodes": slurm.nodes(env=env), "jobs": slurm.squeue(env=env)}
 
 
@@ -438,6 +439,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         a = csub.add_parser(name, help=hlp)
         a.add_argument("--state-dir", default=None,
                        help=f"state dir (default ${ENV_DIR} or {DEFAULT_DIR})")
+        if name == "status":
+            a.add_argument("--json", action="store_true", help="print the status as JSON")
         if name == "up":
             a.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
             a.add_argument("--cpus", type=int, default=4, help="virtual CPUs per node (4)")
@@ -461,26 +464,11 @@ def run(args: argparse.Namespace) -> int:
         stopped = down(args.state_dir)
         print("cluster stopped" if stopped else "no cluster running; nothing to do")
         return 0
-    return _print_status(status(args.state_dir))
+    st = status(args.state_dir)
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        from dslurm.cluster.show import format_status
 
-
-def _print_status(st: dict) -> int:
-    if not st["up"]:
-        print(f"no cluster running (state dir {st['state_dir']})")
-        return 0
-    from rich.console import Console  # lazy: the CLI must import fast
-    from rich.table import Table
-
-    console = Console()
-    console.print(f"cluster up: {st['settings']} (state dir {st['state_dir']})")
-    nt = Table("node", "state", "cpus", "memory MB", "partitions")
-    for n in st["nodes"]:
-        nt.add_row(str(n["name"]), str(n["state"]), str(n["cpus"]), str(n["memory_mb"]),
-                   ",".join(n["partitions"]))
-    console.print(nt)
-    jt = Table("job", "name", "state", "nodes", "nodelist/reason", "time")
-    for j in st["jobs"]:
-        jt.add_row(str(j["job_id"]), str(j["name"]), str(j["state"]), str(j["num_nodes"]),
-                   str(j["nodes_or_reason"]), str(j["time"]))
-    console.print(jt if st["jobs"] else "no jobs")
+        print("\n".join(format_status(st)))
     return 0
