@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -54,3 +55,18 @@ def test_set_override_errors(cli):
     res = cli("render", "--site", "site-configs/local.yaml", "--job", "examples/jobs/tiny-2node.yaml",
               "--set", "train.steps=lots")
     assert res.returncode == 2 and "train.steps" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_readme_says_how_dslurm_gets_on_path():
+    """The README uses `dslurm ...`; after scripts/setup.sh the command lives in .venv/bin only."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    using = readme[readme.index("## Using it"):]
+    first_use = using.index("dslurm render")
+    assert "source .venv/bin/activate" in using[:first_use] and ".venv/bin/dslurm" in using[:first_use]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["dslurm"] == "dslurm.cli:main"  # what pip puts in .venv/bin/dslurm
+    setup = (root / "scripts" / "setup.sh").read_text()
+    assert "-m venv .venv" in setup and "pip install -q -e" in setup
