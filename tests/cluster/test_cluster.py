@@ -88,13 +88,13 @@ def test_sacct_reports_finished_job(slurm_cluster: cluster.ClusterInfo, tmp_path
     assert slurm.wait_job(job, timeout=30) == "FAILED"
     deadline = time.monotonic() + 10  # slurmctld sends job records to slurmdbd asynchronously
     while True:
-        out = slurm.run_cmd(["sacct", "-X", "-n", "-P", "-j", str(job), "-o",
-                             "JobID,JobName,State,NodeList,ExitCode,Reason,NNodes"]).stdout
+        out = slurm.run_cmd(["sacct", "-D", "-X", "-n", "-P", "-j", str(job), "-o", slurm.SACCT_FIELDS]).stdout
         info = slurm.parse_sacct(out)
         if (info and info["state"] == "FAILED") or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert info is not None and info["state"] == "FAILED" and info["exit_code"] == "3:0"
+    assert info["restarts"] == 0 and info["reason"] == ""  # no stale pending reason once it ran
 
 
 def test_requeue_restarts_job_within_seconds(slurm_cluster: cluster.ClusterInfo,
