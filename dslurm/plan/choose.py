@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dslurm.config.layout import Layout
+from dslurm.config.layout import Layout, stages_per_rank
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
 from dslurm.plan.layout import Cluster, Plan, Workload, _budget, _gb, _splits, memory_per_gpu
 from dslurm.plan.memory import GB
-from dslurm.plan.pipeline import bubble_fraction
+from dslurm.plan.pipeline import schedule_bubble
 
 
 def _divisors(n: int) -> list[int]:
@@ -34,9 +34,9 @@ def _tp_options(model: ModelShape, cluster: Cluster) -> list[int]:
     return out
 
 
-def _pp_options(model: ModelShape, cluster: Cluster) -> list[int]:
+def _pp_options(model: ModelShape, cluster: Cluster, v: int = 1) -> list[int]:
     """Stage counts that give each stage whole nodes (pipeline traffic tolerates InfiniBand)."""
-    return [p for p in _divisors(cluster.nodes) if not Layout(pp=p).shape_problems(model)]
+    return [p for p in _divisors(cluster.nodes) if not Layout(pp=p).shape_problems(model, v)]
 
 
 def _candidates(model: ModelShape, cluster: Cluster,
@@ -44,14 +44,15 @@ def _candidates(model: ModelShape, cluster: Cluster,
     """(layout, recompute, grad_accum) in order of preference; a (pp, tp, recompute) key and a
     note where the batch rules one out."""
     recomputes = [work.recompute] if work.recompute else ["none", "full"]
-    for pp in _pp_options(model, cluster):
+    for pp in _pp_options(model, cluster, stages_per_rank(work.schedule)):
         for rc in recomputes:
             for tp in _tp_options(model, cluster):
                 dp = cluster.world // (tp * pp)
                 split = _splits(pp, dp, work)
                 if split is None:
                     yield (pp, tp, rc), (f"global_batch={work.global_batch} does not split into "
-                                         f"dp({dp}) x micro_batch({work.micro_batch}) x >= {pp} microbatches")
+                                         f"dp({dp}) x micro_batch({work.micro_batch}) x >= "
+                                         f"{pp * stages_per_rank(work.schedule)} microbatches")
                     continue
                 for g in _divisors(dp):
                     if work.max_shard_gpus and g > 1 and g * tp > work.max_shard_gpus:
@@ -112,9 +113,10 @@ def propose_layout(model: ModelShape, cluster: Cluster, work: Workload | None = 
         lay, rc, grad_accum = cand
         mem = memory_per_gpu(model, lay, work, rc)
         if mem["total"] <= budget:
+            share, overhead = schedule_bubble(work.schedule, lay.pp, lay.microbatches)
             plan = Plan(layout=lay, recompute=rc, grad_accum=grad_accum, memory_gb=_gb(mem),
-                        budget_gb=round(budget / GB, 2), bubble=bubble_fraction(lay.pp, lay.microbatches),
-                        reasons={})
+                        budget_gb=round(budget / GB, 2), bubble=share, bubble_overhead=overhead,
+                        schedule=work.schedule, reasons={})
             plan.reasons = _reasons(plan, mem, cluster, rejected, budget, forced=work.recompute is not None)
             return plan
         key = (lay.pp, lay.tp, rc)
@@ -138,7 +140,8 @@ def validate_layout(model: ModelShape, cluster: Cluster, layout: Layout,
     work = work or Workload()
     layout.check_world(cluster.world, detail=f" ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)",
                        fix=f"choose degrees whose product is {cluster.world}")
-    shape = layout.shape_problems(model)
+    v = stages_per_rank(work.schedule)
+    shape = layout.shape_problems(model, v)
     if shape:
         raise UserError("; ".join(shape) + ". Fix: choose degrees the model divides into")
     budget = _budget(cluster, work)
@@ -148,7 +151,7 @@ def validate_layout(model: ModelShape, cluster: Cluster, layout: Layout,
     if mem["total"] > budget:
         problems.append(f"needs {mem['total'] / GB:.1f} GB per GPU > {budget / GB:.1f} GB usable "
                         f"({cluster.gpu_mem_gb} GB less {work.reserve:.0%} reserve)")
-    schedule = layout.schedule_problem()
+    schedule = layout.schedule_problem(v)
     if schedule:
         problems.append(schedule)
     if work.global_batch is not None:
@@ -160,9 +163,10 @@ def validate_layout(model: ModelShape, cluster: Cluster, layout: Layout,
     if layout.tp > domain or domain % layout.tp:
         warnings.append(f"tp={layout.tp} leaves the NVLink domain of {domain} GPUs: its per-layer "
                         "collectives cross the slower inter-node network")
-    bubble = bubble_fraction(layout.pp, layout.microbatches)
+    bubble, overhead = schedule_bubble(work.schedule, layout.pp, layout.microbatches)
     if bubble > 0.25:
-        warnings.append(f"pipeline bubble {bubble:.0%}: raise microbatches (bubble = (p-1)/(m+p-1))")
+        warnings.append(f"pipeline bubble {bubble:.0%} of the step under {work.schedule}: raise microbatches "
+                        f"(idle share = (p-1)/(v*m + p-1), v={v})")
     return Plan(layout=layout, recompute=recompute, grad_accum=work.grad_accum, memory_gb=_gb(mem),
-                budget_gb=round(budget / GB, 2), bubble=bubble,
+                budget_gb=round(budget / GB, 2), bubble=bubble, bubble_overhead=overhead, schedule=work.schedule,
                 reasons={"layout": "requested"}, problems=problems, warnings=warnings)

@@ -2,12 +2,20 @@
 
 Volumes are bytes one rank *sends*; it receives the same amount separately. Times are
 volume over a per-rank link bandwidth: a lower bound that ignores latency and overlap.
+
+Bus bandwidth follows nccl-tests (doc/PERFORMANCE.md): for a collective on a buffer of S bytes
+that takes t seconds, algbw = S / t and busbw = algbw x factor, with factor 2(n−1)/n for
+all-reduce, (n−1)/n for all-gather and reduce-scatter (S = the gathered / unreduced size) and 1
+for send/recv. busbw is what one rank's slowest link carries, so it compares across n and with
+the hardware; the time of a collective at a known busbw is S x factor / busbw, which is exactly
+the bytes one rank sends above over that bandwidth.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dslurm.errors import UserError
 from dslurm.plan._check import count, non_negative, positive
 
 
@@ -53,6 +61,40 @@ def transfer_time_s(size_bytes: float, gbytes_per_s: float) -> float:
 def allreduce_time_s(size_bytes: float, gbytes_per_s: float, ranks: int | None = None) -> float:
     """Bandwidth-bound time of a ring all-reduce of `size_bytes` (seed 004: 16 GB → 36 ms on NVLink)."""
     return transfer_time_s(ring_allreduce_bytes(size_bytes, ranks), gbytes_per_s)
+
+
+BUS_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def bus_factor(op: str, ranks: int) -> float:
+    """nccl-tests' busbw / algbw for `op` over `ranks` ranks: 2(n−1)/n, (n−1)/n, or 1 (send/recv)."""
+    count("ranks", ranks)
+    if op == "all_reduce":
+        return 2.0 * (ranks - 1) / ranks
+    if op in ("all_gather", "reduce_scatter"):
+        return (ranks - 1) / ranks
+    if op == "send_recv":
+        return 1.0
+    raise UserError(f"op={op!r} is unknown; choose one of {', '.join(BUS_OPS)}")
+
+
+def busbw_gbytes_per_s(op: str, size_bytes: float, ranks: int, seconds: float) -> float:
+    """Bus bandwidth (decimal GB/s) of a measured collective: algbw (size / time) × `bus_factor`.
+
+    An 8-rank all-reduce of 1 GB in 10 ms: algbw 100 GB/s, busbw 175 GB/s.
+    """
+    non_negative("size_bytes", size_bytes)
+    positive("seconds", seconds)
+    return size_bytes / seconds / 1e9 * bus_factor(op, ranks)
+
+
+def collective_time_s(op: str, size_bytes: float, ranks: int, busbw: float) -> float:
+    """Seconds for `op` on `size_bytes` over `ranks` ranks at bus bandwidth `busbw` (GB/s):
+    size × bus_factor / busbw, the inverse of `busbw_gbytes_per_s`. 0 for a group of one."""
+    non_negative("size_bytes", size_bytes)
+    if ranks == 1 and op != "send_recv":
+        return 0.0
+    return transfer_time_s(size_bytes * bus_factor(op, ranks), busbw)
 
 
 def allreduce_mean(values: Sequence[float]) -> float:

@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslurm.config.layout import Layout
+from dslurm.config.layout import Layout, stages_per_rank
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
 from dslurm.plan._check import count, fraction, non_negative, positive
-from dslurm.plan.memory import GB, RECOMPUTES, ByteLayout, activation_bytes, logits_bytes
+from dslurm.plan.memory import GB, RECOMPUTES, ByteLayout, activation_bytes_per_layer, logits_bytes
+from dslurm.plan.pipeline import SCHEDULES, logits_in_flight, microbatches_for_bubble, stage_in_flight
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,12 +36,20 @@ class Cluster:
     """GPUs sharing one NVLink/NVSwitch domain; None = one node."""
     peak_tflops: float = 0.0
     """Dense BF16 peak per GPU (TFLOP/s) for MFU; 0 = unknown."""
+    intra_gbytes_per_s: float = 0.0
+    """Bus bandwidth of one GPU inside its NVLink domain / node (GB/s); 0 = unknown."""
+    inter_gbytes_per_s: float = 0.0
+    """Bandwidth of one node to the others (GB/s), shared by its GPUs; 0 = unknown."""
+    memory_note: str = ""
+    """Where gpu_mem_gb came from when it is not a GPU's (a CPU site: the node's memory per process)."""
 
     def __post_init__(self) -> None:
         count("nodes", self.nodes)
         count("gpus_per_node", self.gpus_per_node)
         positive("gpu_mem_gb", self.gpu_mem_gb)
         non_negative("peak_tflops", self.peak_tflops)
+        non_negative("intra_gbytes_per_s", self.intra_gbytes_per_s)
+        non_negative("inter_gbytes_per_s", self.inter_gbytes_per_s)
         if self.nvlink_domain is None:
             self.nvlink_domain = self.gpus_per_node
         count("nvlink_domain", self.nvlink_domain)
@@ -67,6 +76,9 @@ class Workload:
     chooses its own (all splits to the pipeline when pp > 1, else to accumulation)."""
     recompute: str | None = None
     """Force "none", "selective" or "full"; None = let the planner choose."""
+    schedule: str = "1F1B"
+    """Pipeline schedule (`parallel.pp_schedule`): sets the bubble and the stages' in-flight
+    activations (`dslurm.plan.pipeline`)."""
     bytes: ByteLayout = field(default_factory=ByteLayout)
     """Persistent bytes per parameter (default 2+2+4+8)."""
     max_shard_gpus: int | None = None
@@ -81,6 +93,8 @@ class Workload:
         for name in ("seq_len", "global_batch", "microbatches", "max_shard_gpus"):
             if getattr(self, name) is not None:
                 count(name, getattr(self, name))
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"schedule={self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
         if self.recompute is not None and self.recompute not in RECOMPUTES:
             raise UserError(f"recompute={self.recompute!r} is unknown; choose one of {', '.join(RECOMPUTES)}")
         fraction("reserve", self.reserve)
@@ -100,17 +114,25 @@ def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload,
     unit = max(block, model.vocab_size * model.dim)
     buffers = 2 * unit * (b.weights + b.grads) / layout.tp if layout.dp_shard > 1 else 0.0
     seq = work.seq_len or model.seq_len
-    shape = dict(seq_len=seq, micro_batch=work.micro_batch, dim=model.dim, ffn_dim=model.ffn_dim,
+    shape: dict[str, Any] = dict(seq_len=seq, micro_batch=work.micro_batch, dim=model.dim, ffn_dim=model.ffn_dim,
                  n_heads=model.n_heads, kv_dim=model.n_kv_heads * model.head_dim, tp=layout.tp)
     per_stage = math.ceil(model.n_layers / layout.pp)
-    # 1F1B: the first stage holds min(p, m) microbatches in flight, the last stage one plus the logits.
-    in_flight = min(layout.pp, layout.microbatches)
     rc: Any = recompute  # checked against RECOMPUTES above
-    first = in_flight * activation_bytes(layers=per_stage, recompute=rc, **shape)
-    last = (activation_bytes(layers=per_stage, recompute=rc, **shape)
-            + logits_bytes(seq_len=seq, micro_batch=work.micro_batch, vocab_size=model.vocab_size,
-                           tp=layout.tp))
-    acts = max(first, last) if layout.pp > 1 else last
+    stored = activation_bytes_per_layer(recompute=rc, **shape)  # what each held layer keeps
+    # Under full recomputation one block is rebuilt at a time in backward: its whole
+    # activations come on top of the stored layer inputs, once per GPU.
+    rebuilt = activation_bytes_per_layer(recompute="none", **shape) if recompute == "full" else 0.0
+    logits = logits_bytes(seq_len=seq, micro_batch=work.micro_batch, vocab_size=model.vocab_size, tp=layout.tp)
+    if layout.pp == 1:
+        acts = model.n_layers * stored + rebuilt + logits
+    else:
+        # The schedule decides how many microbatches each stage holds (`pipeline.stage_in_flight`):
+        # the first stage the most layer activations, the last one fewer plus the logits.
+        p, m = layout.pp, layout.microbatches
+        first = stage_in_flight(work.schedule, p, m, 0) * per_stage * stored + rebuilt
+        last = (stage_in_flight(work.schedule, p, m, p - 1) * per_stage * stored + rebuilt
+                + logits_in_flight(work.schedule, m) * logits)
+        acts = max(first, last)
     return {"state": state, "fsdp_buffers": buffers, "activations": acts,
             "total": state + buffers + acts}
 
@@ -127,7 +149,12 @@ class Plan:
     memory_gb: dict[str, float]
     budget_gb: float
     bubble: float
+    """idle share of a schedule step under `schedule`: (p-1)/(v*m + p-1)"""
     reasons: dict[str, str]
+    schedule: str = "1F1B"
+    """the pipeline schedule the bubble and the activations assume"""
+    bubble_overhead: float = 0.0
+    """bubble time over ideal compute time under `schedule` (Narayanan et al.): (p-1)/(v*m)"""
     problems: list[str] = field(default_factory=list)
     """Why the layout cannot run (empty when it fits)."""
     warnings: list[str] = field(default_factory=list)
@@ -141,8 +168,10 @@ class Plan:
         lay = self.layout
         return {"layout": {"tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
                            "dp_replicate": lay.dp_replicate, "recompute": self.recompute,
-                           "microbatches": lay.microbatches, "grad_accum": self.grad_accum},
+                           "microbatches": lay.microbatches, "grad_accum": self.grad_accum,
+                           "schedule": self.schedule},
                 "memory_gb": self.memory_gb, "budget_gb": self.budget_gb, "bubble": self.bubble,
+                "bubble_overhead": self.bubble_overhead,
                 "fits": self.fits, "reasons": self.reasons, "problems": self.problems,
                 "warnings": self.warnings}
 
@@ -160,6 +189,7 @@ def _splits(pp: int, dp: int, work: Workload) -> tuple[int, int] | None:
     batch forbids it. Under a global batch this solves the one batch rule
     (`dslurm.config.layout`: global_batch = dp x grad_accum x microbatches x micro_batch) for the
     splits, sending them all to the pipeline when there is one (the smallest bubble)."""
+    v = stages_per_rank(work.schedule)
     if work.global_batch is not None:
         per_step = dp * work.micro_batch
         if work.global_batch % per_step:
@@ -170,5 +200,7 @@ def _splits(pp: int, dp: int, work: Workload) -> tuple[int, int] | None:
         m, accum = 1, work.grad_accum
     else:
         # No batch given: the asked microbatches, or enough for a bubble of at most 10%.
-        m, accum = work.microbatches or math.ceil(9 * (pp - 1)), work.grad_accum
-    return (m, accum) if m >= pp or pp == 1 else None
+        m = work.microbatches or max(pp * v, microbatches_for_bubble(pp, 0.10, v))
+        accum = work.grad_accum
+    # Every schedule needs a microbatch per (virtual) stage (`Layout.schedule_problem`).
+    return (m, accum) if m >= pp * v or pp == 1 else None

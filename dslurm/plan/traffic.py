@@ -1,0 +1,155 @@
+"""Collective traffic of one optimizer step, per parallel dimension, and its time at the site's
+bus bandwidth.
+
+What one GPU sends per step, collective by collective, for the schedule this trainer runs:
+
+- **dp_shard (FSDP)**: weights all-gathered in the compute dtype, twice per forward/backward
+  pass without a pipeline (resharded after forward) and once per schedule step with one
+  (train/parallel/fsdp.py keeps them unsharded after forward under PP, and torch's pipelining
+  defers resharding to the last microbatch's backward); gradients reduce-scattered in FP32
+  (`REDUCE_BYTES`: the trainer's MixedPrecisionPolicy reduces in float32) once per pass.
+- **dp_replicate (HSDP replicas, or DDP)**: an FP32 all-reduce of this GPU's gradient shard
+  once per pass. train/loop.py synchronises at every gradient-accumulation pass (it does not
+  defer the sync to the last one), so DP traffic scales with grad_accum.
+- **tp (tensor + sequence parallel)**: per layer and microbatch, forward 2 all-gathers + 2
+  reduce-scatters of the s x b x h activation (BF16), backward the same again (Korthikanti et
+  al. 2022, sec. 4.2.2); recomputation re-runs the forward's four. "selective" counts them
+  too: train/parallel/ac.py saves matmul and attention outputs but not collective outputs, so
+  rebuilding a matmul's input or a norm's input re-issues them (torchtitan keeps
+  reduce_scatter_tensor in its save list for this reason). The embedding and loss-parallel
+  output collectives are left out (one per microbatch, not per layer).
+- **pp**: point-to-point sends of the stage-boundary tensor, sequence-sharded by tp (the blocks
+  end in Shard(1)), one forward activation and one backward gradient per boundary and
+  microbatch; the busiest rank sends 2v per microbatch (2v - 1 when p = 2).
+
+Links (`group_link`): a group inside the NVLink domain runs at the site's intra-node
+bandwidth; a group that crosses nodes shares the node's inter-node bandwidth with the node's
+other GPUs (one NIC rail each, all groups of a dimension communicating at once), so a group
+with k of its ranks on each node gets k/gpus_per_node of it. Times are bandwidth-bound lower
+bounds per collective (no latency) and upper bounds per step (no overlap with compute).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dslurm.config.layout import DIM_NAMES, Layout, stages_per_rank
+from dslurm.config.models import ModelShape
+from dslurm.plan.comms import bus_factor, collective_time_s
+from dslurm.plan.layout import Cluster, Workload
+
+REDUCE_BYTES = 4.0
+"""Bytes per gradient value in the DP reduction: the trainer reduces in float32
+(train/parallel/fsdp.py, `mp_policy`), whatever the compute dtype."""
+
+ACTIVATION_BYTES = 2.0
+"""Bytes per activation value on the TP and PP wires (BF16)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    """One kind of collective on one parallel dimension, repeated `calls` times per step."""
+
+    dim: str
+    """mesh dimension: dp_shard, dp_replicate, tp or pp"""
+    op: str
+    """all_gather, reduce_scatter, all_reduce or send_recv (nccl-tests names)"""
+    what: str
+    """the tensor: weights (bf16), grads fp32, activations (bf16, the s x b x h block input/output),
+    boundary / tp (bf16, the pipeline stage's output, sequence-sharded)"""
+    ranks: int
+    size_bytes: float
+    """buffer size of one call, nccl-tests' S (the gathered / unreduced size)"""
+    calls: int
+    """calls per optimizer step"""
+    link: str
+    """where the group's ranks sit (`group_link`): "nvlink" (inside the NVLink domain), "node" (inside
+    a node, beyond the domain), "net k/g" (across nodes, k of the node's g GPUs' share of its NICs)"""
+    busbw: float
+    """bus bandwidth of that link, GB/s; 0 = the site does not say"""
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one GPU sends per step: calls x S x bus factor."""
+        return self.calls * self.size_bytes * bus_factor(self.op, self.ranks)
+
+    @property
+    def time_s(self) -> float | None:
+        """Seconds per step at `busbw` (None when the bandwidth is unknown)."""
+        if self.busbw <= 0:
+            return None
+        return self.calls * collective_time_s(self.op, self.size_bytes, self.ranks, self.busbw)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"dim": self.dim, "op": self.op, "what": self.what, "ranks": self.ranks,
+                "size_bytes": self.size_bytes, "calls": self.calls, "link": self.link,
+                "busbw_gbytes_per_s": self.busbw, "sent_bytes": self.sent_bytes, "time_s": self.time_s}
+
+
+def dim_stride(layout: Layout, dim: str) -> int:
+    """Rank distance between neighbours of a `dim` group: the product of the faster dims."""
+    names = list(DIM_NAMES)
+    return math.prod(getattr(layout, n) for n in names[names.index(dim) + 1:])
+
+
+def group_link(cluster: Cluster, stride: int, ranks: int) -> tuple[str, float]:
+    """(where a group of `ranks` ranks `stride` apart sits, its bus bandwidth in GB/s)."""
+    gpn = cluster.gpus_per_node
+    span = stride * ranks
+    domain = cluster.nvlink_domain or gpn
+    if span <= domain:
+        return "nvlink", cluster.intra_gbytes_per_s
+    if span <= gpn:
+        return "node", cluster.intra_gbytes_per_s  # beyond the NVLink domain: PCIe may be slower
+    per_node = min(ranks, max(1, gpn // stride))
+    bw = cluster.inter_gbytes_per_s * per_node / gpn
+    if cluster.intra_gbytes_per_s > 0:
+        bw = min(bw, cluster.intra_gbytes_per_s)
+    return f"net {per_node}/{gpn}", bw
+
+
+def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Cluster,
+                 recompute: str = "none") -> list[Collective]:
+    """Every collective one GPU takes part in per optimizer step (module docstring)."""
+    out: list[Collective] = []
+    passes = work.grad_accum
+    local_params = model.num_params() / (layout.tp * layout.pp)
+
+    def add(dim: str, op: str, what: str, size: float, calls: int) -> None:
+        ranks = getattr(layout, dim)
+        if ranks > 1 and calls > 0:
+            link, bw = group_link(cluster, dim_stride(layout, dim), ranks)
+            out.append(Collective(dim=dim, op=op, what=what, ranks=ranks, size_bytes=size, calls=calls,
+                                  link=link, busbw=bw))
+
+    wb = work.bytes.weights
+    gathers = 1 if layout.pp > 1 else 2
+    add("dp_shard", "all_gather", "weights" if wb == 2 else f"weights {wb:g}B", local_params * wb, passes * gathers)
+    add("dp_shard", "reduce_scatter", "grads fp32", local_params * REDUCE_BYTES, passes)
+    add("dp_replicate", "all_reduce", "grad shard fp32", local_params * REDUCE_BYTES / layout.dp_shard,
+        passes)
+    seq = work.seq_len or model.seq_len
+    act = seq * work.micro_batch * model.dim * ACTIVATION_BYTES
+    layers = math.ceil(model.n_layers / layout.pp)
+    per_layer = 2 + (2 if recompute in ("selective", "full") else 0)  # forward (+ its re-run) ...
+    per_layer += 2  # ... and backward, for each of all-gather and reduce-scatter
+    micro = passes * layout.microbatches
+    add("tp", "all_gather", "activations", act, micro * layers * per_layer)
+    add("tp", "reduce_scatter", "activations", act, micro * layers * per_layer)
+    if layout.pp > 1:
+        v = stages_per_rank(work.schedule)
+        sends = 2 * v - (1 if layout.pp == 2 else 0)
+        add("pp", "send_recv", "boundary / tp", act / layout.tp, micro * sends)
+    return out
+
+
+def traffic_by_dim(collectives: list[Collective]) -> dict[str, dict[str, float | None]]:
+    """Per dimension: bytes one GPU sends per step and their time (None if any time is unknown)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for c in collectives:
+        row = out.setdefault(c.dim, {"sent_bytes": 0.0, "time_s": 0.0})
+        row["sent_bytes"] = (row["sent_bytes"] or 0.0) + c.sent_bytes
+        t = c.time_s
+        row["time_s"] = None if t is None or row["time_s"] is None else row["time_s"] + t
+    return out
