@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
     from dslurm.api.job import RunSummary
 
-JobLike = Union[JobSpec, dict, str, Path]
-SiteLike = Union[SiteConfig, dict, str, Path]
+JobLike = Union[JobSpec, dict[str, Any], str, Path]
+SiteLike = Union[SiteConfig, dict[str, Any], str, Path]
 
 # directives() flags that submitit has its own parameters for. It needs them by name:
 # `nodes` x `ntasks_per_node` is how many task results job.result() waits for.
@@ -122,7 +122,7 @@ def _job_class() -> type:
     from submitit.core.utils import FailedJobError
     from submitit.slurm.slurm import SlurmJob
 
-    class DslurmJob(SlurmJob):
+    class DslurmJob(SlurmJob):  # type: ignore[type-arg]  # generic in the result type only
         def result(self) -> Any:
             """Task 0's RunSummary; a task that failed raises its remote traceback (the first
             real failure wins over tasks that srun killed because of it)."""
@@ -139,7 +139,7 @@ def _job_class() -> type:
 
 
 def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
-           site_overrides: list[str] | None = None, folder: str | Path | None = None) -> submitit.Job:
+           site_overrides: list[str] | None = None, folder: str | Path | None = None) -> submitit.Job[RunSummary]:
     """Submit `job` to Slurm through submitit; `job.result()` returns a RunSummary.
 
     The site and job are frozen into the run directory (like `dslurm submit`), so a requeue

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes as X
-from dslurm.durable import atomic_write_bytes, fsync_dir  # noqa: F401 - re-exported
+from dslurm.durable import atomic_write_bytes as atomic_write_bytes  # re-exported: other modules use it
+from dslurm.durable import fsync_dir as fsync_dir
 from dslurm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ def write_manifest(gen_dir: Path, step: int, files: dict[str, dict[str, Any]]) -
 def read_manifest(gen_dir: Path) -> dict[str, Any]:
     path = gen_dir / MANIFEST
     try:
-        doc = json.loads(path.read_text())
+        doc: dict[str, Any] = json.loads(path.read_text())
         files = doc["files"]
         if not isinstance(files, dict):
             raise TypeError("files is not a mapping")
@@ -207,7 +208,7 @@ def read_manifest(gen_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
 
 
-def manifest_problems(gen_dir: Path, pointer_crc: str | None = None) -> tuple[list[str], dict]:
+def manifest_problems(gen_dir: Path, pointer_crc: str | None = None) -> tuple[list[str], dict[str, Any]]:
     """Checks on the manifest itself: (problems, its file entries)."""
     if not gen_dir.is_dir():
         return [f"{gen_dir}: generation directory missing"], {}
@@ -458,7 +459,8 @@ class RunDirLock:
 
     def holder(self) -> dict[str, Any] | None:
         try:
-            return json.loads((self.run_dir / HOLDER).read_text())
+            holder: dict[str, Any] = json.loads((self.run_dir / HOLDER).read_text())
+            return holder
         except (FileNotFoundError, ValueError):
             return None
 

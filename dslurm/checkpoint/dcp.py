@@ -270,7 +270,7 @@ class CheckpointManager:
         head = ck.manifest_problems(gen, pointer_crc) if self.rank == 0 else None
         problems, entries = self._ctl.bcast(head)
         if problems:
-            return problems
+            return list(problems)
         mine = dict(sorted(entries.items())[self.rank::self.world])
         local = ck.file_problems(gen, mine, full=self.verify_on_restore == "full")
         return sorted(p for ps in self._ctl.gather(local) for p in ps)

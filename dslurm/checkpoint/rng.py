@@ -25,7 +25,7 @@ def capture_rng() -> dict[str, Any]:
     """This rank's RNG streams (Python, numpy, torch CPU, CUDA when initialised), JSON-able."""
     v, state, gauss = random.getstate()
     out: dict[str, Any] = {"python": [v, list(state), gauss], "torch": _b64(torch.get_rng_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     try:
         import numpy as np

@@ -216,7 +216,7 @@ def build(cls: type[T], data: Any, where: Where | str, origins: dict[str, str] |
         raise where.fail(str(exc), "change the value this message names") from None
 
 
-def load_yaml(path: str | Path) -> dict:
+def load_yaml(path: str | Path) -> dict[str, Any]:
     """A config file as plain data, read with YAML 1.2 rules (see `yaml12`)."""
     import yaml
 
@@ -245,7 +245,8 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def apply_overrides(data: dict, overrides: list[str], flag: str = "--set") -> tuple[dict, dict[str, str]]:
+def apply_overrides(data: dict[str, Any], overrides: list[str],
+                    flag: str = "--set") -> tuple[dict[str, Any], dict[str, str]]:
     """Apply `a.b.c=value` overrides (values read as YAML 1.2 scalars or flow collections) to
     nested data. Returns the new data and which dotted paths the overrides set, each mapped
     to the override as typed (`--set parallel.tp=abc`), for `build`'s error messages."""

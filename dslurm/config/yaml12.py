@@ -68,9 +68,9 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 class Loader(yaml.SafeLoader):
     """SafeLoader with the YAML 1.2 core schema's implicit types and no duplicate keys."""
 
-    yaml_implicit_resolvers: dict = {}  # a fresh table: SafeLoader's is YAML 1.1's
+    yaml_implicit_resolvers: dict[str, Any] = {}  # a fresh table: SafeLoader's is YAML 1.1's
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == _MERGE:  # `<<: *base` keys may be repeated by design
@@ -83,7 +83,8 @@ class Loader(yaml.SafeLoader):
                 seen[key] = line
             except TypeError:  # an unhashable key: SafeLoader's own error says so
                 continue
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         text = str(self.construct_scalar(node))
@@ -138,4 +139,4 @@ def load(text: str) -> Any:
 
 
 def dump(data: Any) -> str:
-    return yaml.dump(data, Dumper=Dumper, sort_keys=False)
+    return str(yaml.dump(data, Dumper=Dumper, sort_keys=False))

@@ -11,15 +11,23 @@ imported inside the commands.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from dslurm.errors import UserError
 
+if TYPE_CHECKING:
+    from dslurm.data import tokenize as tk
 
-def register(sub: argparse._SubParsersAction) -> None:
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `data` and its subcommands to the dslurm CLI."""
     parser = sub.add_parser("data", help="make and inspect HDF5 token files",
                             description="Make and inspect HDF5 token files for the trainer.")
-    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+    def usage(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=usage)
     cmds = parser.add_subparsers(dest="data_command", metavar="ACTION")
 
     p = cmds.add_parser("synth", help="write a deterministic, learnable synthetic corpus")
@@ -63,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_info(info) -> str:
+def format_info(info: tk.TokenFileInfo) -> str:
     """Human-readable header of a `dslurm.data.tokenize.TokenFileInfo`."""
     lines = [
         f"file        {info.path}",

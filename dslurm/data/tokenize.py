@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -128,7 +129,8 @@ def synthetic_tokens(n_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
     fresh = rng.integers(0, vocab_size, n_tokens)
     idx = np.arange(n_tokens)
     last = np.maximum.accumulate(np.where(reset, idx, 0))  # index of the latest reset
-    return cycle[(pos[fresh[last]] + (idx - last)) % vocab_size]
+    tokens: np.ndarray = cycle[(pos[fresh[last]] + (idx - last)) % vocab_size]
+    return tokens
 
 
 def write_synthetic(path: str | Path, n_tokens: int, vocab_size: int, seed: int = 0, *,
@@ -175,7 +177,7 @@ class TokenFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file = None
+        self._file: Any = None
         self._pid = -1
         self.info = read_info(self.path)
 
@@ -187,7 +189,7 @@ class TokenFile:
     def vocab_size(self) -> int:
         return self.info.vocab_size
 
-    def _dataset(self):
+    def _dataset(self) -> Any:  # an h5py Dataset (h5py has no type information)
         if self._file is None or self._pid != os.getpid():
             import h5py
 

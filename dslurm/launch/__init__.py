@@ -17,6 +17,7 @@ shell), torchrun's code, the workers' codes, and which local ranks left no code 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -145,7 +146,7 @@ class _Forwarder:
     signal that comes early (during start-up or the burn-in) is recorded, not fatal."""
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.status_dir: str | None = None
 
     def install(self) -> None:
@@ -240,7 +241,7 @@ def record(node_rank: int | None, rc: int | None, codes: dict[str, int], silent:
 # ------------------------------------------------------------------------------ CLI
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("launch", help="inside an allocation: derive ranks from SLURM_* and start torchrun",
                        description="Run once per node (torchrun mode) or once per process (srun mode).")
     p.add_argument("--mode", choices=("torchrun", "srun"), default="torchrun")
@@ -259,7 +260,7 @@ def register(sub) -> None:
     e.set_defaults(func=_run_env)
 
 
-def _run_launch(args) -> int:
+def _run_launch(args: argparse.Namespace) -> int:
     FORWARDER.install()  # first thing: a signal during start-up must not kill the launcher
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -280,7 +281,7 @@ def _run_launch(args) -> int:
     return launch(cmd, mode=args.mode, nproc_per_node=args.nproc_per_node, rdzv=args.rdzv, env=env)
 
 
-def _run_env(args) -> int:
+def _run_env(args: argparse.Namespace) -> int:
     info = derive(os.environ, nproc_per_node=args.nproc_per_node, mode=args.mode)
     if args.json:
         print(json.dumps(info.as_dict(), indent=2))

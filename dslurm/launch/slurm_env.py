@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import hostlist
 
@@ -41,7 +41,7 @@ class LaunchInfo:
     local_rank: int | None = None
     local_world_size: int | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def worker_env(self) -> dict[str, str]:
@@ -118,7 +118,7 @@ def expand_hosts(nodelist: str, var: str = "SLURM_JOB_NODELIST") -> list[str]:
         raise UserError(f"environment variable {var}={nodelist!r} is not a valid host list ({exc})") from None
     if not hosts:
         raise UserError(f"environment variable {var}={nodelist!r} names no hosts")
-    return hosts
+    return [str(h) for h in hosts]
 
 
 def gpus_on_node(env: Mapping[str, str]) -> int | None:
@@ -191,7 +191,7 @@ def derive(env: Mapping[str, str], *, nproc_per_node: int | None = None,
     return LaunchInfo(**common, nproc_per_node=nproc, world_size=nproc * nnodes)  # type: ignore[arg-type]
 
 
-def _derive_srun(env: Mapping[str, str], common: dict, gpus: int | None) -> LaunchInfo:
+def _derive_srun(env: Mapping[str, str], common: dict[str, Any], gpus: int | None) -> LaunchInfo:
     """One srun task per process: ranks come straight from Slurm."""
     rank = _int(env, "SLURM_PROCID", _need(env, "SLURM_PROCID"))
     local_rank = _int(env, "SLURM_LOCALID", _need(env, "SLURM_LOCALID"))

@@ -26,7 +26,7 @@ from dslurm.preflight.run import PSEUDO_ENV
 log = logging.getLogger(__name__)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("burnin", help="pre-flight burn-in: NVML health, GEMM, all-reduce busbw",
                        description=__doc__)
     p.add_argument("--local", action="store_true", help="run on this machine through torchrun")

@@ -109,7 +109,7 @@ def write_report(path: str | Path, report: dict[str, Any]) -> Path:
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
-    report = json.loads(Path(path).read_text())
+    report: dict[str, Any] = json.loads(Path(path).read_text())
     if report.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {report.get('schema')!r}, expected {SCHEMA!r}")
     return report

@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from dslurm.faults import slow_node_delay
@@ -28,7 +29,7 @@ from dslurm.preflight.thresholds import Thresholds
 PSEUDO_ENV = "DSLURM_PSEUDO_NODES"
 
 
-def node_identity(env: dict[str, str] | os._Environ) -> str:
+def node_identity(env: Mapping[str, str]) -> str:
     """This process's node name: the hostname, or a pseudo-node of it (tests)."""
     pseudo = int(env.get(PSEUDO_ENV, "0") or 0)
     if pseudo > 0:
@@ -177,7 +178,8 @@ def run_in_group(args: argparse.Namespace, th: Thresholds, device: Any) -> dict[
         print(render_table(report), flush=True)
         out = [report["verdict"]]
     dist.broadcast_object_list(out, src=0)
-    return out[0]
+    verdict: dict[str, Any] = out[0]
+    return verdict
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ the generator produces for the shipped example jobs (the golden files).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     atomic_write_text(path, text, mode)
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("render", help="render a whole-node sbatch script from a site config and a job spec")
     p.add_argument("--site", help="site config YAML (site-configs/*.yaml)")
     p.add_argument("--job", help="job spec YAML")
@@ -76,7 +77,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.examples:
         root = Path(__file__).resolve().parent.parent
         stale = examples(root, write=args.examples == "write")

@@ -22,6 +22,7 @@ class:
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -287,7 +288,7 @@ def requeue_excluding(job: str, hosts: list[str]) -> None:
         signal.signal(signal.SIGTERM, old)
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("requeue-me", help="(in the batch script) requeue, stop or finish after the job step")
     p.add_argument("--rc", type=int, required=True, help="exit code of the job step")
     p.set_defaults(func=lambda args: requeue_me(args.rc))
