@@ -8,6 +8,7 @@ re-runs the same script, and must not pick up an edit made to the YAML since.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ def record_submission(r: Resolved, ids: list[int], via: str | None = None) -> No
 # ------------------------------------------------------------------------------ CLI
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("submit", help="render into the run directory and submit with sbatch")
     p.add_argument("--site", required=True, help="site config YAML")
     p.add_argument("--job", required=True, help="job spec YAML")
@@ -137,7 +138,7 @@ def register(sub) -> None:
     s.set_defaults(func=run_status)
 
 
-def run_submit(args) -> int:
+def run_submit(args: argparse.Namespace) -> int:
     from dslurm.config.resolve import load
 
     r = load(args.site, args.job, args.overrides, args.site_overrides, base_dir=os.getcwd())
@@ -178,7 +179,7 @@ def _plan_check(r: Resolved, strict: bool) -> None:
     print(f"warning: the plan says this job will not fit: {why} (see `dslurm plan`)", file=sys.stderr)
 
 
-def run_status(args) -> int:
+def run_status(args: argparse.Namespace) -> int:
     import json
 
     from dslurm import slurm

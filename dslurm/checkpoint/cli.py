@@ -11,7 +11,7 @@ from dslurm import checkpoint as ck
 from dslurm.errors import UserError
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ckpt", help="list, verify and prune a run's checkpoint generations",
                        description="Checkpoints of one run directory (see docs/checkpoint.md).")
     acts = p.add_subparsers(dest="ckpt_action", metavar="ACTION", required=True)
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     return {"ls": _ls, "verify": _verify, "gc": _gc}[args.ckpt_action](args)
 
 
-def _console():  # rich only when a person is going to read something
+def _console() -> Any:  # rich only when a person is going to read something
     from rich.console import Console
     return Console()
 

@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from dslurm import slurm
 from dslurm.cluster import conf as cc
@@ -189,7 +190,7 @@ def _which(exe: str) -> str | None:
 
 # ------------------------------------------------------------------ start / stop
 
-def _start(spec: cc.ClusterSpec, rec: dict) -> None:
+def _start(spec: cc.ClusterSpec, rec: dict[str, Any]) -> None:
     sdir = spec.state_dir
     t0 = time.monotonic()
     _prepare_dirs(spec)
@@ -218,7 +219,7 @@ def _start(spec: cc.ClusterSpec, rec: dict) -> None:
              spec.nodes, " + accounting" if spec.accounting else "", sdir)
 
 
-def _start_accounting(spec: cc.ClusterSpec, rec: dict, env: dict[str, str]) -> None:
+def _start_accounting(spec: cc.ClusterSpec, rec: dict[str, Any], env: dict[str, str]) -> None:
     sdir = spec.state_dir
     datadir = sdir / "mysql"
     if not (datadir / "mysql").is_dir():
@@ -251,12 +252,12 @@ def _check_ports_free(spec: cc.ClusterSpec) -> None:
             f"'{'|'.join(map(str, busy))}'` and stop them")
 
 
-def _spawn(rec: dict, sdir: Path, name: str, argv: list[str], env: dict[str, str]) -> None:
+def _spawn(rec: dict[str, Any], sdir: Path, name: str, argv: list[str], env: dict[str, str]) -> None:
     rec["procs"].append(_spawn_proc(name, argv, sdir / "log" / f"{name}.out", env))
     _save(sdir, rec)  # recorded at once: a crash right after still lets `down` find it
 
 
-def _wait_idle(spec: cc.ClusterSpec, rec: dict, env: dict[str, str],
+def _wait_idle(spec: cc.ClusterSpec, rec: dict[str, Any], env: dict[str, str],
                timeout: float = 30) -> None:
     sdir = spec.state_dir
     deadline = time.monotonic() + timeout
@@ -284,7 +285,7 @@ def _wait_idle(spec: cc.ClusterSpec, rec: dict, env: dict[str, str],
                      + _tail(sdir / "log" / "slurmctld.log"))
 
 
-def _teardown(sdir: Path, rec: dict) -> None:
+def _teardown(sdir: Path, rec: dict[str, Any]) -> None:
     procs = [p for p in rec.get("procs", []) if _alive(p)]
     if any(p["name"] == "slurmctld" for p in procs):
         _cancel_all_jobs(sdir)
@@ -306,7 +307,7 @@ def _cancel_all_jobs(sdir: Path) -> None:
         slurm.run_cmd(["scancel", *ids], check=False, timeout=5, env=env)
 
 
-def _healthy(sdir: Path, rec: dict) -> bool:
+def _healthy(sdir: Path, rec: dict[str, Any]) -> bool:
     if not rec.get("procs") or not all(_alive(p) for p in rec["procs"]):
         return False
     env = {"SLURM_CONF": str(sdir / "etc" / "slurm.conf")}
@@ -323,7 +324,7 @@ def _healthy(sdir: Path, rec: dict) -> bool:
         n["responding"] and n["state"] in ok for n in nodes)
 
 
-def _info(sdir: Path, rec: dict) -> ClusterInfo:
+def _info(sdir: Path, rec: dict[str, Any]) -> ClusterInfo:
     s = rec["settings"]
     return ClusterInfo(state_dir=sdir, nodes=s["nodes"], accounting=s["accounting"],
                        node_names=tuple(cc.node_names(s["nodes"])))
@@ -364,7 +365,7 @@ def _first_job_id(sdir: Path) -> int:
     return cc.next_first_job_id(time.time(), cc.max_job_id_in_log(text))
 
 
-def _install_system_changes(spec: cc.ClusterSpec, rec: dict) -> None:
+def _install_system_changes(spec: cc.ClusterSpec, rec: dict[str, Any]) -> None:
     sdir, changes = spec.state_dir, rec["changes"]
     line = cc.hosts_line(spec.nodes, sdir)
     hosts = HOSTS.read_text() if HOSTS.exists() else ""
@@ -392,7 +393,7 @@ def _install_system_changes(spec: cc.ClusterSpec, rec: dict) -> None:
     _save(sdir, rec)
 
 
-def _undo_system_changes(changes: dict, sdir: Path) -> None:
+def _undo_system_changes(changes: dict[str, Any], sdir: Path) -> None:
     line = changes.get("hosts_line")
     if line and HOSTS.exists():
         lines = HOSTS.read_text().splitlines()
@@ -406,9 +407,10 @@ def _undo_system_changes(changes: dict, sdir: Path) -> None:
             ETC_BACKUP.rename(ETC_CONF)
 
 
-def _load(sdir: Path) -> dict | None:
+def _load(sdir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((sdir / RECORD).read_text())
+        rec: dict[str, Any] = json.loads((sdir / RECORD).read_text())
+        return rec
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, OSError) as exc:
@@ -416,7 +418,7 @@ def _load(sdir: Path) -> dict | None:
                         f"by hand and delete the file") from exc
 
 
-def _save(sdir: Path, rec: dict) -> None:
+def _save(sdir: Path, rec: dict[str, Any]) -> None:
     _atomic_write(sdir / RECORD, (json.dumps(rec, indent=1) + "\n").encode())
 
 
@@ -429,7 +431,7 @@ class _machine_lock:
         os.close(self._fd)  # releases the flock
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cluster", help="start/stop/show the built-in local real Slurm cluster",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csub = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)

@@ -10,16 +10,18 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dslurm.errors import SlurmError
 
 # Daemons run in the foreground (-D/-F) so the PID we record is the daemon itself. Each is
 # recorded with its /proc start time: a recycled PID never matches, so we never kill a stranger.
-CHILDREN: dict[int, subprocess.Popen] = {}  # reaped in stop(): avoids zombies in-process
+CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # reaped in stop(): avoids zombies in-process
 
 
-def spawn_proc(name: str, argv: list[str], out: Path, env: dict[str, str]) -> dict:
+def spawn_proc(name: str, argv: list[str], out: Path, env: dict[str, str]) -> dict[str, Any]:
     """Start a daemon logging to `out`. Its working directory is `out`'s folder (in the cluster's
     state dir), never the caller's: a daemon outlives the shell that ran `dslurm cluster up`, and
     slurmstepd inherits slurmd's cwd, so a deleted checkout would put "Unable to get current
@@ -41,11 +43,11 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
-def alive(p: dict) -> bool:
+def alive(p: dict[str, Any]) -> bool:
     return p.get("start") is not None and start_time(p["pid"]) == p["start"]
 
 
-def descendants(pid: int) -> list[dict]:
+def descendants(pid: int) -> list[dict[str, Any]]:
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -62,7 +64,7 @@ def descendants(pid: int) -> list[dict]:
     return out
 
 
-def stop(procs: list[dict], grace: float = 5) -> None:
+def stop(procs: list[dict[str, Any]], grace: float = 5) -> None:
     """SIGTERM all, SIGKILL after `grace`; then SIGKILL what they left behind (job steps)."""
     procs = [p for p in procs if alive(p)]
     # Collected before TERM: once a tini exits, its job processes become orphans.
@@ -81,7 +83,7 @@ def stop(procs: list[dict], grace: float = 5) -> None:
         reap(p["pid"], block=True)
 
 
-def send_signal(p: dict, sig: int) -> None:
+def send_signal(p: dict[str, Any], sig: int) -> None:
     try:
         os.kill(p["pid"], sig)
     except ProcessLookupError:
@@ -104,7 +106,7 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def wait_for(cond, timeout: float, what: str, logfile: Path) -> None:
+def wait_for(cond: Callable[[], object], timeout: float, what: str, logfile: Path) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

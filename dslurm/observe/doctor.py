@@ -299,7 +299,7 @@ def read_logs(run_dir: Path) -> list[LogLine]:
     return out
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="symptoms of a run, with evidence, cause and fix (exit 1 if any)",
                        description="Diagnose a run from its ledger and job logs (see docs/report.md).")
     p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl and logs/")

@@ -337,7 +337,7 @@ def load(run_dir: Path) -> tuple[list[Event], int]:
     return events, lines - len(events)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("report", help="goodput, lost work, restarts, MFU, stragglers of a run (+ PNG)",
                        description="Summarize a run's ledger (see docs/report.md).")
     p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl")

@@ -176,7 +176,7 @@ def _details(plan: Any, model: Any, cluster: Any, work: Any, tokens_per_s: float
     from dslurm.plan.pipeline import stage_in_flight
     from dslurm.plan.traffic import step_traffic, traffic_by_dim
 
-    out = plan.as_dict()
+    out: dict[str, Any] = plan.as_dict()
     lay = plan.layout
     w = replace(work, grad_accum=plan.grad_accum, schedule=plan.schedule)
     out["first_stage_in_flight"] = stage_in_flight(plan.schedule, lay.pp, lay.microbatches)
