@@ -30,7 +30,7 @@ def main() -> None:
 
     from dslurm import cluster, slurm
     from dslurm.config.resolve import load
-    from dslurm.observe.ledger import read_events
+    from dslurm.observe import events as ev
     from dslurm.submit import submit
 
     if not cluster.is_up():
@@ -43,16 +43,16 @@ def main() -> None:
     os.chdir(ROOT)
     job = submit(r).job_id
     state = slurm.wait_job(job, timeout=600, poll=1)
-    events = list(read_events(run))
-    pre = [e for e in events if e["event"] == "preflight"][0]
-    steps = [e["step_time_s"] for e in events if e["event"] == "steps"][1:]  # the first step warms up
+    history = ev.read(run)
+    pre = next(ev.of(history, ev.Preflight))
+    steps = [e.step_time_s for e in ev.of(history, ev.Steps) if e.step_time_s is not None][1:]  # 1st warms up
     step = statistics.median(steps)
-    report = json.loads(Path(pre["report"]).read_text())
+    report = json.loads(Path(str(pre.report)).read_text())
     busbw = report["inter"]["busbw_gbps"]
     mem = max(memcpy_gbps(64 << 20).values())
     print(f"job {job} {state}, run dir {run}")
-    print(f"burn-in (in the training processes): {pre['duration_s']:.2f} s; median training step {step:.3f} s; "
-          f"ratio {pre['duration_s'] / step:.1f} steps")
+    print(f"burn-in (in the training processes): {pre.duration_s:.2f} s; median training step {step:.3f} s; "
+          f"ratio {pre.duration_s / step:.1f} steps")
     print(f"inter-node all-reduce busbw {busbw:.3f} GB/s; memcpy {mem:.2f} GB/s; ratio {busbw / mem:.3f}")
 
 

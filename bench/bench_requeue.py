@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--preemptions", type=int, default=2)
     args = ap.parse_args()
     from dslurm import cluster
-    from dslurm.observe.ledger import read_events
+    from dslurm.observe import events
     from dslurm.observe.report import summarize
 
     if not cluster.is_up():
@@ -40,7 +40,7 @@ def main() -> None:
     subprocess.run([sys.executable, "examples/preempt_demo.py", "--steps", str(args.steps),
                     "--step-sleep", str(args.step_sleep), "--preemptions", str(args.preemptions),
                     "--run-dir", str(run_dir)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    sm = summarize(list(read_events(run_dir)))
+    sm = summarize(events.read(run_dir))
     starts = [s for s in sm.starts if s.resumed_from is not None]
     cold = starts[0].overhead_s
     print(f"run dir: {run_dir}")

@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def wait_for_step(run_dir: Path, restart: int, step: int, timeout: float = 600) -> None:
-    from dslurm.observe.ledger import read_events
+    from dslurm.observe import events
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(e["event"] == "steps" and e["restart"] == restart and e["last"] >= step
-               for e in read_events(run_dir)):
+        if any(e.restart == restart and e.last is not None and e.last >= step
+               for e in events.of(events.read(run_dir), events.Steps)):
             return
         time.sleep(0.5)
     raise TimeoutError(f"no step {step} in start {restart} within {timeout:.0f} s")

@@ -19,6 +19,7 @@ import pytest
 from cluster_jobs import decisions, endings, events, job_spec, logs, submit, trained_steps, wait_for
 from dslurm import exitcodes as X
 from dslurm import slurm
+from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,12 +47,12 @@ def _write_table():
 
 
 def record(scenario: str, promise: str, observed: str, run: Path, recovery: bool = True) -> None:
-    sm = summarize(events(run))
+    sm = summarize(ev.read(run))
     rec = []
     for prev, nxt in zip(sm.starts, sm.starts[1:]) if recovery else ():
-        ends = prev.all("ending") + prev.all("requeue")
+        ends = [e.t for e in prev.all(ev.Ending)] + [e.t for e in prev.all(ev.Requeue)]
         if ends and nxt.windows:
-            rec.append(nxt.windows[0].t - max(float(e["t"]) for e in ends))
+            rec.append(nxt.windows[0].t - max(ends))
     ROWS.append({"scenario": scenario, "promise": promise, "observed": observed, "lost": str(sm.lost_steps),
                  "recovery": ", ".join(f"{r:.0f} s" for r in rec) or "-"})
 
@@ -168,7 +169,7 @@ def test_a_diverging_run_never_commits_non_finite_state(slurm_cluster, cli, tmp_
 
     for line in (run / "ledger.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=refuse)  # strict JSON: no bare NaN
-    sm = summarize(events(run))
+    sm = summarize(ev.read(run))
     assert sm.undurable_steps == 16 - step and sm.lost_steps >= 16 - step
     record("train.lr=1000 (NaN from a few steps in)", "no non-finite generation committed; ends save_failed",
            f"pointer on finite step {step}; {len(failed)} save(s) refused as non-finite; exit 74, no retry", run)
@@ -218,7 +219,7 @@ def test_a_full_disk_is_never_called_success(slurm_cluster, cli, tmp_path, tiny_
         assert "ENOSPC" in ends[0]["reason"] or "No space left" in ends[0]["reason"], ends[0]
         assert decisions(run) == ["stop"] and "not durable" in events(run, "requeue")[0]["reason"]
         assert not [e for e in events(run, "exit") if e["reason"] == "completed"]
-        sm = summarize(events(run))
+        sm = summarize(ev.read(run))
         reached = 8 if policy == "continue" else 3
         assert sm.undurable_steps == reached and sm.lost_steps == reached, (policy, sm.undurable_steps)
         record(f"disk full, on_error: {policy}", "ends save_failed naming the disk; never 'completed'",
@@ -349,7 +350,7 @@ def test_cancel_resubmit_torn_ledger_and_corrupt_metadata(slurm_cluster, cli, tm
     slurm.run_cmd(["scancel", str(job2)], env=env)
     assert slurm.wait_job(job2, timeout=120, env=env) == "CANCELLED"
     wait_for(lambda: [e for e in events(run, "ending") if e["job_id"] == str(job2)], 60, "job 2's ending")
-    sm = summarize(events(run))
+    sm = summarize(ev.read(run))
     assert sm.skipped_lines == 0  # the torn line is finished with a newline, then skipped as garbage
     assert sm.starts[1].queue_wait_s < 60, [s.queue_wait_s for s in sm.starts]
 
