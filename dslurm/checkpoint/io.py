@@ -1,5 +1,5 @@
-"""DCP file I/O for the checkpoint protocol: crc32 computed while DCP writes, the host stager,
-and the bounded restore test. Imported by dslurm.checkpoint.dcp (in-job code; imports torch).
+"""DCP file I/O for the checkpoint protocol: crc32 computed while DCP writes and while it reads,
+the host stager, and the bounded restore test. Imported by dslurm.checkpoint.dcp (in-job code; imports torch).
 
 Why checksum while writing: re-reading every shard after `dcp.save` cost as much as a third of
 a sync save (docs/checkpoint.md, bench). That re-read came from the page cache the write had
@@ -8,12 +8,13 @@ it never proved what the medium holds either. What the manifest records is there
 and byte count of exactly what was handed to the file, and the file is fsync'd before the
 manifest exists. A torn or short file (a write that did not land whole) is caught at commit by
 the size check against the manifest (`verify_generation(full=False)`); altered bytes on the
-medium (bit rot, a lost write) are caught by the full crc32 re-read that restore and
-`dslurm ckpt verify` do -- that re-read is the verify step's job, not the save path's.
+medium (bit rot, a lost write) are caught at restore, where the crc32 is computed over the bytes
+DCP reads anyway (`CrcReader`, `dslurm.checkpoint.coverage`), and by `dslurm ckpt verify`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import threading
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from dslurm.checkpoint.coverage import RangeSums
 
 
 class _CrcStream(io.RawIOBase):
@@ -103,6 +106,40 @@ def crc_writer(gen: Path, io_threads: int) -> tuple[dcp.FileSystemWriter, dict[s
     fs = CrcFileSystem()
     writer.fs = fs  # write_data/finish go through self.fs (torch 2.13 filesystem.py)
     return writer, fs.sums
+
+
+class CrcReader(dcp.FileSystemReader):
+    """A FileSystemReader that checksums what it reads: each stored item's bytes are read with
+    one seek + read, fed to a running crc32 (`sums`, per file, runs of contiguous items) and
+    handed to DCP's own item loop from memory. Items are read in file order, so a rank that
+    reads a whole file produces one run whose crc32 is the file's. Which files and ranges get
+    read stays DCP's decision (its load plan); the manager rebuilds whole-file crc32s from the
+    runs of every rank and reads only what nobody read (dslurm.checkpoint.coverage).
+
+    Hooks torch 2.13's `FileSystemReader._slice_file` (filesystem.py). Were a torch version to
+    stop calling it, nothing would be recorded, every shard would be a gap, and the manager would
+    read it once more: slower, never unchecked (tests/integration/test_checkpoint_local.py
+    `test_restore_reads_each_shard_file_once` would fail)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.sums = RangeSums()
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        # DCP groups a plan's items by file, in plan order; sorting by offset makes each file's
+        # reads sequential (its own "TODO sort by offset") and lets the crc32 run on.
+        where = self.storage_data
+        items = sorted(plan.items, key=lambda it: (where[it.storage_index].relative_path,
+                                                   where[it.storage_index].offset))
+        return super().read_data(dataclasses.replace(plan, items=items), planner)
+
+    def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        if len(data) != sinfo.length:
+            raise OSError(f"{file.name}: {len(data)} bytes at {sinfo.offset}, expected {sinfo.length}")
+        self.sums.add(sinfo.relative_path, sinfo.offset, data)
+        return io.BytesIO(data)
 
 
 def make_stager() -> Any:
