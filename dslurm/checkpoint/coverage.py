@@ -84,21 +84,35 @@ class Run:
 
 
 class RangeSums:
-    """What one rank read: file name -> runs. Contiguous reads extend the last run."""
+    """What one rank read: file name -> runs. A read contiguous with the last run extends it, so
+    a rank reading a whole file in order ends with one run whose crc32 is the file's."""
 
     def __init__(self) -> None:
         self.runs: dict[str, list[Run]] = {}
 
-    def add(self, name: str, offset: int, data: bytes | memoryview) -> None:
-        if not len(data):
+    def covered(self, name: str, start: int, end: int) -> bool:
+        return any(r.start <= start and end <= r.end for r in self.runs.get(name, ()))
+
+    def prior(self, name: str, offset: int) -> int:
+        """The crc32 to continue from for bytes starting at offset: the last run's when it ends
+        there, else 0 (a new run starts)."""
+        runs = self.runs.get(name)
+        return runs[-1].crc if runs and runs[-1].end == offset else 0
+
+    def record(self, name: str, start: int, end: int, crc: int) -> None:
+        """Bytes [start, end) were read; crc continues from prior(name, start)."""
+        if end <= start:
             return
         runs = self.runs.setdefault(name, [])
-        last = runs[-1] if runs else None
-        if last is not None and last.end == offset:
-            last.marks.append((offset + len(data), zlib.crc32(data, last.crc)))
-        elif not any(r.start <= offset and offset + len(data) <= r.end for r in runs):
-            runs.append(Run(offset, [(offset + len(data), zlib.crc32(data))]))
-        # else: the same item read again (two requests for one stored item); already counted
+        if runs and runs[-1].end == start:
+            runs[-1].marks.append((end, crc))
+        else:
+            runs.append(Run(start, [(end, crc)]))
+
+    def add(self, name: str, offset: int, data: bytes | memoryview) -> None:
+        end = offset + len(data)
+        if not self.covered(name, offset, end):  # else: one stored item asked for twice
+            self.record(name, offset, end, zlib.crc32(data, self.prior(name, offset)))
 
     def export(self) -> dict[str, list[tuple[int, list[tuple[int, int]]]]]:
         """Plain tuples, for all_gather_object."""

@@ -108,22 +108,103 @@ def crc_writer(gen: Path, io_threads: int) -> tuple[dcp.FileSystemWriter, dict[s
     return writer, fs.sums
 
 
-class CrcReader(dcp.FileSystemReader):
-    """A FileSystemReader that checksums what it reads: each stored item's bytes are read with
-    one seek + read, fed to a running crc32 (`sums`, per file, runs of contiguous items) and
-    handed to DCP's own item loop from memory. Items are read in file order, so a rank that
-    reads a whole file produces one run whose crc32 is the file's. Which files and ranges get
-    read stays DCP's decision (its load plan); the manager rebuilds whole-file crc32s from the
-    runs of every rank and reads only what nobody read (dslurm.checkpoint.coverage).
+_BIG = 1 << 20  # items at least this large are read straight into the tensor, not via bytes
 
-    Hooks torch 2.13's `FileSystemReader._slice_file` (filesystem.py). Were a torch version to
-    stop calling it, nothing would be recorded, every shard would be a gap, and the manager would
-    read it once more: slower, never unchecked (tests/integration/test_checkpoint_local.py
-    `test_restore_reads_each_shard_file_once` would fail)."""
+
+class _CrcView(io.RawIOBase):
+    """One stored item [start, end) of a shard as a read-only file for torch.load. Its large
+    reads (the tensor's data record) go straight into torch's buffer, the new storage, and are
+    checksummed there: no copy, no buffer of our own. The small parts in between (zip records,
+    which torch reads out of order and partly twice) are read once more, in file order, to keep
+    the running crc32 going; a few kB per item. Any other read pattern makes `finish` read the
+    whole item again: slower, never unchecked."""
+
+    def __init__(self, f: Any, name: str, start: int, length: int, sums: RangeSums) -> None:
+        super().__init__()
+        self.f, self.name, self.start, self.end, self.sums = f, name, start, start + length, sums
+        self.pos = 0
+        self.done, self.crc = start, sums.prior(name, start)  # summed in order up to `done`
+        self.redo = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.end - self.start}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self.end - self.start - self.pos))
+        a = self.start + self.pos
+        self.f.seek(a)
+        got = self.f.readinto(view[:n]) if n else 0
+        if got != n:
+            raise OSError(f"{self.f.name}: {got} bytes at {a}, expected {n} (truncated?)")
+        if n >= _BIG and a >= self.done:
+            self._sum_upto(a)
+            self.crc, self.done = zlib.crc32(view[:n], self.crc), a + n
+        elif n >= _BIG and a + n > self.done:
+            self.redo = True  # a large read across bytes already summed: sum it all at the end
+        self.pos += n
+        return n
+
+    def _sum_upto(self, upto: int) -> None:
+        self.f.seek(self.done)
+        while self.done < upto:
+            data = self.f.read(min(8 << 20, upto - self.done))
+            if not data:
+                raise OSError(f"{self.f.name}: ends at {self.done}, expected {upto} (truncated?)")
+            self.crc, self.done = zlib.crc32(data, self.crc), self.done + len(data)
+
+    def finish(self) -> None:
+        """After DCP is done with the item (the file still open): sum the rest, record it."""
+        if self.redo:
+            self.done, self.crc = self.start, self.sums.prior(self.name, self.start)
+        self._sum_upto(self.end)
+        self.sums.record(self.name, self.start, self.end, self.crc)
+
+
+class _FinishingFS(FileSystem):
+    """DCP's local FileSystem whose read streams, before closing, let the reader finish the
+    last item read from them (its crc32 needs the bytes after torch's last read)."""
+
+    def __init__(self, reader: CrcReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        with super().create_stream(path, mode) as stream:
+            yield stream
+            self.reader.finish_pending()  # not reached when the body raised: a gap, read later
+
+
+class CrcReader(dcp.FileSystemReader):
+    """A FileSystemReader that checksums what it reads, into `sums` (per file, runs of
+    contiguous items; dslurm.checkpoint.coverage). Items are read in file order, so a rank that
+    reads a whole file ends with one run whose crc32 is the file's. Small items are read whole
+    into memory (one read, summed, served from there); large ones through _CrcView, straight
+    into the tensor. Which files and items get read stays DCP's decision (its load plan); the
+    manager rebuilds whole-file crc32s from every rank's runs and reads only what nobody read.
+
+    Hooks torch 2.13's `FileSystemReader._slice_file` and `.fs` (filesystem.py). Were a torch
+    version to stop calling them, nothing would be recorded, every shard would be a gap, and the
+    manager would read it once more: slower, never unchecked (tests/integration/
+    test_checkpoint_local.py `test_restore_reads_each_shard_file_once` would fail)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
         self.sums = RangeSums()
+        self.fs = _FinishingFS(self)
+        self._pending: _CrcView | None = None
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         # DCP groups a plan's items by file, in plan order; sorting by offset makes each file's
@@ -133,13 +214,23 @@ class CrcReader(dcp.FileSystemReader):
                                                    where[it.storage_index].offset))
         return super().read_data(dataclasses.replace(plan, items=items), planner)
 
-    def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
-        if len(data) != sinfo.length:
-            raise OSError(f"{file.name}: {len(data)} bytes at {sinfo.offset}, expected {sinfo.length}")
-        self.sums.add(sinfo.relative_path, sinfo.offset, data)
-        return io.BytesIO(data)
+    def finish_pending(self) -> None:
+        view, self._pending = self._pending, None
+        if view is not None:
+            view.finish()
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        self.finish_pending()  # the previous item of this file: torch is done with it
+        name, start, length = sinfo.relative_path, sinfo.offset, sinfo.length
+        if self.sums.covered(name, start, start + length) or length < _BIG:
+            file.seek(start)
+            data = file.read(length)
+            if len(data) != length:
+                raise OSError(f"{file.name}: {len(data)} bytes at {start}, expected {length} (truncated?)")
+            self.sums.add(name, start, data)
+            return io.BytesIO(data)
+        self._pending = _CrcView(file, name, start, length, self.sums)
+        return self._pending
 
 
 def make_stager() -> Any:

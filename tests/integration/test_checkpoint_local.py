@@ -134,18 +134,34 @@ def test_altered_shard_falls_back_loudly(tmp_path, caplog):
 
 
 def test_restore_reads_each_shard_file_once(tmp_path):
-    """The crc32 check is folded into the load: each shard is opened once and each of its bytes
-    read once (before: a verify pass read every shard, then dcp.load read it again)."""
-    run_dir, (_, g4), _ = _two_saves(tmp_path)
-    gen = ck.generations_dir(run_dir) / g4
+    """The crc32 check is folded into the load: each shard is opened once and read once (before:
+    a verify pass read every shard, then dcp.load read it again). Small items are read exactly
+    once; large ones go straight into the tensor, and torch.load plus the running crc32 read
+    their few kB of zip records twice (bounded below; a second read would double the bytes)."""
+    run_dir = tmp_path / "run"
+    run, big = Run(), nn.Linear(1024, 768)  # 3 MB weight: the direct path
+    with CheckpointManager(run_dir) as mgr:
+        run.step()
+        mgr.save(1, {**run.state, "big": big}, run.extra)
+    gen = ck.generations_dir(run_dir) / ck.read_pointer(run_dir).generation
     shards = {p.name: p.stat().st_size for p in gen.glob("*.distcp")}
-    assert shards
+    assert shards and sum(shards.values()) > 3 << 20
+    fresh, big2 = Run(seed=7), nn.Linear(1024, 768)
     with ReadCounter(gen) as reads:
-        run, res = _restore(run_dir)
-    assert res.generation == g4 and not res.fell_back and res.phases["load"] > 0
+        with CheckpointManager(run_dir) as mgr:
+            res = mgr.restore({**fresh.state, "big": big2}, fresh.extra)
+    assert not res.fell_back and res.phases["load"] > 0
     assert {n: reads.opens[n] for n in shards} == {n: 1 for n in shards}
-    assert {n: reads.bytes[n] for n in shards} == shards
-    assert run.extra["sampler"]["index"] == 17
+    for name, size in shards.items():
+        assert size <= reads.bytes[name] <= size + 16 << 10, (name, size, reads.bytes[name])
+    assert torch.equal(big2.weight, big.weight) and fresh.extra["sampler"]["index"] == 8
+
+    _, (_, g4), _ = _two_saves(tmp_path / "small")  # only small items: every byte exactly once
+    gen = ck.generations_dir(tmp_path / "small" / "run") / g4
+    with ReadCounter(gen) as reads:
+        _restore(gen.parent.parent)
+    assert {n: reads.bytes[n] for n in shards} == {p.name: p.stat().st_size for p in gen.glob("*.distcp")}
+    assert {n: reads.opens[n] for n in shards} == {n: 1 for n in shards}
 
 
 def _item(gen: Path, fqn: str) -> Any:
@@ -173,6 +189,29 @@ def test_bytes_no_load_reads_are_still_checked(tmp_path):
     data[info.offset + info.length - 8] ^= 0x01  # inside aux's float data
     shard.write_bytes(bytes(data))
     _, res = _restore(run_dir)
+    assert res.generation == g1 and res.fell_back and f"{shard}: crc32" in res.reason
+
+
+@pytest.mark.parametrize("where", ["data", "header", "tail"])
+def test_altered_large_item_falls_back(tmp_path, where):
+    """A large item is read straight into the tensor; a flipped bit in its data, in the zip
+    records before it (torch may then fail to load it at all) or after it is still caught."""
+    run_dir, run = tmp_path / "run", Run()
+    with CheckpointManager(run_dir) as mgr:
+        for s in (1, 2):
+            run.step()
+            mgr.save(s, {**run.state, "big": nn.Linear(1024, 768)}, run.extra)
+    g1, g2 = [g.name for g in ck.list_generations(run_dir)]
+    info = _item(ck.generations_dir(run_dir) / g2, "big.weight")
+    assert info.length > 3 << 20
+    shard = ck.generations_dir(run_dir) / g2 / info.relative_path
+    at = {"data": info.offset + info.length // 2, "header": info.offset + 40,
+          "tail": info.offset + info.length - 30}[where]
+    data = bytearray(shard.read_bytes())
+    data[at] ^= 0x04
+    shard.write_bytes(bytes(data))
+    with CheckpointManager(run_dir) as mgr:
+        res = mgr.restore({**Run(seed=3).state, "big": nn.Linear(1024, 768)})
     assert res.generation == g1 and res.fell_back and f"{shard}: crc32" in res.reason
 
 
