@@ -7,9 +7,12 @@ write a new generation with DCP, its crc32s computed while writing (dslurm.check
 re-read on the save path), gather them.
 Rank 0 then writes the manifest, checks sizes, restore-tests (reads .metadata, loads the smallest
 tensor back), and only then moves the pointer and prunes. The outcome is broadcast so every rank
-logs it and applies `on_error` the same way. Collectives run on gloo groups of our own: the
-background thread's must never interleave with training's (dcp.async_save on the default group
-crashes, ARCHITECTURE.md traps), and gloo moves the small plan objects whatever the device.
+logs it and applies `on_error` the same way. A restore checks each candidate while it loads it:
+manifest, sizes and small files first, then the shards' crc32s from the bytes dcp.load read
+(CrcReader; dslurm.checkpoint.coverage), agreed on rank 0; a mismatch loads the next candidate.
+Collectives run on gloo groups of our own: the background thread's must never interleave with
+training's (dcp.async_save on the default group crashes, ARCHITECTURE.md traps), and gloo moves
+the small plan objects whatever the device.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import os
 import threading
 import zlib
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,14 @@ def crc_writer(gen: Path, io_threads: int) -> tuple[dcp.FileSystemWriter, dict[s
 
 
 _BIG = 1 << 20  # items at least this large are read straight into the tensor, not via bytes
+_PIECE = 4 << 20  # read size of a large item's pieces, each summed while the next is read
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    if not _POOL:  # one helper thread per process, made on first use (restore only)
+        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="dslurm-crc32"))
+    return _POOL[0]
 
 
 class _CrcView(io.RawIOBase):
@@ -144,17 +153,38 @@ class _CrcView(io.RawIOBase):
         view = memoryview(b).cast("B")
         n = max(0, min(len(view), self.end - self.start - self.pos))
         a = self.start + self.pos
-        self.f.seek(a)
-        got = self.f.readinto(view[:n]) if n else 0
-        if got != n:
-            raise OSError(f"{self.f.name}: {got} bytes at {a}, expected {n} (truncated?)")
         if n >= _BIG and a >= self.done:
             self._sum_upto(a)
-            self.crc, self.done = zlib.crc32(view[:n], self.crc), a + n
-        elif n >= _BIG and a + n > self.done:
-            self.redo = True  # a large read across bytes already summed: sum it all at the end
+            self.crc, self.done = self._read_summing(view[:n], a), a + n
+        else:
+            self.redo |= n >= _BIG and a + n > self.done  # across bytes already summed: redo at the end
+            self._read(view[:n], a)
         self.pos += n
         return n
+
+    def _read(self, view: memoryview, at: int) -> None:
+        self.f.seek(at)
+        got = self.f.readinto(view) if len(view) else 0
+        if got != len(view):
+            raise OSError(f"{self.f.name}: {got} bytes at {at}, expected {len(view)} (truncated?)")
+
+    def _read_summing(self, view: memoryview, at: int) -> int:
+        """Read into view in pieces, each piece's crc32 computed on a helper thread while the
+        next piece is read (zlib releases the GIL): the sum rides on the I/O instead of after it.
+        Every piece is summed before returning: the buffer is torch's, not ours to keep."""
+        crc, fut, pos = self.crc, None, 0
+        try:
+            while pos < len(view):
+                piece = view[pos:pos + _PIECE]
+                self._read(piece, at + pos)
+                if fut is not None:
+                    crc = fut.result()
+                fut = _crc_pool().submit(zlib.crc32, piece, crc)
+                pos += len(piece)
+        finally:
+            if fut is not None:
+                crc = fut.result()
+        return crc
 
     def _sum_upto(self, upto: int) -> None:
         self.f.seek(self.done)
@@ -246,7 +276,7 @@ def make_stager() -> Any:
 def restore_test(gen: Path, files: dict[str, Any], reason: Any) -> list[str]:
     """Read .metadata back, check that every storage record lies inside a file the manifest lists,
     and load the smallest tensor through DCP's own read path into scratch. Bounded cost: it does
-    not re-read the shards (restore and `dslurm ckpt verify` do, with the full crc32)."""
+    not re-read the shards (restore checks them as it loads; `dslurm ckpt verify` reads them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
         md = dcp.FileSystemReader(gen).read_metadata()
