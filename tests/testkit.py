@@ -26,3 +26,75 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, poll: float = 0
             return got
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class ReadCounter:
+    """Counts, per file under `root`, the opens and the bytes read through Python's `open`
+    (`builtins.open` and `io.open`, which pathlib calls): every reader of checkpoint files here
+    (DCP's FileSystem, zlib checks, json) goes through them. Binary reads only count bytes."""
+
+    def __init__(self, root: Any) -> None:
+        from collections import Counter
+        from pathlib import Path
+        self.root = Path(root).resolve()
+        self.opens: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def __enter__(self) -> ReadCounter:
+        import builtins
+        import io
+        from pathlib import Path
+        self._saved = builtins.open
+        real, counter = builtins.open, self
+
+        def counting_open(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+            f = real(file, mode, *args, **kw)
+            try:
+                rel = str(Path(file).resolve().relative_to(counter.root))
+            except (TypeError, ValueError):
+                return f
+            counter.opens[rel] += 1
+            return _Counted(f, rel, counter.bytes) if "b" in mode else f
+
+        builtins.open = io.open = counting_open
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import builtins
+        import io
+        builtins.open = io.open = self._saved
+
+
+class _Counted:
+    """A file object that adds the bytes each read returns to counts[name]."""
+
+    def __init__(self, f: Any, name: str, counts: Any) -> None:
+        self._f, self._name, self._counts = f, name, counts
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._f, attr)
+
+    def __enter__(self) -> _Counted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+    def _count(self, got: Any) -> Any:
+        self._counts[self._name] += got if isinstance(got, int) else len(got or b"")
+        return got
+
+    def read(self, *a: Any) -> Any:
+        return self._count(self._f.read(*a))
+
+    def read1(self, *a: Any) -> Any:
+        return self._count(self._f.read1(*a))
+
+    def readline(self, *a: Any) -> Any:
+        return self._count(self._f.readline(*a))
+
+    def readinto(self, b: Any) -> Any:
+        return self._count(self._f.readinto(b) or 0)
+
+    def readinto1(self, b: Any) -> Any:
+        return self._count(self._f.readinto1(b) or 0)

@@ -7,9 +7,12 @@ write a new generation with DCP, its crc32s computed while writing (dslurm.check
 re-read on the save path), gather them.
 Rank 0 then writes the manifest, checks sizes, restore-tests (reads .metadata, loads the smallest
 tensor back), and only then moves the pointer and prunes. The outcome is broadcast so every rank
-logs it and applies `on_error` the same way. Collectives run on gloo groups of our own: the
-background thread's must never interleave with training's (dcp.async_save on the default group
-crashes, ARCHITECTURE.md traps), and gloo moves the small plan objects whatever the device.
+logs it and applies `on_error` the same way. A restore checks each candidate while it loads it:
+manifest, sizes and small files first, then the shards' crc32s from the bytes dcp.load read
+(CrcReader; dslurm.checkpoint.coverage), agreed on rank 0; a mismatch loads the next candidate.
+Collectives run on gloo groups of our own: the background thread's must never interleave with
+training's (dcp.async_save on the default group crashes, ARCHITECTURE.md traps), and gloo moves
+the small plan objects whatever the device.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 import dslurm
 from dslurm import checkpoint as ck
 from dslurm import faults
-from dslurm.checkpoint.io import crc_writer, make_stager, restore_test
+from dslurm.checkpoint.coverage import is_shard, verify_reads
+from dslurm.checkpoint.io import CrcReader, crc_writer, make_stager, restore_test
 from dslurm.checkpoint.rng import apply_rng, capture_rng
 from dslurm.errors import UserError
 from dslurm.observe import events
@@ -87,6 +91,7 @@ class RestoreResult:
     saved_world_size: int
     saved_layout: dict[str, Any]
     rejected: list[tuple[str, list[str]]] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: precheck, load, verify, total
 
 
 @dataclass
@@ -226,9 +231,11 @@ class CheckpointManager:
         """Load the pointer's generation (or a verified fallback) into `state`, resharding to the
         current layout; fill `extra` in place. None means a fresh start (truly nothing saved)."""
         self.wait()
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         plan = self._ctl.bcast(ck.plan_restore(self.run_dir) if self.rank == 0 else None)
-        try:
-            sel = ck.select_generation(plan, self._verify)
+        try:  # each candidate is checked while it loads; a mismatch moves on to the next one
+            sel = ck.select_generation(plan, lambda name, crc: self._load_checked(name, crc, state, phases))
         except ck.CheckpointError as exc:
             log.error("[rank %d] checkpoint restore refused: %s", self.rank, exc)
             self._event(events.CkptRestoreFailed(run_dir=str(self.run_dir), reason=str(exc)))
@@ -244,10 +251,7 @@ class CheckpointManager:
         if sel.fell_back:
             log.error("[rank %d] CHECKPOINT FALLBACK: %s", self.rank, sel.reason)
         gen = self.gdir / sel.generation
-        meta = json.loads((gen / ck.META).read_text())
-        self._check_compat(meta, state, gen)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(gen), process_group=self._ctl.group,
-                 no_dist=self._ctl.group is None)
+        meta = json.loads((gen / ck.META).read_text())  # its crc32 was checked before the load
         rng_ok = meta["world_size"] == self.world
         if rng_ok:
             apply_rng(json.loads((gen / ck.RANKS / f"rank-{self.rank:05d}.json").read_text())["rng"])
@@ -256,24 +260,65 @@ class CheckpointManager:
                         meta["world_size"], self.world)
         if extra is not None:
             extra.update(meta["extra"])
+        phases["total"] = time.perf_counter() - t0
         res = RestoreResult(meta["step"], sel.generation, gen, sel.fell_back, sel.reason,
-                            dict(meta["extra"]), rng_ok, meta["world_size"], meta["layout"], sel.rejected)
-        log.info("[rank %d] restored step %d from %s", self.rank, res.step, gen)
+                            dict(meta["extra"]), rng_ok, meta["world_size"], meta["layout"], sel.rejected,
+                            {k: round(v, 4) for k, v in phases.items()})
+        log.info("[rank %d] restored step %d from %s in %.2f s (%s)", self.rank, res.step, gen,
+                 phases["total"], ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "total"))
         kind = events.CkptFallback if sel.fell_back else events.CkptRestore
         self._event(kind(run_dir=str(self.run_dir), step=res.step, generation=res.generation,
                          reason=res.reason, rejected=[n for n, _ in sel.rejected]))
         return res
 
-    def _verify(self, name: str, pointer_crc: str | None) -> list[str]:
-        """Manifest checks on rank 0, file checks split across ranks (each reads 1/world)."""
+    def _load_checked(self, name: str, pointer_crc: str | None, state: dict[str, Any],
+                      phases: dict[str, float]) -> list[str]:
+        """The verify callback of select_generation, with the load folded in: cheap checks first
+        (manifest, sizes, small files), then dcp.load through CrcReader, then the shards' crc32s
+        from what the ranks read. Problems (the same on every rank) reject the generation; the
+        state may hold part of it then, and the next candidate's load overwrites all of it."""
+        t = time.perf_counter()
+        problems, entries = self._precheck(name, pointer_crc)
+        phases["precheck"] = phases.get("precheck", 0.0) + time.perf_counter() - t
+        if problems:
+            return problems
+        gen = self.gdir / name
+        self._check_compat(json.loads((gen / ck.META).read_text()), state, gen)
+        full = self.verify_on_restore == "full"
+        reader = CrcReader(gen)
+        t, err = time.perf_counter(), None
+        try:
+            dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
+                     process_group=self._ctl.group, no_dist=self._ctl.group is None)
+        except (Exception, CheckpointException) as exc:  # corrupt bytes may fail to unpickle
+            err = _reason(exc)
+        phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t
+        t, reread = time.perf_counter(), 0
+        if full:
+            problems, reread = verify_reads(self._ctl, gen, entries, reader.sums)
+        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t
+        if reread:
+            log.info("[rank %d] %s: %d bytes nobody's load read were read for their crc32", self.rank,
+                     name, reread)
+        errors = [e for e in self._ctl.gather(err) if e]
+        if problems or not errors:
+            return problems
+        raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the manifest "
+                                 f"({'crc32' if full else 'sizes'}): {errors[0]}")
+
+    def _precheck(self, name: str, pointer_crc: str | None) -> tuple[list[str], dict[str, Any]]:
+        """Manifest checks on rank 0; sizes of every file and crc32s of the small ones (not
+        shards: those are checked while they load) split across ranks. -> (problems, entries)."""
         gen = self.gdir / name
         head = ck.manifest_problems(gen, pointer_crc) if self.rank == 0 else None
         problems, entries = self._ctl.bcast(head)
         if problems:
-            return list(problems)
-        mine = dict(sorted(entries.items())[self.rank::self.world])
-        local = ck.file_problems(gen, mine, full=self.verify_on_restore == "full")
-        return sorted(p for ps in self._ctl.gather(local) for p in ps)
+            return problems, entries
+        mine = sorted(entries.items())[self.rank::self.world]
+        full = self.verify_on_restore == "full"
+        local = ck.file_problems(gen, {n: e for n, e in mine if is_shard(n)}, full=False)
+        local += ck.file_problems(gen, {n: e for n, e in mine if not is_shard(n)}, full=full)
+        return sorted(p for ps in self._ctl.gather(local) for p in ps), entries
 
     def _check_compat(self, meta: dict[str, Any], state: dict[str, Any], gen: Path) -> None:
         if meta.get("model_shape") is not None and self.model_shape is not None:

@@ -100,12 +100,15 @@ def worker(mode: str, run_dir: Path, out: Path) -> None:
             assert mgr.restore({"train": TrainState(model, opt, sched)}) is None
             train(model, opt, sched, fresh(), 0, K + 1, mgr, saves=(2, K, K + 1))
     elif mode == "resume":
+        from testkit import ReadCounter
         model, opt, sched = build(world, seed=1)
         extra: dict[str, Any] = {}
         with CheckpointManager(run_dir, layout=layout) as mgr:
-            res = mgr.restore({"train": TrainState(model, opt, sched)}, extra)
+            with ReadCounter(run_dir / "generations") as reads:
+                res = mgr.restore({"train": TrainState(model, opt, sched)}, extra)
             record = train(model, opt, sched, extra, res.step, STEPS, mgr, saves=(STEPS,))
         record["restored"] = [res.step, res.fell_back, res.rng_restored]
+        record["reads"] = {n: [reads.opens[n], reads.bytes[n]] for n in reads.opens if n.endswith(".distcp")}
         params = full_params(model)
         (out / f"resume-{rank}.json").write_text(json.dumps(record))
         if rank == 0:
@@ -159,10 +162,45 @@ def test_fsdp2_resume_is_bit_identical(first, tmp_path):
         assert got["restored"] == [K, False, True]
         assert got["losses"] == ref["losses"][K:]
         assert got["probes"] == ref["probes"][K:]  # this rank's RNG stream came back
+        for name, (opens, nbytes) in got["reads"].items():  # each file at most once per rank
+            assert opens == 1 and nbytes <= (run / "generations" / name).stat().st_size, name
     assert [g.step for g in ck.list_generations(run)] == [K, STEPS]  # the orphan was collected
     ref_p = torch.load(ref_out / "ref-params.pt")
     got_p = torch.load(tmp_path / "out" / "resume-params.pt")
     assert ref_p.keys() == got_p.keys() and all(torch.equal(ref_p[k], got_p[k]) for k in ref_p)
+
+
+def test_altered_shard_of_the_other_rank_falls_back_on_both(first, tmp_path):
+    """The pointer's generation has a flipped byte in rank 1's own shard of a parameter, which
+    rank 0 never reads (it reads only the replicated items rank 1's file also holds). Each rank
+    checks only what it reads, so only rank 1 can notice; the verdict is agreed, both ranks
+    reject the generation, load the previous one (step 2) and continue bit-identically."""
+    run_dir, ref_out, _ = first
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dslurm import checkpoint as ck
+    run = _copy(run_dir, tmp_path / "run")
+    target = ck.read_pointer(run).generation
+    shard = ck.generations_dir(run) / target / "__1_0.distcp"
+    md = FileSystemReader(shard.parent).read_metadata()
+    # rank 1's half of a sharded tensor: chunk offset not at the origin
+    info = next(v for k, v in md.storage_data.items()
+                if v.relative_path == shard.name and k.offset is not None and any(k.offset))
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length - 4] ^= 0x10  # inside the tensor's bytes
+    shard.write_bytes(bytes(data))
+    res = torchrun("resume", run, tmp_path / "out")
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = [json.loads((tmp_path / "out" / f"resume-{r}.json").read_text()) for r in (0, 1)]
+    opens, nbytes = got[0]["reads"][f"{target}/{shard.name}"]
+    assert opens == 1 and nbytes < len(data)  # rank 0 read only its part of rank 1's file
+    for rank in (0, 1):
+        assert f"[rank {rank}] CHECKPOINT FALLBACK" in res.stderr
+        assert got[rank]["restored"] == [2, True, True]
+        assert got[rank]["losses"] == json.loads((ref_out / f"ref-{rank}.json").read_text())["losses"][2:]
+    assert f"{shard}: crc32" in res.stderr
+    # marked REJECTED, so the save at the end collected it instead of the step-2 generation
+    assert [g.step for g in ck.list_generations(run)] == [2, STEPS]
 
 
 def test_reshard_fsdp2x2_to_one_process(first, tmp_path, caplog):
@@ -184,6 +222,7 @@ def test_reshard_fsdp2x2_to_one_process(first, tmp_path, caplog):
 if __name__ == "__main__":
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sys.path.insert(0, str(ROOT / "tests"))  # testkit
     dist.init_process_group("gloo")
     try:
         worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

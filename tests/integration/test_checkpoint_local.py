@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from dslurm import checkpoint as ck
 from dslurm.checkpoint.dcp import CheckpointManager, TrainState
 from dslurm.observe.events import Event
+from testkit import ReadCounter
 
 pytestmark = pytest.mark.integration
 
@@ -130,6 +131,103 @@ def test_altered_shard_falls_back_loudly(tmp_path, caplog):
     assert ledger.names() == ["ckpt_fallback"] and ledger.events[0].rejected == [g4]
     assert all(torch.equal(a, b) for a, b in zip(run.params(), at2))
     assert run.extra["sampler"]["index"] == 11
+
+
+def test_restore_reads_each_shard_file_once(tmp_path):
+    """The crc32 check is folded into the load: each shard is opened once and read once (before:
+    a verify pass read every shard, then dcp.load read it again). Small items are read exactly
+    once; large ones go straight into the tensor, and torch.load plus the running crc32 read
+    their few kB of zip records twice (bounded below; a second read would double the bytes)."""
+    run_dir = tmp_path / "run"
+    run, big = Run(), nn.Linear(1024, 768)  # 3 MB weight: the direct path
+    with CheckpointManager(run_dir) as mgr:
+        run.step()
+        mgr.save(1, {**run.state, "big": big}, run.extra)
+    gen = ck.generations_dir(run_dir) / ck.read_pointer(run_dir).generation
+    shards = {p.name: p.stat().st_size for p in gen.glob("*.distcp")}
+    assert shards and sum(shards.values()) > 3 << 20
+    fresh, big2 = Run(seed=7), nn.Linear(1024, 768)
+    with ReadCounter(gen) as reads:
+        with CheckpointManager(run_dir) as mgr:
+            res = mgr.restore({**fresh.state, "big": big2}, fresh.extra)
+    assert not res.fell_back and res.phases["load"] > 0
+    assert {n: reads.opens[n] for n in shards} == {n: 1 for n in shards}
+    for name, size in shards.items():
+        assert size <= reads.bytes[name] <= size + 16 << 10, (name, size, reads.bytes[name])
+    assert torch.equal(big2.weight, big.weight) and fresh.extra["sampler"]["index"] == 8
+
+    _, (_, g4), _ = _two_saves(tmp_path / "small")  # only small items: every byte exactly once
+    gen = ck.generations_dir(tmp_path / "small" / "run") / g4
+    with ReadCounter(gen) as reads:
+        _restore(gen.parent.parent)
+    assert {n: reads.bytes[n] for n in shards} == {p.name: p.stat().st_size for p in gen.glob("*.distcp")}
+    assert {n: reads.opens[n] for n in shards} == {n: 1 for n in shards}
+
+
+def _item(gen: Path, fqn: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(gen).read_metadata()
+    return next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+
+
+def test_bytes_no_load_reads_are_still_checked(tmp_path):
+    """An item in a shard that the resumed state does not ask for (here: a tensor the new code
+    dropped) is never read by dcp.load; it is read on its own for the file's crc32, so an altered
+    byte there still rejects the generation."""
+    run_dir = tmp_path / "run"
+    run = Run()
+    with CheckpointManager(run_dir) as mgr:
+        for s in (1, 2):
+            run.step()
+            mgr.save(s, {**run.state, "aux": torch.arange(1000.0)}, run.extra)
+    g1, g2 = [g.name for g in ck.list_generations(run_dir)]
+    info = _item(ck.generations_dir(run_dir) / g2, "aux")
+    shard = ck.generations_dir(run_dir) / g2 / info.relative_path
+    fresh, res = _restore(run_dir)  # intact: the unread item is checked and the pointer stands
+    assert res.generation == g2 and not res.fell_back
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length - 8] ^= 0x01  # inside aux's float data
+    shard.write_bytes(bytes(data))
+    _, res = _restore(run_dir)
+    assert res.generation == g1 and res.fell_back and f"{shard}: crc32" in res.reason
+
+
+@pytest.mark.parametrize("where", ["data", "header", "tail"])
+def test_altered_large_item_falls_back(tmp_path, where):
+    """A large item is read straight into the tensor; a flipped bit in its data, in the zip
+    records before it (torch may then fail to load it at all) or after it is still caught."""
+    run_dir, run = tmp_path / "run", Run()
+    with CheckpointManager(run_dir) as mgr:
+        for s in (1, 2):
+            run.step()
+            mgr.save(s, {**run.state, "big": nn.Linear(1024, 768)}, run.extra)
+    g1, g2 = [g.name for g in ck.list_generations(run_dir)]
+    info = _item(ck.generations_dir(run_dir) / g2, "big.weight")
+    assert info.length > 3 << 20
+    shard = ck.generations_dir(run_dir) / g2 / info.relative_path
+    at = {"data": info.offset + info.length // 2, "header": info.offset + 40,
+          "tail": info.offset + info.length - 30}[where]
+    data = bytearray(shard.read_bytes())
+    data[at] ^= 0x04
+    shard.write_bytes(bytes(data))
+    with CheckpointManager(run_dir) as mgr:
+        res = mgr.restore({**Run(seed=3).state, "big": nn.Linear(1024, 768)})
+    assert res.generation == g1 and res.fell_back and f"{shard}: crc32" in res.reason
+
+
+def test_size_mode_loads_without_crc_and_rejects_truncation(tmp_path):
+    """verify_on_restore="size": no crc32 at all, plain DCP reads (which read some bytes twice:
+    torch.load seeks back to zip records inside each item, 71 kB read of a 53 kB shard here)."""
+    run_dir, (g2, g4), _ = _two_saves(tmp_path)
+    shard = ck.generations_dir(run_dir) / g4 / "__0_0.distcp"
+    with ReadCounter(shard.parent) as reads:
+        with CheckpointManager(run_dir, verify_on_restore="size") as mgr:
+            assert mgr.restore(Run(seed=7).state).generation == g4
+    assert reads.opens[shard.name] == 1 and reads.bytes[shard.name] >= shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with CheckpointManager(run_dir, verify_on_restore="size") as mgr:
+        res = mgr.restore(Run(seed=7).state)
+    assert res.generation == g2 and res.fell_back and "truncated" in res.reason
 
 
 def test_pointer_to_missing_generation_falls_back(tmp_path):
