@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from dslurm.observe import events, phases
 from train_helpers import run_train, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -52,6 +53,10 @@ def test_plain_layout_worker_has_no_pipelining_tp_styles_compiler_or_plotting(tm
     (mods,) = worker_modules(tmp_path, None)  # pp 1, tp 1, no compile, one process
     assert "train.loop" in mods and "torch.distributed.checkpoint" in mods  # it did train and save
     assert [m for m in (*NEVER, *PIPELINE, *TP, *COMPILER, "train.parallel.ac") if m in mods] == []
+    # ... and timed its start: every phase the worker passes, in the reader's order
+    (start,) = phases.tables(events.read(tmp_path / "imports"))
+    assert [n for n, _ in start.rows] == [n for n in phases.PHASES]
+    assert start.cold and start.startup_s() > 0
 
 
 def test_pipeline_layout_imports_pipelining(tmp_path):
