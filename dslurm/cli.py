@@ -3,7 +3,8 @@
 Each subcommand lives in the module of its link of the chain and exposes
 `register(subparsers)`, which adds its parser and sets `func=run(args) -> int`.
 Those modules must stay light to import (no torch, no matplotlib at module level):
-the CLI is meant to answer instantly.
+the CLI is meant to answer instantly. A command that logs nothing (render) sets the default
+`configure_logging=False`, so it does not pay for importing `logging`.
 """
 
 from __future__ import annotations
@@ -66,12 +67,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    import logging
+    if getattr(args, "configure_logging", True):  # a command that never logs skips the import (~8 ms)
+        import logging
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

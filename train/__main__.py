@@ -82,7 +82,9 @@ OUTCOME = Outcome()
 
 def main(argv: list[str] | None = None) -> int:
     from dslurm.errors import UserError
+    from train.startup import StartClock, process_start_time
 
+    clock = StartClock(T_START, born=process_start_time())  # phases of this start, for the ledger
     args = parse_args(argv)
     rank, local_rank, world, local_world = world_from_env()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -93,12 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         OUTCOME.failed(exc)
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    clock.mark("config")
     import torch.distributed as dist
 
     from train.loop import Trainer
     from train.stop import StopRequest
 
+    clock.mark("imports")
     device = init_distributed(resolved, local_rank, world)
+    clock.mark("rendezvous")
     trainer = None
     try:
         from dslurm.preflight.in_job import gate_in_process
@@ -106,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         code = gate_in_process(device)  # the burn-in, when the launcher asked for one
         if code:
             return code
+        clock.mark("burnin")
         OUTCOME.stop = StopRequest().install(None)  # a TERM during the build is recorded too
-        trainer = OUTCOME.trainer = Trainer(resolved, device=device, rank=rank, world_size=world, t_start=T_START)
+        trainer = OUTCOME.trainer = Trainer(resolved, device=device, rank=rank, world_size=world,
+                                            t_start=T_START, clock=clock)
         OUTCOME.stop.install(trainer)  # USR2 -> save, exit 75; TERM -> save, exit 143
         code = trainer.run()
         OUTCOME.step = trainer.step

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from dslurm import exitcodes, faults
 from dslurm.observe import events
@@ -35,6 +34,7 @@ from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
+from train.startup import StartClock
 from train.state import train_state
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,12 @@ class Trainer:
     """Builds this rank's model, optimizer, data and checkpoint manager; runs steps."""
 
     def __init__(self, resolved: Any, *, device: torch.device, rank: int, world_size: int,
-                 fsdp: bool | None = None, checkpoint: bool = True, t_start: float | None = None) -> None:
+                 fsdp: bool | None = None, checkpoint: bool = True, t_start: float | None = None,
+                 clock: StartClock | None = None) -> None:
         job, self.resolved = resolved.job, resolved
         self.train, self.rank, self.device = job.train, rank, device
         self.t_start = t_start if t_start is not None else time.time()
+        self.clock = clock if clock is not None else StartClock(self.t_start)  # rank 0 writes its phases
         self.dims = ParallelDims.from_layout(resolved.layout, world_size, device.type)
         self.stop_requested = False  # set by a signal handler; only read at step boundaries
         self.stop_terminated = False  # the stop came from TERM (scancel/preemption): save, do not requeue
@@ -83,8 +85,10 @@ class Trainer:
         self.params = [p for part in self.built.parts for p in part.parameters()]
         self.optimizers, self.schedulers = build_optimizers(self.built.parts, self.train)
         self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.layout.pp_enabled else None
+        self.clock.mark("build")
         dp_rank, dp_size = resolved.layout.dp_coords(rank)
         self.loader = make_loader(resolved, dp_rank, dp_size, device=device, rank=rank)
+        self.clock.mark("data")
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
         shape = resolved.shape
         self.metrics = StepMetrics(
@@ -92,12 +96,21 @@ class Trainer:
             peak=peak_for(resolved.site, procs_per_node=resolved.procs_per_node), n_devices=world_size,
             sync=torch.cuda.synchronize if device.type == "cuda" else None)
         self.ckpt = self._checkpoint_manager() if checkpoint else None
+        self.clock.mark("checkpoint_setup")
 
     # ------------------------------------------------------------------ one step
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-microbatch loss pre-divided so the summed gradients are the global mean's."""
         return cross_entropy(logits, targets) * self.loss_scale
+
+    def _loss_context(self) -> Any:
+        """Vocab-sharded logits (loss parallel, tp > 1): cross-entropy must run in this context."""
+        if not self.dims.layout.loss_parallel_enabled:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel  # DTensor styles: only with tp
+
+        return loss_parallel()
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Gradients of the mean loss of this rank's batch; returns the summed scaled losses."""
@@ -121,8 +134,7 @@ class Trainer:
         faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9)
         with self.metrics.phase("data"):
             inputs, targets = self.loader.next_batch()
-        lp = self.dims.layout.loss_parallel_enabled  # vocab-sharded logits: CE must run in this context
-        with self.metrics.phase("compute"), (loss_parallel() if lp else nullcontext()):
+        with self.metrics.phase("compute"), self._loss_context():
             local_loss = self._forward_backward(inputs, targets)
         with self.metrics.phase("optimizer"):
             norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
@@ -205,6 +217,7 @@ class Trainer:
     def run(self) -> int:
         """Train to `train.steps` or until a stop is agreed; returns the exit code."""
         res = self.restore()
+        self.clock.mark("restore")
         self._event(events.TrainStart(step=self.step, generation=res.generation if res else None,
                                       fell_back=bool(res and res.fell_back),
                                       startup_s=round(time.time() - self.t_start, 3),
@@ -213,6 +226,9 @@ class Trainer:
         result = None
         while self.step < self.train.steps:
             result = self.train_step()
+            if not self.clock.finished:
+                self.clock.mark("first_step")
+                self._event(self.clock.event(step=res.step if res else 0, generation=res.generation if res else None))
             if self.train.step_sleep_s:
                 time.sleep(self.train.step_sleep_s)
             self.metrics.end_step(result.step, result.loss)

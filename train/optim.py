@@ -4,8 +4,8 @@ Clipping: FSDP2 and TP turn gradients into DTensors, possibly on different meshe
 with TP but no FSDP, parameters left out of TP: the "mixed Tensor/DTensor" trap), and with
 PP each rank holds only its stages' gradients. So the norm is built from per-mesh partial
 norms made global with `full_tensor()`, then the squares are summed across the pipeline
-group (as torchtitan's `dist_utils.clip_grad_norm_` does), and each group is scaled with
-`clip_grads_with_norm_`. The result equals the single-process norm of the unsplit model.
+group (as torchtitan's `dist_utils.clip_grad_norm_` does), and the local shards are scaled by
+`clip_grads_with_norm_`'s coefficient. The result equals the single-process norm of the unsplit model.
 """
 
 from __future__ import annotations
@@ -64,14 +64,22 @@ def grad_norm(params: Iterable[nn.Parameter], pp_group: Any = None) -> torch.Ten
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: Any = None) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before."""
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before.
+
+    The scaling runs on the local shards: multiplying by one scalar commutes with every
+    placement (Shard, Replicate, Partial sum), and a foreach op on DTensors pays DTensor's
+    sharding propagation for the whole list on the first step for nothing (demo layout, 4
+    processes on 2 cores: 0.16 s CPU / 0.45-0.67 s wall per process, against 0.03 / 0.06-0.09 s
+    on the local shards). The coefficient is `clip_grads_with_norm_`'s."""
     total = grad_norm(params, pp_group)
     if max_norm > 0:
-        groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for p in params:
             if p.grad is not None:
-                groups[_group_key(p.grad)].append(p)
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device),
-                                                 foreach=True)
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                by_device[g.device].append(g)
+        with torch.no_grad():
+            for device, grads in by_device.items():
+                torch._foreach_mul_(grads, coef.to(device))
     return total

@@ -130,6 +130,24 @@ class TrainStart(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StartPhases(Event):
+    """One start of the trainer, phase by phase (rank 0, right after the first step; measured by
+    train/startup.py). `dslurm.observe.phases` adds the spawn phase (job_start -> t0) and
+    turns a run's starts into tables and the restart overhead."""
+    NAME = "start_phases"
+    t0: float = 0.0
+    """the process's birth (unix time, from /proc; else the entry's first line)"""
+    phases: dict[str, float] = field(default_factory=dict)
+    """seconds per phase in the order passed (names: dslurm.observe.phases.PHASES)"""
+    total_s: float = 0.0
+    """t0 -> first step done"""
+    step: int = 0
+    """the step it resumed from (0: fresh)"""
+    generation: str | None = None
+    """the generation restored (None: a cold start, nothing loaded)"""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Steps(Event):
     """A logging window: steps first..last (0-based) and their averages."""
     NAME = "steps"
@@ -248,7 +266,8 @@ class ChainCancel(Event):
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
-    Steps, Stragglers, CkptSave, CkptSaveFailed, CkptSaveSkipped, Signal, Exit, Ending, Requeue, ChainCancel)}
+    StartPhases, Steps, Stragglers, CkptSave, CkptSaveFailed, CkptSaveSkipped, Signal, Exit, Ending, Requeue,
+    ChainCancel)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("-o", "--output", help="write the script here instead of stdout")
     p.add_argument("--examples", choices=("check", "write"),
                    help="check or rewrite the golden scripts in sbatch/ for the shipped examples")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, configure_logging=False)  # nothing on this path logs: skip `import logging`
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,11 +45,12 @@ def write_job(tmp: Path, name: str, *, steps: int = 4, grad_clip: float = 0.3) -
 
 
 def run_train(nproc: int | None, job: Path, *sets: str, env: dict[str, str] | None = None,
-              timeout: float = 90) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node N -m train` (or a plain process when nproc is None)."""
+              timeout: float = 90, entry: tuple[str, ...] = ("-m", "train")) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m train` (or a plain process when nproc is None); `entry`
+    replaces `-m train` (a script that runs it, e.g. to look at the worker's modules)."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                  str(nproc)] if nproc else [sys.executable])
-    cmd = [*launcher, "-m", "train", "--site", str(SITE), "--job", str(job),
+    cmd = [*launcher, *entry, "--site", str(SITE), "--job", str(job),
            "--site-set", "node.nvlink_domain=8"]
     for s in sets:
         cmd += ["--set", s]

@@ -20,12 +20,12 @@ from torch import nn
 from dslurm.config.layout import stages_per_rank
 from dslurm.config.models import ModelShape
 from train.model import build_model
-from train.parallel.ac import apply_ac
-from train.parallel.compile import apply_compile
 from train.parallel.dims import ParallelDims
-from train.parallel.fsdp import apply_fsdp
-from train.parallel.pp import build_schedule, split_stage, stage_ids
-from train.parallel.tp import apply_tp
+
+# Each parallelism's module is imported where the layout asks for it, never at the top: a
+# pp=1, tp=1, no-compile worker must not pay for torch.distributed.pipelining (which pulls in
+# torch._dynamo and torch._inductor, ~0.5-1 s per process), nor for the DTensor parallel
+# styles or the compiler (tests/unit/test_worker_imports.py checks it).
 
 
 @dataclass(slots=True)
@@ -45,11 +45,20 @@ class Built:
 def _parallelize_part(part: nn.Module, dims: ParallelDims, train: Any, fsdp: bool) -> None:
     lay = dims.layout
     if lay.tp_enabled:
+        from train.parallel.tp import apply_tp
+
         apply_tp(part, dims.get_mesh("tp"), loss_parallel=lay.loss_parallel_enabled)
-    apply_ac(part, train.activation_checkpoint)
+    if train.activation_checkpoint != "none":
+        from train.parallel.ac import apply_ac
+
+        apply_ac(part, train.activation_checkpoint)
     if train.compile:
+        from train.parallel.compile import apply_compile
+
         apply_compile(part)
     if fsdp:
+        from train.parallel.fsdp import apply_fsdp
+
         mesh = (dims.get_mesh(("dp_replicate", "dp_shard")) if lay.dp_replicate_enabled
                 else dims.get_mesh("dp_shard"))
         apply_fsdp(part, mesh, dtype=train.dtype, device_type=dims.device_type, pp_enabled=lay.pp_enabled)
@@ -65,6 +74,8 @@ def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.d
     meta = device.type != "cpu"
     full = build_model(shape, train.seed, "meta" if meta else "cpu")
     if lay.pp_enabled:
+        from train.parallel.pp import split_stage, stage_ids
+
         pp_rank = dims.get_mesh("pp").get_local_rank()
         n_stages = lay.pp * stages_per_rank(par.pp_schedule)
         ids = stage_ids(pp_rank, lay.pp, par.pp_schedule)
@@ -81,6 +92,8 @@ def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.d
                 part.init_weights()
     schedule = None
     if lay.pp_enabled:
+        from train.parallel.pp import build_schedule
+
         schedule = build_schedule(parts, ids, n_stages, pp_group=dims.get_mesh("pp").get_group(),
                                   device=device, schedule=par.pp_schedule, microbatches=lay.microbatches,
                                   loss_fn=loss_fn)
