@@ -67,6 +67,23 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
     for line in lines:
         console.print(line, highlight=False)
     console.print(table)
+    phased = [s for s in sm.starts if s.phases]
+    if phased:
+        console.print(_phase_table(phased), highlight=False)
+
+
+def _phase_table(starts: list[Start]) -> str:
+    """Start-up phase by phase, one column per start, and each start's ratio to the cold one."""
+    names = list(dict.fromkeys(n for s in starts for n, _ in s.phases))
+    heads = [f"start {s.index}" for s in starts]
+    out = ["start-up by phase (s):", f"  {'phase':<17}" + "".join(f"{h:>10}" for h in heads)]
+    for n in names:
+        cells = [dict(s.phases).get(n) for s in starts]
+        out.append(f"  {n:<17}" + "".join(f"{'-' if c is None else f'{c:.2f}':>10}" for c in cells))
+    out.append(f"  {'total':<17}" + "".join(f"{sum(v for _, v in s.phases):>10.2f}" for s in starts))
+    out.append(f"  {'x cold start':<17}" + "".join(
+        f"{'-' if s.startup_ratio is None else f'{s.startup_ratio:.2f}':>10}" for s in starts))
+    return "\n".join(out)
 
 
 def start_label(s: Start, width: int | None = None) -> str:
@@ -81,6 +98,7 @@ def _bands(s: Start) -> list[tuple[str, float, float]]:
     ts = s.first(ev.TrainStart)
     first_step = ts.t if ts else s.end
     out = [("queue wait", s.begin - s.queue_wait_s, s.queue_wait_s), ("startup", s.begin, first_step - s.begin)]
+    out += _phase_bands(s)
     for pf in s.all(ev.Preflight):
         out.append(("burn-in", pf.t - pf.duration_s, pf.duration_s))
     for w in s.windows:  # kept steps first in the window, the redone tail after them
@@ -91,6 +109,25 @@ def _bands(s: Start) -> list[tuple[str, float, float]]:
     for save in s.all(ev.CkptSave):
         out.append(("save stall", save.t - save.stall_s, save.stall_s))
     return [b for b in out if b[2] > 0]
+
+
+# The start-up split into its phases (the PNG's startup band, when the trainer measured them).
+PHASE_COLORS = {"spawn": "#fff3b0", "interpreter": "#ffe08a", "config": "#ffd166", "imports": "#f9c74f",
+                "rendezvous": "#f8961e", "burnin": COLORS["burn-in"], "build": "#e9c46a",
+                "data": "#d4a373", "checkpoint_setup": "#bc9b6a", "restore": "#a98467",
+                "first_step": "#8d6e63"}
+
+
+def _phase_bands(s: Start) -> list[tuple[str, float, float]]:
+    """The phases laid back to back, ending when the first step was done."""
+    if not s.phases or s.phases_end is None:
+        return []
+    t = s.phases_end - sum(v for _, v in s.phases)
+    out = []
+    for name, secs in s.phases:
+        out.append((name if name in PHASE_COLORS else "startup", t, secs))
+        t += secs
+    return out
 
 
 def _markers(ax: Any, s: Start, x: Any, y: float) -> None:
@@ -152,7 +189,7 @@ def timeline_figure(sm: Summary) -> Any:
                                       gridspec_kw={"height_ratios": [max(1, len(starts)), 2]})
     for s in starts:
         for kind, a, w in _bands(s):
-            top.broken_barh([(x(a), w / scale)], (s.index - 0.35, 0.7), color=COLORS[kind])
+            top.broken_barh([(x(a), w / scale)], (s.index - 0.35, 0.7), color={**COLORS, **PHASE_COLORS}[kind])
         _markers(top, s, x, s.index)
     labels = [f"{s.index}: {start_label(s, width=24)}" for s in starts]  # the classified ending > what next
     top.set_yticks([s.index for s in starts], labels, fontsize=8)
@@ -160,6 +197,8 @@ def timeline_figure(sm: Summary) -> Any:
     gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
     top.set_title(f"goodput {gp}, {sm.restarts} restart(s), {sm.lost_steps} step(s) redone", fontsize=10)
     handles: list[Any] = [Patch(color=c, label=k) for k, c in COLORS.items()]
+    seen = {n for s in starts for n, _ in s.phases}
+    handles += [Patch(color=c, label=f"startup: {k}") for k, c in PHASE_COLORS.items() if k in seen]
     handles += [Line2D([], [], ls="", marker=m, color=c, label=k) for m, c, k in MARKERS]
     top.legend(handles=handles, fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.02),
                frameon=False)

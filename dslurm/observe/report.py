@@ -71,6 +71,12 @@ class Start:
     ending: str | None = None
     """the classified ending (dslurm/requeue/endings.py): completed, crash, preempted, save_failed, ..."""
     ending_reason: str | None = None
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    """start-up phase by phase (dslurm.observe.phases): (name, seconds), spawn first"""
+    phases_end: float | None = None
+    """when the first step was done (the start_phases event), to place the phases in time"""
+    startup_ratio: float | None = None
+    """this start's start-up / the cold start's (same phases compared)"""
     outcome: str | None = None
     """what happened next, in words (`outcome`): requeued by dslurm, requeued by Slurm, stopped, ended"""
     windows: list[Window] = field(default_factory=list)
@@ -282,6 +288,19 @@ def _mfu(starts: list[Start]) -> tuple[float | None, str]:
     return None, f"n/a ({label})"
 
 
+def _phases(starts: list[Start], events: list[Event]) -> None:
+    """Each start's phase table and its start-up as a ratio to the cold start's."""
+    from dslurm.observe import phases
+
+    ratios = phases.restart_overhead(phases.tables(events))
+    for s in starts:
+        mine = [(t, r) for t, r in ratios if (t.job_id, t.restart or 0) == (s.job_id, s.restart)]
+        marks = s.all(ev.StartPhases)
+        if mine and marks:
+            (t, r), = mine[-1:]
+            s.phases, s.phases_end, s.startup_ratio = list(t.rows), marks[-1].t, r
+
+
 def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
     """The report of one run from its ledger events (pure; see docs/report.md)."""
     events = list(events)
@@ -292,6 +311,7 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
         _fill_start(s)
     _attribute_steps(starts)
     _outcomes(starts)
+    _phases(starts, events)
     undurable = _undurable(starts)
     endings: dict[str, int] = {}
     for s in starts:

@@ -331,3 +331,49 @@ def test_png_labels_name_what_came_next_and_the_legend_names_the_markers():
         assert {"save", "no exit event", "training", "queue wait"} <= set(legend)
     finally:
         plt.close(fig)
+
+
+def _phased() -> Ledger:
+    """two_requeues with the launcher's job_start and the trainer's start_phases per start:
+    the cold start took 8 s to its first step, the restarts 9 s (1.125x) and 6 s (0.75x)."""
+    led = two_requeues()
+    out, k = [], 0
+    for rec in led.records:
+        if rec["event"] == "preflight":
+            out.append({**rec, "event": "job_start", "t": rec["t"] - rec["duration_s"] - 1.0, "hosts": ["node1"]})
+        out.append(rec)
+        if rec["event"] == "train_start":
+            first = (8.0, 9.0, 6.0)[k]
+            born = rec["t"] - first + 0.5
+            out.append({**{x: rec[x] for x in ("job_id", "restart", "host")}, "event": "start_phases",
+                        "t": rec["t"] + 0.5, "t0": born,
+                        "phases": {"imports": first - 3.0, "rendezvous": 1.0, "restore": 1.0, "first_step": 1.0},
+                        "step": rec["step"], "generation": None if k == 0 else f"step-{rec['step']}"})
+            k += 1
+    led.records = out
+    return led
+
+
+def test_report_shows_each_starts_phases_and_its_ratio_to_the_cold_start(capsys, tmp_path):
+    from dslurm.observe.plot import print_summary, timeline_figure
+
+    sm = summarize(_phased().events)
+    phased = [s for s in sm.starts if s.phases]
+    assert len(phased) == 3 and phased[0].phases[0][0] == "spawn"  # job_start -> the worker's birth
+    spawn = [dict(s.phases)["spawn"] for s in phased]
+    totals = [sum(v for _, v in s.phases) for s in phased]
+    assert [round(t - sp, 3) for t, sp in zip(totals, spawn)] == [8.0, 9.0, 6.0]
+    assert phased[0].startup_ratio == 1.0
+    assert phased[1].startup_ratio == pytest.approx(totals[1] / totals[0], rel=1e-3)
+    print_summary(sm, tmp_path)
+    out = capsys.readouterr().out
+    assert "start-up by phase" in out and "x cold start" in out and "rendezvous" in out
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(sm)
+    try:
+        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    finally:
+        plt.close(fig)
+    assert {"startup: imports", "startup: restore", "startup: spawn"} <= set(legend)
+    assert "startup: build" not in legend  # only the phases this run measured
