@@ -50,12 +50,19 @@ class NodeDedupPlanner(DefaultSavePlanner):
         super().__init__()
         self.groups = groups
 
-    def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
-        out = list(all_plans)
+    def _create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Any]:
+        # The metadata (one entry per item, index hints rewritten) comes from DCP's job-wide plan;
+        # the items each rank writes come from a per-node dedup. Storage records are keyed by
+        # MetadataIndex, whose hint does not take part in comparisons, so extra copies map too.
+        global_plan, metadata = super()._create_global_plan(all_plans)
+        rewritten = {it.index: it for plan in global_plan for it in plan.items}
+        per_node = list(all_plans)
         for group in self.groups:
             for rank, plan in zip(group, dedup_save_plans([all_plans[r] for r in group])):
-                out[rank] = plan
-        return out
+                per_node[rank] = plan
+        out = [dataclasses.replace(g, items=[rewritten.get(it.index, it) for it in n.items])
+               for g, n in zip(global_plan, per_node)]
+        return out, metadata
 
 
 class NodeWriter(dcp.FileSystemWriter):
