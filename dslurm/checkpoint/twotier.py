@@ -405,5 +405,6 @@ class TwoTier:
             return problems
         for fname, crc in whole_crcs(sizes, gathered, gaps).items():
             if f"{crc:08x}" != mine[fname]["crc32"]:
-                problems.append(f"{gen / fname}: crc32 {crc:08x} != {mine[fname]['crc32']} in the local commit (altered)")
+                problems.append(f"{gen / fname}: crc32 {crc:08x} != {mine[fname]['crc32']} "
+                                "in the local commit (altered)")
         return problems

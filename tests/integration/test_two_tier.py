@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checkpoint_dist import K, STEPS, build, full_params, train  # noqa: E402
+from test_checkpoint_dist import STEPS, K, build, full_params, train  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
