@@ -16,8 +16,9 @@ variable anywhere else.
                                              tiers: after_local_commit, mid_copy)
   DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
                                              staging: a window in which to kill the whole job
-  DSLURM_FAULT_DURABLE_MBPS=MB_PER_S         two-tier checkpoints: each rank's copy to the durable
-                                             run dir is capped at MB_PER_S (a loaded shared file system)
+  DSLURM_FAULT_DURABLE_MBPS=MB_PER_S         each rank's copy to the durable run dir (two tiers) and
+                                             each rank's checked load from it are capped at MB_PER_S
+                                             (a loaded shared file system)
   DSLURM_FAULT_SLOW_NODE=HOST:SECONDS[,...]  the burn-in's timed exchanges on HOST sleep SECONDS
                                              each: a slow link for the localization to find
 

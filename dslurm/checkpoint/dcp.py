@@ -306,7 +306,7 @@ class CheckpointManager:
         gen = self.gdir / name
         self._check_compat(json.loads((gen / ck.META).read_text()), state, gen)
         full = self.verify_on_restore == "full"
-        reader = CrcReader(gen)
+        reader = CrcReader(gen, faults.durable_mbps())  # the knob emulates a loaded shared file system
         t, err = time.perf_counter(), None
         try:
             dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
