@@ -12,9 +12,13 @@ variable anywhere else.
   DSLURM_FAULT_EXIT_DELAY=SECONDS[:RANKS][@RESTART]  RANKS wait SECONDS after their exit report,
                                              before exiting: forces which node's processes exit first
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
-                                             (before_write, after_write, before_pointer)
+                                             (before_write, after_write, before_pointer; two
+                                             tiers: after_local_commit, mid_copy)
   DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
                                              staging: a window in which to kill the whole job
+  DSLURM_FAULT_DURABLE_MBPS=MB_PER_S         each rank's copy to the durable run dir (two tiers) and
+                                             each rank's checked load from it are capped at MB_PER_S
+                                             (a loaded shared file system)
   DSLURM_FAULT_SLOW_NODE=HOST:SECONDS[,...]  the burn-in's timed exchanges on HOST sleep SECONDS
                                              each: a slow link for the localization to find
 
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_EXIT_DELAY",
-         "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP", SLOW_NODE)
+         "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,11 @@ def save_sleep() -> None:
     secs = float(os.environ.get("DSLURM_FAULT_SAVE_SLEEP") or 0)
     if secs:
         time.sleep(secs)
+
+
+def durable_mbps() -> float:
+    """The durable writer's cap in MB/s per rank (0: none)."""
+    return float(os.environ.get("DSLURM_FAULT_DURABLE_MBPS") or 0)
 
 
 def parse_slow_nodes(value: str | None) -> dict[str, float]:

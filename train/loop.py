@@ -170,7 +170,9 @@ class Trainer:
             config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
                                           "train": dataclasses.asdict(job.train)}),
             model_shape=dataclasses.asdict(self.resolved.shape),
-            layout=self.resolved.layout.degrees(), ledger=self.ledger)
+            layout=self.resolved.layout.degrees(), ledger=self.ledger,
+            scratch=self.resolved.site.storage.scratch if c.tiers == "two_tier" else None,
+            keep_local=c.keep_local, on_lag=c.on_lag)
 
     def _save(self, blocking: bool) -> None:
         if self.ckpt is not None:

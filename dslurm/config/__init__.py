@@ -77,7 +77,8 @@ class SiteRequeueSpec:
 @dataclass(kw_only=True, slots=True)
 class StorageSpec:
     durable: str = field("checkpoints", help="root of run directories (checkpoints, ledger); shared by all nodes")
-    scratch: str | None = field(None, help="node-local fast storage, if any")
+    scratch: str | None = field(None, help="node-local fast storage, if any; %n is the node name "
+                                "(SLURMD_NODENAME); used by checkpoint.tiers: two_tier")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -210,11 +211,20 @@ class CheckpointSpec:
     async_save: bool = field(False, help="stage to host memory and write in the background")
     on_inflight: Literal["wait", "skip"] = field("wait", help="a save asked while one is in flight")
     on_error: Literal["continue", "stop"] = field("continue", help="a save that fails (disk full)")
+    tiers: Literal["durable", "two_tier"] = field(
+        "durable", help="durable: every save to the run dir; two_tier: node-local scratch first "
+        "(site storage.scratch), then copied to the run dir in the background")
+    keep_local: int = field(2, help="two_tier: locally committed generations kept per node (>= 1)")
+    on_lag: Literal["wait", "skip_local", "skip_durable"] = field(
+        "wait", help="two_tier: a save arriving while the durable copy of the previous one still runs")
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise FieldError("interval", f"{self.interval} must be at least 1",
                              "set checkpoint.interval to the steps between saves")
+        if self.keep_local < 1:
+            raise FieldError("keep_local", f"{self.keep_local} must be at least 1",
+                             "set checkpoint.keep_local: 1 or more")
         if self.keep < 2:
             raise FieldError("keep", f"{self.keep} must be at least 2 (the newest may be mid-write)",
                              "set checkpoint.keep: 2 or more")

@@ -101,6 +101,10 @@ class CkptRestore(Event):
     generation: str | None = None
     reason: str = ""
     rejected: list[str] = field(default_factory=list)
+    tier: str = "durable"
+    """"local" (node-local copies, same nodes and layout) or "durable" (the run dir)"""
+    tier_reason: str = ""
+    """why that tier: the local candidate used, or why no local generation qualified"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +197,38 @@ class CkptSave(Event):
     stall_s: float = 0.0
     """how long training was blocked by this save"""
     total_s: float = 0.0
+    """from the save's start to the pointer move (two tiers: includes the durable copy)"""
+    tier: str = "durable"
+    """"durable" (written to the run dir) or "two_tier" (local commit first, then copied)"""
+    local_commit_t: float | None = None
+    """two tiers: unix time of the local commit (restorable on the same nodes from then on)"""
+    lag_s: float | None = None
+    """two tiers: durable commit minus local commit (node loss loses this much more than a restart)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptLocalCommit(Event):
+    """Two tiers: every rank's shard is on its node's scratch with its crc32 known; the generation
+    is restorable by a job on the same nodes and layout, not yet after a node loss."""
+    NAME = "ckpt_local_commit"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    bytes: int = 0
+    stall_s: float = 0.0
+    local_s: float = 0.0
+    """from the save's start to the local commit"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptDurableSkipped(Event):
+    """Two tiers, on_lag=skip_durable: the copier was still busy with an older generation when
+    this one was locally committed; it stays local only (node loss falls back further)."""
+    NAME = "ckpt_durable_skipped"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +246,8 @@ class CkptSaveSkipped(Event):
     NAME = "ckpt_save_skipped"
     run_dir: str | None = None
     step: int | None = None
+    reason: str = ""
+    """"in_flight" (on_inflight=skip) or "lag" (two tiers, on_lag=skip_local)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,8 +304,8 @@ class ChainCancel(Event):
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
-    StartPhases, Steps, Stragglers, CkptSave, CkptSaveFailed, CkptSaveSkipped, Signal, Exit, Ending, Requeue,
-    ChainCancel)}
+    StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
+    CkptSaveSkipped, Signal, Exit, Ending, Requeue, ChainCancel)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 
