@@ -9,6 +9,11 @@ variable anywhere else.
                                              (1-based), as a USR2 handler would
   DSLURM_FAULT_CRASH=STEP[:RANKS][@RESTART]  RANKS raise before optimizer step STEP
   DSLURM_FAULT_KILL9=STEP[:RANKS][@RESTART]  RANKS SIGKILL themselves before step STEP (no report)
+  DSLURM_FAULT_HANG=STEP[:RANKS][@RESTART]   RANKS hang (sleep in Python, outside any collective)
+                                             before step STEP: for the hang watchdog
+  DSLURM_FAULT_NAN=STEP[:RANKS][@RESTART]    the batch that step STEP reads in an uninterrupted run is
+                                             poisoned on RANKS: its loss is NaN whenever it is read,
+                                             so a rollback that does not skip it meets it again
   DSLURM_FAULT_EXIT_DELAY=SECONDS[:RANKS][@RESTART]  RANKS wait SECONDS after their exit report,
                                              before exiting: forces which node's processes exit first
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
@@ -39,8 +44,9 @@ log = logging.getLogger(__name__)
 
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
-KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_EXIT_DELAY",
-         "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
+KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_HANG",
+         "DSLURM_FAULT_NAN", "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP",
+         "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
 
 
 @dataclass(frozen=True)
@@ -78,13 +84,22 @@ def step_fault(name: str, env: Mapping[str, str] | None = None) -> int | None:
     return int(value) if value is not None else None
 
 
-def before_step(next_step: int, crash_at: int | None, kill_at: int | None) -> None:
+def before_step(next_step: int, crash_at: int | None, kill_at: int | None, hang_at: int | None = None) -> None:
     """Called by the trainer before optimizer step `next_step` (1-based)."""
+    if hang_at is not None and next_step == hang_at:
+        log.warning("DSLURM_FAULT_HANG: hanging before step %d", next_step)
+        while True:  # outside any collective, interpreter free: the watchdog thread still runs
+            time.sleep(3600)
     if kill_at is not None and next_step >= kill_at:
         log.warning("DSLURM_FAULT_KILL9: SIGKILL before step %d", next_step)
         os.kill(os.getpid(), signal.SIGKILL)
     if crash_at is not None and next_step >= crash_at:
         raise RuntimeError(f"injected crash before step {next_step} (DSLURM_FAULT_CRASH)")
+
+
+def poisoned(position: int, global_batch: int, nan_at: int | None) -> bool:
+    """Is the batch at data stream `position` (samples) the one DSLURM_FAULT_NAN poisons? Pure."""
+    return nan_at is not None and position == (nan_at - 1) * global_batch
 
 
 def exit_delay(env: Mapping[str, str] | None = None) -> float:

@@ -183,9 +183,13 @@ class TrainSpec:
     log_every: int = field(10, help="steps between log lines and metrics")
     straggler_every: int = field(50, help="steps between gathers of per-rank step times")
     step_sleep_s: float = field(0.0, help="sleep per step (demos and tests that need a long run)")
+    nonfinite: Literal["skip", "rollback", "stop", "off"] = field(
+        "stop", help="a step whose loss or grad norm is NaN/inf, agreed by all ranks: skip it (no optimizer "
+        "step), roll back to the last good generation and skip its data, stop (exit 81), or off (train on)")
+    nonfinite_max: int = field(3, help="non-finite steps skipped or rolled back before the run stops (exit 81)")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "grad_accum", "log_every", "straggler_every"):
+        for name in ("steps", "global_batch", "grad_accum", "log_every", "straggler_every", "nonfinite_max"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"{getattr(self, name)} must be at least 1", f"set train.{name} to 1 or more")
         if self.lr <= 0:
@@ -231,6 +235,23 @@ class CheckpointSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class HealthSpec:
+    watchdog: bool = field(True, help="hang watchdog in every training process (dslurm/health.py)")
+    hang_k: float = field(10.0, help="a step without progress for hang_k x the median step time is a hang")
+    hang_floor_s: float = field(120.0, help="the hang bound is never below this (seconds)")
+    hang_ceiling_s: float = field(1800.0, help="the hang bound before step times are known and during saves; "
+                                  "the process-group timeout is this + 60 s")
+
+    def __post_init__(self) -> None:
+        if self.hang_k < 1:
+            raise FieldError("hang_k", f"{self.hang_k} must be at least 1", "set health.hang_k to e.g. 10")
+        if not 0 < self.hang_floor_s <= self.hang_ceiling_s:
+            raise FieldError(("hang_floor_s", "hang_ceiling_s"),
+                             f"need 0 < hang_floor_s({self.hang_floor_s}) <= hang_ceiling_s({self.hang_ceiling_s})",
+                             "set health.hang_floor_s below health.hang_ceiling_s")
+
+
+@dataclass(kw_only=True, slots=True)
 class PreflightSpec:
     enabled: bool = field(True, help="run the burn-in before training")
 
@@ -263,6 +284,7 @@ class JobSpec:
     data: DataSpec = field(factory=DataSpec, help="data")
     checkpoint: CheckpointSpec = field(factory=CheckpointSpec, help="checkpoints")
     preflight: PreflightSpec = field(factory=PreflightSpec, help="pre-flight burn-in")
+    health: HealthSpec = field(factory=HealthSpec, help="health during the run: hang watchdog")
     requeue: RequeueSpec = field(factory=RequeueSpec, help="requeue")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
     env: dict[str, str] = field(factory=dict, help="extra environment for this job")

@@ -260,11 +260,51 @@ class Signal(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Exit(Event):
-    """The trainer's own exit: reason completed | requeue | terminated | save_failed."""
+    """The trainer's own exit: reason completed | requeue | terminated | save_failed | nonfinite."""
     NAME = "exit"
     reason: str = "?"
     step: int | None = None
     code: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hang(Event):
+    """The hang watchdog fired (train/watchdog.py; the rules: dslurm/health.py). Written once, by
+    the lowest rank that fired; every rank's stacks are in `stacks_dir`."""
+    NAME = "hang"
+    step: int | None = None
+    """optimizer steps completed when progress stopped"""
+    idle_s: float = 0.0
+    """seconds without progress when the watchdog fired"""
+    bound_s: float = 0.0
+    median_step_s: float | None = None
+    suspects: list[int] = field(default_factory=list)
+    suspect_hosts: list[str] = field(default_factory=list)
+    why: str = ""
+    collectives: dict[str, Any] = field(default_factory=dict)
+    """rank -> the last of the trainer's collectives it entered: name, #, still inside"""
+    stacks_dir: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFinite(Event):
+    """A step whose loss or gradient norm was not finite, and what all ranks did about it
+    (train.nonfinite: skip | rollback | stop)."""
+    NAME = "nonfinite"
+    step: int | None = None
+    """0-based step whose loss was not finite"""
+    loss: float | None = None
+    grad_norm: float | None = None
+    action: str = ""
+    """skip | rollback | stop | train"""
+    reason: str = ""
+    handled: int = 0
+    """non-finite steps skipped or rolled back so far in this start, this one included"""
+    generation: str | None = None
+    """rollback: the generation restored; stop: the one the pointer still names"""
+    resumed_step: int | None = None
+    skipped_position: int | None = None
+    """the data stream position (samples) of the batch that will not be read again"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,7 +345,7 @@ class ChainCancel(Event):
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
-    CkptSaveSkipped, Signal, Exit, Ending, Requeue, ChainCancel)}
+    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, ChainCancel)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

@@ -7,7 +7,8 @@ says), never from the step's exit code alone; then the policy (`decide`, pure) f
 class:
 
 - completed: end; later links of a chain are cancelled.
-- user error, refused (run dir locked), save failed (disk full, non-finite state): stop with
+- user error, refused (run dir locked), save failed (disk full, non-finite state), diverged
+  (non-finite loss under train.nonfinite=stop): stop with
   the class's own exit code; a retry cannot help, and the message says what to fix.
 - cancelled, preempted, time limit (Slurm ended the step): stop with 143; Slurm decides
   whether the job comes back (`scontrol requeue`, preemption with requeue).
@@ -56,7 +57,10 @@ _STOPS = {E.USER_ERROR: (X.USER_ERROR, "user error: fix the input and resubmit")
           E.REFUSED: (X.REFUSED, "refused: another job holds this run directory's lock; not retried "
                                  "(cancel the other job, or give this one its own checkpoint.run_dir)"),
           E.SAVE_FAILED: (X.SAVE_FAILED, "checkpoint save failed: the final state is not durable; not retried "
-                                         "(fix the cause named here, then resubmit: it resumes from the pointer)")}
+                                         "(fix the cause named here, then resubmit: it resumes from the pointer)"),
+          E.DIVERGED: (X.NONFINITE, "training diverged (non-finite loss, train.nonfinite=stop): not retried; "
+                                    "the pointer names a finite generation (lower train.lr or add warm-up, or "
+                                    "set train.nonfinite: rollback, then resubmit)")}
 
 
 def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: int,

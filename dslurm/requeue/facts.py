@@ -42,7 +42,7 @@ ENDING = "ending.json"
 
 # Kinds a training process reports about itself. "victim" kinds say a peer went away:
 # they mark who was hurt, never where the failure began.
-OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected")
+OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected", "diverged")
 VICTIM_KINDS = ("peer_lost", "killed_by_teardown")
 
 # gloo/NCCL/c10d messages of a process whose peer went away first.
@@ -110,7 +110,8 @@ class RankReport:
 
     rank: int
     kind: str  # completed | stop_saved | terminated_saved | crash | save_failed | user_error |
-    #            refused | burnin_rejected | peer_lost | killed_by_teardown
+    #            refused | burnin_rejected | diverged | peer_lost | killed_by_teardown
+    #            (a hang: crash for the suspect, peer_lost for a rank that waited on it; error "hang: ...")
     code: int
     step: int | None = None
     error: str = ""
