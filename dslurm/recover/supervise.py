@@ -76,6 +76,7 @@ class Supervisor:
         self.alloc = list(alloc)
         self.stopping: str | None = None
         self.facts_dir: Path | None = None
+        self.settle_s, self.poll_s = 45.0, 1.0  # local cluster: SlurmdTimeout 10 s, pinged every ~3 s
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded as the batch shell's (it is the batch shell's delegate), and
@@ -109,7 +110,7 @@ class Supervisor:
             log.info("dslurm supervise: step %d on %s", index, ",".join(nodes.training))
             rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum))
             t_end = time.time()
-            ending = E.classify(read_start(d), self.runner.view(nodes.training), rc)
+            ending = E.classify(read_start(d), self._view_after(d, nodes.training), rc)
             if self.stopping or ending.cls not in E.FAILURES:
                 return self._conclude(d, ending, rc, acct)
             if retry_decision(self.run_dir, self.job_id, ending, frozen_policy(self.run_dir)).action != "requeue":
@@ -121,6 +122,24 @@ class Supervisor:
             accum = shrunk if shrunk is not None else accum
             self._record(d, ending, rc, plan, nodes, index + 1, accum, failed_at(read_start(d), t_end))
             nodes, index = plan.nodes, index + 1
+
+    def _view_after(self, d: Path, hosts: Sequence[str]) -> E.SlurmView:
+        """Slurm's view of the step's nodes once it is settled: a node whose launcher left no report
+        may be lost while Slurm has not said so yet (srun can end before the node is marked down,
+        SlurmdTimeout); wait up to `settle_s` for Slurm's word on those, so a lost node is not
+        read as a crash of the nodes that did report."""
+        from dslurm.requeue.facts import read_start
+
+        view = self.runner.view(hosts)
+        deadline = time.monotonic() + self.settle_s
+        while not self.stopping:
+            reported = {str(x.get("host")) for x in read_start(d).launchers}
+            silent = [h for h in hosts if h not in reported]
+            if not silent or set(silent) & set(view.down_nodes) or time.monotonic() > deadline:
+                return view
+            time.sleep(self.poll_s)
+            view = self.runner.view(hosts)
+        return view
 
     def _conclude(self, d: Path, ending: E.Ending, rc: int, acct: _Accounting) -> int:
         from dslurm.requeue import conclude

@@ -264,3 +264,26 @@ def test_ledger_recovery_event_round_trips(tmp_path):
     rec, = ev.read(tmp_path)
     assert isinstance(rec, ev.Recovery) and rec.removed == ["n2"]
     assert json.loads((tmp_path / "ledger.jsonl").read_text())["event"] == "recovery"
+
+
+def test_a_node_without_a_report_gets_slurms_word_before_the_ending_is_decided(make):
+    """srun ended before Slurm marked the lost node down: the loop waits for Slurm's word on
+    the silent node instead of reading the step as a crash of the nodes that reported."""
+    def lost_late(c, step):
+        c.train(step, 0, 5)
+        c.ranks(step, {"node1": "peer_lost"}, 5, lost=("node2",))
+        views = {"n": 0}
+        real = c.view
+
+        def slow_view(hosts):  # Slurm marks node2 down only on the third look
+            views["n"] += 1
+            if views["n"] >= 3:
+                c.down.add("node2")
+            return real(hosts)
+        c.view = slow_view
+        return 1
+    sup, c, run = make([lost_late, completes])
+    sup.poll_s = 0.01
+    assert sup.loop() == X.OK
+    assert [e.cls for e in _events(run, ev.Ending)] == ["node_failure", "completed"]
+    assert c.steps[1].hosts == ("node1", "node3")
