@@ -55,8 +55,8 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
                                                             if r.removed else "")
                                  + (f" to {r.to_nodes} node(s), grad_accum {r.grad_accum}" if r.grad_accum else "")
                                  for r in sm.recoveries)
-                     + f"); failure to training {_fmt_s(sum(back))} in all" + (f", {_fmt_s(max(back))} at most"
-                                                                                if back else ""))
+                     + ")" + (f"; failure to training {_fmt_s(sum(back))} in all, {_fmt_s(max(back))} at most"
+                              if back else ""))
     if sm.endings:
         lines.append("endings: " + ", ".join(f"{k} {n}x" for k, n in sorted(sm.endings.items())))
     if sm.skipped_lines:
