@@ -28,7 +28,9 @@ variable anywhere else.
                                              each: a slow link for the localization to find
 
 RANKS is a comma list of global ranks (default 0); @RESTART limits the knob to one start
-(SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue.
+(SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue;
+@RESTART.STEP to one job step of that start (DSLURM_STEP_INDEX: the steps an in-allocation
+recovery launches, dslurm/recover/supervise.py), e.g. @0.0 fires in the first step only.
 """
 
 from __future__ import annotations
@@ -56,18 +58,22 @@ class ScopedKnob:
     value: str
     ranks: frozenset[int]
     restart: int | None
+    step: int | None = None
 
     def applies(self, env: Mapping[str, str]) -> bool:
         rank = int(env.get("RANK", "0") or 0)
         restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-        return rank in self.ranks and self.restart in (None, restart)
+        step = int(env.get("DSLURM_STEP_INDEX", "0") or 0)
+        return rank in self.ranks and self.restart in (None, restart) and self.step in (None, step)
 
 
 def parse_scoped(raw: str) -> ScopedKnob:
-    """`VALUE[:RANKS][@RESTART]` -> ScopedKnob; RANKS defaults to rank 0. Pure."""
-    body, _, restart = raw.partition("@")
+    """`VALUE[:RANKS][@RESTART[.STEP]]` -> ScopedKnob; RANKS defaults to rank 0. Pure."""
+    body, _, when = raw.partition("@")
     value, _, ranks = body.partition(":")
-    return ScopedKnob(value, frozenset(int(r) for r in (ranks or "0").split(",")), int(restart) if restart else None)
+    restart, _, step = when.partition(".")
+    return ScopedKnob(value, frozenset(int(r) for r in (ranks or "0").split(",")), int(restart) if restart else None,
+                      int(step) if step else None)
 
 
 def _scoped(name: str, env: Mapping[str, str] | None) -> str | None:

@@ -288,6 +288,11 @@ class JobSpec:
     requeue: RequeueSpec = field(factory=RequeueSpec, help="requeue")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
     env: dict[str, str] = field(factory=dict, help="extra environment for this job")
+    spares: int = field(0, help="spare whole nodes allocated beyond `nodes` (with --no-kill): a failed "
+                        "node is swapped for one inside the allocation, without the queue (docs/recovery.md)")
+    on_spares_exhausted: Literal["requeue", "shrink"] = field(
+        "requeue", help="a node fails and no spare is left: requeue without the bad node, or shrink: go on "
+        "with fewer nodes, a smaller data-parallel degree and the same global batch (gradient accumulation)")
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name):
@@ -296,6 +301,9 @@ class JobSpec:
                              "rename the job, e.g. llama8b-run1")
         if self.nodes < 1:
             raise FieldError("nodes", f"nodes={self.nodes} must be at least 1", "set nodes: 1 or more")
+        if self.spares < 0:
+            raise FieldError("spares", f"spares={self.spares} must not be negative",
+                             "set spares: 0 (no spare nodes) or more")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.entry):
             raise FieldError("entry", f"{self.entry!r} is not a Python module name",
                              "name a module like train or dslurm.launch.probe")

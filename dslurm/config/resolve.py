@@ -112,6 +112,16 @@ class Resolved:
         return self.nnodes * self.procs_per_node
 
     @property
+    def spares(self) -> int:
+        """spare nodes allocated beyond the training nodes (job.spares)"""
+        return self.job.spares
+
+    @property
+    def alloc_nodes(self) -> int:
+        """whole nodes the script allocates: the training nodes plus the spares"""
+        return self.nnodes + self.job.spares
+
+    @property
     def time_str(self) -> str:
         return format_time(self.time_s)
 

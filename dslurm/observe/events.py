@@ -336,6 +336,35 @@ class Requeue(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Recovery(Event):
+    """An in-allocation recovery (dslurm/recover/supervise.py): the job step ended in a failure
+    and a new step was launched inside the same allocation, without the queue. `dslurm report`
+    measures the time to resumed training from `failed_t` to the next start's first step."""
+    NAME = "recovery"
+    cause: str = ""
+    """the ending's class: crash, node_failure, burnin_rejected"""
+    reason: str = ""
+    mode: str = ""
+    """same_nodes (no node at fault), spare (bad nodes swapped for spares), shrink (fewer nodes)"""
+    removed: list[str] = field(default_factory=list)
+    """nodes taken out of training (blocklisted)"""
+    added: list[str] = field(default_factory=list)
+    """spares swapped in"""
+    nodes: list[str] = field(default_factory=list)
+    """the training nodes of the next job step"""
+    from_nodes: int = 0
+    to_nodes: int = 0
+    grad_accum: int | None = None
+    """the gradient accumulation of the next step when a shrink changed it"""
+    step_index: int = 0
+    """the next job step of this start"""
+    resume_step: int | None = None
+    """the step the pointer names: where training resumes"""
+    failed_t: float | None = None
+    """when the failure happened (the earliest report of it; else when the step ended)"""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChainCancel(Event):
     NAME = "chain_cancel"
     job_ids: list[int] = field(default_factory=list)
@@ -345,7 +374,7 @@ class ChainCancel(Event):
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
-    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, ChainCancel)}
+    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 
