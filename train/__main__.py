@@ -162,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
+def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
+    """The stop signal this process received, unless it came only after the process had
+    already failed of its own accord (e.g. the watchdog's verdict, then torchrun's TERM when a
+    peer exited): that one is the teardown, not the cause. Pure."""
+    signame, sig_t = getattr(stop, "signame", None), getattr(stop, "t", None)
+    if signame is None or failed_t is None or sig_t is None:
+        return signame
+    return signame if sig_t <= failed_t else None
+
+
 def report(code: int, rank: int) -> None:
     """This process's own account of its ending, for the launcher and for requeue-me."""
     from dslurm import exitcodes
@@ -169,7 +179,7 @@ def report(code: int, rank: int) -> None:
     from dslurm.requeue import facts
 
     write_worker_code(code)
-    signame = getattr(OUTCOME.stop, "signame", None)
+    signame = signal_before_failure(OUTCOME.stop, OUTCOME.t)
     kind = OUTCOME.kind or facts.victim_kind(exitcodes.KIND_OF_CODE.get(code, "crash"), OUTCOME.error, signame)
     run_dir = getattr(getattr(OUTCOME.trainer, "resolved", None), "run_dir", None)
     facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=OUTCOME.step,
