@@ -216,9 +216,12 @@ class SrunRunner:
         from dslurm.render import cpus_per_task, tasks_per_node
 
         extra = ["--set", f"train.grad_accum={step.grad_accum}"] if step.grad_accum is not None else []
+        per_node = tasks_per_node(self.r)
+        # --ntasks explicitly: srun otherwise takes SLURM_NTASKS of the whole allocation (training
+        # nodes + spares) and packs the extra launcher onto a training node.
         return ["srun", "--kill-on-bad-exit=1", f"--nodes={len(step.hosts)}", f"--nodelist={','.join(step.hosts)}",
-                f"--ntasks-per-node={tasks_per_node(self.r)}", f"--cpus-per-task={cpus_per_task(self.r)}",
-                *self.cmd, *extra]
+                f"--ntasks={len(step.hosts) * per_node}", f"--ntasks-per-node={per_node}",
+                f"--cpus-per-task={cpus_per_task(self.r)}", *self.cmd, *extra]
 
     def run(self, step: Step) -> int:
         from dslurm.launch.slurm_env import STEP_INDEX_ENV
