@@ -218,9 +218,12 @@ class SrunRunner:
         extra = ["--set", f"train.grad_accum={step.grad_accum}"] if step.grad_accum is not None else []
         per_node = tasks_per_node(self.r)
         # --ntasks explicitly: srun otherwise takes SLURM_NTASKS of the whole allocation (training
-        # nodes + spares) and packs the extra launcher onto a training node.
-        return ["srun", "--kill-on-bad-exit=1", f"--nodes={len(step.hosts)}", f"--nodelist={','.join(step.hosts)}",
-                f"--ntasks={len(step.hosts) * per_node}", f"--ntasks-per-node={per_node}",
+        # nodes + spares) and packs the extra launcher onto a training node. --overlap: a step that
+        # spanned a lost node is never cleaned up on it, and Slurm keeps its CPUs on the healthy
+        # nodes "busy" (seen: step creation disabled for minutes); its processes are gone.
+        return ["srun", "--kill-on-bad-exit=1", "--overlap", f"--nodes={len(step.hosts)}",
+                f"--nodelist={','.join(step.hosts)}", f"--ntasks={len(step.hosts) * per_node}",
+                f"--ntasks-per-node={per_node}",
                 f"--cpus-per-task={cpus_per_task(self.r)}", *self.cmd, *extra]
 
     def run(self, step: Step) -> int:

@@ -221,11 +221,11 @@ def test_the_srun_line_names_the_training_nodes_and_a_shrinks_accumulation(make)
     sup, _, run = make([completes])
     runner = SrunRunner(sup.r, ["python", "-m", "dslurm", "launch", "--", "python", "-m", "train"], {})
     argv = runner.argv(Step(index=2, hosts=("node1", "node3"), facts_dir=run, grad_accum=None))
-    assert argv[:7] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--nodelist=node1,node3", "--ntasks=2",
-                        "--ntasks-per-node=1", "--cpus-per-task=2"]  # not the allocation's SLURM_NTASKS
+    assert argv[:8] == ["srun", "--kill-on-bad-exit=1", "--overlap", "--nodes=2", "--nodelist=node1,node3",
+                        "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=2"]  # not the allocation's SLURM_NTASKS
     assert argv[-1] == "train"
     shrunk = runner.argv(Step(index=3, hosts=("node1",), facts_dir=run, grad_accum=2))
-    assert shrunk[2:5] == ["--nodes=1", "--nodelist=node1", "--ntasks=1"] and shrunk[-2:] == ["--set", "train.grad_accum=2"]
+    assert shrunk[3:6] == ["--nodes=1", "--nodelist=node1", "--ntasks=1"] and shrunk[-2:] == ["--set", "train.grad_accum=2"]
 
 
 def test_the_real_runner_runs_a_step_with_its_own_facts_dir_and_forwards_signals(make, tmp_path, monkeypatch):
