@@ -225,7 +225,8 @@ def test_the_srun_line_names_the_training_nodes_and_a_shrinks_accumulation(make)
                         "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=2"]  # not the allocation's SLURM_NTASKS
     assert argv[-1] == "train"
     shrunk = runner.argv(Step(index=3, hosts=("node1",), facts_dir=run, grad_accum=2))
-    assert shrunk[3:6] == ["--nodes=1", "--nodelist=node1", "--ntasks=1"] and shrunk[-2:] == ["--set", "train.grad_accum=2"]
+    assert shrunk[3:6] == ["--nodes=1", "--nodelist=node1", "--ntasks=1"]
+    assert shrunk[-2:] == ["--set", "train.grad_accum=2"]
 
 
 def test_the_real_runner_runs_a_step_with_its_own_facts_dir_and_forwards_signals(make, tmp_path, monkeypatch):
