@@ -33,6 +33,7 @@ COMMANDS = {
     "doctor": "dslurm.observe.doctor",
     "report": "dslurm.observe.report",
     "requeue-me": "dslurm.requeue",
+    "supervise": "dslurm.recover.supervise",
 }
 
 

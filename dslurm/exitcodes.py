@@ -12,6 +12,8 @@ NO_PROGRESS = 76  # the pointer did not advance across N starts: stop
 BUDGET = 77  # the restart budget is spent: stop
 PREFLIGHT_FAILED = 78  # burn-in found bad nodes: requeue without them
 REFUSED = 79  # another job holds the run directory's lock: not started, not retried
+HANG = 80  # the hang watchdog fired: no step progress within the bound (a crash: retried)
+NONFINITE = 81  # the loss diverged (NaN/inf) and train.nonfinite said stop: not retried
 TERMINATED = 143  # SIGTERM (scancel, preemption): saved if there was time, do not requeue ourselves
 
 # The standalone burn-in (`python -m dslurm.preflight.run`, `dslurm burnin`); inside a training
@@ -22,9 +24,9 @@ BURNIN_NO_REPORT = 5  # `dslurm burnin`: the runner crashed before writing its r
 
 NAMES = {OK: "completed", USER_ERROR: "user_error", SAVE_FAILED: "save_failed", REQUEUE: "requeue",
          NO_PROGRESS: "no_progress", BUDGET: "budget", PREFLIGHT_FAILED: "preflight_failed",
-         REFUSED: "refused", TERMINATED: "terminated"}
+         REFUSED: "refused", HANG: "hang", NONFINITE: "nonfinite", TERMINATED: "terminated"}
 
 # How a training process describes its own exit code in its report (dslurm/requeue/facts.py).
 KIND_OF_CODE = {OK: "completed", REQUEUE: "stop_saved", TERMINATED: "terminated_saved",
                 USER_ERROR: "user_error", PREFLIGHT_FAILED: "burnin_rejected", SAVE_FAILED: "save_failed",
-                REFUSED: "refused"}
+                REFUSED: "refused", HANG: "crash", NONFINITE: "diverged"}

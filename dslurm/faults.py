@@ -9,17 +9,28 @@ variable anywhere else.
                                              (1-based), as a USR2 handler would
   DSLURM_FAULT_CRASH=STEP[:RANKS][@RESTART]  RANKS raise before optimizer step STEP
   DSLURM_FAULT_KILL9=STEP[:RANKS][@RESTART]  RANKS SIGKILL themselves before step STEP (no report)
+  DSLURM_FAULT_HANG=STEP[:RANKS][@RESTART]   RANKS hang (sleep in Python, outside any collective)
+                                             before step STEP: for the hang watchdog
+  DSLURM_FAULT_NAN=STEP[:RANKS][@RESTART]    the batch that step STEP reads in an uninterrupted run is
+                                             poisoned on RANKS: its loss is NaN whenever it is read,
+                                             so a rollback that does not skip it meets it again
   DSLURM_FAULT_EXIT_DELAY=SECONDS[:RANKS][@RESTART]  RANKS wait SECONDS after their exit report,
                                              before exiting: forces which node's processes exit first
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
-                                             (before_write, after_write, before_pointer)
+                                             (before_write, after_write, before_pointer; two
+                                             tiers: after_local_commit, mid_copy)
   DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
                                              staging: a window in which to kill the whole job
+  DSLURM_FAULT_DURABLE_MBPS=MB_PER_S         each rank's copy to the durable run dir (two tiers) and
+                                             each rank's checked load from it are capped at MB_PER_S
+                                             (a loaded shared file system)
   DSLURM_FAULT_SLOW_NODE=HOST:SECONDS[,...]  the burn-in's timed exchanges on HOST sleep SECONDS
                                              each: a slow link for the localization to find
 
 RANKS is a comma list of global ranks (default 0); @RESTART limits the knob to one start
-(SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue.
+(SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue;
+@RESTART.STEP to one job step of that start (DSLURM_STEP_INDEX: the steps an in-allocation
+recovery launches, dslurm/recover/supervise.py), e.g. @0.0 fires in the first step only.
 """
 
 from __future__ import annotations
@@ -35,8 +46,9 @@ log = logging.getLogger(__name__)
 
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
-KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_EXIT_DELAY",
-         "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP", SLOW_NODE)
+KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_HANG",
+         "DSLURM_FAULT_NAN", "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP",
+         "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
 
 
 @dataclass(frozen=True)
@@ -46,18 +58,22 @@ class ScopedKnob:
     value: str
     ranks: frozenset[int]
     restart: int | None
+    step: int | None = None
 
     def applies(self, env: Mapping[str, str]) -> bool:
         rank = int(env.get("RANK", "0") or 0)
         restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-        return rank in self.ranks and self.restart in (None, restart)
+        step = int(env.get("DSLURM_STEP_INDEX", "0") or 0)
+        return rank in self.ranks and self.restart in (None, restart) and self.step in (None, step)
 
 
 def parse_scoped(raw: str) -> ScopedKnob:
-    """`VALUE[:RANKS][@RESTART]` -> ScopedKnob; RANKS defaults to rank 0. Pure."""
-    body, _, restart = raw.partition("@")
+    """`VALUE[:RANKS][@RESTART[.STEP]]` -> ScopedKnob; RANKS defaults to rank 0. Pure."""
+    body, _, when = raw.partition("@")
     value, _, ranks = body.partition(":")
-    return ScopedKnob(value, frozenset(int(r) for r in (ranks or "0").split(",")), int(restart) if restart else None)
+    restart, _, step = when.partition(".")
+    return ScopedKnob(value, frozenset(int(r) for r in (ranks or "0").split(",")), int(restart) if restart else None,
+                      int(step) if step else None)
 
 
 def _scoped(name: str, env: Mapping[str, str] | None) -> str | None:
@@ -74,13 +90,22 @@ def step_fault(name: str, env: Mapping[str, str] | None = None) -> int | None:
     return int(value) if value is not None else None
 
 
-def before_step(next_step: int, crash_at: int | None, kill_at: int | None) -> None:
+def before_step(next_step: int, crash_at: int | None, kill_at: int | None, hang_at: int | None = None) -> None:
     """Called by the trainer before optimizer step `next_step` (1-based)."""
+    if hang_at is not None and next_step == hang_at:
+        log.warning("DSLURM_FAULT_HANG: hanging before step %d", next_step)
+        while True:  # outside any collective, interpreter free: the watchdog thread still runs
+            time.sleep(3600)
     if kill_at is not None and next_step >= kill_at:
         log.warning("DSLURM_FAULT_KILL9: SIGKILL before step %d", next_step)
         os.kill(os.getpid(), signal.SIGKILL)
     if crash_at is not None and next_step >= crash_at:
         raise RuntimeError(f"injected crash before step {next_step} (DSLURM_FAULT_CRASH)")
+
+
+def poisoned(position: int, global_batch: int, nan_at: int | None) -> bool:
+    """Is the batch at data stream `position` (samples) the one DSLURM_FAULT_NAN poisons? Pure."""
+    return nan_at is not None and position == (nan_at - 1) * global_batch
 
 
 def exit_delay(env: Mapping[str, str] | None = None) -> float:
@@ -106,6 +131,11 @@ def save_sleep() -> None:
     secs = float(os.environ.get("DSLURM_FAULT_SAVE_SLEEP") or 0)
     if secs:
         time.sleep(secs)
+
+
+def durable_mbps() -> float:
+    """The durable writer's cap in MB/s per rank (0: none)."""
+    return float(os.environ.get("DSLURM_FAULT_DURABLE_MBPS") or 0)
 
 
 def parse_slow_nodes(value: str | None) -> dict[str, float]:

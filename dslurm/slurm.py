@@ -121,6 +121,9 @@ def job_info_from_scontrol(rec: Mapping[str, str]) -> dict[str, object]:
 
 
 SACCT_FIELDS = "JobID,JobName,State,NodeList,ExitCode,Reason,NNodes"
+# Accounting's record of a job that lost a node under --no-kill (dslurm supervise): Slurm closes
+# the record and opens a new one for the smaller job. Not a requeue: no new start, no restart.
+RESIZING = "RESIZING"
 
 
 def parse_sacct(stdout: str) -> dict[str, object] | None:
@@ -138,6 +141,8 @@ def parse_sacct(stdout: str) -> dict[str, object] | None:
         parts = line.split("|")
         if len(parts) < 7 or not parts[0].split("_")[0].isdigit():
             continue  # a step line (123.batch) or noise
+        if parts[2].startswith(RESIZING):
+            continue  # a --no-kill job shrunk after a node loss: the same start, not a restart
         rows.append(parts)
     if not rows:
         return None
@@ -286,7 +291,10 @@ def parse_sacct_incarnations(stdout: str) -> list[dict[str, object]]:
     out = []
     for j in jobs:
         t = j.get("time") if isinstance(j.get("time"), dict) else {}
-        out.append({"state": _state_text(j.get("state")), "nodes": str(j.get("nodes") or ""),
+        state = _state_text(j.get("state"))
+        if state.startswith(RESIZING):
+            continue  # a --no-kill job that lost a node: the same start, not an incarnation
+        out.append({"state": state, "nodes": str(j.get("nodes") or ""),
                     "start": int(t.get("start") or 0), "end": int(t.get("end") or 0)})
     return sorted(out, key=lambda r: (r["start"], r["end"]))
 

@@ -6,7 +6,8 @@ exits 2 with the numbers and no traceback. The world the launcher started wins o
 job file's node count: `nodes` and `procs_per_node` are taken from torchrun's environment
 (WORLD_SIZE, LOCAL_WORLD_SIZE), so the parallel degrees are checked against the real world.
 Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 143 stopped by
-TERM (saved), 2 user error, 74 a save the ending needs failed, 79 refused (run dir locked).
+TERM (saved), 2 user error, 74 a save the ending needs failed, 79 refused (run dir locked),
+80 the hang watchdog fired (train/watchdog.py), 81 the loss diverged under train.nonfinite=stop.
 On its way out every process writes its own report (dslurm/requeue/facts.py): what kind of ending,
 its code, the step reached, the error, and the time the failure happened -- the facts from
 which `dslurm requeue-me` classifies the step's ending.
@@ -55,11 +56,13 @@ def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
 def init_distributed(resolved, local_rank: int, world: int):
     """Process group + device (dslurm.launch.process_group: the one init every entry point uses).
     A CPU site on a machine with GPUs still trains on the CPU with its own backend."""
+    from dslurm import health
     from dslurm.launch.process_group import init_process_group
 
-    gpus = resolved.site.node.gpus > 0
+    gpus, spec = resolved.site.node.gpus > 0, resolved.job.health
     return init_process_group(resolved.site.network.backend, require_cuda=gpus, cpu_only=not gpus,
-                              where=f"{resolved.site_path}: site {resolved.site.name!r}")
+                              where=f"{resolved.site_path}: site {resolved.site.name!r}",
+                              timeout_s=health.pg_timeout_s(spec.hang_ceiling_s) if spec.watchdog else None)
 
 
 class Outcome:
@@ -68,6 +71,7 @@ class Outcome:
 
     def __init__(self) -> None:
         self.error, self.t, self.step = "", None, None
+        self.kind: str | None = None  # set by the watchdog: its verdict wins over the code's kind
         self.trainer: object = None
         self.stop: object = None
 
@@ -78,6 +82,31 @@ class Outcome:
 
 
 OUTCOME = Outcome()
+
+
+def on_hang(verdict) -> None:
+    """The watchdog fired (its thread; the main thread is stuck): report, then end the process
+    now -- the finally blocks of a stuck thread would never run."""
+    from dslurm import exitcodes
+
+    OUTCOME.t, OUTCOME.error, OUTCOME.step, OUTCOME.kind = verdict.t, verdict.error, verdict.step, verdict.kind
+    try:
+        report(exitcodes.HANG, verdict.rank)
+    finally:
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(exitcodes.HANG)
+
+
+def make_watchdog(resolved, rank: int, world: int):
+    """The hang watchdog of this process (None when health.watchdog is off)."""
+    if not resolved.job.health.watchdog:
+        return None
+    from dslurm.requeue import facts
+    from train.watchdog import Watchdog
+
+    return Watchdog(resolved.job.health, rank=rank, world=world, run_dir=resolved.run_dir,
+                    start_dir=facts.start_dir(run_dir=resolved.run_dir), on_hang=on_hang)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         clock.mark("burnin")
         OUTCOME.stop = StopRequest().install(None)  # a TERM during the build is recorded too
         trainer = OUTCOME.trainer = Trainer(resolved, device=device, rank=rank, world_size=world,
-                                            t_start=T_START, clock=clock)
+                                            t_start=T_START, clock=clock,
+                                            watchdog=make_watchdog(resolved, rank, world))
         OUTCOME.stop.install(trainer)  # USR2 -> save, exit 75; TERM -> save, exit 143
         code = trainer.run()
         OUTCOME.step = trainer.step
@@ -132,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
+def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
+    """The stop signal this process received, unless it came only after the process had
+    already failed of its own accord (e.g. the watchdog's verdict, then torchrun's TERM when a
+    peer exited): that one is the teardown, not the cause. Pure."""
+    signame, sig_t = getattr(stop, "signame", None), getattr(stop, "t", None)
+    if signame is None or failed_t is None or sig_t is None:
+        return signame
+    return signame if sig_t <= failed_t else None
+
+
 def report(code: int, rank: int) -> None:
     """This process's own account of its ending, for the launcher and for requeue-me."""
     from dslurm import exitcodes
@@ -139,8 +179,8 @@ def report(code: int, rank: int) -> None:
     from dslurm.requeue import facts
 
     write_worker_code(code)
-    signame = getattr(OUTCOME.stop, "signame", None)
-    kind = facts.victim_kind(exitcodes.KIND_OF_CODE.get(code, "crash"), OUTCOME.error, signame)
+    signame = signal_before_failure(OUTCOME.stop, OUTCOME.t)
+    kind = OUTCOME.kind or facts.victim_kind(exitcodes.KIND_OF_CODE.get(code, "crash"), OUTCOME.error, signame)
     run_dir = getattr(getattr(OUTCOME.trainer, "resolved", None), "run_dir", None)
     facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=OUTCOME.step,
                                              error=OUTCOME.error, t=OUTCOME.t or time.time(), signal=signame),

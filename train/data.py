@@ -109,6 +109,11 @@ class GlobalBatchSampler:
                 self.epoch, self.position = self.epoch + 1, 0
         return np.concatenate(out)
 
+    @property
+    def stream_position(self) -> int:
+        """Samples consumed since epoch 0 began: where the next global batch starts."""
+        return self.epoch * self.epoch_length + self.position
+
     def local_share(self, global_ids: np.ndarray) -> np.ndarray:
         """This rank's contiguous slice of a global batch."""
         b = self.local_batch

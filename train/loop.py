@@ -8,15 +8,25 @@ failure report or the ledger's last `exit` event -- not torchrun's):
      synchronous checkpoint was saved (EX_TEMPFAIL from sysexits.h: "try again later")
   143 stopped by TERM (scancel, preemption; `stop_terminated` set on any rank): saved like 75,
      but not to be requeued by us
+  81 the loss diverged under train.nonfinite=stop (no save: the pointer names a finite generation)
   2  user error (bad config or layout), raised before any process-group work
+  (80: the hang watchdog ended the process; train/watchdog.py, not this function)
 Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
-log_every), Stragglers (every straggler_every), Signal, Exit; the checkpoint manager adds Ckpt*.
+log_every), Stragglers (every straggler_every), Signal, NonFinite, Exit; the checkpoint manager
+adds Ckpt*; the watchdog adds Hang.
+
+Non-finite steps (dslurm/health.py): the loss and "is the gradient norm finite" ride in the one
+all-reduce that carries the stop flag, taken before the optimizer step, so every rank sees the
+same verdict and applies `train.nonfinite` together: skip the optimizer step, roll back to the
+pointer's generation and never read the offending batch again, or stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import sys
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -25,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dslurm import exitcodes, faults
+from dslurm import exitcodes, faults, health
 from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
 from train.data import make_loader
@@ -36,6 +46,7 @@ from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
 from train.startup import StartClock
 from train.state import train_state
+from train.watchdog import NO_WATCHDOG, Watchdog
 
 log = logging.getLogger(__name__)
 EXIT_COMPLETED, EXIT_REQUEUE, EXIT_TERMINATED = exitcodes.OK, exitcodes.REQUEUE, exitcodes.TERMINATED
@@ -60,6 +71,10 @@ class StepResult:
     """some rank asked to stop: all ranks agree"""
     terminated: bool = False
     """some rank's stop came from TERM: all ranks exit 143 instead of 75"""
+    nonfinite: health.NonfiniteDecision | None = None
+    """the loss or grad norm was not finite on some rank: what all ranks do"""
+    position: int = 0
+    """the data stream position (samples) of this step's batch"""
 
 
 class Trainer:
@@ -67,7 +82,7 @@ class Trainer:
 
     def __init__(self, resolved: Any, *, device: torch.device, rank: int, world_size: int,
                  fsdp: bool | None = None, checkpoint: bool = True, t_start: float | None = None,
-                 clock: StartClock | None = None) -> None:
+                 clock: StartClock | None = None, watchdog: Watchdog | None = None) -> None:
         job, self.resolved = resolved.job, resolved
         self.train, self.rank, self.device = job.train, rank, device
         self.t_start = t_start if t_start is not None else time.time()
@@ -78,6 +93,12 @@ class Trainer:
         self._fault_stop = faults.step_fault("DSLURM_FAULT_STOP")  # test knobs: dslurm/faults.py
         self._fault_crash = faults.step_fault("DSLURM_FAULT_CRASH")
         self._fault_kill9 = faults.step_fault("DSLURM_FAULT_KILL9")
+        self._fault_hang = faults.step_fault("DSLURM_FAULT_HANG")
+        self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
+        self._poison = False
+        self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
+        self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
+        self.skip_positions: set[int] = set()  # batches (stream positions) never to be read again
         self.step = 0
         # The batch rule (dslurm.config.layout): grad_accum x microbatches equal micro-batches per rank.
         self.loss_scale = 1.0 / (self.train.grad_accum * self.dims.layout.microbatches)
@@ -102,7 +123,8 @@ class Trainer:
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-microbatch loss pre-divided so the summed gradients are the global mean's."""
-        return cross_entropy(logits, targets) * self.loss_scale
+        loss = cross_entropy(logits, targets) * self.loss_scale
+        return loss * float("nan") if self._poison else loss  # DSLURM_FAULT_NAN
 
     def _loss_context(self) -> Any:
         """Vocab-sharded logits (loss parallel, tp > 1): cross-entropy must run in this context."""
@@ -129,32 +151,49 @@ class Trainer:
                 total += _local(loss.detach())
         return total
 
+    def _position(self) -> int:
+        return int(self.loader.sampler.stream_position)
+
     def train_step(self) -> StepResult:
-        """One optimizer step; ends with the collective that also agrees on the stop flag."""
-        faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9)
+        """One optimizer step. Before the optimizer acts, one all-reduce agrees on the logged loss,
+        the stop flag and whether the step is finite (dslurm/health.py decides what to do then)."""
+        faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9, self._fault_hang)
         with self.metrics.phase("data"):
+            while self._position() in self.skip_positions:  # a batch a rollback left behind
+                self.loader.sampler.next_global()
+            position = self._position()
+            self._poison = faults.poisoned(position, self.train.global_batch, self._fault_nan)
             inputs, targets = self.loader.next_batch()
-        with self.metrics.phase("compute"), self._loss_context():
+        with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets)
-        with self.metrics.phase("optimizer"):
+        with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
             norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
-            lr = self.optimizers[0].param_groups[0]["lr"]
-            for opt in self.optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            for sched in self.schedulers:
-                sched.step()
-        # One all-reduce for the logged loss and the stop flag: only the ranks holding the
-        # last stage contribute a loss (world/pp of them, each a dp-rank mean).
+        # Only the ranks holding the last stage contribute a loss (world/pp of them, each a
+        # dp-rank mean); a non-finite norm on any rank is counted too, so all ranks agree.
         if self._fault_stop is not None and self.step + 1 >= self._fault_stop:
             self.stop_requested = True
         holder = self.built.has_last_stage
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
                            torch.tensor(float(self.stop_requested), device=self.device),
-                           torch.tensor(float(self.stop_terminated), device=self.device)])
-        dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-        result = StepResult(step=self.step, loss=vec[0].item() / (self.dims.world_size // self.dims.layout.pp),
-                            grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0, terminated=vec[2].item() > 0)
+                           torch.tensor(float(self.stop_terminated), device=self.device),
+                           (~torch.isfinite(norm)).float().to(self.device)])
+        with self.watch.collective("step_agree"):
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+        loss = vec[0].item() / (self.dims.world_size // self.dims.layout.pp)
+        decision = None
+        if vec[3].item() > 0 or not math.isfinite(loss):
+            decision = health.nonfinite_action(self.train.nonfinite, self.nonfinite_handled,
+                                               self.train.nonfinite_max)
+        with self.metrics.phase("optimizer"):
+            lr = self.optimizers[0].param_groups[0]["lr"]
+            for opt in self.optimizers:
+                if decision is None or decision.action == "train":
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+            for sched in self.schedulers:
+                sched.step()
+        result = StepResult(step=self.step, loss=loss, grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0,
+                            terminated=vec[2].item() > 0, nonfinite=decision, position=position)
         self.step += 1
         return result
 
@@ -170,13 +209,17 @@ class Trainer:
             config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
                                           "train": dataclasses.asdict(job.train)}),
             model_shape=dataclasses.asdict(self.resolved.shape),
-            layout=self.resolved.layout.degrees(), ledger=self.ledger)
+            layout=self.resolved.layout.degrees(), ledger=self.ledger,
+            scratch=self.resolved.site.storage.scratch if c.tiers == "two_tier" else None,
+            keep_local=c.keep_local, on_lag=c.on_lag)
 
     def _save(self, blocking: bool) -> None:
         if self.ckpt is not None:
-            with self.metrics.phase("checkpoint"):
+            self.watch.expect_long()
+            with self.metrics.phase("checkpoint"), self.watch.collective("checkpoint"):
                 self.ckpt.save(self.step, train_state(self.built.parts, self.optimizers),
-                               {"data": self.loader.state_dict()}, blocking=blocking)
+                               {"data": self.loader.state_dict(), "skip_positions": sorted(self.skip_positions)},
+                               blocking=blocking)
 
     def _save_final(self) -> None:
         """A save the run's ending depends on (the last step, a stop): it must commit, whatever
@@ -198,6 +241,7 @@ class Trainer:
         if res is not None:
             self.step = res.step
             self.loader.load_state_dict(extra["data"])
+            self.skip_positions |= {int(p) for p in extra.get("skip_positions", [])}
             for sched in self.schedulers:  # LambdaLR: lr = base * factor(last_epoch)
                 sched.last_epoch = self.step
                 for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
@@ -223,6 +267,7 @@ class Trainer:
                                       startup_s=round(time.time() - self.t_start, 3),
                                       layout=self.resolved.layout.degrees()))
         self.metrics.start()
+        self.watch.start()
         result = None
         while self.step < self.train.steps:
             result = self.train_step()
@@ -232,10 +277,17 @@ class Trainer:
             if self.train.step_sleep_s:
                 time.sleep(self.train.step_sleep_s)
             self.metrics.end_step(result.step, result.loss)
+            if result.nonfinite is not None and result.nonfinite.action != "train":
+                if result.nonfinite.action == "stop":
+                    return self._stop_nonfinite(result)
+                if self._handle_nonfinite(result):  # rolled back: the step counter moved back
+                    self.watch.beat(self.step)
+                    continue
             if self.step % self.train.log_every == 0 or self.step == self.train.steps or result.stop:
                 self._log_window(result)
             if self.step % self.train.straggler_every == 0:
-                times, hosts = gather_step_times(self.metrics.last_step_time_s)
+                with self.watch.collective("stragglers"):
+                    times, hosts = gather_step_times(self.metrics.last_step_time_s)
                 self._event(straggler_event(self.step, times, hosts))
             if result.stop:
                 self._event(events.Signal(signal="stop_requested", step=self.step))
@@ -244,15 +296,67 @@ class Trainer:
                 self._event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))
                 # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
                 # before rank 0 has written the exit event (the save itself is collective).
-                dist.barrier()
+                with self.watch.collective("exit_barrier"):
+                    dist.barrier()
                 return code
             if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
                 self._save(blocking=False)
+            self.watch.beat(self.step)
         if result is not None:  # None: resumed at the end already
             self._save_final()
         self._event(events.Exit(reason="completed", step=self.step, code=EXIT_COMPLETED))
         return EXIT_COMPLETED
 
+    # ------------------------------------------------------------------ non-finite steps
+
+    def _nonfinite_event(self, r: StepResult, **kw: Any) -> None:
+        assert r.nonfinite is not None
+        self._event(events.NonFinite(step=r.step, loss=r.loss, grad_norm=r.grad_norm, action=r.nonfinite.action,
+                                     reason=r.nonfinite.reason, handled=self.nonfinite_handled, **kw))
+
+    def _handle_nonfinite(self, r: StepResult) -> bool:
+        """skip (the optimizer step was not taken) or rollback; True when the step moved back."""
+        assert r.nonfinite is not None
+        self.nonfinite_handled += 1
+        self.skip_positions.add(r.position)
+        if r.nonfinite.action != "rollback":
+            self._nonfinite_event(r, skipped_position=r.position)
+            log.warning("[rank %d] step %d: non-finite loss %s / grad norm %s: optimizer step skipped (%s)",
+                        self.rank, r.step, r.loss, r.grad_norm, r.nonfinite.reason)
+            return False
+        self._log_window(r)  # the failed step's own window, before the step counter moves back
+        self.watch.expect_long()
+        with self.watch.collective("rollback"):
+            res = self.restore()  # the pointer's generation: the checkpoint layer committed it finite
+        log.warning("[rank %d] step %d: non-finite loss %s: rolled back to step %d (%s); batch at %d skipped",
+                    self.rank, r.step, r.loss, self.step, res.generation if res else "nothing saved yet",
+                    r.position)
+        self._nonfinite_event(r, generation=res.generation if res else None, resumed_step=self.step,
+                              skipped_position=r.position)
+        return res is not None
+
+    def _stop_nonfinite(self, r: StepResult) -> int:
+        """train.nonfinite=stop (or the bound was reached): no save, the pointer stays finite."""
+        from dslurm.checkpoint import CheckpointError, read_pointer
+
+        try:
+            ptr = read_pointer(self.resolved.run_dir) if self.ckpt is not None else None
+        except CheckpointError:
+            ptr = None
+        where = f"the pointer still names {ptr.generation} (step {ptr.step})" if ptr else "nothing was saved"
+        self._nonfinite_event(r, generation=ptr.generation if ptr else None)
+        code = exitcodes.NONFINITE
+        if self.rank == 0:
+            print(f"error: step {r.step}: the loss is not finite (loss {r.loss}, grad norm {r.grad_norm}); "
+                  f"{r.nonfinite.reason if r.nonfinite else ''}: stopping without a save (exit {code}); {where}. "
+                  "Fix: lower train.lr or add warm-up, or set train.nonfinite: rollback | skip; a resubmit "
+                  "resumes from the pointer", file=sys.stderr, flush=True)
+        self._event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))
+        with self.watch.collective("exit_barrier"):
+            dist.barrier()
+        return code
+
     def close(self) -> None:
+        self.watch.close()
         if self.ckpt is not None:
             self.ckpt.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signame: str | None = None
+        self.t: float | None = None  # when the first stop signal arrived
         self._target: Any = None
 
     def install(self, trainer: Any) -> StopRequest:
@@ -45,6 +47,8 @@ class StopRequest:
         self._set(signal.Signals(signum).name)
 
     def _set(self, name: str) -> None:
+        if self.t is None:
+            self.t = time.time()
         # TERM outranks USR2: a preemption/cancel must not be turned into a requeue.
         if self.signame != "SIGTERM":
             self.signame = name

@@ -92,6 +92,8 @@ class RestoreResult:
     saved_layout: dict[str, Any]
     rejected: list[tuple[str, list[str]]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: precheck, load, verify, total
+    tier: str = "durable"  # "local": node-local copies (two tiers, same nodes and layout)
+    tier_reason: str = ""  # why that tier (two tiers)
 
 
 @dataclass
@@ -104,6 +106,11 @@ class SaveOutcome:
     stall_s: float = 0.0  # training blocked (state_dict + staging, or the whole sync save)
     total_s: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # rank 0: seconds since the save began
+    tier: str = "durable"  # "two_tier": locally committed first, then copied (dslurm.checkpoint.twotier)
+    durable: bool = True  # False: locally committed only (on_lag=skip_durable)
+    local_s: float | None = None  # two tiers: seconds from the save's start to the local commit
+    local_commit_t: float | None = None  # two tiers: unix time of the local commit
+    lag_s: float | None = None  # two tiers: durable commit minus local commit
 
 
 @dataclass
@@ -194,7 +201,8 @@ class CheckpointManager:
                  async_mode: bool = False, on_inflight: str = "wait", on_error: str = "continue",
                  config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
                  layout: dict[str, Any] | None = None, ledger: Ledger | None = None,
-                 verify_on_restore: str = "full", io_threads: int = 1):
+                 verify_on_restore: str = "full", io_threads: int = 1, scratch: str | None = None,
+                 keep_local: int = 2, on_lag: str = "wait"):
         for name, value, allowed in (("on_inflight", on_inflight, ("wait", "skip")),
                                      ("on_error", on_error, ("continue", "stop")),
                                      ("verify_on_restore", verify_on_restore, ("full", "size"))):
@@ -224,6 +232,10 @@ class CheckpointManager:
         self._outcome: SaveOutcome | None = None
         self._saves = 0
         self.last_outcome: SaveOutcome | None = None
+        self._tiers: Any = None  # two tiers when `scratch` is set (dslurm.checkpoint.twotier)
+        if scratch is not None:
+            from dslurm.checkpoint.twotier import TwoTier
+            self._tiers = TwoTier(self, scratch, keep_local, on_lag)
 
     # ------------------------------------------------------------ restore
 
@@ -234,8 +246,17 @@ class CheckpointManager:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         plan = self._ctl.bcast(ck.plan_restore(self.run_dir) if self.rank == 0 else None)
+        tier, why, gdir = "durable", "", self.gdir
         try:  # each candidate is checked while it loads; a mismatch moves on to the next one
-            sel = ck.select_generation(plan, lambda name, crc: self._load_checked(name, crc, state, phases))
+            if self._tiers is not None:
+                name, why, _ = self._tiers.restore_local(state, plan.pointer, phases)
+                if name is not None:
+                    tier, gdir = "local", self._tiers.lgdir
+                    sel = ck.Selection(name, ck.parse_step(name) or 0, False, f"local tier: {why}")
+                else:
+                    log.info("[rank %d] restoring from the durable tier: %s", self.rank, why)
+            if tier == "durable":
+                sel = ck.select_generation(plan, lambda name, crc: self._load_checked(name, crc, state, phases))
         except ck.CheckpointError as exc:
             log.error("[rank %d] checkpoint restore refused: %s", self.rank, exc)
             self._event(events.CkptRestoreFailed(run_dir=str(self.run_dir), reason=str(exc)))
@@ -250,7 +271,7 @@ class CheckpointManager:
                 ck.mark_rejected(self.gdir / name, problems)
         if sel.fell_back:
             log.error("[rank %d] CHECKPOINT FALLBACK: %s", self.rank, sel.reason)
-        gen = self.gdir / sel.generation
+        gen = gdir / sel.generation
         meta = json.loads((gen / ck.META).read_text())  # its crc32 was checked before the load
         rng_ok = meta["world_size"] == self.world
         if rng_ok:
@@ -263,12 +284,12 @@ class CheckpointManager:
         phases["total"] = time.perf_counter() - t0
         res = RestoreResult(meta["step"], sel.generation, gen, sel.fell_back, sel.reason,
                             dict(meta["extra"]), rng_ok, meta["world_size"], meta["layout"], sel.rejected,
-                            {k: round(v, 4) for k, v in phases.items()})
+                            {k: round(v, 4) for k, v in phases.items()}, tier, why)
         log.info("[rank %d] restored step %d from %s in %.2f s (%s)", self.rank, res.step, gen,
                  phases["total"], ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "total"))
         kind = events.CkptFallback if sel.fell_back else events.CkptRestore
         self._event(kind(run_dir=str(self.run_dir), step=res.step, generation=res.generation,
-                         reason=res.reason, rejected=[n for n, _ in sel.rejected]))
+                         reason=res.reason, rejected=[n for n, _ in sel.rejected], tier=tier, tier_reason=why))
         return res
 
     def _load_checked(self, name: str, pointer_crc: str | None, state: dict[str, Any],
@@ -285,7 +306,7 @@ class CheckpointManager:
         gen = self.gdir / name
         self._check_compat(json.loads((gen / ck.META).read_text()), state, gen)
         full = self.verify_on_restore == "full"
-        reader = CrcReader(gen)
+        reader = CrcReader(gen, faults.durable_mbps())  # the knob emulates a loaded shared file system
         t, err = time.perf_counter(), None
         try:
             dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
@@ -363,12 +384,14 @@ class CheckpointManager:
              blocking: bool = False) -> bool:
         """Start (async) or do (sync, or blocking=True for signal saves) a save of `state` at `step`.
         Returns False when skipped (on_inflight="skip") or, for sync saves, when it failed."""
+        if self._tiers is not None:
+            return bool(self._tiers.save(step, state, extra or {}, blocking))
         if self._thread is not None:
             busy = any(self._ctl.gather(self._thread.is_alive()))  # one decision for all ranks
             if busy and not blocking and self.on_inflight == "skip":
                 log.warning("[rank %d] step %d: save skipped, previous save still in flight "
                             "(on_inflight=skip)", self.rank, step)
-                self._event(events.CkptSaveSkipped(run_dir=str(self.run_dir), step=step))
+                self._event(events.CkptSaveSkipped(run_dir=str(self.run_dir), step=step, reason="in_flight"))
                 return False
             if busy:
                 log.info("[rank %d] step %d: waiting for the in-flight save (on_inflight=%s)",
@@ -392,6 +415,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed or failed; apply on_error."""
+        if self._tiers is not None:
+            self._tiers.wait()
         if self._thread is None:
             return
         self._thread.join()
@@ -516,7 +541,8 @@ class CheckpointManager:
                      out.stall_s, out.total_s)
             self._event(events.CkptSave(run_dir=str(self.run_dir), step=out.step, generation=out.generation,
                                         bytes=out.bytes, stall_s=round(out.stall_s, 4),
-                                        total_s=round(out.total_s, 4)))
+                                        total_s=round(out.total_s, 4), tier=out.tier,
+                                        local_commit_t=out.local_commit_t, lag_s=out.lag_s))
             return
         log.error("[rank %d] checkpoint save at step %d FAILED, pointer unchanged (%s), on_error=%s: %s",
                   self.rank, out.step, self._pointer_desc(), self.on_error, out.reason)

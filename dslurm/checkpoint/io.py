@@ -18,6 +18,7 @@ import dataclasses
 import io
 import os
 import threading
+import time
 import zlib
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -120,6 +121,21 @@ def _crc_pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
+class Pace:
+    """Caps a reader at `mbps` MB/s (0: no cap). Only the fault knob DSLURM_FAULT_DURABLE_MBPS sets
+    it (dslurm/faults.py): a loaded shared file system, for restores from the durable tier."""
+
+    def __init__(self, mbps: float = 0.0) -> None:
+        self.mbps, self.done, self.t0 = mbps, 0, time.monotonic()
+
+    def took(self, n: int) -> None:
+        if self.mbps > 0:
+            self.done += n
+            ahead = self.done / (self.mbps * 1e6) - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
 class _CrcView(io.RawIOBase):
     """One stored item [start, end) of a shard as a read-only file for torch.load. Its large
     reads (the tensor's data record) go straight into torch's buffer, the new storage, and are
@@ -128,9 +144,10 @@ class _CrcView(io.RawIOBase):
     the running crc32 going; a few kB per item. Any other read pattern makes `finish` read the
     whole item again: slower, never unchecked."""
 
-    def __init__(self, f: Any, name: str, start: int, length: int, sums: RangeSums) -> None:
+    def __init__(self, f: Any, name: str, start: int, length: int, sums: RangeSums, pace: Pace) -> None:
         super().__init__()
         self.f, self.name, self.start, self.end, self.sums = f, name, start, start + length, sums
+        self.pace = pace
         self.pos = 0
         self.done, self.crc = start, sums.prior(name, start)  # summed in order up to `done`
         self.redo = False
@@ -165,6 +182,7 @@ class _CrcView(io.RawIOBase):
     def _read(self, view: memoryview, at: int) -> None:
         self.f.seek(at)
         got = self.f.readinto(view) if len(view) else 0
+        self.pace.took(got)
         if got != len(view):
             raise OSError(f"{self.f.name}: {got} bytes at {at}, expected {len(view)} (truncated?)")
 
@@ -190,6 +208,7 @@ class _CrcView(io.RawIOBase):
         self.f.seek(self.done)
         while self.done < upto:
             data = self.f.read(min(8 << 20, upto - self.done))
+            self.pace.took(len(data))
             if not data:
                 raise OSError(f"{self.f.name}: ends at {self.done}, expected {upto} (truncated?)")
             self.crc, self.done = zlib.crc32(data, self.crc), self.done + len(data)
@@ -230,9 +249,10 @@ class CrcReader(dcp.FileSystemReader):
     manager would read it once more: slower, never unchecked (tests/integration/
     test_checkpoint_local.py `test_restore_reads_each_shard_file_once` would fail)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], mbps: float = 0.0) -> None:
         super().__init__(path)
         self.sums = RangeSums()
+        self.pace = Pace(mbps)
         self.fs = _FinishingFS(self)
         self._pending: _CrcView | None = None
 
@@ -255,11 +275,12 @@ class CrcReader(dcp.FileSystemReader):
         if self.sums.covered(name, start, start + length) or length < _BIG:
             file.seek(start)
             data = file.read(length)
+            self.pace.took(len(data))
             if len(data) != length:
                 raise OSError(f"{file.name}: {len(data)} bytes at {start}, expected {length} (truncated?)")
             self.sums.add(name, start, data)
             return io.BytesIO(data)
-        self._pending = _CrcView(file, name, start, length, self.sums)
+        self._pending = _CrcView(file, name, start, length, self.sums, self.pace)
         return self._pending
 
 

@@ -105,6 +105,14 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
        cpus: int = 4) -> ClusterInfo:
     """Start the cluster (or leave a healthy one with the same settings alone)."""
     sdir = state_dir_of(state_dir)
+    # A healthy cluster with these settings is left alone without taking the machine lock: a test
+    # session run under `flock /tmp/dslurm-cluster.lock` (how sessions sharing the cluster take
+    # turns) holds that very lock, and would deadlock here. Reading health outside the lock
+    # promises no less than inside it: a `down` may follow either way.
+    rec = _load(sdir)
+    if rec and rec.get("settings", {}).get("nodes") == nodes and rec["settings"].get("accounting") == accounting \
+            and rec["settings"].get("cpus") == cpus and _healthy(sdir, rec):
+        return _info(sdir, rec)
     with _machine_lock():
         # Validate first: a bad --nodes must not tear down a running cluster.
         spec = cc.ClusterSpec(state_dir=sdir, nodes=nodes, cpus=cpus, accounting=accounting,

@@ -137,7 +137,9 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "InactiveLimit=0",
         "Waittime=0",
         "SlurmctldTimeout=10",
-        "SlurmdTimeout=30",
+        # A node whose slurmd stopped answering is marked down after this long (pinged every third
+        # of it): seconds, so tests lose a node for real in-allocation (issue 17), not minutes.
+        "SlurmdTimeout=10",
         f"MessageTimeout={spec.message_timeout}",
         "PropagateResourceLimits=NONE",
         "MailProg=/bin/true",

@@ -77,7 +77,8 @@ class SiteRequeueSpec:
 @dataclass(kw_only=True, slots=True)
 class StorageSpec:
     durable: str = field("checkpoints", help="root of run directories (checkpoints, ledger); shared by all nodes")
-    scratch: str | None = field(None, help="node-local fast storage, if any")
+    scratch: str | None = field(None, help="node-local fast storage, if any; %n is the node name "
+                                "(SLURMD_NODENAME); used by checkpoint.tiers: two_tier")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -182,9 +183,13 @@ class TrainSpec:
     log_every: int = field(10, help="steps between log lines and metrics")
     straggler_every: int = field(50, help="steps between gathers of per-rank step times")
     step_sleep_s: float = field(0.0, help="sleep per step (demos and tests that need a long run)")
+    nonfinite: Literal["skip", "rollback", "stop", "off"] = field(
+        "stop", help="a step whose loss or grad norm is NaN/inf, agreed by all ranks: skip it (no optimizer "
+        "step), roll back to the last good generation and skip its data, stop (exit 81), or off (train on)")
+    nonfinite_max: int = field(3, help="non-finite steps skipped or rolled back before the run stops (exit 81)")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "grad_accum", "log_every", "straggler_every"):
+        for name in ("steps", "global_batch", "grad_accum", "log_every", "straggler_every", "nonfinite_max"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"{getattr(self, name)} must be at least 1", f"set train.{name} to 1 or more")
         if self.lr <= 0:
@@ -210,14 +215,40 @@ class CheckpointSpec:
     async_save: bool = field(False, help="stage to host memory and write in the background")
     on_inflight: Literal["wait", "skip"] = field("wait", help="a save asked while one is in flight")
     on_error: Literal["continue", "stop"] = field("continue", help="a save that fails (disk full)")
+    tiers: Literal["durable", "two_tier"] = field(
+        "durable", help="durable: every save to the run dir; two_tier: node-local scratch first "
+        "(site storage.scratch), then copied to the run dir in the background")
+    keep_local: int = field(2, help="two_tier: locally committed generations kept per node (>= 1)")
+    on_lag: Literal["wait", "skip_local", "skip_durable"] = field(
+        "wait", help="two_tier: a save arriving while the durable copy of the previous one still runs")
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise FieldError("interval", f"{self.interval} must be at least 1",
                              "set checkpoint.interval to the steps between saves")
+        if self.keep_local < 1:
+            raise FieldError("keep_local", f"{self.keep_local} must be at least 1",
+                             "set checkpoint.keep_local: 1 or more")
         if self.keep < 2:
             raise FieldError("keep", f"{self.keep} must be at least 2 (the newest may be mid-write)",
                              "set checkpoint.keep: 2 or more")
+
+
+@dataclass(kw_only=True, slots=True)
+class HealthSpec:
+    watchdog: bool = field(True, help="hang watchdog in every training process (dslurm/health.py)")
+    hang_k: float = field(10.0, help="a step without progress for hang_k x the median step time is a hang")
+    hang_floor_s: float = field(120.0, help="the hang bound is never below this (seconds)")
+    hang_ceiling_s: float = field(1800.0, help="the hang bound before step times are known and during saves; "
+                                  "the process-group timeout is this + 60 s")
+
+    def __post_init__(self) -> None:
+        if self.hang_k < 1:
+            raise FieldError("hang_k", f"{self.hang_k} must be at least 1", "set health.hang_k to e.g. 10")
+        if not 0 < self.hang_floor_s <= self.hang_ceiling_s:
+            raise FieldError(("hang_floor_s", "hang_ceiling_s"),
+                             f"need 0 < hang_floor_s({self.hang_floor_s}) <= hang_ceiling_s({self.hang_ceiling_s})",
+                             "set health.hang_floor_s below health.hang_ceiling_s")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -253,9 +284,15 @@ class JobSpec:
     data: DataSpec = field(factory=DataSpec, help="data")
     checkpoint: CheckpointSpec = field(factory=CheckpointSpec, help="checkpoints")
     preflight: PreflightSpec = field(factory=PreflightSpec, help="pre-flight burn-in")
+    health: HealthSpec = field(factory=HealthSpec, help="health during the run: hang watchdog")
     requeue: RequeueSpec = field(factory=RequeueSpec, help="requeue")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
     env: dict[str, str] = field(factory=dict, help="extra environment for this job")
+    spares: int = field(0, help="spare whole nodes allocated beyond `nodes` (with --no-kill): a failed "
+                        "node is swapped for one inside the allocation, without the queue (docs/recovery.md)")
+    on_spares_exhausted: Literal["requeue", "shrink"] = field(
+        "requeue", help="a node fails and no spare is left: requeue without the bad node, or shrink: go on "
+        "with fewer nodes, a smaller data-parallel degree and the same global batch (gradient accumulation)")
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name):
@@ -264,6 +301,9 @@ class JobSpec:
                              "rename the job, e.g. llama8b-run1")
         if self.nodes < 1:
             raise FieldError("nodes", f"nodes={self.nodes} must be at least 1", "set nodes: 1 or more")
+        if self.spares < 0:
+            raise FieldError("spares", f"spares={self.spares} must not be negative",
+                             "set spares: 0 (no spare nodes) or more")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.entry):
             raise FieldError("entry", f"{self.entry!r} is not a Python module name",
                              "name a module like train or dslurm.launch.probe")

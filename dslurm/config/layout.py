@@ -189,6 +189,18 @@ class Layout:
                 f"of {per_step}, or change train.grad_accum" + (" or parallel.microbatches" if pipe else ""))
         return global_batch // per_step
 
+    def grad_accum_for(self, global_batch: int, micro_batch: int, *, where: str = "") -> int:
+        """The batch rule solved for grad_accum: the accumulation that keeps `global_batch` and
+        `micro_batch` on this layout (a shrink to fewer data-parallel ranks accumulates more).
+        UserError with the numbers when no whole number does."""
+        per_pass = self.dp * self.microbatches * micro_batch
+        if micro_batch < 1 or global_batch % per_pass:
+            raise UserError(f"{where}global_batch({global_batch}) is not a multiple of dp({self.dp}) x "
+                            f"microbatches({self.microbatches}) x micro_batch({micro_batch}) = {per_pass}: no "
+                            f"gradient accumulation keeps the global batch on this layout. Fix: a global batch "
+                            f"that the smaller data-parallel degree divides, or on_spares_exhausted: requeue")
+        return global_batch // per_pass
+
     def shape_problems(self, shape: ModelShape, stages_per_rank: int = 1) -> list[str]:
         """What the model's shape forbids: tp must split the heads, the FFN and (sequence
         parallel) the sequence; every pipeline stage needs a layer. Empty when all is well."""

@@ -112,6 +112,16 @@ class Resolved:
         return self.nnodes * self.procs_per_node
 
     @property
+    def spares(self) -> int:
+        """spare nodes allocated beyond the training nodes (job.spares)"""
+        return self.job.spares
+
+    @property
+    def alloc_nodes(self) -> int:
+        """whole nodes the script allocates: the training nodes plus the spares"""
+        return self.nnodes + self.job.spares
+
+    @property
     def time_str(self) -> str:
         return format_time(self.time_s)
 
@@ -151,6 +161,10 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
                         "none. Fix: dtype: fp32")
     time_s = parse_time(job.time or site.slurm.default_time,
                         f"{job_path}: field 'time'" if job.time else f"{site_path}: field 'slurm.default_time'")
+    if job.checkpoint.tiers == "two_tier" and not site.storage.scratch:
+        raise UserError(f"{job_path}: field 'checkpoint.tiers': two_tier needs node-local storage, but site "
+                        f"{site.name!r} ({site_path}) has no storage.scratch. Fix: set storage.scratch in the site "
+                        "(e.g. /local/$USER/%n), or checkpoint.tiers: durable")
     run_dir = run_dir_for(site, job, base_dir)
     if history is None and job.requeue.signal_lead == "auto":
         from dslurm.observe import events

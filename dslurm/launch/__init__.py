@@ -53,7 +53,7 @@ def torchrun_argv(info: LaunchInfo, cmd: Sequence[str], rdzv: str = "c10d",
             f"--node-rank={info.node_rank}", "--max-restarts=0"]
     if rdzv == "c10d":
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={info.master_addr}:{info.master_port}",
-                 f"--rdzv-id={info.job_id}-{info.restart_count}",
+                 f"--rdzv-id={info.job_id}-{info.restart_count}" + (f"-{info.step_index}" if info.step_index else ""),
                  f"--rdzv-conf=is_host={'true' if info.node_rank == 0 else 'false'}",
                  f"--local-addr={info.hostname}"]
     else:

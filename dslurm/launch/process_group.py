@@ -14,10 +14,14 @@ from dslurm.errors import UserError
 
 
 def init_process_group(backend: str | None = None, *, require_cuda: bool = False, cpu_only: bool = False,
-                       where: str = "") -> Any:
+                       where: str = "", timeout_s: float | None = None) -> Any:
     """Initialise torch.distributed from torchrun's (or srun's) environment; return the device.
     `require_cuda`: the site has GPUs, so a missing CUDA device is a user error naming `where`;
-    `cpu_only`: the site has none, so stay on the CPU even where CUDA exists."""
+    `cpu_only`: the site has none, so stay on the CPU even where CUDA exists; `timeout_s`: how
+    long a collective may block (the trainer passes `dslurm.health.pg_timeout_s`, just above its
+    hang watchdog's ceiling; None: torch's default, 10 min NCCL / 30 min gloo)."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -32,8 +36,9 @@ def init_process_group(backend: str | None = None, *, require_cuda: bool = False
         device = torch.device("cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     if world == 1 and "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return device

@@ -36,6 +36,8 @@ class LaunchInfo:
     master_port: int
     world_size: int
     mode: Literal["torchrun", "srun"]
+    step_index: int = 0
+    """which job step of this start (in-allocation recovery, dslurm/recover/supervise.py); 0 otherwise"""
     # srun mode only (one task per process): this task's global and local rank.
     rank: int | None = None
     local_rank: int | None = None
@@ -70,10 +72,14 @@ def local_job_id(pid: int) -> str:
     return f"{LOCAL_JOB_PREFIX}{pid}"
 
 
-def master_port(job_id: str, restart_count: int = 0) -> int:
-    """Same value on every node of a job; differs between jobs and between restarts."""
+STEP_INDEX_ENV = "DSLURM_STEP_INDEX"  # set by `dslurm supervise` for each job step it starts
+
+
+def master_port(job_id: str, restart_count: int = 0, step_index: int = 0) -> int:
+    """Same value on every node of a job; differs between jobs, between restarts and between
+    the job steps of one start (in-allocation recovery)."""
     digits = "".join(c for c in job_id if c.isdigit()) or "0"
-    return PORT_BASE + (int(digits) + 4099 * restart_count) % PORT_SPAN
+    return PORT_BASE + (int(digits) + 4099 * restart_count + 7919 * step_index) % PORT_SPAN
 
 
 def _job_id(env: Mapping[str, str]) -> str:
@@ -162,13 +168,15 @@ def derive(env: Mapping[str, str], *, nproc_per_node: int | None = None,
         raise UserError(f"inconsistent Slurm environment: SLURMD_NODENAME={me} is host "
                         f"#{hosts.index(me)} of {node_var}, but SLURM_NODEID={node_rank}")
     restart = _int(env, "SLURM_RESTART_COUNT", env.get("SLURM_RESTART_COUNT") or "0")
+    step_index = _int(env, STEP_INDEX_ENV, env.get(STEP_INDEX_ENV) or "0")
     gpus = gpus_on_node(env)
-    port = master_port(job_id, restart)
+    port = master_port(job_id, restart, step_index)
     if env.get("DSLURM_MASTER_PORT"):
         port = _int(env, "DSLURM_MASTER_PORT", env["DSLURM_MASTER_PORT"], 1, 65535,
                     fix="use a free TCP port, e.g. 29500, or unset it to derive one from the job id")
     common = dict(job_id=job_id, restart_count=restart, hosts=hosts, nnodes=nnodes, node_rank=node_rank,
-                  hostname=hosts[node_rank], master_addr=hosts[0], master_port=port, mode=mode)
+                  hostname=hosts[node_rank], master_addr=hosts[0], master_port=port, mode=mode,
+                  step_index=step_index)
     if mode == "srun":
         return _derive_srun(env, common, gpus)
     if nproc_per_node is not None:

@@ -191,11 +191,20 @@ def _loss(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
                               f" vs median {statistics.median(history[-5:]):.3f}{after}")
             history.append(loss)
     hw = _grep(logs, re.compile(r"Xid|ECC", re.I))
-    if nans:
-        out.append(Finding("loss is NaN or inf", nans[:MAX_EVIDENCE] + hw,
-                           "numerics (learning rate, bf16/fp8 overflow, a bad batch) or hardware (XID/ECC)",
-                           "resume from the last good generation with a lower lr or more warm-up; check grad "
-                           "norms before the NaN; run `dslurm burnin` on the nodes"))
+    handled = [e for s in starts for e in s.all(E.NonFinite)]
+    if nans or handled:
+        acted = [_ev(e, "step", "loss", "grad_norm", "action", "handled", "generation", "resumed_step",
+                     "skipped_position") for e in handled]
+        stopped = any(e.action == "stop" for e in handled)
+        what = ("the run stopped on it (train.nonfinite); the pointer names a finite generation: resubmit "
+                "after the fix" if stopped else "the run skipped or rolled back past it (train.nonfinite)"
+                if handled else "nothing acted on it (train.nonfinite: off)")
+        out.append(Finding("loss is NaN or inf", (acted + nans)[:MAX_EVIDENCE] + hw,
+                           "numerics (learning rate, bf16/fp8 overflow, a bad batch) or hardware (XID/ECC); "
+                           f"{what}",
+                           "compare grad_norm before the NaN; lower lr or add warm-up; a repeat at the same data "
+                           "position after a rollback points at the batch, at varying ones at numerics or a "
+                           "node: run `dslurm burnin` on the nodes"))
     if spikes:
         resumed = any("after a resume" in x for x in spikes)
         out.append(Finding("loss spikes", spikes[:MAX_EVIDENCE] + hw,
@@ -244,6 +253,30 @@ def _stragglers(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     return out
 
 
+def _hangs(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """Hangs the watchdog caught during training (train/watchdog.py): suspects, bound, stacks."""
+    out = []
+    for s in starts:
+        for e in s.all(E.Hang):
+            hosts = ", ".join(e.suspect_hosts) or "?"
+            ev = [_ev(e, "step", "idle_s", "bound_s", "median_step_s", "suspects", "suspect_hosts"),
+                  f"why: {e.why}",
+                  f"cost: {e.idle_s:.0f} s without progress before the watchdog fired (bound {e.bound_s:.0f} s), "
+                  f"then this start's steps since its last save and the restart",
+                  f"stacks of every rank: {e.stacks_dir}/hang-rank-*.txt"]
+            ev += [f"rank {r}: last collective {c.get('name') or '-'} #{c.get('seq')} "
+                   f"({'inside' if c.get('inside') else 'left'}) on {c.get('host')}"
+                   for r, c in list(e.collectives.items())[:MAX_EVIDENCE] if isinstance(c, dict)]
+            out.append(Finding(
+                f"hang during training at step {e.step} (suspect rank(s) {e.suspects or 'none'} on {hosts})", ev,
+                "synchronization (seed table: collective wait): the suspect rank stopped outside the "
+                "collectives the others wait in (a deadlock, a stalled input read, a device fault), or, "
+                "with no suspect, the fabric itself hangs",
+                f"read the suspects' stacks; run `dslurm burnin` on {hosts}; if it repeats on the same host, "
+                "blocklist it; the start ended as a crash and the requeue resumed from the pointer"))
+    return out
+
+
 def _crashes(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     dead = [s for s in starts if s.exit_reason == DIED or s.exit_reason.startswith("failed")
             or s.exit_reason == "budget"]
@@ -265,6 +298,9 @@ _ENDING_HELP = {
                     "free disk space or fix the divergence named in the evidence, then resubmit"),
     "refused": ("another job held the run directory's lock", "wait for or cancel that job; or use --chain"),
     "burnin_rejected": ("the burn-in rejected a node", "see the preflight report; the job requeues without it"),
+    "diverged": ("the loss was not finite and train.nonfinite said stop (or its bound was spent); not retried",
+                 "lower train.lr or add warm-up, or set train.nonfinite: rollback, then resubmit: it resumes "
+                 "from the pointer's finite generation"),
 }
 
 
@@ -281,7 +317,7 @@ def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 
 CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
-    _no_first_step, _scaling, _idle_stages, _loss, _resume, _stragglers, _endings, _crashes]
+    _no_first_step, _scaling, _idle_stages, _hangs, _loss, _resume, _stragglers, _endings, _crashes]
 
 
 def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list[Finding]:

@@ -101,6 +101,10 @@ class CkptRestore(Event):
     generation: str | None = None
     reason: str = ""
     rejected: list[str] = field(default_factory=list)
+    tier: str = "durable"
+    """"local" (node-local copies, same nodes and layout) or "durable" (the run dir)"""
+    tier_reason: str = ""
+    """why that tier: the local candidate used, or why no local generation qualified"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +197,38 @@ class CkptSave(Event):
     stall_s: float = 0.0
     """how long training was blocked by this save"""
     total_s: float = 0.0
+    """from the save's start to the pointer move (two tiers: includes the durable copy)"""
+    tier: str = "durable"
+    """"durable" (written to the run dir) or "two_tier" (local commit first, then copied)"""
+    local_commit_t: float | None = None
+    """two tiers: unix time of the local commit (restorable on the same nodes from then on)"""
+    lag_s: float | None = None
+    """two tiers: durable commit minus local commit (node loss loses this much more than a restart)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptLocalCommit(Event):
+    """Two tiers: every rank's shard is on its node's scratch with its crc32 known; the generation
+    is restorable by a job on the same nodes and layout, not yet after a node loss."""
+    NAME = "ckpt_local_commit"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    bytes: int = 0
+    stall_s: float = 0.0
+    local_s: float = 0.0
+    """from the save's start to the local commit"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptDurableSkipped(Event):
+    """Two tiers, on_lag=skip_durable: the copier was still busy with an older generation when
+    this one was locally committed; it stays local only (node loss falls back further)."""
+    NAME = "ckpt_durable_skipped"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +246,8 @@ class CkptSaveSkipped(Event):
     NAME = "ckpt_save_skipped"
     run_dir: str | None = None
     step: int | None = None
+    reason: str = ""
+    """"in_flight" (on_inflight=skip) or "lag" (two tiers, on_lag=skip_local)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,11 +260,51 @@ class Signal(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Exit(Event):
-    """The trainer's own exit: reason completed | requeue | terminated | save_failed."""
+    """The trainer's own exit: reason completed | requeue | terminated | save_failed | nonfinite."""
     NAME = "exit"
     reason: str = "?"
     step: int | None = None
     code: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hang(Event):
+    """The hang watchdog fired (train/watchdog.py; the rules: dslurm/health.py). Written once, by
+    the lowest rank that fired; every rank's stacks are in `stacks_dir`."""
+    NAME = "hang"
+    step: int | None = None
+    """optimizer steps completed when progress stopped"""
+    idle_s: float = 0.0
+    """seconds without progress when the watchdog fired"""
+    bound_s: float = 0.0
+    median_step_s: float | None = None
+    suspects: list[int] = field(default_factory=list)
+    suspect_hosts: list[str] = field(default_factory=list)
+    why: str = ""
+    collectives: dict[str, Any] = field(default_factory=dict)
+    """rank -> the last of the trainer's collectives it entered: name, #, still inside"""
+    stacks_dir: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFinite(Event):
+    """A step whose loss or gradient norm was not finite, and what all ranks did about it
+    (train.nonfinite: skip | rollback | stop)."""
+    NAME = "nonfinite"
+    step: int | None = None
+    """0-based step whose loss was not finite"""
+    loss: float | None = None
+    grad_norm: float | None = None
+    action: str = ""
+    """skip | rollback | stop | train"""
+    reason: str = ""
+    handled: int = 0
+    """non-finite steps skipped or rolled back so far in this start, this one included"""
+    generation: str | None = None
+    """rollback: the generation restored; stop: the one the pointer still names"""
+    resumed_step: int | None = None
+    skipped_position: int | None = None
+    """the data stream position (samples) of the batch that will not be read again"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,6 +336,35 @@ class Requeue(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Recovery(Event):
+    """An in-allocation recovery (dslurm/recover/supervise.py): the job step ended in a failure
+    and a new step was launched inside the same allocation, without the queue. `dslurm report`
+    measures the time to resumed training from `failed_t` to the next start's first step."""
+    NAME = "recovery"
+    cause: str = ""
+    """the ending's class: crash, node_failure, burnin_rejected"""
+    reason: str = ""
+    mode: str = ""
+    """same_nodes (no node at fault), spare (bad nodes swapped for spares), shrink (fewer nodes)"""
+    removed: list[str] = field(default_factory=list)
+    """nodes taken out of training (blocklisted)"""
+    added: list[str] = field(default_factory=list)
+    """spares swapped in"""
+    nodes: list[str] = field(default_factory=list)
+    """the training nodes of the next job step"""
+    from_nodes: int = 0
+    to_nodes: int = 0
+    grad_accum: int | None = None
+    """the gradient accumulation of the next step when a shrink changed it"""
+    step_index: int = 0
+    """the next job step of this start"""
+    resume_step: int | None = None
+    """the step the pointer names: where training resumes"""
+    failed_t: float | None = None
+    """when the failure happened (the earliest report of it; else when the step ended)"""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChainCancel(Event):
     NAME = "chain_cancel"
     job_ids: list[int] = field(default_factory=list)
@@ -266,8 +373,8 @@ class ChainCancel(Event):
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
-    StartPhases, Steps, Stragglers, CkptSave, CkptSaveFailed, CkptSaveSkipped, Signal, Exit, Ending, Requeue,
-    ChainCancel)}
+    StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
+    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

@@ -48,6 +48,15 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
     if sm.undurable_steps:
         lines.append(f"[red]{sm.undurable_steps} step(s) trained after the last committed checkpoint: in no "
                      "checkpoint (counted as lost)[/red]")
+    if sm.recoveries:
+        back = [r.resumed_s for r in sm.recoveries if r.resumed_s is not None]
+        lines.append(f"recoveries inside the allocation: {len(sm.recoveries)} ("
+                     + ", ".join(f"{r.cause}: {r.mode}" + (f" {'+'.join(r.added)} for {'+'.join(r.removed)}"
+                                                            if r.removed else "")
+                                 + (f" to {r.to_nodes} node(s), grad_accum {r.grad_accum}" if r.grad_accum else "")
+                                 for r in sm.recoveries)
+                     + ")" + (f"; failure to training {_fmt_s(sum(back))} in all, {_fmt_s(max(back))} at most"
+                              if back else ""))
     if sm.endings:
         lines.append("endings: " + ", ".join(f"{k} {n}x" for k, n in sorted(sm.endings.items())))
     if sm.skipped_lines:

@@ -90,6 +90,37 @@ class Start:
 
 
 @dataclass(slots=True)
+class Recovered:
+    """One recovery inside the allocation (a `recovery` event) and how long training stood still."""
+
+    start: int
+    """the index of the start that failed"""
+    cause: str
+    mode: str
+    removed: list[str]
+    added: list[str]
+    to_nodes: int
+    grad_accum: int | None
+    resumed_s: float | None
+    """the failure (`failed_t`) -> the next start's first step done (its train_start when it logged
+    no step); None when no later start trained"""
+
+
+def _recoveries(starts: list[Start]) -> list[Recovered]:
+    out = []
+    for i, s in enumerate(starts):
+        for rec in s.all(ev.Recovery):
+            nxt = starts[i + 1] if i + 1 < len(starts) else None
+            ts = nxt.first(ev.TrainStart) if nxt else None
+            back = nxt.windows[0].t if nxt and nxt.windows else (ts.t if ts else None)
+            failed = rec.failed_t or rec.t
+            out.append(Recovered(start=s.index, cause=rec.cause, mode=rec.mode, removed=list(rec.removed),
+                                 added=list(rec.added), to_nodes=rec.to_nodes, grad_accum=rec.grad_accum,
+                                 resumed_s=None if back is None else round(back - failed, 3)))
+    return out
+
+
+@dataclass(slots=True)
 class Summary:
     """What `dslurm report` prints; `to_dict` is the --json form (without raw events)."""
 
@@ -116,6 +147,8 @@ class Summary:
     undurable_steps: int = 0
     """steps trained after the last committed checkpoint of a run that is over: in no checkpoint"""
     endings: dict[str, int] = field(default_factory=dict)
+    recoveries: list[Recovered] = field(default_factory=list)
+    """recoveries inside the allocation (spare swap, same nodes, shrink): no queue, no requeue"""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -131,8 +164,8 @@ def _key(e: Event) -> tuple[str | None, int]:
 def _opens_new(cur: list[Event], e: Event) -> bool:
     """Does `e` belong to a new start rather than to the current one (`cur`)?"""
     has = {type(x) for x in cur}
-    if _key(e) != _key(cur[0]) or ev.Requeue in has or isinstance(e, ev.JobStart):
-        return True  # another job/restart, or the last start already took its decision
+    if _key(e) != _key(cur[0]) or ev.Requeue in has or ev.Recovery in has or isinstance(e, ev.JobStart):
+        return True  # another job/restart, or the last start already took its decision (or recovered)
     trained = ev.TrainStart in has or ev.Exit in has
     restored = any(isinstance(x, ev.RESTORES) for x in cur)
     if isinstance(e, (*ev.RESTORES, ev.TrainStart)):
@@ -235,6 +268,10 @@ def outcome(decision: str | None, requeued_by_slurm: bool) -> str | None:
 
 def _outcomes(starts: list[Start]) -> None:
     for i, s in enumerate(starts):
+        rec = s.all(ev.Recovery)
+        if rec:
+            s.outcome = f"recovered in the allocation ({rec[-1].mode})"
+            continue
         again = s.job_id is not None and any(
             t.job_id == s.job_id and t.restart > s.restart for t in starts[i + 1:])
         s.outcome = outcome(s.decision, again)
@@ -338,7 +375,7 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
         tokens_per_s=(sum(t * n for t, n in tps) / sum(n for _, n in tps)) if tps else None,
         final_step=starts[-1].reached if starts else None, stragglers=hosts, straggler_checks=len(checks),
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
-        undurable_steps=undurable, endings=endings)
+        undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts))
 
 
 def load(run_dir: Path) -> tuple[list[Event], int]:

@@ -7,7 +7,8 @@ says), never from the step's exit code alone; then the policy (`decide`, pure) f
 class:
 
 - completed: end; later links of a chain are cancelled.
-- user error, refused (run dir locked), save failed (disk full, non-finite state): stop with
+- user error, refused (run dir locked), save failed (disk full, non-finite state), diverged
+  (non-finite loss under train.nonfinite=stop): stop with
   the class's own exit code; a retry cannot help, and the message says what to fix.
 - cancelled, preempted, time limit (Slurm ended the step): stop with 143; Slurm decides
   whether the job comes back (`scontrol requeue`, preemption with requeue).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -56,7 +57,10 @@ _STOPS = {E.USER_ERROR: (X.USER_ERROR, "user error: fix the input and resubmit")
           E.REFUSED: (X.REFUSED, "refused: another job holds this run directory's lock; not retried "
                                  "(cancel the other job, or give this one its own checkpoint.run_dir)"),
           E.SAVE_FAILED: (X.SAVE_FAILED, "checkpoint save failed: the final state is not durable; not retried "
-                                         "(fix the cause named here, then resubmit: it resumes from the pointer)")}
+                                         "(fix the cause named here, then resubmit: it resumes from the pointer)"),
+          E.DIVERGED: (X.NONFINITE, "training diverged (non-finite loss, train.nonfinite=stop): not retried; "
+                                    "the pointer names a finite generation (lower train.lr or add warm-up, or "
+                                    "set train.nonfinite: rollback, then resubmit)")}
 
 
 def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: int,
@@ -173,15 +177,14 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
     """Write the ending of every earlier start that has none: its batch shell died with it
     (node failure, SIGKILL of the whole job). Whoever runs next records it, from that start's
     facts and what accounting says about that incarnation."""
-    from dslurm.requeue.facts import list_starts, read_start
+    from dslurm.requeue.facts import list_starts, parse_start_name, read_start
 
     acct = acct or _Accounting(env)
     for d in list_starts(run_dir):
         if d == current or (d / "ending.json").exists():
             continue
-        job, _, restart = d.name.rpartition(".")
+        job, n, _step = parse_start_name(d.name)
         incs = acct.incarnations(job)
-        n = int(restart) if restart.isdigit() else -1
         inc = incs[n] if 0 <= n < len(incs) else {}
         state = str(inc["state"]) if inc else None
         if state in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING", "SUSPENDED"):
@@ -194,15 +197,18 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
         _record_ending(run_dir, d, ending, late_for=(job, n), slurm_state=state)
 
 
-def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str],
-                        acct: _Accounting) -> tuple[E.Ending, Path | None]:
+def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str], acct: _Accounting, *,
+                        d: Path | None = None, hosts: list[str] | None = None) -> tuple[E.Ending, Path | None]:
+    """The ending of this start's job step from its facts dir (`d`, default from the environment)
+    and Slurm's view of `hosts` (default: the whole allocation; a supervised step passes its own
+    nodes, so a spare that is down is never taken for the node that ended the step)."""
     from dslurm import slurm
     from dslurm.requeue.facts import StartFacts, read_start, start_dir
 
-    d = start_dir(env, run_dir)
+    d = d if d is not None else start_dir(env, run_dir)
     facts = read_start(d) if d is not None else StartFacts("?", [], [], [], None)
     incs = acct.incarnations(env.get("SLURM_JOB_ID", ""))
-    hosts = _hosts(env.get("SLURM_JOB_NODELIST", ""))
+    hosts = _hosts(env.get("SLURM_JOB_NODELIST", "")) if hosts is None else hosts
     down = slurm.down_nodes(hosts, env=env) if hosts else {}
     view = E.SlurmView(state=str(incs[-1]["state"]) if incs else None, down_nodes=tuple(down),
                        node_states=tuple(f"{k}: {v}" for k, v in down.items()))
@@ -218,15 +224,24 @@ def frozen_policy(run_dir: Path) -> Any:
     return requeue_policy(load_site(run_dir / "site.yaml"), load_job(run_dir / "job.yaml"))
 
 
-def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
-    """Classify this start's ending, decide, record both in the ledger, act."""
-    from dslurm import slurm
+def retry_decision(run_dir: Path, job_id: str, ending: E.Ending, policy: Any) -> Decision:
+    """Would a failure ending be retried? `decide` with the run's restart budget and no-progress
+    guard, asked before the ending is recorded (as requeue-me does): the in-allocation recovery
+    (dslurm/recover/supervise.py) retries only what a requeue would."""
+    history = ev.read(run_dir)
+    return decide(ending=ending.cls, failures=failures_of(history, job_id), max_restarts=policy.max_restarts,
+                  no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(history),
+                  pointer_step=pointer_step(run_dir), detail=ending.reason)
+
+
+Act = Callable[[Decision, E.Ending, Mapping[str, str], Path, list[int]], None]
+
+
+def conclude(run_dir: Path, d: Path | None, ending: E.Ending, rc: int, env: Mapping[str, str],
+             acct: _Accounting, act: Act | None = None) -> Decision:
+    """Record the ending, decide with the frozen policy, record the decision, act on it."""
     from dslurm.observe.ledger import Ledger
 
-    env = dict(os.environ if env is None else env)
-    run_dir = Path(env["DSLURM_RUN_DIR"])
-    acct = _Accounting(env)
-    ending, d = classify_this_start(run_dir, rc, env, acct)
     close_earlier_starts(run_dir, d, env, acct)
     history = ev.read(run_dir)
     job_id = env.get("SLURM_JOB_ID", "")
@@ -243,6 +258,17 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
                                       reason=dec.reason, ending=ending.cls))
     print(f"dslurm: step ended: {ending.cls} ({ending.reason}); exit {rc}; decision: {dec.action}: "
           f"{dec.reason}", flush=True)
+    (act or act_on)(dec, ending, env, run_dir, chain)
+    return dec
+
+
+def act_on(dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path, chain: list[int]) -> None:
+    """Carry a decision out: requeue (keeping the job off the run's blocklist), or cancel a
+    finished chain's later links."""
+    from dslurm import slurm
+    from dslurm.observe.ledger import Ledger
+
+    job_id = env.get("SLURM_JOB_ID", "")
     if dec.action == "requeue":
         from dslurm.submit import read_blocklist
 
@@ -256,7 +282,15 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
         if later:
             slurm.run_cmd(["scancel", *map(str, later)], check=False)
             Ledger(run_dir).append(ev.ChainCancel(job_ids=later, reason="training complete"))
-    return dec.exit_code
+
+
+def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
+    """Classify this start's ending, decide, record both in the ledger, act."""
+    env = dict(os.environ if env is None else env)
+    run_dir = Path(env["DSLURM_RUN_DIR"])
+    acct = _Accounting(env)
+    ending, d = classify_this_start(run_dir, rc, env, acct)
+    return conclude(run_dir, d, ending, rc, env, acct).exit_code
 
 
 def requeue_excluding(job: str, hosts: list[str]) -> None:

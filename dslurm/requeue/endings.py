@@ -10,8 +10,9 @@ Rules, first match wins:
      only a launcher may be srun tearing the step down after another node failed: it
      decides nothing on its own. A TERM that came after every rank had saved on a stop
      warning (the time limit arriving while requeue-me runs) does not undo that stop.
-  3. The earliest failure a rank reported of its own: crash, save failure, user error,
-     refused (run dir locked), burn-in rejection. A peer's "connection closed" marks a
+  3. The earliest failure a rank reported of its own: crash (a hang the watchdog caught is one),
+     save failure, user error, refused (run dir locked), burn-in rejection, diverged (non-finite
+     loss under train.nonfinite=stop). A peer's "connection closed" marks a
      victim, never the origin.
   4. A stop the ranks agreed on and saved (USR2: the time-limit warning; TERM that reached
      the step only: a cancel aimed at the step).
@@ -32,8 +33,8 @@ from dslurm.requeue.facts import OWN_FAILURES, StartFacts, victim_kind
 
 COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
     "completed", "warned_stop", "cancelled", "preempted", "time_limit")
-CRASH, NODE_FAILURE, SAVE_FAILED, REFUSED, USER_ERROR, BURNIN_REJECTED = (
-    "crash", "node_failure", "save_failed", "refused", "user_error", "burnin_rejected")
+CRASH, NODE_FAILURE, SAVE_FAILED, REFUSED, USER_ERROR, BURNIN_REJECTED, DIVERGED = (
+    "crash", "node_failure", "save_failed", "refused", "user_error", "burnin_rejected", "diverged")
 FAILURES = (CRASH, NODE_FAILURE, BURNIN_REJECTED)  # retried within the crash budget
 SLURM_STOPS = (CANCELLED, PREEMPTED, TIME_LIMIT)  # Slurm ended the step: Slurm decides what next
 

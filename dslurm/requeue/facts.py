@@ -4,7 +4,8 @@ Decisions about how a job step ended (dslurm/requeue/endings.py) read these reco
 or torchrun's return code alone: those fold a crash, a preemption and a teardown by srun
 into the same numbers. Each start of a run gets a directory of its own:
 
-  <run_dir>/starts/<job_id>.<restart>/
+  <run_dir>/starts/<job_id>.<restart>[.<step>]/   (.<step>: the job steps an in-allocation
+                                                   recovery starts, dslurm/recover/supervise.py)
     batch.signals        one line per signal the batch shell received: `SIGNAME UNIXTIME`
                          (appended by the trap in the rendered script: only Slurm signals it)
     launcher-<host>.json each node's launcher: the signals *it* received (srun's teardown
@@ -42,7 +43,7 @@ ENDING = "ending.json"
 
 # Kinds a training process reports about itself. "victim" kinds say a peer went away:
 # they mark who was hurt, never where the failure began.
-OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected")
+OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected", "diverged")
 VICTIM_KINDS = ("peer_lost", "killed_by_teardown")
 
 # gloo/NCCL/c10d messages of a process whose peer went away first.
@@ -67,8 +68,20 @@ def victim_kind(kind: str, error: str, signal: str | None) -> str:
     return "killed_by_teardown" if signal else kind
 
 
-def start_name(job_id: str, restart: int) -> str:
-    return f"{job_id}.{restart}"
+def start_name(job_id: str, restart: int, step: int = 0) -> str:
+    """`job.restart` for a start's first job step; `job.restart.step` for the steps an
+    in-allocation recovery launches after it (so their facts never mix)."""
+    return f"{job_id}.{restart}" + (f".{step}" if step else "")
+
+
+def parse_start_name(name: str) -> tuple[str, int, int]:
+    """(job id, restart, step) of a start directory's name; -1 for a part that is not a number."""
+    parts = name.split(".")
+    job = parts[0]
+    nums = [int(p) if p.isdigit() else -1 for p in parts[1:3]]
+    restart = nums[0] if nums else -1
+    step = nums[1] if len(nums) > 1 else 0
+    return job, restart, step
 
 
 def start_dir(env: Mapping[str, str] | None = None, run_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -110,7 +123,8 @@ class RankReport:
 
     rank: int
     kind: str  # completed | stop_saved | terminated_saved | crash | save_failed | user_error |
-    #            refused | burnin_rejected | peer_lost | killed_by_teardown
+    #            refused | burnin_rejected | diverged | peer_lost | killed_by_teardown
+    #            (a hang: crash for the suspect, peer_lost for a rank that waited on it; error "hang: ...")
     code: int
     step: int | None = None
     error: str = ""
@@ -184,8 +198,8 @@ def read_start(d: Path) -> StartFacts:
 
 def list_starts(run_dir: str | os.PathLike[str]) -> list[Path]:
     """Start directories in start order (job id, then restart count)."""
-    def key(p: Path) -> tuple[int, str, int]:
-        job, _, restart = p.name.rpartition(".")
-        return (int(job) if job.isdigit() else 0, job, int(restart) if restart.isdigit() else 0)
+    def key(p: Path) -> tuple[int, str, int, int]:
+        job, restart, step = parse_start_name(p.name)
+        return (int(job) if job.isdigit() else 0, job, restart, step)
     root = Path(run_dir) / STARTS
     return sorted((p for p in root.iterdir() if p.is_dir()), key=key) if root.is_dir() else []

@@ -152,7 +152,10 @@ def test_a_diverging_run_never_commits_non_finite_state(slurm_cluster, cli, tmp_
     ends the run as save_failed (74, not retried), and the ledger stays strict JSON."""
     env = slurm_cluster.env()
     run = tmp_path / "nan"
-    spec = job_spec(tmp_path, "nan", nodes=1, steps=16, interval=2, sleep=0.0, train={"lr": 1000.0})
+    # nonfinite off: this scenario proves the checkpoint layer's own refusal (the default policy,
+    # stop, would end the run at the first NaN step with exit 81: test_hang_and_nan below).
+    spec = job_spec(tmp_path, "nan", nodes=1, steps=16, interval=2, sleep=0.0,
+                    train={"lr": 1000.0, "nonfinite": "off"})
     job = submit(cli, env, spec)
     assert slurm.wait_job(job, timeout=300, env=env) == "FAILED", logs(run)
     assert str(slurm.job_info(job, env=env)["exit_code"]).startswith(f"{X.SAVE_FAILED}:")
@@ -173,6 +176,53 @@ def test_a_diverging_run_never_commits_non_finite_state(slurm_cluster, cli, tmp_
     assert sm.undurable_steps == 16 - step and sm.lost_steps >= 16 - step
     record("train.lr=1000 (NaN from a few steps in)", "no non-finite generation committed; ends save_failed",
            f"pointer on finite step {step}; {len(failed)} save(s) refused as non-finite; exit 74, no retry", run)
+
+
+@pytest.mark.timeout(500)
+def test_a_hang_on_node2_is_caught_and_the_requeue_completes(slurm_cluster, cli, tmp_path):
+    """Issue 18: rank 2 (node2) hangs before step 12 on the first start only. The watchdog
+    (bound max(3 x median step, 3 s)) fires on every rank, dumps stacks, names rank 2 on node2;
+    the start ends as a crash (node2's rank reports it, node1's ranks report peer_lost), the
+    requeue resumes from step 10 and the run completes."""
+    env = slurm_cluster.env()
+    run = tmp_path / "hang"
+    spec = job_spec(tmp_path, "hang", steps=16, interval=10, sleep=0.2, env={"DSLURM_FAULT_HANG": "12:2@0"},
+                    health={"hang_k": 3, "hang_floor_s": 3, "hang_ceiling_s": 60})
+    job = submit(cli, env, spec)
+    assert slurm.wait_job(job, timeout=450, env=env) == "COMPLETED", logs(run)
+    (hang,) = events(run, "hang")
+    assert hang["suspects"] == [2] and hang["suspect_hosts"] == ["node2"] and hang["step"] == 11, hang
+    assert hang["idle_s"] <= hang["bound_s"] + 5, hang
+    stacks = Path(hang["stacks_dir"])
+    assert "before_step" in (stacks / "hang-rank-00002.txt").read_text()
+    assert sorted(p.name for p in stacks.glob("hang-rank-*.txt")) == [f"hang-rank-{r:05d}.txt" for r in range(4)]
+    ends = events(run, "ending")
+    assert [e["cls"] for e in ends] == ["crash", "completed"], ends
+    assert ends[0]["origin_rank"] == 2 and ends[0]["origin_host"] == "node2" and "hang" in ends[0]["reason"]
+    assert decisions(run) == ["requeue", "end"]
+    assert [e["step"] for e in events(run, "train_start")] == [0, 10]
+    record("rank 2 hangs before step 12 (DSLURM_FAULT_HANG)", "caught within the bound, stacks, crash retried",
+           f"hang event after {hang['idle_s']:.1f} s (bound {hang['bound_s']:.1f} s), suspect rank 2 on node2; "
+           "endings crash, completed", run)
+
+
+@pytest.mark.timeout(400)
+def test_a_nan_under_rollback_on_the_cluster_completes(slurm_cluster, cli, tmp_path):
+    """Issue 18: the batch of step 7 is poisoned on rank 1; train.nonfinite=rollback restores step 5's
+    generation, never reads that batch again, and the run completes in one start."""
+    env = slurm_cluster.env()
+    run = tmp_path / "nanrb"
+    spec = job_spec(tmp_path, "nanrb", steps=10, interval=5, sleep=0.1, env={"DSLURM_FAULT_NAN": "7:1"},
+                    train={"nonfinite": "rollback"})
+    job = submit(cli, env, spec)
+    assert slurm.wait_job(job, timeout=350, env=env) == "COMPLETED", logs(run)
+    (nf,) = events(run, "nonfinite")
+    assert nf["action"] == "rollback" and nf["step"] == 6 and nf["resumed_step"] == 5, nf
+    assert endings(run) == ["completed"]
+    record("batch of step 7 poisoned (DSLURM_FAULT_NAN), train.nonfinite=rollback",
+           "rolls back to the last generation, skips the batch, completes",
+           f"rolled back step 6 -> {nf['generation']}, skipped position {nf['skipped_position']}", run,
+           recovery=False)
 
 
 @pytest.fixture

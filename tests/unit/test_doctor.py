@@ -224,3 +224,40 @@ def test_evidence_lines_are_in_time_order():
     (f,) = [f for f in diagnose(led.events) if f.symptom == "resume fails or falls back"]
     assert [e.split(" restart")[0] for e in f.evidence] == sorted(e.split(" restart")[0] for e in f.evidence)
     assert "no progress" in f.evidence[1] and "ckpt_save_failed" in f.evidence[2]
+
+
+def test_a_hang_caught_by_the_watchdog_names_the_suspect_its_stacks_and_cost():
+    led = Ledger()
+    t = led.train(led.start(0.0, 0, 0), 0, 29, 0)
+    led.ev("hang", t + 25, 0, step=30, idle_s=21.0, bound_s=20.0, median_step_s=1.0, suspects=[1],
+           suspect_hosts=["node1"], why="rank(s) [1] outside every collective while [0] wait inside one",
+           collectives={"0": {"name": "forward_backward", "seq": 91, "inside": True, "host": "node1"},
+                        "1": {"name": "step_agree", "seq": 90, "inside": False, "host": "node1"}},
+           stacks_dir="/r/starts/7.0")
+    led.ev("ending", t + 40, 0, cls="crash", reason="crash on rank 1 (node1) at step 30: hang: no step progress")
+    t = led.train(led.start(t + 60, 1, 20), 20, 49, 1)
+    led.ev("exit", t, 1, reason="completed", step=50, code=0)
+    found = diagnose(led.events)
+    hang = next(f for f in found if f.symptom.startswith("hang during training"))
+    assert "suspect rank(s) [1] on node1" in hang.symptom
+    text = "\n".join(hang.evidence)
+    assert "/r/starts/7.0/hang-rank-*.txt" in text and "21 s without progress" in text
+    assert "rank 0: last collective forward_backward #91 (inside)" in text
+    assert "collective wait" in hang.cause and "burnin` on node1" in hang.action
+    assert "ended by crash" in [f.symptom for f in found]
+
+
+def test_non_finite_steps_handled_by_the_policy_are_evidence_of_nan():
+    led = Ledger()
+    t = led.train(led.start(0.0, 0, 0), 0, 9, 0)
+    led.ev("nonfinite", t, 0, step=10, loss=float("nan"), grad_norm=float("nan"), action="rollback", handled=1,
+           generation="step-00000008-x", resumed_step=8, skipped_position=80)
+    led.ev("nonfinite", t + 1, 0, step=12, loss=float("inf"), grad_norm=float("nan"), action="stop", handled=1,
+           generation="step-00000008-x")
+    led.ev("exit", t + 2, 0, reason="nonfinite", step=13, code=81)
+    led.ev("ending", t + 3, 0, cls="diverged", reason="diverged on rank 0")
+    found = diagnose(led.events)
+    nan = next(f for f in found if f.symptom == "loss is NaN or inf")
+    assert "action=rollback" in nan.evidence[0] and "skipped_position=80" in nan.evidence[0]
+    assert "action=stop" in nan.evidence[1] and "stopped on it" in nan.cause
+    assert "ended by diverged" in [f.symptom for f in found]

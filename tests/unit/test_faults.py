@@ -42,3 +42,13 @@ def test_every_fault_knob_in_the_code_is_listed_and_documented():
             for m in re.findall(r"DSLURM_FAULT_[A-Z0-9_]+", p.read_text())}
     assert used == set(faults.KNOBS), used ^ set(faults.KNOBS)
     assert all(k in faults.__doc__ for k in faults.KNOBS)
+
+
+def test_a_knob_can_aim_at_one_job_step_of_a_start():
+    from dslurm.faults import parse_scoped
+
+    knob = parse_scoped("16:1@0.0")
+    assert (knob.value, knob.ranks, knob.restart, knob.step) == ("16", frozenset({1}), 0, 0)
+    assert knob.applies({"RANK": "1"}) and knob.applies({"RANK": "1", "DSLURM_STEP_INDEX": "0"})
+    assert not knob.applies({"RANK": "1", "DSLURM_STEP_INDEX": "1"})
+    assert parse_scoped("16:1@0").applies({"RANK": "1", "DSLURM_STEP_INDEX": "3"})  # any step of start 0

@@ -135,3 +135,14 @@ def test_newline_in_a_value_is_refused(tmp_path):
     r = load(ROOT / "site-configs/local.yaml", p)
     with pytest.raises(UserError, match="newline"):
         render_sbatch(r, RenderRefs(site="s", job="j"))
+
+
+def test_spares_allocate_more_nodes_with_no_kill_and_supervise_the_steps():
+    text = render_files("site-configs/local.yaml", "examples/jobs/tiny-spares.yaml")
+    d = sbatch_flags(text)
+    assert d["nodes"] == "3" and "no-kill" in d and "requeue" in d  # 2 training + 1 spare
+    assert "-m dslurm supervise -- python -m dslurm launch --mode torchrun" in text
+    assert not [ln for ln in text.splitlines() if ln.startswith("srun")]  # supervise runs srun itself
+    assert "dslurm requeue-me" not in text and 'exit "$rc"' in text
+    plain = sbatch_flags(render_files("site-configs/local.yaml", "examples/jobs/tiny-2node.yaml"))
+    assert plain["nodes"] == "2" and "no-kill" not in plain

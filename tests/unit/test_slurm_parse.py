@@ -163,3 +163,23 @@ def test_sacct_json_incarnations_and_sinfo_down_nodes():
                                   {"name": "node2", "state": "down", "state_flags": ["NOT_RESPONDING"]},
                                   {"name": "node3", "state": "down", "state_flags": []}]})
     assert parse_sinfo_down(nodes, ["node1", "node2"]) == {"node2": "DOWN+NOT_RESPONDING"}
+
+
+# A 2+1 job with spares under --no-kill that lost node2 then node3 and finished on node1: Slurm
+# 22.05 closes a RESIZING record per lost node (recorded from the local cluster, sacct -D -X -P).
+SACCT_RESIZED = """6043545|spares|RESIZING|node[1-3]|0:0|None|3
+6043545|spares|RESIZING|node[1,3]|0:0|None|2
+6043545|spares|COMPLETED|node1|0:0|None|1
+"""
+
+
+def test_a_job_that_shrank_inside_its_allocation_has_no_restart() -> None:
+    info = slurm.parse_sacct(SACCT_RESIZED)
+    assert info is not None and (info["state"], info["restarts"], info["nodes"]) == ("COMPLETED", 0, "node1")
+    recs = {"jobs": [{"state": {"current": s}, "nodes": n, "time": {"start": t, "end": t + 1}}
+                     for s, n, t in (("RESIZING", "node[1-3]", 1), ("RESIZING", "node[1,3]", 2),
+                                     ("COMPLETED", "node1", 3))]}
+    import json
+
+    incs = slurm.parse_sacct_incarnations(json.dumps(recs))
+    assert [i["state"] for i in incs] == ["COMPLETED"]  # one start: requeue-me indexes restarts by these

@@ -55,3 +55,22 @@ def test_trainer_entry_imports_no_torch_before_the_layout_is_checked():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
     assert proc.stdout.split() == ["2", "False"], proc.stderr
+
+
+def test_a_signal_after_a_rank_failed_of_its_own_is_not_recorded_as_its_cause():
+    """Both orders: TERM then failure = a victim of the teardown (signal kept, classified
+    killed_by_teardown); failure (e.g. the hang watchdog's verdict) then TERM from torchrun
+    tearing the step down = its own failure (signal dropped, the report stays a crash)."""
+    from types import SimpleNamespace
+
+    from dslurm.requeue.facts import victim_kind
+    from train.__main__ import signal_before_failure
+
+    term_first = SimpleNamespace(signame="SIGTERM", t=100.0)
+    assert signal_before_failure(term_first, 101.0) == "SIGTERM"
+    assert victim_kind("crash", "hang", signal_before_failure(term_first, 101.0)) == "killed_by_teardown"
+    assert signal_before_failure(term_first, 99.0) is None
+    assert victim_kind("crash", "hang", signal_before_failure(term_first, 99.0)) == "crash"
+    assert signal_before_failure(term_first, None) == "SIGTERM"  # a stop without a failure: kept
+    assert signal_before_failure(SimpleNamespace(signame=None, t=None), 5.0) is None
+    assert signal_before_failure(None, 5.0) is None

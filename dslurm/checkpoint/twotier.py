@@ -1,0 +1,410 @@
+"""Two-tier checkpoints, the in-job half (imports torch): a save is written to node-local scratch and
+locally committed, then copied to the durable run directory by a background copier, where the
+manager's own commit (manifest -> verify -> restore test -> pointer) runs unchanged. A restore on
+the same nodes and layout loads the newest locally committed generation, checked as it loads.
+
+Why a planner of our own: DCP writes a replicated item (a plain tensor, a scheduler's bytes) once
+for the whole job, into whichever rank's file it picks, and every other rank reads it from there.
+With node-local files that read would cross nodes. NodeDedupPlanner deduplicates per node instead,
+so every node holds each item its ranks load, and each node's `.metadata` (NodeWriter) points at
+its own copies. The durable `.metadata` is node 0's: a valid map of the whole generation. The cost
+is (nodes - 1) extra copies of the replicated items on durable storage: small under FSDP/TP,
+the whole model under pure data parallelism (dp_replicate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from dslurm import checkpoint as ck
+from dslurm import faults
+from dslurm.checkpoint import tiers
+from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
+from dslurm.checkpoint.io import CrcFileSystem, CrcReader, make_stager
+from dslurm.observe import events
+
+if TYPE_CHECKING:
+    from dslurm.checkpoint.dcp import CheckpointManager, SaveOutcome, _Comm, _Job
+
+log = logging.getLogger(__name__)
+
+
+class NodeDedupPlanner(DefaultSavePlanner):
+    """DCP's planner, deduplicating replicated items within each node instead of job-wide."""
+
+    def __init__(self, groups: list[list[int]]) -> None:
+        super().__init__()
+        self.groups = groups
+
+    def _create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Any]:
+        # The metadata (one entry per item, index hints rewritten) comes from DCP's job-wide plan;
+        # the items each rank writes come from a per-node dedup. Storage records are keyed by
+        # MetadataIndex, whose hint does not take part in comparisons, so extra copies map too.
+        global_plan, metadata = super()._create_global_plan(all_plans)
+        rewritten = {it.index: it for plan in global_plan for it in plan.items}
+        per_node = list(all_plans)
+        for group in self.groups:
+            for rank, plan in zip(group, dedup_save_plans([all_plans[r] for r in group])):
+                per_node[rank] = plan
+        out = [dataclasses.replace(g, items=[rewritten.get(it.index, it) for it in n.items])
+               for g, n in zip(global_plan, per_node)]
+        return out, metadata
+
+
+class NodeWriter(dcp.FileSystemWriter):
+    """Streams crc32s (io.CrcFileSystem) and, on the coordinator, makes one `.metadata` per node:
+    node k's points every item at a copy on node k when it has one. Node 0's is the one written."""
+
+    def __init__(self, path: Path, groups: list[list[int]], io_threads: int) -> None:
+        super().__init__(path, sync_files=True, thread_count=io_threads)
+        self.fs = CrcFileSystem()  # write_data/finish go through self.fs (torch 2.13 filesystem.py)
+        self.groups = groups
+        self.node_md: list[bytes] = []
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        def own_last(group: list[int]) -> list[list[Any]]:  # later results win in DCP's finish
+            return [wr for r, wr in enumerate(results) if r not in group] + [results[r] for r in group]
+
+        super().finish(metadata, own_last(self.groups[0]))
+        self.node_md = [b""]
+        for group in self.groups[1:]:
+            storage = {w.index: w.storage_data for wrs in own_last(group) for w in wrs}
+            self.node_md.append(pickle.dumps(dataclasses.replace(metadata, storage_data=storage)))
+
+
+@dataclass
+class _Flight:
+    """One background save: local write and commit, then (maybe) the durable copy."""
+
+    job: _Job
+    comm: _Comm
+    thread: threading.Thread | None = None
+    local_done: threading.Event = field(default_factory=threading.Event)  # staging buffer free
+    outcome: SaveOutcome | None = None
+
+
+class TwoTier:
+    """The tier logic of one CheckpointManager (every method collective, like the manager's)."""
+
+    def __init__(self, mgr: CheckpointManager, scratch: str, keep_local: int, on_lag: str) -> None:
+        from dslurm.checkpoint.dcp import _Comm
+        if on_lag not in tiers.LAG_POLICIES:
+            raise ck.CheckpointError(f"CheckpointManager on_lag={on_lag!r}: use one of {tiers.LAG_POLICIES}")
+        if keep_local < 1:
+            raise ck.CheckpointError(f"CheckpointManager keep_local={keep_local}: keep at least 1 local generation")
+        self.mgr, self.keep_local, self.on_lag = mgr, keep_local, on_lag
+        self.local_dir = tiers.local_run_dir(tiers.expand_scratch(scratch, tiers.node_name()), mgr.run_dir)
+        self.lgdir = ck.generations_dir(self.local_dir)
+        self.groups = tiers.node_groups(mgr._ctl.gather(str(self.local_dir)))
+        self.node = next(i for i, g in enumerate(self.groups) if mgr.rank in g)
+        self.leader = mgr.rank == self.groups[self.node][0]
+        on = mgr._ctl.group is not None
+        self._comms = [_Comm(dist.new_group(backend="gloo") if on else None) for _ in range(2)]
+        self._flights: list[_Flight] = []
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any], blocking: bool) -> bool:
+        from dslurm.checkpoint.dcp import _to_state_dict
+        mgr = self.mgr
+        writing, copying = self._status()
+        if not blocking and writing and mgr.on_inflight == "skip":
+            return self._skip(step, "in_flight", "previous save still writing its local copy (on_inflight=skip)")
+        if not blocking and copying and not writing and self.on_lag == "skip_local":
+            return self._skip(step, "lag", "durable copier behind (on_lag=skip_local)")
+        if blocking:
+            self.wait()
+        elif writing:  # on_inflight=wait: the staging buffer is free once the local commit is done
+            for fl in self._flights:
+                fl.local_done.wait()
+            writing, copying = self._status()
+        if copying and self.on_lag == "wait":
+            log.info("[rank %d] step %d: waiting for the durable copier (on_lag=wait)", mgr.rank, step)
+            self.wait()
+        job = mgr._new_job(step, extra)
+        sd = _to_state_dict(state)
+        if blocking:  # a stop's or the final save: local and durable before returning
+            out = self._run(job, sd, mgr._ctl, None)
+            out.stall_s = out.total_s
+            self._report(out)
+            return out.ok
+        if mgr._stager is None:
+            mgr._stager = make_stager()
+        staged = mgr._stager.stage(sd)  # host copy: training may now change the live tensors
+        stall = time.perf_counter() - job.t0
+        busy = [f.comm for f in self._flights]
+        comm = next(c for c in self._comms if all(c is not b for b in busy))
+        fl = _Flight(job, comm)
+        prev = self._flights[-1] if self._flights else None
+        fl.thread = threading.Thread(target=self._background, args=(fl, staged, stall, prev),
+                                     name="dslurm-ckpt-2tier", daemon=True)
+        self._flights.append(fl)
+        fl.thread.start()
+        return True
+
+    def wait(self) -> None:
+        """Join every flight in order and report it (on_error applies)."""
+        while self._flights:
+            fl = self._flights.pop(0)
+            assert fl.thread is not None
+            fl.thread.join()
+            self._report(fl.outcome)
+
+    def _status(self) -> tuple[bool, bool]:
+        """(some save still writing its local copy, some durable copy running), agreed by all
+        ranks; flights finished on every rank are reported and dropped."""
+        mine = [(f.thread is not None and f.thread.is_alive(), f.local_done.is_set()) for f in self._flights]
+        every = self.mgr._ctl.gather(mine)
+        alive = [any(r[i][0] for r in every) for i in range(len(mine))]
+        done = [all(r[i][1] for r in every) for i in range(len(mine))]
+        for fl, a in zip(list(self._flights), alive):
+            if not a:
+                assert fl.thread is not None
+                fl.thread.join()
+                self._flights.remove(fl)
+                self._report(fl.outcome)
+        live = [(a, d) for a, d in zip(alive, done) if a]
+        return any(not d for _, d in live), any(d for _, d in live)
+
+    def _skip(self, step: int, why: str, text: str) -> bool:
+        log.warning("[rank %d] step %d: save skipped, %s", self.mgr.rank, step, text)
+        self.mgr._event(events.CkptSaveSkipped(run_dir=str(self.mgr.run_dir), step=step, reason=why))
+        return False
+
+    def _report(self, out: SaveOutcome | None) -> None:
+        assert out is not None  # _background always sets it
+        if out.ok and not out.durable:
+            log.warning("[rank %d] checkpoint step %d: %s", self.mgr.rank, out.step, out.reason)
+            self.mgr._event(events.CkptDurableSkipped(run_dir=str(self.mgr.run_dir), step=out.step,
+                                                      generation=out.generation, reason=out.reason))
+            return
+        self.mgr._finish(out)
+
+    def _background(self, fl: _Flight, staged: dict[str, Any], stall: float, prev: _Flight | None) -> None:
+        from dslurm.checkpoint.dcp import SaveOutcome, _reason
+        try:
+            faults.save_sleep()
+            out = self._run(fl.job, staged, fl.comm, fl, prev)
+        except BaseException as exc:  # a dead peer, say; never lose the reason in a thread
+            out = SaveOutcome(fl.job.name, fl.job.step, False, _reason(exc), tier="two_tier")
+        finally:
+            fl.local_done.set()
+        out.stall_s = stall
+        fl.outcome = out
+
+    def _run(self, job: _Job, sd: dict[str, Any], comm: _Comm, fl: _Flight | None,
+             prev: _Flight | None = None) -> SaveOutcome:
+        """Local write + local commit, then the durable copy unless on_lag=skip_durable finds
+        the previous copy still running."""
+        from dslurm.checkpoint.dcp import SaveOutcome
+        rec, err = self._write_local(job, sd, comm)
+        if fl is not None:
+            fl.local_done.set()
+        if rec is None:
+            if self.leader and (self.lgdir / job.name).exists():  # every rank is past its writes
+                ck.remove_generation(self.local_dir, job.name)
+            return SaveOutcome(job.name, job.step, False, f"local tier ({self.local_dir}): {err}",
+                               total_s=time.perf_counter() - job.t0, tier="two_tier")
+        local_s, local_t = time.perf_counter() - job.t0, time.time()
+        job.phases["local_commit"] = local_s
+        if comm.rank == 0:
+            nbytes = sum(int(e["size"]) for e in rec.files.values())
+            self.mgr._event(events.CkptLocalCommit(run_dir=str(self.mgr.run_dir), step=job.step,
+                                                   generation=job.name, bytes=nbytes, local_s=round(local_s, 4)))
+        faults.ckpt_kill("after_local_commit", comm.rank, job.nth)
+        if prev is not None and any(comm.gather(prev.thread is not None and prev.thread.is_alive())):
+            out = SaveOutcome(job.name, job.step, True, "durable copy skipped: the copier is still busy "
+                              f"with {prev.job.name} (on_lag=skip_durable); local only",
+                              total_s=time.perf_counter() - job.t0, tier="two_tier", durable=False)
+        else:
+            out = self._copy(job, rec, comm)
+            out.lag_s = round(time.time() - local_t, 4) if out.ok else None
+        out.local_s, out.local_commit_t = round(local_s, 4), round(local_t, 3)
+        self._gc_local(job.name)
+        return out
+
+    def _write_local(self, job: _Job, sd: dict[str, Any], comm: _Comm) -> tuple[tiers.LocalRecord | None, str]:
+        """Every rank writes its shard to its node's scratch; the record of each rank is written
+        only once every rank reported its write complete with crc32s. -> (record, error)."""
+        from dslurm.checkpoint.dcp import _reason, _write_reason, nonfinite_keys
+        gen, r, mgr = self.lgdir / job.name, comm.rank, self.mgr
+        err, writer = "", None
+        try:
+            (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
+            faults.ckpt_kill("before_write", r, job.nth)
+            ck.atomic_write_json(gen / ck.RANKS / f"rank-{r:05d}.json",
+                                 {"rank": r, "world_size": comm.world, "rng": job.rng})
+            if self.leader:
+                ck.atomic_write_json(gen / ck.META, job.meta)
+            bad = nonfinite_keys(sd)
+            if bad:
+                err = f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
+        except Exception as exc:
+            err = _write_reason(exc, gen)
+        if not any(comm.gather(err)):
+            try:
+                writer = NodeWriter(gen, self.groups, mgr.io_threads)
+                dcp.save(sd, storage_writer=writer, planner=NodeDedupPlanner(self.groups),
+                         process_group=comm.group, no_dist=comm.group is None)
+                job.phases["dcp"] = time.perf_counter() - job.t0
+                faults.ckpt_kill("after_write", r, job.nth)
+            except (Exception, CheckpointException) as exc:
+                err = _write_reason(exc, gen)
+        errors = [e for e in comm.gather(err) if e]
+        if errors:
+            return None, errors[0]
+        mds = comm.bcast(writer.node_md if r == 0 and writer is not None else None)
+        rec = None
+        try:
+            if self.leader and self.node > 0:
+                ck.atomic_write_bytes(gen / ".metadata", mds[self.node])
+            assert writer is not None
+            streamed = writer.fs.sums  # type: ignore[attr-defined]
+            own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
+            small = [f"{ck.RANKS}/rank-{r:05d}.json"] + ([".metadata", ck.META] if self.leader else [])
+            files = {n: streamed[n] for n in own if n in streamed}
+            files.update(ck.checksum_files(gen, [n for n in own + small if n not in files]))
+            rec = tiers.LocalRecord(job.name, job.step, r, comm.world, mgr.layout, files, time.time())
+        except Exception as exc:
+            err = _reason(exc)
+        errors = [e for e in comm.gather(err) if e]
+        if not errors and rec is not None:
+            try:
+                tiers.write_record(gen, rec)
+            except Exception as exc:
+                err = _write_reason(exc, gen)
+            errors = [e for e in comm.gather(err) if e]  # committed once every record is written
+        if errors:
+            tiers.drop_local(self.local_dir, job.name, r)
+            return None, errors[0]
+        return rec, ""
+
+    def _copy(self, job: _Job, rec: tiers.LocalRecord, comm: _Comm) -> SaveOutcome:
+        """Each rank copies what it locally committed (crc32 re-checked on the way); rank 0 then
+        runs the manager's unchanged durable commit. Only rank 0's `.metadata` and meta.json go."""
+        from dslurm.checkpoint.dcp import SaveOutcome, _write_reason
+        mgr, r = self.mgr, comm.rank
+        dgen, src = mgr.gdir / job.name, self.lgdir / job.name
+        err, sums = "", {}
+        try:
+            (dgen / ck.RANKS).mkdir(parents=True, exist_ok=True)
+            mbps = faults.durable_mbps()
+            names = sorted(n for n in rec.files if r == 0 or n not in (".metadata", ck.META))
+            for i, name in enumerate(names):
+                sums[name] = tiers.copy_file(src / name, dgen / name, want=rec.files[name], mbps=mbps)
+                if i == 0:
+                    faults.ckpt_kill("mid_copy", r, job.nth)
+        except Exception as exc:
+            err = _write_reason(exc, dgen)
+        results = comm.gather((err, sums))
+        verdict = mgr._commit(dgen, job, results) if r == 0 else None
+        ok, reason, nbytes = comm.bcast(verdict)
+        if not ok:
+            reason = f"durable copy: {reason}"
+        return SaveOutcome(job.name, job.step, ok, reason, nbytes, 0.0, time.perf_counter() - job.t0,
+                           dict(job.phases), tier="two_tier")
+
+    def _gc_local(self, current: str) -> None:
+        """Node leaders: local retention. Never a generation in flight (being written or copied);
+        never one newer than `current` (a save started after this one's snapshot)."""
+        if not self.leader:
+            return
+        busy = {f.job.name for f in list(self._flights)} | {current}
+        newer = {g.name for g in ck.list_generations(self.local_dir)
+                 if (ck.parse_step(g.name) or -1, g.name) > (ck.parse_step(current) or -1, current)}
+        try:
+            doomed = tiers.collect_local_garbage(self.local_dir, self.groups[self.node], self.keep_local,
+                                                 busy | newer)
+            if doomed:
+                log.info("[rank %d] local checkpoint gc in %s: removed %s", self.mgr.rank, self.local_dir,
+                         ", ".join(doomed))
+        except OSError as exc:  # pruning must never turn a committed save into a failure
+            log.warning("local checkpoint gc in %s failed: %s", self.local_dir, exc)
+
+    # ------------------------------------------------------------ restore
+
+    def restore_local(self, state: dict[str, Any], pointer: ck.Pointer | None,
+                      phases: dict[str, float]) -> tuple[str | None, str, list[tuple[str, list[str]]]]:
+        """The newest generation every rank holds locally committed (not older than the durable
+        pointer) that verifies as it loads. -> (its name or None, why, rejected local ones)."""
+        mgr = self.mgr
+        held = tiers.held_generations(self.local_dir, mgr.rank, mgr.world, mgr.layout)
+        cands, why = tiers.local_candidates(mgr._ctl.gather(held), pointer)
+        rejected: list[tuple[str, list[str]]] = []
+        for name in cands:
+            problems = self._load_local(name, state, phases)
+            if not problems:
+                return name, why, rejected
+            log.error("[rank %d] LOCAL CHECKPOINT %s REJECTED: %s", mgr.rank, name, "; ".join(problems[:5]))
+            tiers.drop_local(self.local_dir, name, mgr.rank)
+            rejected.append((name, problems))
+        if rejected:
+            why = f"local {rejected[0][0]} failed verification ({rejected[0][1][0]})"
+        return None, why, rejected
+
+    def _load_local(self, name: str, state: dict[str, Any], phases: dict[str, float]) -> list[str]:
+        """Like the manager's _load_checked, per node: each rank checks the files it committed
+        (sizes, small files' crc32s), loads through CrcReader, and checks its own shards' crc32s
+        from what it read plus what it did not (read once more)."""
+        from dslurm.checkpoint.dcp import _reason
+        mgr, gen = self.mgr, self.lgdir / name
+        t = time.perf_counter()
+        rec = tiers.read_record(gen, mgr.rank)
+        mine = rec.files if rec is not None else {}
+        full = mgr.verify_on_restore == "full"
+        local = [] if rec is not None else [f"{tiers.record_path(gen, mgr.rank)}: missing"]
+        local += ck.file_problems(gen, {n: e for n, e in mine.items() if is_shard(n)}, full=False)
+        local += ck.file_problems(gen, {n: e for n, e in mine.items() if not is_shard(n)}, full=full)
+        problems = sorted(p for ps in mgr._ctl.gather(local) for p in ps)
+        phases["precheck"] = phases.get("precheck", 0.0) + time.perf_counter() - t
+        if problems:
+            return problems
+        mgr._check_compat(json.loads((gen / ck.META).read_text()), state, gen)
+        reader = CrcReader(gen)
+        t, err = time.perf_counter(), None
+        try:
+            dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
+                     process_group=mgr._ctl.group, no_dist=mgr._ctl.group is None)
+        except (Exception, CheckpointException) as exc:
+            err = _reason(exc)
+        phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        local = self._own_crc_problems(gen, mine, reader) if full else []
+        problems = sorted(p for ps in mgr._ctl.gather(local) for p in ps)
+        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t
+        errors = [e for e in mgr._ctl.gather(err) if e]
+        if problems or not errors:
+            return problems
+        raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the local commit: {errors[0]}")
+
+    @staticmethod
+    def _own_crc_problems(gen: Path, mine: dict[str, Any], reader: CrcReader) -> list[str]:
+        sizes = {n: int(e["size"]) for n, e in mine.items() if is_shard(n)}
+        gathered = [reader.sums.export()]  # only this rank's reads: its files are on its node
+        problems, gaps = [], {}
+        for fname, s, e in plan_gaps(sizes, gathered):
+            try:
+                gaps[(fname, s, e)] = read_crc(gen / fname, s, e)
+            except OSError as exc:
+                problems.append(f"{gen / fname}: unreadable at {s}..{e} ({exc})")
+        if problems:
+            return problems
+        for fname, crc in whole_crcs(sizes, gathered, gaps).items():
+            if f"{crc:08x}" != mine[fname]["crc32"]:
+                problems.append(f"{gen / fname}: crc32 {crc:08x} != {mine[fname]['crc32']} "
+                                "in the local commit (altered)")
+        return problems

@@ -1,0 +1,117 @@
+"""Health during the run: the pure rules of the hang watchdog and of the non-finite loss policy.
+
+Torch-free and I/O-free; the trainer's thin shells (train/watchdog.py, train/loop.py) call
+these, and the tests hit them hard.
+
+Hang bound. A step that makes no progress for `max(k x median step, floor)` seconds (capped at
+the ceiling; the ceiling alone until the run has step times, and across a checkpoint save)
+is a hang. The process-group timeout is the ceiling plus a grace, so a dead peer can never
+block a collective for longer than the watchdog would wait: the watchdog speaks first, with
+stacks and suspects; the timeout is only the backstop when the watchdog is off or stuck.
+
+Suspects. When the watchdog fires every rank notes the last of the trainer's own collectives
+it entered and whether it is still inside it. Ranks waiting inside a collective are victims;
+a rank that is outside every collective (stuck in compute, data, a Python loop) or left no
+note at all (stuck holding the GIL, dead) is the suspect. All ranks inside the same
+collective means the transport itself hangs: no single suspect.
+
+Non-finite loss. The ranks agree on "this step's loss or gradient norm is not finite" in the
+same all-reduce that carries the loss and the stop flag, then each applies
+`nonfinite_action` to the same inputs, so they act together.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+PG_GRACE_S = 60.0  # process-group timeout = the watchdog's ceiling + this
+
+
+def hang_bound(step_times: Sequence[float], *, k: float, floor_s: float, ceiling_s: float) -> float:
+    """Seconds without progress that count as a hang: max(k x median step, floor), at most the
+    ceiling; the ceiling while no step time is known (first step, compile, restore)."""
+    if not step_times:
+        return ceiling_s
+    return min(max(k * statistics.median(step_times), floor_s), ceiling_s)
+
+
+def pg_timeout_s(ceiling_s: float) -> float:
+    """The process-group timeout that lets the watchdog speak first (see the module doc)."""
+    return ceiling_s + PG_GRACE_S
+
+
+def poll_s(floor_s: float) -> float:
+    """How often the watchdog looks: a quarter of the floor, between 0.25 s and 5 s."""
+    return min(max(floor_s / 4, 0.25), 5.0)
+
+
+def gather_s(bound_s: float) -> float:
+    """How long a rank that fired waits for the other ranks' notes before naming suspects:
+    they stopped progressing together, so their watchdogs fire within a poll of each other."""
+    return min(max(bound_s / 2, 2.0), 30.0)
+
+
+@dataclass(frozen=True)
+class RankNote:
+    """What one rank says when its watchdog fires."""
+
+    rank: int
+    host: str
+    step: int
+    """optimizer steps completed"""
+    seq: int
+    """how many of the trainer's collectives it has entered"""
+    inside: bool
+    """still inside the last one"""
+    collective: str
+    """the last one's name, e.g. step_agree"""
+
+
+def suspects(notes: Mapping[int, RankNote], world: int) -> tuple[list[int], str]:
+    """The suspect ranks of a hang and why (see the module doc). Pure."""
+    silent = [r for r in range(world) if r not in notes]
+    outside = sorted(r for r, n in notes.items() if not n.inside)
+    if silent or outside:
+        parts = []
+        if outside:
+            parts.append(f"rank(s) {outside} outside every collective while "
+                         f"{sorted(r for r, n in notes.items() if n.inside) or 'no rank'} wait inside one")
+        if silent:
+            parts.append(f"rank(s) {silent} left no note (stuck holding the interpreter, or dead)")
+        return sorted(silent + outside), "; ".join(parts)
+    seqs = {n.seq for n in notes.values()}
+    if len(seqs) > 1:  # inside different collectives: those behind hold up those ahead
+        low = min(seqs)
+        behind = sorted(r for r, n in notes.items() if n.seq == low)
+        return behind, f"rank(s) {behind} are inside an earlier collective (#{low}) than the others (#{max(seqs)})"
+    names = {n.collective for n in notes.values()}
+    return [], f"every rank is inside collective #{seqs.pop()} ({', '.join(sorted(names))}): the transport hangs"
+
+
+# ------------------------------------------------------------------ non-finite loss
+
+NonfinitePolicy = Literal["skip", "rollback", "stop", "off"]
+Action = Literal["train", "skip", "rollback", "stop"]
+
+
+@dataclass(frozen=True)
+class NonfiniteDecision:
+    action: Action
+    reason: str
+
+
+def nonfinite_action(policy: NonfinitePolicy, handled: int, max_handled: int) -> NonfiniteDecision:
+    """What all ranks do with a step whose loss or gradient norm is not finite. `handled`: the
+    non-finite steps already skipped or rolled back in this process. Pure."""
+    if policy == "off":
+        return NonfiniteDecision("train", "train.nonfinite=off: the step is taken (the checkpoint layer "
+                                          "still refuses to commit non-finite state)")
+    if policy == "stop":
+        return NonfiniteDecision("stop", "train.nonfinite=stop")
+    if handled >= max_handled:
+        return NonfiniteDecision("stop", f"{handled} non-finite step(s) already handled by {policy} "
+                                         f"(train.nonfinite_max={max_handled}): the run keeps diverging")
+    return NonfiniteDecision(policy, f"train.nonfinite={policy} ({handled + 1} of {max_handled})")

@@ -1,0 +1,299 @@
+"""`dslurm supervise -- LAUNCH...`: the in-allocation recovery loop of a job with spares.
+
+The batch script of a job with `spares: k` runs this once, on the first node, instead of one
+srun plus `dslurm requeue-me`. It starts each job step with `srun --nodelist` on the training
+nodes, and when a step ends:
+
+1. classifies the ending from that step's own facts dir (`starts/<job>.<restart>.<step>`,
+   dslurm/requeue/facts.py) and what Slurm says about the step's nodes (`requeue.endings.classify`),
+   never from srun's code alone;
+2. a failure (crash, node failure, burn-in rejection) that a requeue would retry (`requeue.decide`:
+   restart budget, no-progress guard) is recovered here: the nodes at fault go on the run's
+   blocklist (and are drained where the site allows), `recover.plan_recovery` picks the next
+   training nodes (the same ones, a spare swapped in, or fewer with `shrink`), a `Recovery` event
+   goes to the ledger, and the next step starts at once: it resumes from the checkpoint pointer;
+3. anything else (completed, a stop Slurm asked for, a stop signal received meanwhile, a spent
+   budget, spares exhausted under `requeue`) is concluded exactly as `requeue-me` does
+   (`requeue.conclude`): the last decision and the script's exit code.
+
+Slurm's USR2/TERM reach this process (forwarded by the batch shell's trap, or directly): each
+is recorded in the current step's `batch.signals`, forwarded to srun, and no new step starts.
+All I/O with Slurm and the processes goes through a `Runner`, so the loop runs against a fake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from dslurm.config.resolve import Resolved
+from dslurm.errors import UserError
+from dslurm.observe import events as ev
+from dslurm.recover import Nodes, Plan, initial_nodes, nodes_at_fault, plan_recovery, shrink_grad_accum
+from dslurm.requeue import Decision, _Accounting
+from dslurm.requeue import endings as E
+from dslurm.requeue.facts import StartFacts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Step:
+    """One job step to run."""
+
+    index: int
+    hosts: tuple[str, ...]
+    facts_dir: Path
+    grad_accum: int | None = None
+    """set after a shrink: the trainer gets `--set train.grad_accum=N`"""
+
+
+class Runner(Protocol):
+    """Everything the loop does outside itself: run a step, ask Slurm, act on a decision."""
+
+    def run(self, step: Step) -> int: ...
+    def signal(self, signum: int) -> None: ...
+    def view(self, hosts: Sequence[str]) -> E.SlurmView: ...
+    def act(self, dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path,
+            chain: list[int]) -> None: ...
+    def drain(self, hosts: Sequence[str], reason: str) -> None: ...
+
+
+class Supervisor:
+    def __init__(self, r: Resolved, runner: Runner, env: Mapping[str, str], alloc: Sequence[str]) -> None:
+        self.r, self.runner, self.env = r, runner, dict(env)
+        self.run_dir = r.run_dir
+        self.job_id = env.get("SLURM_JOB_ID", "")
+        self.restart = int(env.get("SLURM_RESTART_COUNT") or 0)
+        self.alloc = list(alloc)
+        self.stopping: str | None = None
+        self.facts_dir: Path | None = None
+        self.settle_s, self.poll_s = 45.0, 1.0  # local cluster: SlurmdTimeout 10 s, pinged every ~3 s
+
+    def on_signal(self, name: str) -> None:
+        """A stop from Slurm: recorded as the batch shell's (it is the batch shell's delegate), and
+        no further step starts."""
+        self.stopping = self.stopping or name
+        if self.facts_dir is not None:
+            try:
+                with open(self.facts_dir / "batch.signals", "a") as fh:
+                    fh.write(f"{name} {time.time():.6f}\n")
+            except OSError as exc:
+                log.error("could not record %s: %s", name, exc)
+
+    def step_dir(self, index: int) -> Path:
+        from dslurm.requeue.facts import STARTS, start_name
+
+        d = self.run_dir / STARTS / start_name(self.job_id, self.restart, index)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def loop(self) -> int:
+        """Run steps until one ends in something not recovered here; return the script's exit code."""
+        from dslurm.requeue import _Accounting, frozen_policy, retry_decision
+        from dslurm.requeue.facts import read_start
+        from dslurm.submit import read_blocklist
+
+        acct = _Accounting(self.env)
+        nodes = initial_nodes(self.alloc, self.r.nnodes, read_blocklist(self.run_dir))
+        index, accum = 0, None
+        while True:
+            d = self.facts_dir = self.step_dir(index)
+            log.info("dslurm supervise: step %d on %s", index, ",".join(nodes.training))
+            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum))
+            t_end = time.time()
+            ending = E.classify(read_start(d), self._view_after(d, nodes.training), rc)
+            if self.stopping or ending.cls not in E.FAILURES:
+                return self._conclude(d, ending, rc, acct)
+            if retry_decision(self.run_dir, self.job_id, ending, frozen_policy(self.run_dir)).action != "requeue":
+                return self._conclude(d, ending, rc, acct)  # budget spent or no progress: decided there
+            planned = self._plan(ending, nodes)
+            if planned is None or self.stopping:
+                return self._conclude(d, ending, rc, acct)  # spares exhausted: requeue without the bad nodes
+            plan, shrunk = planned
+            accum = shrunk if shrunk is not None else accum
+            self._record(d, ending, rc, plan, nodes, index + 1, accum, failed_at(read_start(d), t_end))
+            nodes, index = plan.nodes, index + 1
+
+    def _view_after(self, d: Path, hosts: Sequence[str]) -> E.SlurmView:
+        """Slurm's view of the step's nodes once it is settled: a node whose launcher left no report
+        may be lost while Slurm has not said so yet (srun can end before the node is marked down,
+        SlurmdTimeout); wait up to `settle_s` for Slurm's word on those, so a lost node is not
+        read as a crash of the nodes that did report."""
+        from dslurm.requeue.facts import read_start
+
+        view = self.runner.view(hosts)
+        deadline = time.monotonic() + self.settle_s
+        while not self.stopping:
+            reported = {str(x.get("host")) for x in read_start(d).launchers}
+            silent = [h for h in hosts if h not in reported]
+            if not silent or set(silent) & set(view.down_nodes) or time.monotonic() > deadline:
+                return view
+            time.sleep(self.poll_s)
+            view = self.runner.view(hosts)
+        return view
+
+    def _conclude(self, d: Path, ending: E.Ending, rc: int, acct: _Accounting) -> int:
+        from dslurm.requeue import conclude
+
+        return conclude(self.run_dir, d, ending, rc, self.env, acct, act=self.runner.act).exit_code
+
+    def _plan(self, ending: E.Ending, nodes: Nodes) -> tuple[Plan, int | None] | None:
+        """The recovery after a failed step with the gradient accumulation a shrink needs, or None:
+        requeue without the bad nodes. The nodes at fault join the run's blocklist either way (and
+        are drained where the site allows)."""
+        from dslurm.preflight.in_job import add_to_blocklist
+        from dslurm.submit import read_blocklist
+
+        down = self.runner.view(nodes.training).down_nodes
+        bad = nodes_at_fault(ending, nodes.training, down=down, blocklist=read_blocklist(self.run_dir))
+        spares_down = self.runner.view(nodes.spares).down_nodes if nodes.spares else ()
+        plan = plan_recovery(nodes, bad, wanted=self.r.nnodes, on_exhausted=self.r.job.on_spares_exhausted,
+                             spares_down=spares_down)
+        if bad:
+            add_to_blocklist(self.run_dir, bad)
+            if self.r.site.burnin.allow_drain and ending.cls != E.BURNIN_REJECTED:  # the burn-in drains its own
+                self.runner.drain(bad, f"dslurm recovery: {ending.cls} in job {self.job_id}")
+        accum = None
+        if plan.action == "shrink":
+            try:
+                accum = shrink_grad_accum(self.r, len(plan.nodes.training))
+            except UserError as exc:
+                log.error("dslurm supervise: cannot shrink (%s); requeueing instead", exc)
+                return None
+        if plan.action == "requeue":
+            log.warning("dslurm supervise: %s", plan.reason)
+            return None
+        log.warning("dslurm supervise: %s after %s (%s)", plan.action, ending.cls, plan.reason)
+        return plan, accum
+
+    def _record(self, d: Path, ending: E.Ending, rc: int, plan: Plan, before: Nodes, index: int,
+                accum: int | None, failed_t: float) -> None:
+        from dslurm.observe.ledger import Ledger
+        from dslurm.requeue import _record_ending, pointer_step
+
+        _record_ending(self.run_dir, d, ending, step_rc=rc)
+        Ledger(self.run_dir).append(ev.Recovery(
+            cause=ending.cls, reason=f"{ending.reason} -> {plan.reason}"[:600], mode=plan.action,
+            removed=list(plan.removed), added=list(plan.added), nodes=list(plan.nodes.training),
+            from_nodes=len(before.training), to_nodes=len(plan.nodes.training),
+            grad_accum=accum if len(plan.nodes.training) < self.r.nnodes else None, step_index=index,
+            resume_step=pointer_step(self.run_dir), failed_t=round(failed_t, 3)))
+        print(f"dslurm: step ended: {ending.cls} ({ending.reason}); recovering inside the allocation: "
+              f"{plan.reason}", flush=True)
+
+
+def failed_at(facts: StartFacts, t_end: float) -> float:
+    """When the failure happened: the earliest own failure a rank reported, else the earliest
+    launcher report, else when the step ended (a lost node reports nothing)."""
+    from dslurm.requeue.facts import OWN_FAILURES
+
+    own = [float(r["t"]) for r in facts.ranks if r.get("kind") in OWN_FAILURES and r.get("t")]
+    launchers = [float(x["t"]) for x in facts.launchers if x.get("t")]
+    return min(own or launchers or [t_end])
+
+
+# ------------------------------------------------------------------------------ the real runner
+
+
+class SrunRunner:
+    """Job steps through srun on an explicit node list; Slurm's view through dslurm.slurm."""
+
+    def __init__(self, r: Resolved, cmd: Sequence[str], env: Mapping[str, str]) -> None:
+        self.r, self.cmd, self.env = r, list(cmd), dict(env)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self, step: Step) -> list[str]:
+        """`srun ... --nodelist=HOSTS CMD [--set train.grad_accum=N]`. Pure."""
+        from dslurm.render import cpus_per_task, tasks_per_node
+
+        extra = ["--set", f"train.grad_accum={step.grad_accum}"] if step.grad_accum is not None else []
+        per_node = tasks_per_node(self.r)
+        # --ntasks explicitly: srun otherwise takes SLURM_NTASKS of the whole allocation (training
+        # nodes + spares) and packs the extra launcher onto a training node. --overlap: a step that
+        # spanned a lost node is never cleaned up on it, and Slurm keeps its CPUs on the healthy
+        # nodes "busy" (seen: step creation disabled for minutes); its processes are gone.
+        return ["srun", "--kill-on-bad-exit=1", "--overlap", f"--nodes={len(step.hosts)}",
+                f"--nodelist={','.join(step.hosts)}", f"--ntasks={len(step.hosts) * per_node}",
+                f"--ntasks-per-node={per_node}",
+                f"--cpus-per-task={cpus_per_task(self.r)}", *self.cmd, *extra]
+
+    def run(self, step: Step) -> int:
+        from dslurm.launch.slurm_env import STEP_INDEX_ENV
+        from dslurm.requeue.facts import ENV
+
+        env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index)}
+        self.proc = subprocess.Popen(self.argv(step), env=env)
+        try:
+            rc = self.proc.wait()  # PEP 475: retried after each handled signal
+        finally:
+            self.proc = None
+        return 128 - rc if rc < 0 else rc
+
+    def signal(self, signum: int) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    def view(self, hosts: Sequence[str]) -> E.SlurmView:
+        from dslurm import slurm
+
+        incs = slurm.incarnations(self.env.get("SLURM_JOB_ID", ""), env=self.env)
+        down = slurm.down_nodes(hosts, env=self.env) if hosts else {}
+        return E.SlurmView(state=str(incs[-1]["state"]) if incs else None, down_nodes=tuple(down),
+                           node_states=tuple(f"{k}: {v}" for k, v in down.items()))
+
+    def act(self, dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path, chain: list[int]) -> None:
+        from dslurm.requeue import act_on
+
+        act_on(dec, ending, env, run_dir, chain)
+
+    def drain(self, hosts: Sequence[str], reason: str) -> None:
+        from dslurm import slurm
+
+        for host in hosts:
+            res = slurm.run_cmd(["scontrol", "update", f"NodeName={host}", "State=DRAIN", f"Reason={reason}"],
+                                check=False, env=self.env)
+            if res.returncode:
+                log.error("could not drain %s: %s", host, res.stderr.strip())
+
+
+def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+    """Inside the batch script: the frozen config of the run, the allocation's nodes, the loop."""
+    from dslurm.config.resolve import load
+    from dslurm.launch.slurm_env import expand_hosts
+
+    env = dict(os.environ if env is None else env)
+    if not cmd:
+        raise UserError("dslurm supervise: give the launch command after `--` (the rendered script does)")
+    run_dir = Path(env["DSLURM_RUN_DIR"])
+    r = load(run_dir / "site.yaml", run_dir / "job.yaml")
+    alloc = expand_hosts(env.get("SLURM_JOB_NODELIST", ""))
+    runner = SrunRunner(r, cmd, env)
+    sup = Supervisor(r, runner, env, alloc)
+
+    def handler(signum: int, _frame: object) -> None:
+        sup.on_signal(signal.Signals(signum).name.removeprefix("SIG"))
+        runner.signal(signum)
+
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return sup.loop()
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("supervise", help="(in the batch script of a job with spares) run the job steps and "
+                       "recover from failures inside the allocation")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the launch command, run by srun on the training nodes")
+    p.set_defaults(func=lambda args: supervise(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd))

@@ -1,0 +1,290 @@
+"""The in-allocation recovery loop (dslurm/recover/supervise.py) against a fake of its Runner
+interface only: the fake plays srun and the step's processes by writing the facts those would
+write (rank and launcher reports) and plays Slurm's node states; classification, the restart
+budget, the no-progress guard, the node plan, the blocklist and the ledger are the real code."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from dslurm import exitcodes as X
+from dslurm.config import load_job, load_site
+from dslurm.config.resolve import resolve
+from dslurm.observe import events as ev
+from dslurm.observe.ledger import Ledger
+from dslurm.observe.report import summarize
+from dslurm.recover.supervise import SrunRunner, Step, Supervisor
+from dslurm.requeue import endings as E
+from dslurm.requeue import facts as F
+from dslurm.submit import freeze_and_render, read_blocklist
+
+HOSTS = ["node1", "node2", "node3"]
+
+
+class FakeCluster:
+    """srun + Slurm as the loop sees them. `script[i]` plays job step i."""
+
+    def __init__(self, run_dir: Path, script):
+        self.run_dir, self.script = run_dir, script
+        self.steps: list[Step] = []
+        self.down: set[str] = set()
+        self.acted: list = []
+        self.drained: list = []
+        self.signalled: list[int] = []
+        self.on_run = None
+
+    def run(self, step: Step) -> int:
+        self.steps.append(step)
+        if self.on_run:
+            self.on_run(step)
+        return self.script[step.index](self, step)
+
+    def signal(self, signum: int) -> None:
+        self.signalled.append(signum)
+
+    def view(self, hosts):
+        down = [h for h in hosts if h in self.down]
+        return E.SlurmView(state="RUNNING", down_nodes=tuple(down), node_states=tuple(f"{h}: DOWN" for h in down))
+
+    def act(self, dec, ending, env, run_dir, chain) -> None:
+        self.acted.append(dec)
+
+    def drain(self, hosts, reason) -> None:
+        self.drained.append((list(hosts), reason))
+
+    # ---- what a step's processes would record
+
+    def train(self, step: Step, resume: int, reached: int) -> None:
+        """The step's node 0 launcher and rank 0 as they start and train (the ledger)."""
+        led = Ledger(self.run_dir)
+        led.append(ev.JobStart(hosts=list(step.hosts), mode="torchrun", nproc_per_node=2))
+        led.append(ev.TrainStart(step=resume, layout={"dp_shard": len(step.hosts), "tp": 2}))
+        for s in range(resume, reached):
+            led.append(ev.Steps(first=s, last=s, loss=1.0, step_time_s=0.01, duration_s=0.01))
+
+    def ranks(self, step: Step, kinds: dict[str, str], at: int, lost: tuple[str, ...] = ()) -> None:
+        env = {F.ENV: str(step.facts_dir)}
+        for i, host in enumerate(step.hosts):
+            if host in lost:
+                continue  # a lost node writes nothing
+            for local in (0, 1):
+                kind = kinds.get(f"{host}:{local}", kinds.get(host, "completed"))
+                F.write_rank_report(F.RankReport(rank=2 * i + local, kind=kind, code=0 if kind == "completed" else 1,
+                                                 step=at, host=host, error="boom" if kind == "crash" else ""), env)
+            failed = any(kinds.get(f"{host}:{x}", kinds.get(host, "completed")) != "completed" for x in (0, 1))
+            F.write_launcher_report(F.LauncherReport(host=host, node_rank=i, signals=[], torchrun_rc=1 if failed else 0,
+                                                     worker_codes={}, silent_local_ranks=[], code=int(failed)), env)
+
+
+def completes(c: FakeCluster, step: Step) -> int:
+    c.train(step, resume=10 * step.index, reached=30)
+    c.ranks(step, {}, 30)
+    return 0
+
+
+def crashes(c: FakeCluster, step: Step) -> int:
+    """kill -9 / an exception on node1's rank 1: the others are victims; srun says 143."""
+    c.train(step, resume=10 * step.index, reached=10 * step.index + 5)
+    first = step.hosts[0]
+    c.ranks(step, {f"{first}:1": "crash", **{h: "peer_lost" for h in step.hosts[1:]}, f"{first}:0": "peer_lost"},
+            10 * step.index + 5)
+    return 143
+
+
+def loses(host: str):
+    def play(c: FakeCluster, step: Step) -> int:
+        c.train(step, resume=10 * step.index, reached=10 * step.index + 5)
+        c.down.add(host)
+        c.ranks(step, {h: "peer_lost" for h in step.hosts}, 10 * step.index + 5, lost=(host,))
+        return 1
+    return play
+
+
+@pytest.fixture
+def make(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+
+    def build(script, *, spares=1, on_exhausted="requeue", requeue=None, allow_drain=False, nodes=2):
+        site = load_site("site-configs/local.yaml", [f"burnin.allow_drain={str(allow_drain).lower()}"])
+        job = load_job(data={"name": "sp", "nodes": nodes, "spares": spares, "on_spares_exhausted": on_exhausted,
+                             "model": {"preset": "tiny"}, "parallel": {"tp": 2}, "train": {"global_batch": 8},
+                             "requeue": requeue or {"max_restarts": 4, "no_progress_limit": 0},
+                             "checkpoint": {"run_dir": str(tmp_path / "run")}})
+        r = resolve(site, job, history=())
+        freeze_and_render(r)
+        cluster = FakeCluster(r.run_dir, script)
+        env = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "DSLURM_RUN_DIR": str(r.run_dir)}
+        return Supervisor(r, cluster, env, HOSTS[: nodes + spares]), cluster, r.run_dir
+    return build
+
+
+def _events(run: Path, kind):
+    return list(ev.of(ev.read(run), kind))
+
+
+def test_a_killed_process_is_recovered_on_the_same_nodes_without_a_requeue(make):
+    sup, c, run = make([crashes, completes])
+    assert sup.loop() == X.OK
+    assert [s.hosts for s in c.steps] == [("node1", "node2")] * 2
+    rec, = _events(run, ev.Recovery)
+    assert (rec.cause, rec.mode, rec.removed, rec.added) == ("crash", "same_nodes", [], [])
+    assert [e.cls for e in _events(run, ev.Ending)] == ["crash", "completed"]
+    assert [d.action for d in c.acted] == ["end"]  # one decision, at the end: no requeue
+    assert [e.decision for e in _events(run, ev.Requeue)] == ["end"]
+    assert read_blocklist(run) == []
+    # each step has its own facts dir, each with its ending
+    assert sorted(p.name for p in (run / "starts").iterdir()) == ["4242.0", "4242.0.1"]
+    assert all((run / "starts" / n / "ending.json").exists() for n in ("4242.0", "4242.0.1"))
+
+
+def test_a_lost_node_is_replaced_by_the_spare_and_blocklisted(make):
+    sup, c, run = make([loses("node2"), completes], allow_drain=True)
+    assert sup.loop() == X.OK
+    assert [s.hosts for s in c.steps] == [("node1", "node2"), ("node1", "node3")]
+    rec, = _events(run, ev.Recovery)
+    assert (rec.cause, rec.mode, rec.removed, rec.added, rec.nodes) == (
+        "node_failure", "spare", ["node2"], ["node3"], ["node1", "node3"])
+    assert rec.failed_t and rec.failed_t <= rec.t and rec.step_index == 1
+    assert read_blocklist(run) == ["node2"]
+    assert c.drained == [(["node2"], "dslurm recovery: node_failure in job 4242")]
+    assert [e.cls for e in _events(run, ev.Ending)] == ["node_failure", "completed"]
+
+
+def test_spares_exhausted_shrink_goes_on_with_fewer_nodes_and_more_accumulation(make):
+    sup, c, run = make([loses("node2"), loses("node3"), completes], on_exhausted="shrink")
+    assert sup.loop() == X.OK
+    assert [s.hosts for s in c.steps] == [("node1", "node2"), ("node1", "node3"), ("node1",)]
+    assert [s.grad_accum for s in c.steps] == [None, None, 2]  # dp 2 -> 1, global batch 8 kept
+    modes = [(e.mode, e.to_nodes, e.grad_accum) for e in _events(run, ev.Recovery)]
+    assert modes == [("spare", 2, None), ("shrink", 1, 2)]
+    assert read_blocklist(run) == ["node2", "node3"]
+    sm = summarize(ev.read(run))
+    assert [r.mode for r in sm.recoveries] == ["spare", "shrink"]
+    assert all(r.resumed_s is not None and r.resumed_s >= 0 for r in sm.recoveries)
+    assert [s.outcome for s in sm.starts] == ["recovered in the allocation (spare)",
+                                              "recovered in the allocation (shrink)", "ended"]
+
+
+def test_spares_exhausted_requeue_goes_through_the_queue_without_the_bad_nodes(make):
+    sup, c, run = make([loses("node2"), loses("node3")], on_exhausted="requeue")
+    assert sup.loop() == X.OK
+    assert len(c.steps) == 2
+    assert [d.action for d in c.acted] == ["requeue"]  # act_on requeues excluding the blocklist
+    assert read_blocklist(run) == ["node2", "node3"]
+    assert [e.cls for e in _events(run, ev.Ending)] == ["node_failure", "node_failure"]
+
+
+def test_recoveries_spend_the_restart_budget(make):
+    sup, c, run = make([crashes, crashes, crashes], requeue={"max_restarts": 2, "no_progress_limit": 0})
+    assert sup.loop() == X.BUDGET
+    assert len(c.steps) == 3 and len(_events(run, ev.Recovery)) == 2
+    assert [d.action for d in c.acted] == ["stop"]
+
+
+def test_the_no_progress_guard_stops_recoveries_that_resume_at_the_same_step(make):
+    def stuck(c, step):  # every step starts at 0 (no checkpoint ever commits) and crashes
+        Ledger(c.run_dir).append(ev.JobStart(hosts=list(step.hosts)))
+        Ledger(c.run_dir).append(ev.TrainStart(step=0))
+        c.ranks(step, {"node1": "crash"}, 3)
+        return 1
+    sup, c, run = make([stuck] * 5, requeue={"max_restarts": 9, "no_progress_limit": 2})
+    assert sup.loop() == X.NO_PROGRESS
+    assert len(c.steps) == 2
+
+
+def test_a_preemption_during_a_step_is_not_recovered_here(make):
+    def preempted(c, step):
+        c.train(step, 0, 4)
+        sup.on_signal("TERM")  # Slurm's TERM reached the supervisor (forwarded by the batch shell)
+        F.write_rank_report(F.RankReport(rank=0, kind="terminated_saved", code=143, step=4, signal="SIGTERM"),
+                            {F.ENV: str(step.facts_dir)})
+        return 143
+    sup, c, run = make([preempted, completes])
+    assert sup.loop() == X.TERMINATED
+    assert len(c.steps) == 1 and not _events(run, ev.Recovery)
+    assert [e.cls for e in _events(run, ev.Ending)] == ["preempted"]
+    assert F.read_start(run / "starts" / "4242.0").batch_signals[0][0] == "TERM"
+
+
+def test_a_completed_run_ends_at_once(make):
+    sup, c, run = make([completes])
+    assert sup.loop() == X.OK and len(c.steps) == 1 and not _events(run, ev.Recovery)
+
+
+def test_the_srun_line_names_the_training_nodes_and_a_shrinks_accumulation(make):
+    sup, _, run = make([completes])
+    runner = SrunRunner(sup.r, ["python", "-m", "dslurm", "launch", "--", "python", "-m", "train"], {})
+    argv = runner.argv(Step(index=2, hosts=("node1", "node3"), facts_dir=run, grad_accum=None))
+    assert argv[:8] == ["srun", "--kill-on-bad-exit=1", "--overlap", "--nodes=2", "--nodelist=node1,node3",
+                        "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=2"]  # not the allocation's SLURM_NTASKS
+    assert argv[-1] == "train"
+    shrunk = runner.argv(Step(index=3, hosts=("node1",), facts_dir=run, grad_accum=2))
+    assert shrunk[3:6] == ["--nodes=1", "--nodelist=node1", "--ntasks=1"]
+    assert shrunk[-2:] == ["--set", "train.grad_accum=2"]
+
+
+def test_the_real_runner_runs_a_step_with_its_own_facts_dir_and_forwards_signals(make, tmp_path, monkeypatch):
+    """SrunRunner against a stand-in `srun` on PATH (a shell script that records its arguments and
+    environment and waits for TERM)."""
+    sup, _, run = make([completes])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\necho "$@" > "$DSLURM_FACTS_DIR/argv"\n'
+                                  'echo "$DSLURM_STEP_INDEX" > "$DSLURM_FACTS_DIR/index"\n'
+                                  "trap 'exit 143' TERM\nwhile :; do sleep 0.05; done\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    runner = SrunRunner(sup.r, ["launch"], dict(__import__("os").environ))
+    d = sup.step_dir(1)
+    import threading
+
+    def stop():
+        deadline = time.monotonic() + 10
+        while not (d / "index").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        runner.signal(signal.SIGTERM)
+    threading.Thread(target=stop).start()
+    assert runner.run(Step(index=1, hosts=("node1", "node3"), facts_dir=d)) == 143
+    assert (d / "index").read_text().strip() == "1" and "--nodelist=node1,node3" in (d / "argv").read_text()
+    assert d.name == "4242.0.1" and F.parse_start_name(d.name) == ("4242", 0, 1)
+
+
+def test_start_names_with_steps_sort_and_parse():
+    assert F.start_name("7", 2) == "7.2" and F.start_name("7", 2, 3) == "7.2.3"
+    assert F.parse_start_name("7.2") == ("7", 2, 0) and F.parse_start_name("local-9.0.4") == ("local-9", 0, 4)
+
+
+def test_ledger_recovery_event_round_trips(tmp_path):
+    Ledger(tmp_path).append(ev.Recovery(cause="crash", mode="spare", removed=["n2"], added=["n3"], grad_accum=None))
+    rec, = ev.read(tmp_path)
+    assert isinstance(rec, ev.Recovery) and rec.removed == ["n2"]
+    assert json.loads((tmp_path / "ledger.jsonl").read_text())["event"] == "recovery"
+
+
+def test_a_node_without_a_report_gets_slurms_word_before_the_ending_is_decided(make):
+    """srun ended before Slurm marked the lost node down: the loop waits for Slurm's word on
+    the silent node instead of reading the step as a crash of the nodes that reported."""
+    def lost_late(c, step):
+        c.train(step, 0, 5)
+        c.ranks(step, {"node1": "peer_lost"}, 5, lost=("node2",))
+        views = {"n": 0}
+        real = c.view
+
+        def slow_view(hosts):  # Slurm marks node2 down only on the third look
+            views["n"] += 1
+            if views["n"] >= 3:
+                c.down.add("node2")
+            return real(hosts)
+        c.view = slow_view
+        return 1
+    sup, c, run = make([lost_late, completes])
+    sup.poll_s = 0.01
+    assert sup.loop() == X.OK
+    assert [e.cls for e in _events(run, ev.Ending)] == ["node_failure", "completed"]
+    assert c.steps[1].hosts == ("node1", "node3")
