@@ -1,6 +1,6 @@
 """Two-tier checkpoints in one process (no process group): local commit then durable copy, full
 scratch and full durable disks, retention on both tiers, the lag policies, resume from either
-tier. The two-"node" torchrun cases live in test_two_tier.py."""
+tier. The two-"node" torchrun cases live in test_two_tier_dist.py."""
 
 from __future__ import annotations
 
