@@ -98,3 +98,16 @@ class _Counted:
 
     def readinto1(self, b: Any) -> Any:
         return self._count(self._f.readinto1(b) or 0)
+
+
+class RecordingLedger:
+    """A ledger that keeps the typed events a CheckpointManager or trainer appends, in memory."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def append(self, ev: Any) -> None:
+        self.events.append(ev)
+
+    def names(self) -> list[str]:
+        return [e.NAME for e in self.events]

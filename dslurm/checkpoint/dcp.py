@@ -190,6 +190,25 @@ def _write_reason(exc: BaseException, path: Path) -> str:
     return f"{full}; {reason}" if full and "No space left" not in reason else reason
 
 
+def prepare_generation(gen: Path, job: _Job, sd: dict[str, Any], rank: int, world: int, *,
+                       leader: bool) -> str | None:
+    """A rank's part of a generation before the shards: its RNG record, the metadata (leader),
+    and the refusal of non-finite state. -> the error, or None. Shared by both tiers."""
+    try:
+        (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
+        faults.ckpt_kill("before_write", rank, job.nth)
+        ck.atomic_write_json(gen / ck.RANKS / f"rank-{rank:05d}.json",
+                             {"rank": rank, "world_size": world, "rng": job.rng})
+        if leader:
+            ck.atomic_write_json(gen / ck.META, job.meta)
+        bad = nonfinite_keys(sd)
+        if bad:
+            return f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
+    except Exception as exc:
+        return _write_reason(exc, gen)
+    return None
+
+
 def _to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
@@ -464,19 +483,8 @@ class CheckpointManager:
 
     def _write(self, job: _Job, sd: dict[str, Any], comm: _Comm) -> SaveOutcome:
         gen, r = self.gdir / job.name, comm.rank
-        err: str | None = None
-        try:  # local preparation; gathered before DCP so that no rank waits in a collective alone
-            (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
-            faults.ckpt_kill("before_write", r, job.nth)
-            ck.atomic_write_json(gen / ck.RANKS / f"rank-{r:05d}.json",
-                                 {"rank": r, "world_size": comm.world, "rng": job.rng})
-            if r == 0:
-                ck.atomic_write_json(gen / ck.META, job.meta)
-            bad = nonfinite_keys(sd)
-            if bad:
-                err = f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
-        except Exception as exc:
-            err = _write_reason(exc, gen)
+        # local preparation; gathered before DCP so that no rank waits in a collective alone
+        err = prepare_generation(gen, job, sd, r, comm.world, leader=r == 0)
         sums: dict[str, Any] = {}
         job.phases["prep"] = time.perf_counter() - job.t0
         if not any(comm.gather(err)):

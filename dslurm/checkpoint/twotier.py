@@ -240,21 +240,10 @@ class TwoTier:
     def _write_local(self, job: _Job, sd: dict[str, Any], comm: _Comm) -> tuple[tiers.LocalRecord | None, str]:
         """Every rank writes its shard to its node's scratch; the record of each rank is written
         only once every rank reported its write complete with crc32s. -> (record, error)."""
-        from dslurm.checkpoint.dcp import _reason, _write_reason, nonfinite_keys
+        from dslurm.checkpoint.dcp import _reason, _write_reason, prepare_generation
         gen, r, mgr = self.lgdir / job.name, comm.rank, self.mgr
-        err, writer = "", None
-        try:
-            (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
-            faults.ckpt_kill("before_write", r, job.nth)
-            ck.atomic_write_json(gen / ck.RANKS / f"rank-{r:05d}.json",
-                                 {"rank": r, "world_size": comm.world, "rng": job.rng})
-            if self.leader:
-                ck.atomic_write_json(gen / ck.META, job.meta)
-            bad = nonfinite_keys(sd)
-            if bad:
-                err = f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
-        except Exception as exc:
-            err = _write_reason(exc, gen)
+        writer = None
+        err = prepare_generation(gen, job, sd, r, comm.world, leader=self.leader) or ""
         if not any(comm.gather(err)):
             try:
                 writer = NodeWriter(gen, self.groups, mgr.io_threads)

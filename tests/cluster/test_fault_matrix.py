@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import decisions, endings, events, job_spec, logs, submit, trained_steps, wait_for
+from cluster_jobs import decisions, endings, events, job_spec, kill_node, logs, submit, trained_steps, wait_for
 from dslurm import exitcodes as X
 from dslurm import slurm
 from dslurm.observe import events as ev
@@ -477,22 +477,6 @@ def test_sigkill_of_the_whole_job_during_an_async_save(slurm_cluster, cli, tmp_p
            f"{late[0]['cls']}; job 2 resumed at 6", run)
 
 
-def _kill_node(name: str) -> None:
-    """Node loss: SIGKILL the node's slurmd (with its tini) and every process under it."""
-    import signal
-
-    from dslurm import cluster
-    from dslurm.cluster.proc import descendants
-
-    rec = json.loads((cluster.state_dir_of(None) / "cluster.json").read_text())
-    proc = next(p for p in rec["procs"] if p["name"] == name)
-    for p in [*descendants(proc["pid"]), proc]:
-        try:
-            os.kill(p["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.mark.timeout(900)
 def test_node_loss_is_requeued_and_its_ending_recorded(slurm_cluster, cli, tmp_path):
     """node2's slurmd and everything under it die mid-training. Slurm marks the node down and
@@ -506,7 +490,7 @@ def test_node_loss_is_requeued_and_its_ending_recorded(slurm_cluster, cli, tmp_p
     job = submit(cli, env, spec)
     try:
         wait_for(lambda: _steps_in(run, 0, job) >= 7, 240, "training on two nodes")
-        _kill_node("node2")
+        kill_node("node2")
         from dslurm.checkpoint import read_pointer
 
         at_kill = read_pointer(run).step

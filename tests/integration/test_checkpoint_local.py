@@ -16,10 +16,10 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 
 from dslurm import checkpoint as ck
 from dslurm.checkpoint.dcp import CheckpointManager, TrainState
-from dslurm.observe.events import Event
-from testkit import ReadCounter
+from testkit import ReadCounter, RecordingLedger
 
 pytestmark = pytest.mark.integration
+Ledger = RecordingLedger
 
 
 class Tiny(nn.Module):
@@ -29,17 +29,6 @@ class Tiny(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(self.drop(torch.relu(self.l1(x))))
-
-
-class Ledger:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def append(self, ev: Event) -> None:
-        self.events.append(ev)
-
-    def names(self) -> list[str]:
-        return [e.NAME for e in self.events]
 
 
 class Run:

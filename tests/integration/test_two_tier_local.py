@@ -19,20 +19,10 @@ from dslurm import checkpoint as ck
 from dslurm.checkpoint import tiers
 from dslurm.checkpoint.dcp import CheckpointManager, TrainState
 from dslurm.checkpoint.twotier import NodeWriter
-from dslurm.observe.events import Event
+from testkit import RecordingLedger
 
 pytestmark = pytest.mark.integration
-
-
-class Ledger:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def append(self, ev: Event) -> None:
-        self.events.append(ev)
-
-    def names(self) -> list[str]:
-        return [e.NAME for e in self.events]
+Ledger = RecordingLedger
 
 
 class Run:
