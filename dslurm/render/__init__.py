@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from dslurm import __version__
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.render import container
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,11 @@ def q(value: object) -> str:
     if "$" not in text and "`" not in text:
         return shlex.quote(text)
     return '"' + re.sub(r'([\\$`"])', r"\\\1", text) + '"'
+
+
+def words(argv: list[str]) -> str:
+    """Command words for the script, each quoted; the submit-dir marker becomes "$PWD"."""
+    return " ".join('"$PWD"'.join(q(p) if p else "" for p in w.split(container.PWD)) for w in argv)
 
 
 def _directive_value(value: object) -> str:
@@ -133,7 +139,9 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
     launch_mode = r.job.launch
     preflight = ["--preflight", "--site", q(refs.site)] if r.job.preflight.enabled else []
     trainer = " ".join(q(a) for a in trainer_args(r, refs))
-    launch = (f'{py} -m dslurm launch --mode {launch_mode} --nproc-per-node "$NPROC_PER_NODE" '
+    prefix = container.launcher_prefix(r)  # apptainer/singularity exec IMAGE: the launcher runs inside
+    launch = ((_one_per_line(prefix) + " \\\n  " if prefix else "")
+              + f'{py} -m dslurm launch --mode {launch_mode} --nproc-per-node "$NPROC_PER_NODE" '
               + " ".join(preflight) + (" " if preflight else ""))
     lines = [
         "#!/bin/bash",
@@ -175,7 +183,9 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "trap 'forward USR2' USR2",
         "trap 'forward TERM' TERM",
         "",
-        *(_supervised_step(py, launch, trainer) if r.spares else _plain_step(py, launch_mode, launch, trainer)),
+        *_container_note(r),
+        *(_supervised_step(py, launch, trainer) if r.spares
+          else _plain_step(py, launch_mode, launch, trainer, container.srun_container_flags(r))),
         "",
     ]
     return "\n".join(lines)
@@ -192,13 +202,37 @@ _WAIT = [
 ]
 
 
-def _plain_step(py: str, launch_mode: str, launch: str, trainer: str) -> list[str]:
-    """One job step on every node; then requeue-me decides what comes next."""
+def _one_per_line(prefix: list[str]) -> str:
+    """`apptainer exec ...`: each --bind/--env and the image on a line of its own, for a reader."""
+    out = words(prefix[:1])
+    for i, w in enumerate(prefix[1:], 1):
+        out += (" \\\n    " if w in ("--bind", "--env") or i == len(prefix) - 1 else " ") + words([w])
+    return out
+
+
+def _container_note(r: Resolved) -> list[str]:
+    """Why the container wraps the launcher and not this shell (dslurm/render/container.py)."""
+    c = r.site.container
+    if c is None:
+        return []
+    how = "srun's --container-* flags start" if c.runtime == "pyxis" else f"`{c.runtime} exec` wraps"
+    end = "supervise" if r.spares else "requeue-me"
+    return [
+        f"# Container: {how} the launcher in the image on every node, and with it",
+        "# the burn-in and the training processes (all that needs torch). This shell, its setup and",
+        f"# {end} stay outside: they call scontrol/sacct/srun, which need the host's Slurm and munge.",
+    ]
+
+
+def _plain_step(py: str, launch_mode: str, launch: str, trainer: str, srun_container: list[str]) -> list[str]:
+    """One job step on every node; then requeue-me decides what comes next. `srun_container`:
+    pyxis's flags, on this srun only (the batch shell itself stays outside the container)."""
     srun_tasks = '"$NPROC_PER_NODE"' if launch_mode == "srun" else "1"
     return [
         'echo "dslurm: job ${SLURM_JOB_ID} start ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}" >&2',
         f'srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node={srun_tasks} \\',
         '  --cpus-per-task="$CPUS_PER_TASK" \\',
+        *[f"  {words([flag])} \\" for flag in srun_container],
         f"  {launch}\\",
         f"  -- {trainer} &",
         *_WAIT,

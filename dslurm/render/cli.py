@@ -20,6 +20,8 @@ EXAMPLES = (
     ("site-configs/h100-ib.yaml", "examples/jobs/llama8b-h100.yaml"),
     ("site-configs/h100-ib.yaml", "examples/jobs/llama70b-h100.yaml"),
     ("site-configs/a100-eth.yaml", "examples/jobs/llama1b-a100-srun.yaml"),
+    ("site-configs/h100-ib-pyxis.yaml", "examples/jobs/llama8b-h100.yaml"),  # containers: docs/containers.md
+    ("site-configs/a100-apptainer.yaml", "examples/jobs/llama1b-a100-srun.yaml"),
 )
 
 
@@ -80,7 +82,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.examples:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]  # the repository: dslurm/render/cli.py -> ../../..
         stale = examples(root, write=args.examples == "write")
         if stale:
             print("stale golden files (run `dslurm render --examples write`):\n  " + "\n  ".join(stale),

