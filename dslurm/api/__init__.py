@@ -152,6 +152,10 @@ def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
     from dslurm.submit import freeze_and_render, read_blocklist, record_submission
 
     r = load_inputs(job, site, overrides, site_overrides)
+    if r.site.container is not None:  # submitit's srun starts its pickled task with this Python, on the host
+        raise UserError(f"{r.site_path}: field 'container': api.submit cannot run the job in the site's "
+                        f"{r.site.container.runtime} container yet (submitit starts each task outside it). "
+                        "Fix: submit with `dslurm submit`, whose script runs the launcher in the container")
     check_accounting()
     freeze_and_render(r)
     executor = submitit.SlurmExecutor(folder=str(folder or r.run_dir / "submitit" / "%j"),

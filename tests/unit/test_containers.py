@@ -283,3 +283,23 @@ def test_container_goldens_wrap_only_the_launcher():
 def test_the_examples_check_command_finds_the_goldens(cli):
     res = cli("render", "--examples", "check")
     assert res.returncode == 0, res.stderr
+
+
+def test_the_submitit_path_refuses_a_container_site_instead_of_running_outside_it(tmp_path):
+    from dslurm import api
+
+    site = _site(tmp_path, APPTAINER)
+    with pytest.raises(UserError, match=r"field .container.: api.submit cannot run .* Fix: submit with `dslurm sub"):
+        api.submit(str(JOB), site=str(site), overrides=[f"checkpoint.run_dir={tmp_path / 'run'}"])
+
+
+@pytest.mark.parametrize("container", [{**APPTAINER, "binds": ["/a b:/c:ro"], "env": {"X": "1"}},
+                                       {**PYXIS, "mounts": ["/a:/b"], "workdir": "/w"}])
+def test_the_frozen_site_keeps_the_container(tmp_path, container):
+    """requeue-me and supervise re-read the run dir's frozen site.yaml: the container survives it."""
+    from dslurm.submit import freeze_and_render
+
+    r = _resolved(tmp_path, container, checkpoint={"run_dir": str(tmp_path / "run")})
+    freeze_and_render(r)
+    again = load_site(tmp_path / "run" / "site.yaml")
+    assert again.container == r.site.container
