@@ -41,7 +41,7 @@ def _fixed_prefix(template: str) -> str | None:
             break
         kept.append(part)
     path = "/".join(kept).rstrip("/")
-    return path if path.startswith("/") and path != "" else None
+    return path if path.startswith("/") else None
 
 
 def auto_paths(r: Resolved) -> list[str]:
