@@ -65,6 +65,7 @@ class Runner(Protocol):
     def act(self, dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path,
             chain: list[int]) -> None: ...
     def drain(self, hosts: Sequence[str], reason: str) -> None: ...
+    def probe(self, hosts: Sequence[str], timeout_s: float) -> tuple[str, ...]: ...
 
 
 class Supervisor:
@@ -76,7 +77,11 @@ class Supervisor:
         self.alloc = list(alloc)
         self.stopping: str | None = None
         self.facts_dir: Path | None = None
-        self.settle_s, self.poll_s = 45.0, 1.0  # local cluster: SlurmdTimeout 10 s, pinged every ~3 s
+        # A node that left no report is probed at once rather than waiting for Slurm to mark it
+        # down: SlurmdTimeout is 10 s on the local cluster but 300 s by default on real ones, and
+        # waiting for it (up to 45 s here) made a spare swap slower than a requeue.
+        self.probe_s = 8.0
+        self.unanswered: set[str] = set()  # nodes that failed a probe: down for the plan too
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded as the batch shell's (it is the batch shell's delegate), and
@@ -124,21 +129,30 @@ class Supervisor:
             nodes, index = plan.nodes, index + 1
 
     def _view_after(self, d: Path, hosts: Sequence[str]) -> E.SlurmView:
-        """Slurm's view of the step's nodes once it is settled: a node whose launcher left no report
-        may be lost while Slurm has not said so yet (srun can end before the node is marked down,
-        SlurmdTimeout); wait up to `settle_s` for Slurm's word on those, so a lost node is not
-        read as a crash of the nodes that did report."""
+        """Slurm's view of the step's nodes, with the nodes that left no report settled: a node whose
+        launcher wrote nothing is either lost (its slurmd and processes gone) or its launcher died
+        alone. Slurm says so only after SlurmdTimeout, so each silent node gets a probe step at once
+        (`srun --overlap -w NODE true`): one that does not answer within `probe_s` counts as down,
+        with that evidence; one that answers is alive, so the step is read as a crash. A lost node is
+        thus never read as a crash of the nodes that did report, and no time goes into waiting."""
         from dslurm.requeue.facts import read_start
 
         view = self.runner.view(hosts)
-        deadline = time.monotonic() + self.settle_s
-        while not self.stopping:
-            reported = {str(x.get("host")) for x in read_start(d).launchers}
-            silent = [h for h in hosts if h not in reported]
-            if not silent or set(silent) & set(view.down_nodes) or time.monotonic() > deadline:
-                return view
-            time.sleep(self.poll_s)
+        reported = {str(x.get("host")) for x in read_start(d).launchers}
+        silent = [h for h in hosts if h not in reported and h not in view.down_nodes]
+        if not silent or self.stopping:
+            return view
+        t0 = time.monotonic()
+        dead = self.runner.probe(silent, self.probe_s)
+        took = time.monotonic() - t0
+        self.unanswered.update(dead)
+        if dead:
+            log.warning("dslurm supervise: %s: no answer to a probe step (%.1f s): lost", ",".join(dead), took)
             view = self.runner.view(hosts)
+            extra = [h for h in dead if h not in view.down_nodes]
+            return E.SlurmView(state=view.state, down_nodes=(*view.down_nodes, *extra), node_states=(
+                *view.node_states, *(f"{h}: no answer to a probe step within {self.probe_s:.0f} s (Slurm had not "
+                                     f"marked it down yet)" for h in extra)))
         return view
 
     def _conclude(self, d: Path, ending: E.Ending, rc: int, acct: _Accounting) -> int:
@@ -153,7 +167,7 @@ class Supervisor:
         from dslurm.preflight.in_job import add_to_blocklist
         from dslurm.submit import read_blocklist
 
-        down = self.runner.view(nodes.training).down_nodes
+        down = (*self.runner.view(nodes.training).down_nodes, *sorted(self.unanswered))
         bad = nodes_at_fault(ending, nodes.training, down=down, blocklist=read_blocklist(self.run_dir))
         spares_down = self.runner.view(nodes.spares).down_nodes if nodes.spares else ()
         plan = plan_recovery(nodes, bad, wanted=self.r.nnodes, on_exhausted=self.r.job.on_spares_exhausted,
@@ -271,6 +285,29 @@ class SrunRunner:
                                 check=False, env=self.env)
             if res.returncode:
                 log.error("could not drain %s: %s", host, res.stderr.strip())
+
+    def probe(self, hosts: Sequence[str], timeout_s: float) -> tuple[str, ...]:
+        """The hosts that do not run `true` through their slurmd within `timeout_s`, probed in
+        parallel. srun to a node whose slurmd is gone fails (connection refused) or hangs until its
+        message timeout: either is "no answer"."""
+        env = {k: v for k, v in self.env.items() if not k.startswith("SLURM_STEP")}
+        procs = {h: subprocess.Popen([*PROBE_ARGV[:-1], f"--nodelist={h}", PROBE_ARGV[-1]], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for h in hosts}
+        deadline = time.monotonic() + timeout_s
+        dead = []
+        for h, p in procs.items():
+            try:
+                rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                rc = None
+            if rc != 0:
+                dead.append(h)
+        return tuple(dead)
+
+
+PROBE_ARGV = ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--quiet", "true")
 
 
 def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:

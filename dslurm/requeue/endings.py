@@ -108,7 +108,8 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
     lost = [n for n in slurm.down_nodes if n not in reported]
     if lost or (slurm.state or "").upper().startswith("NODE_FAIL"):
         nodes = ",".join(lost) or "?"
-        return Ending(NODE_FAILURE, f"node failure: Slurm reports {nodes} down and its launcher left no report "
+        said = "; ".join(x for x in slurm.node_states if x.split(":")[0] in lost) or f"{nodes} down"
+        return Ending(NODE_FAILURE, f"node failure: {said}, and its launcher left no report "
                       f"(job state {slurm.state})", origin_host=lost[0] if lost else None, step=_max_step(ranks),
                       evidence=[f"slurm: nodes down {nodes} ({', '.join(slurm.node_states)})",
                                 f"slurm: job state {slurm.state}", f"launcher reports from {sorted(reported)}"])

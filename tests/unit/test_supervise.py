@@ -37,6 +37,8 @@ class FakeCluster:
         self.drained: list = []
         self.signalled: list[int] = []
         self.on_run = None
+        self.answers: dict[str, bool] = {}  # a probe's result per silent host (default: no answer)
+        self.probed: list = []
 
     def run(self, step: Step) -> int:
         self.steps.append(step)
@@ -56,6 +58,10 @@ class FakeCluster:
 
     def drain(self, hosts, reason) -> None:
         self.drained.append((list(hosts), reason))
+
+    def probe(self, hosts, timeout_s):
+        self.probed.append((list(hosts), timeout_s))
+        return tuple(h for h in hosts if not self.answers.get(h, False))
 
     # ---- what a step's processes would record
 
@@ -267,24 +273,49 @@ def test_ledger_recovery_event_round_trips(tmp_path):
     assert json.loads((tmp_path / "ledger.jsonl").read_text())["event"] == "recovery"
 
 
-def test_a_node_without_a_report_gets_slurms_word_before_the_ending_is_decided(make):
-    """srun ended before Slurm marked the lost node down: the loop waits for Slurm's word on
-    the silent node instead of reading the step as a crash of the nodes that reported."""
-    def lost_late(c, step):
+def _lost_late(alive: bool):
+    """srun ended before Slurm marked node2 down (node2's launcher left no report): the loop
+    probes node2 at once instead of waiting for Slurm's word."""
+    def play(c, step):
         c.train(step, 0, 5)
         c.ranks(step, {"node1": "peer_lost"}, 5, lost=("node2",))
-        views = {"n": 0}
-        real = c.view
-
-        def slow_view(hosts):  # Slurm marks node2 down only on the third look
-            views["n"] += 1
-            if views["n"] >= 3:
-                c.down.add("node2")
-            return real(hosts)
-        c.view = slow_view
+        c.answers = {"node2": alive}
         return 1
-    sup, c, run = make([lost_late, completes])
-    sup.poll_s = 0.01
+    return play
+
+
+def test_a_silent_node_that_does_not_answer_a_probe_is_lost_without_waiting_for_slurm(make):
+    sup, c, run = make([_lost_late(alive=False), completes])
     assert sup.loop() == X.OK
-    assert [e.cls for e in _events(run, ev.Ending)] == ["node_failure", "completed"]
-    assert c.steps[1].hosts == ("node1", "node3")
+    assert c.probed == [(["node2"], sup.probe_s)]
+    end = _events(run, ev.Ending)[0]
+    assert end.cls == "node_failure" and "no answer to a probe step" in end.reason
+    assert c.steps[1].hosts == ("node1", "node3") and read_blocklist(run) == ["node2"]
+
+
+def test_a_silent_node_that_answers_the_probe_is_alive_and_the_step_a_crash(make):
+    sup, c, run = make([_lost_late(alive=True), completes])
+    assert sup.loop() == X.OK
+    assert [e.cls for e in _events(run, ev.Ending)] == ["crash", "completed"]
+    assert c.steps[1].hosts == ("node1", "node2") and read_blocklist(run) == []
+
+
+def test_a_node_slurm_already_reports_down_is_not_probed(make):
+    sup, c, run = make([loses("node2"), completes])
+    assert sup.loop() == X.OK
+    assert c.probed == []
+
+
+def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp_path, monkeypatch):
+    """SrunRunner.probe with srun replaced by a script on PATH (no Slurm here): node1 answers,
+    node2 fails at once (connection refused), node3 hangs past the timeout and is killed."""
+    import dslurm.recover.supervise as S
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$*" in *node1*) exit 0;; *node2*) exit 1;; *) sleep 30;; esac\n')
+    fake.chmod(0o755)
+    sup, c, run = make([completes])
+    runner = S.SrunRunner(sup.r, ["true"], {"PATH": f"{fake.parent}:/usr/bin:/bin"})
+    t0 = time.monotonic()
+    assert runner.probe(["node1", "node2", "node3"], 1.0) == ("node2", "node3")
+    assert time.monotonic() - t0 < 10
