@@ -8,7 +8,9 @@
 - `mfu`         PaLM model FLOPs per token, recomputation's extra FLOPs, MFU, tokens/s <-> MFU
 - `reliability` job MTBF, checkpoint interval (loss budget, Young/Daly), save fraction
 - `layout`      memory per GPU of a layout; `choose` proposes or validates one
-- `simulate`    Monte Carlo goodput under GPU failures, best checkpoint interval
+- `simulate`    Monte Carlo goodput under GPU failures, best checkpoint interval; `recovery_sim`
+                the cost of each failure per mechanism (requeue, spare, shrink) and the spares;
+                `run_inputs` its cost inputs from a run's ledger; `sim_cli` `plan simulate`
 - `inputs`      planner inputs from site/job YAML; `cli` the command; `show` its rich output
 
 Nothing here imports torch; numpy and rich load only inside the functions that need them.

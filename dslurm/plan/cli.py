@@ -46,21 +46,14 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run, plan_command=None)
     s = p.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
-    sim = s.add_parser("simulate", help="Monte Carlo goodput of a long run under GPU failures")
-    sim.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    sim.add_argument("--mtbf-years", type=float, default=5.0, help="MTBF of one GPU, years (5)")
-    sim.add_argument("--save-s", type=float, required=True, help="seconds to write a checkpoint")
-    sim.add_argument("--async", dest="async_save", action="store_true",
-                     help="async save: training stalls only --async-stall-s")
-    sim.add_argument("--async-stall-s", type=float, default=10.0, help="stall of an async save (10)")
-    sim.add_argument("--restart-s", type=float, default=600.0, help="restore + restart seconds (600)")
-    sim.add_argument("--requeue-s", type=float, default=300.0, help="requeue wait seconds (300)")
-    sim.add_argument("--horizon-days", type=float, default=30.0, help="wall clock per run, days (30)")
-    sim.add_argument("--trials", type=int, default=1000, help="runs per interval (1000)")
-    sim.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    sim.add_argument("--interval-s", type=float, action="append",
-                     help="interval to score (repeatable); default: a grid around Young/Daly")
-    sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sim = s.add_parser("simulate", help="Monte Carlo goodput under GPU failures per recovery mechanism and save mode",
+                       description="Goodput of a long run under GPU failures for each recovery mechanism (requeue, "
+                       "in-allocation spare swap, shrink) and save mode (sync, async, two-tier), the best checkpoint "
+                       "interval, and the spares that keep the run at full size. Cost inputs from flags, a real "
+                       "run's ledger (--from-run) or defaults; the output names the source of each. See docs/plan.md.")
+    from dslurm.plan.sim_cli import add_arguments
+
+    add_arguments(sim)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,38 +190,6 @@ def _details(plan: Any, model: Any, cluster: Any, work: Any, tokens_per_s: float
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from dslurm.plan._check import positive
-    from dslurm.plan.reliability import HOURS_PER_YEAR
-    from dslurm.plan.simulate import SimConfig, simulate
+    from dslurm.plan.sim_cli import run as simulate
 
-    positive("--mtbf-years", args.mtbf_years)
-    positive("--horizon-days", args.horizon_days)
-    cfg = SimConfig(gpus=args.gpus, gpu_mtbf_h=args.mtbf_years * HOURS_PER_YEAR, save_s=args.save_s,
-                    async_save=args.async_save, async_stall_s=args.async_stall_s,
-                    restart_s=args.restart_s, requeue_s=args.requeue_s,
-                    horizon_h=args.horizon_days * 24.0, trials=args.trials, seed=args.seed)
-    res = simulate(cfg, args.interval_s)
-    rows = [{"interval_s": float(t), "mean": float(res.mean[i]), "p05": float(res.p05[i]),
-             "p95": float(res.p95[i])} for i, t in enumerate(res.intervals_s)]
-    if args.json:
-        print(json.dumps({"summary": res.summary(), "intervals": rows}, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    s = res.summary()
-    console = Console()
-    console.print(f"{cfg.gpus} GPUs, job MTBF {s['job_mtbf_h']:.2f} h, {s['failures_per_run']:.1f} "
-                  f"failures per {args.horizon_days:g}-day run, {cfg.trials} trials, seed {cfg.seed}")
-    table = Table(title=f"goodput by checkpoint interval ({'async' if cfg.async_save else 'sync'} save)")
-    for col in ("interval", "mean", "p5", "p95", ""):
-        table.add_column(col)
-    step = max(1, len(rows) // 12)  # a readable subset, plus the two intervals that matter
-    for i, r in enumerate(rows):
-        tags = [t for t, hit in (("best", i == res.best),
-                                 ("Young/Daly", abs(r["interval_s"] - s["young_daly_s"]) < 1e-6)) if hit]
-        if i % step == 0 or tags:
-            table.add_row(f"{r['interval_s'] / 60:.1f} min", f"{r['mean']:.2%}", f"{r['p05']:.2%}",
-                          f"{r['p95']:.2%}", ", ".join(tags))
-    console.print(table)
-    return 0
+    return simulate(args)

@@ -3,19 +3,24 @@
 Model (each trial is one run of `horizon_h` wall-clock hours):
 - The job fails when any GPU fails. Per-GPU failures are independent exponentials, so the
   job's time to the next failure is exponential with mean MTBF_gpu / N: the first of N
-  exponentials. Drawing that one number instead of N keeps 16k GPUs as cheap as 8.
-- Training runs in cycles: `interval_s` of useful compute, then a stall. A synchronous save
-  stalls for the whole `save_s` and is durable when it returns. An asynchronous save stalls
-  for `async_stall_s` (the snapshot to host memory) and becomes durable `save_s` later; a
-  write longer than the interval delays the next snapshot (one write in flight at a time).
-- A failure loses everything since the last *durable* checkpoint, then costs `restart_s`
-  (restore + restart) and `requeue_s` (waiting in the queue). The failure clock runs only
-  while training runs (failures during restart are not modelled).
-- Goodput = durable useful compute / wall clock. Work still in flight at the horizon is
-  not counted (a bias of about interval/2 over the horizon).
+  exponentials. Drawing that one number instead of N keeps 16k GPUs as cheap as 8. A share
+  `node_loss_fraction` of failures takes out a node; the rest only crash a process.
+- Training runs in cycles: `interval_s` of useful compute, then a stall. `sync`: the stall is
+  the whole `save_s` and the save is durable when it returns. `async`: the stall is
+  `async_stall_s` (the snapshot to host memory), durable `save_s` later. `two_tier`: the stall
+  is the local write `local_stall_s` (restorable on the same nodes from then on), durable
+  `durable_lag_s` later. One write in flight at a time: a longer write delays the next save.
+- A failure loses the work since the last checkpoint it can restore: the local one after a
+  process crash relaunched on the same nodes (two tiers), else the last durable one. What the
+  recovery costs, and at what speed training goes on, is the mechanism's
+  (`dslurm.plan.recovery_sim`: requeue, spare, shrink). The failure clock runs only while
+  training runs (failures during recovery, and of idle spares, are not modelled).
+- Goodput = restorable useful compute / wall clock (shrunk segments count at their speed).
+  Work still in flight at the horizon is not counted (a bias of about interval/2 over the horizon).
 
-Because the failure times do not depend on the interval, every interval is scored on the
-same draws (common random numbers), so comparing intervals is not swamped by noise.
+Because the failure times do not depend on the interval or the mechanism, every interval and
+every mechanism is scored on the same draws (common random numbers), so comparisons are not
+swamped by noise.
 """
 
 from __future__ import annotations
@@ -24,28 +29,50 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dslurm.errors import UserError
 from dslurm.plan._check import count, non_negative, positive
+from dslurm.plan.recovery_sim import MECHANISMS, SAVES, Costs, Draws, max_in_repair, spares_for, timeline
 from dslurm.plan.reliability import HOURS_PER_YEAR, job_mtbf_h, young_daly_interval_s
 
 
 @dataclass(kw_only=True, slots=True)
 class SimConfig:
-    """One scenario for the failure simulator."""
+    """One scenario for the failure simulator (times in seconds unless the name says hours)."""
 
     gpus: int
     """GPUs in the job; any one failing stops it."""
     gpu_mtbf_h: float = 5 * HOURS_PER_YEAR
     """Mean time between failures of one GPU (hours). Seed 004 uses 5 years."""
+    gpus_per_node: int = 8
+    """GPUs per node: the unit a node loss takes out and a spare puts back."""
+    node_loss_fraction: float = 1.0
+    """Share of failures that take out a node (the rest crash a process on healthy nodes).
+    1.0: seed 004 lists only hardware faults (GPU, memory, NVLink/NIC, host crashes) and gives
+    no split, so every failure is taken to cost a node: the worst case for spares and two tiers."""
+    mechanism: str = "requeue"
+    """requeue | spare | shrink (dslurm.plan.recovery_sim)"""
+    save: str = "sync"
+    """sync | async | two_tier"""
     save_s: float = 240.0
-    """Seconds to write one checkpoint to durable storage."""
-    async_save: bool = False
-    """Stage to host memory, write in the background; else training stalls for `save_s`."""
+    """Seconds to write one checkpoint to durable storage (sync stall; async write)."""
     async_stall_s: float = 10.0
     """Training stall of an async save (the device-to-host snapshot)."""
+    local_stall_s: float = 30.0
+    """Training stall of a two-tier save (the node-local write). An assumption by default."""
+    durable_lag_s: float | None = None
+    """Two tiers: local commit -> durable commit (None: `save_s`, the same write)."""
     restart_s: float = 600.0
     """Restore + restart after a failure: process start, NCCL init, checkpoint load."""
     requeue_s: float = 300.0
     """Time waiting for Slurm to start the requeued job (replacement node included)."""
+    relaunch_s: float | None = None
+    """In-allocation recovery on the same nodes, failure -> training (None: `restart_s`)."""
+    swap_s: float | None = None
+    """In-allocation recovery with a spare or a shrink, failure -> training (None: `restart_s`)."""
+    spares: int = 0
+    """Spare nodes in the allocation (spare and shrink)."""
+    repair_h: float = 24.0
+    """Hours until a lost node is back in the spare pool. An assumption by default."""
     horizon_h: float = 30 * 24.0
     """Wall-clock length of one simulated run (hours)."""
     trials: int = 1000
@@ -56,10 +83,26 @@ class SimConfig:
     def __post_init__(self) -> None:
         count("gpus", self.gpus)
         count("trials", self.trials)
-        for name in ("gpu_mtbf_h", "save_s", "horizon_h"):
+        count("gpus_per_node", self.gpus_per_node)
+        count("spares", self.spares, minimum=0)
+        if self.gpus % self.gpus_per_node:
+            raise UserError(f"gpus={self.gpus} is not a whole number of nodes of gpus_per_node="
+                            f"{self.gpus_per_node}. Fix: give a multiple of {self.gpus_per_node}")
+        for name, allowed in (("mechanism", MECHANISMS), ("save", SAVES)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{name}={getattr(self, name)!r} is unknown; choose one of {', '.join(allowed)}")
+        for name in ("gpu_mtbf_h", "save_s", "horizon_h", "repair_h"):
             positive(name, getattr(self, name))
-        for name in ("async_stall_s", "restart_s", "requeue_s"):
-            non_negative(name, getattr(self, name))
+        for name in ("async_stall_s", "local_stall_s", "restart_s", "requeue_s", "durable_lag_s",
+                     "relaunch_s", "swap_s"):
+            if getattr(self, name) is not None:
+                non_negative(name, getattr(self, name))
+        if not 0.0 <= non_negative("node_loss_fraction", self.node_loss_fraction) <= 1.0:
+            raise UserError(f"node_loss_fraction={self.node_loss_fraction} must be in [0, 1]")
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
 
     @property
     def mtbf_s(self) -> float:
@@ -69,17 +112,32 @@ class SimConfig:
     @property
     def stall_s(self) -> float:
         """Training time lost per save."""
-        return self.async_stall_s if self.async_save else self.save_s
+        return {"sync": self.save_s, "async": self.async_stall_s, "two_tier": self.local_stall_s}[self.save]
 
     @property
     def lag_s(self) -> float:
         """Delay from the end of the stall until the checkpoint is durable."""
-        return self.save_s if self.async_save else 0.0
+        two_tier = self.save_s if self.durable_lag_s is None else self.durable_lag_s
+        return {"sync": 0.0, "async": self.save_s, "two_tier": two_tier}[self.save]
 
     @property
     def young_daly_s(self) -> float:
         """sqrt(2·stall·MTBF): the first-order optimum, with the stall as the save cost."""
         return young_daly_interval_s(max(self.stall_s, 1e-9), self.mtbf_s)
+
+    def cost_inputs(self) -> dict[str, float]:
+        """Every cost input in seconds, the ones left None resolved to what they default to."""
+        return {"save_s": self.save_s, "async_stall_s": self.async_stall_s, "local_stall_s": self.local_stall_s,
+                "durable_lag_s": self.save_s if self.durable_lag_s is None else self.durable_lag_s,
+                "restart_s": self.restart_s, "requeue_s": self.requeue_s,
+                "relaunch_s": self.restart_s if self.relaunch_s is None else self.relaunch_s,
+                "swap_s": self.restart_s if self.swap_s is None else self.swap_s}
+
+    def costs(self) -> Costs:
+        c = self.cost_inputs()
+        return Costs(restart_s=self.restart_s, requeue_s=self.requeue_s, relaunch_s=c["relaunch_s"],
+                     swap_s=c["swap_s"], nodes=self.nodes, spares=self.spares, repair_s=self.repair_h * 3600.0,
+                     horizon_s=self.horizon_h * 3600.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,6 +154,10 @@ class SimResult:
     """Mean failures per run (same for every interval)."""
     time_between_failures_h: float
     """Mean drawn time from restart to failure: checks the exponential model against MTBF."""
+    requeues_mean: float = 0.0
+    """Mean failures per run that went through the queue."""
+    shrinks_mean: float = 0.0
+    """Mean failures per run after which the job went on with fewer nodes."""
     best: int = field(default=0)
     """Index of the interval with the highest mean goodput."""
 
@@ -107,74 +169,94 @@ class SimResult:
     def best_goodput(self) -> float:
         return float(self.mean[self.best])
 
-    def summary(self) -> dict[str, float]:
-        """Plain numbers for JSON output and docs."""
-        i = self.best
-        return {"gpus": self.config.gpus, "job_mtbf_h": self.config.mtbf_s / 3600.0,
-                "failures_per_run": self.failures_mean, "horizon_h": self.config.horizon_h,
-                "young_daly_s": self.config.young_daly_s, "best_interval_s": self.best_interval_s,
+    def summary(self) -> dict[str, Any]:
+        """Plain values for JSON output and docs."""
+        i, c = self.best, self.config
+        return {"mechanism": c.mechanism, "save": c.save, "spares": c.spares if c.mechanism != "requeue" else 0,
+                "gpus": c.gpus, "job_mtbf_h": c.mtbf_s / 3600.0,
+                "failures_per_run": self.failures_mean, "requeues_per_run": self.requeues_mean,
+                "shrinks_per_run": self.shrinks_mean, "horizon_h": c.horizon_h,
+                "young_daly_s": c.young_daly_s, "best_interval_s": self.best_interval_s,
                 "goodput_mean": float(self.mean[i]), "goodput_p05": float(self.p05[i]),
                 "goodput_p50": float(self.p50[i]), "goodput_p95": float(self.p95[i])}
 
 
-def _failure_times(cfg: SimConfig, rng: Any) -> Any:
-    """(trials, segments) running times to each failure, enough segments to pass the horizon."""
+def draw_failures(cfg: SimConfig) -> Draws:
+    """Enough failures per trial to pass the horizon with the shortest recovery of any mechanism."""
     import numpy as np
 
+    rng = np.random.default_rng(cfg.seed)
     horizon = cfg.horizon_h * 3600.0
-    down = cfg.restart_s + cfg.requeue_s
+    c = cfg.costs()
+    down = min(c.restart_s + c.requeue_s, c.relaunch_s, c.swap_s)
     expected = horizon / (cfg.mtbf_s + down)
     segments = int(expected + 8 * math.sqrt(expected) + 16)
     while True:
         runs = rng.exponential(cfg.mtbf_s, size=(cfg.trials, segments))
         if np.all((runs + down).sum(axis=1) >= horizon):
-            return runs
+            return Draws(runs=runs, node_loss=rng.random(runs.shape) < cfg.node_loss_fraction)
         segments *= 2  # rare: redraw longer rather than bias the tail
 
 
-def _run_times(cfg: SimConfig, runs: Any) -> tuple[Any, Any]:
-    """Training time of each segment, cut at the horizon; and which segments ended in a failure."""
-    import numpy as np
-
-    horizon = cfg.horizon_h * 3600.0
-    walls = runs + cfg.restart_s + cfg.requeue_s
-    starts = np.cumsum(walls, axis=1) - walls
-    available = np.clip(horizon - starts, 0.0, None)
-    return np.minimum(runs, available), runs < available
-
-
-def goodput_per_trial(cfg: SimConfig, interval_s: float, run_times: Any) -> Any:
-    """Goodput of each trial for one interval, given each segment's training time."""
+def goodput_per_trial(cfg: SimConfig, interval_s: float, line: Any) -> Any:
+    """Goodput of each trial for one interval, given the mechanism's timeline."""
     import numpy as np
 
     positive("interval_s", interval_s)
-    # One write in flight at a time: a write longer than the interval delays the next snapshot.
-    cycle = max(interval_s, cfg.lag_s if cfg.async_save else 0.0) + cfg.stall_s
-    durable = np.floor(np.clip(run_times - cfg.lag_s, 0.0, None) / cycle)
-    return durable.sum(axis=1) * interval_s / (cfg.horizon_h * 3600.0)
+    lag = cfg.lag_s
+    # One write in flight at a time: a write longer than the interval delays the next save.
+    cycle = max(interval_s, lag) + cfg.stall_s
+    # A crash relaunched on the same nodes restores the local tier: nothing in flight is lost.
+    lags = np.where(line.local_restore, 0.0, lag) if cfg.save == "two_tier" else lag
+    kept = np.floor(np.clip(line.run_times - lags, 0.0, None) / cycle)
+    return (kept * line.speed).sum(axis=1) * interval_s / (cfg.horizon_h * 3600.0)
 
 
 def default_intervals(cfg: SimConfig, points: int = 41) -> list[float]:
-    """Log-spaced candidates from Young/Daly ÷ 8 to × 8, plus Young/Daly itself."""
+    """Log-spaced candidates from Young/Daly ÷ 8 to × 8, plus Young/Daly itself and the durable
+    write time (below it a shorter interval gains nothing: one write in flight at a time)."""
     yd = cfg.young_daly_s
     grid = [yd * 8.0 ** (2.0 * k / (points - 1) - 1.0) for k in range(points)]
-    return sorted({max(1.0, x) for x in grid} | {yd})
+    return sorted({max(1.0, x) for x in grid} | {yd} | ({cfg.lag_s} if cfg.lag_s >= 1.0 else set()))
 
 
-def simulate(cfg: SimConfig, intervals_s: list[float] | None = None) -> SimResult:
-    """Goodput distribution for each interval, and the interval with the best mean."""
+def score(cfg: SimConfig, draws: Draws, intervals_s: list[float] | None = None) -> SimResult:
+    """Goodput distribution of `cfg` on given draws, for each interval."""
     import numpy as np
 
     intervals = np.asarray(intervals_s if intervals_s else default_intervals(cfg), dtype=float)
     for i, x in enumerate(intervals):
         positive(f"intervals_s[{i}]", float(x))
-    rng = np.random.default_rng(cfg.seed)
-    runs = _failure_times(cfg, rng)
-    run_times, failed = _run_times(cfg, runs)
-    table = np.stack([goodput_per_trial(cfg, float(t), run_times) for t in intervals])
+    line = timeline(cfg.mechanism, draws, cfg.costs())
+    table = np.stack([goodput_per_trial(cfg, float(t), line) for t in intervals])
     mean = table.mean(axis=1)
     p05, p50, p95 = np.percentile(table, [5, 50, 95], axis=1)
+    failed = line.failed
     return SimResult(config=cfg, intervals_s=intervals, mean=mean, p05=p05, p50=p50, p95=p95,
                      failures_mean=float(failed.sum(axis=1).mean()),
-                     time_between_failures_h=float(runs[failed].mean() / 3600.0) if failed.any() else math.inf,
-                     best=int(np.argmax(mean)))
+                     time_between_failures_h=(float(draws.runs[failed].mean() / 3600.0) if failed.any()
+                                              else math.inf),
+                     requeues_mean=float(line.queued.sum(axis=1).mean()),
+                     shrinks_mean=float(line.shrank.sum(axis=1).mean()), best=int(np.argmax(mean)))
+
+
+def simulate(cfg: SimConfig, intervals_s: list[float] | None = None) -> SimResult:
+    """Goodput distribution for each interval, and the interval with the best mean."""
+    return score(cfg, draw_failures(cfg), intervals_s)
+
+
+@dataclass(frozen=True, slots=True)
+class SparesSizing:
+    probability: float
+    spares: int
+    """the fewest spares that keep the run at full size all along with `probability`"""
+    mean_most_in_repair: float
+
+
+def size_spares(cfg: SimConfig, draws: Draws, probability: float) -> SparesSizing:
+    """The spares for `probability`, from the most nodes under repair at once per trial."""
+    if not 0.0 < probability < 1.0:
+        raise UserError(f"probability={probability} must be between 0 and 1 (exclusive), e.g. 0.99")
+    most = max_in_repair(draws, cfg.costs())
+    return SparesSizing(probability=probability, spares=spares_for(most, probability),
+                        mean_most_in_repair=float(most.mean()))

@@ -48,11 +48,11 @@ def test_plan_from_site_and_job_files(capsys):
 
 
 def test_simulate_json_reports_goodput_and_chosen_interval(capsys):
-    code, out = _json(capsys, ["plan", "simulate", "--gpus", "16384", "--mtbf-years", "5",
-                               "--save-s", "240", "--trials", "50", "--json"])
-    s = out["summary"]
+    code, out = _json(capsys, ["plan", "simulate", "--gpus", "16384", "--mtbf-years", "5", "--mechanism", "requeue",
+                               "--save", "sync", "--save-s", "240", "--trials", "50", "--json"])
+    (s,) = out["results"]
     assert code == 0 and s["job_mtbf_h"] == pytest.approx(2.675, abs=0.01)
-    assert s["best_interval_s"] == max(out["intervals"], key=lambda r: r["mean"])["interval_s"]
+    assert s["best_interval_s"] == max(s["intervals"], key=lambda r: r["mean"])["interval_s"]
     assert 0.6 < s["goodput_mean"] < 0.85
 
 

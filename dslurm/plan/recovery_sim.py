@@ -1,0 +1,140 @@
+"""The recovery half of the failure simulator: what each failure costs under each mechanism.
+
+Given the failure draws (training time to each failure, and whether it took out a node or
+only crashed a process), `timeline` walks the failures of every trial at once (numpy over
+trials, a Python loop over the few hundred failures of a run) and returns, per segment, the
+downtime after its failure, the speed the job trains at, and whether the restore may use the
+node-local tier. The mechanisms are the ones `dslurm/recover` runs:
+
+- `requeue`: every failure goes back through the queue: `restart_s + requeue_s`, full size.
+- `spare`: `k` spare nodes in the allocation. A crash relaunches on the same nodes
+  (`relaunch_s`); a lost node is swapped for a spare (`swap_s`). No spare left: the job's
+  policy `requeue`, which brings a fresh allocation of nodes + k.
+- `shrink`: as `spare`, but with no spare left the job continues on the nodes it has
+  (`swap_s`) at proportionally lower speed (gradient accumulation keeps the global batch),
+  and grows back at a later relaunch once repaired nodes are back.
+
+Repair model: a lost node comes back `repair_h` later and rejoins the spare pool (a site that
+hands repaired nodes back to the job; with a `repair_h` as long as the run, every node loss
+uses up a spare for good, as one allocation does today). None of this depends on the
+checkpoint interval, so every interval is scored on the same timeline (common random numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MECHANISMS = ("requeue", "spare", "shrink")
+SAVES = ("sync", "async", "two_tier")
+
+
+@dataclass(frozen=True, slots=True)
+class Draws:
+    """One set of failure draws, shared by every mechanism, save mode and interval."""
+
+    runs: Any
+    """(trials, segments) training seconds from a (re)start to the next failure"""
+    node_loss: Any
+    """(trials, segments) bool: that failure took out a node (else: a process crash)"""
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Seconds each kind of recovery takes, and the node pool (all validated by SimConfig)."""
+
+    restart_s: float
+    requeue_s: float
+    relaunch_s: float
+    swap_s: float
+    nodes: int
+    spares: int
+    repair_s: float
+    horizon_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """Per segment (trials, segments): training time inside the horizon, whether it ended in a
+    failure, the speed it trained at, and whether its failure could restore the local tier."""
+
+    run_times: Any
+    failed: Any
+    speed: Any
+    local_restore: Any
+    queued: Any
+    """failures that went through the queue"""
+    shrank: Any
+    """failures after which the job trained on fewer nodes than before"""
+
+
+def timeline(mechanism: str, draws: Draws, c: Costs) -> Timeline:
+    """Walk the failures of every trial: downtime, speed and restore tier per segment."""
+    import numpy as np
+
+    runs, node = draws.runs, draws.node_loss
+    trials, segs = runs.shape
+    down = np.empty_like(runs)
+    speed = np.ones_like(runs)
+    local = np.zeros(runs.shape, dtype=bool)
+    back = np.full(runs.shape, -np.inf)  # when each lost node returns from repair
+    queued = np.zeros(runs.shape, dtype=bool)
+    shrank = np.zeros(runs.shape, dtype=bool)
+    start = np.zeros(trials)
+    queue = c.restart_s + c.requeue_s
+    for j in range(segs):
+        t_fail = start + runs[:, j]
+        if mechanism == "requeue":
+            down[:, j] = queue
+            queued[:, j] = True
+        else:
+            in_repair = (back[:, :j] > t_fail[:, None]).sum(axis=1)
+            back[:, j] = np.where(node[:, j], t_fail + c.repair_s, -np.inf)
+            alive = c.nodes + c.spares - in_repair - node[:, j]
+            short = alive < c.nodes
+            to_queue = short if mechanism == "spare" else alive < 1
+            down[:, j] = np.where(to_queue, queue, np.where(node[:, j], c.swap_s, c.relaunch_s))
+            queued[:, j] = to_queue
+            back[to_queue, : j + 1] = -np.inf  # a fresh allocation: its nodes are all healthy
+            nxt = np.where(to_queue, 1.0, np.minimum(alive, c.nodes) / c.nodes)
+            shrank[:, j] = nxt < speed[:, j]
+            # The local tier restores only on the same nodes with the same layout.
+            local[:, j] = ~node[:, j] & ~to_queue & (nxt == speed[:, j])
+            if j + 1 < segs:
+                speed[:, j + 1] = nxt
+        start = t_fail + down[:, j]
+    walls = runs + down
+    starts = np.cumsum(walls, axis=1) - walls
+    available = np.clip(c.horizon_s - starts, 0.0, None)
+    failed = runs < available
+    return Timeline(run_times=np.minimum(runs, available), failed=failed, speed=speed,
+                    local_restore=local & failed, queued=queued & failed, shrank=shrank & failed)
+
+
+def max_in_repair(draws: Draws, c: Costs) -> Any:
+    """(trials,) the most lost nodes under repair at once over the run, with every loss swapped
+    for a spare (never short): the spares a run needs to stay at full size all along."""
+    import numpy as np
+
+    runs, node = draws.runs, draws.node_loss
+    down = np.where(node, c.swap_s, c.relaunch_s)
+    t_fail = np.cumsum(runs + down, axis=1) - down
+    inside = t_fail < c.horizon_s
+    lost = np.where(node & inside, t_fail, np.nan)
+    most = np.zeros(runs.shape[0], dtype=int)
+    for j in range(runs.shape[1]):
+        if not inside[:, j].any():
+            break
+        # The count only rises at a loss: nodes lost in (t_j - repair, t_j], this one included.
+        window = (lost[:, : j + 1] > t_fail[:, j : j + 1] - c.repair_s).sum(axis=1)
+        most = np.maximum(most, np.where(node[:, j] & inside[:, j], window, 0))
+    return most
+
+
+def spares_for(most: Any, probability: float) -> int:
+    """The smallest k with P(most nodes under repair at once <= k) >= probability."""
+    import numpy as np
+
+    ordered = np.sort(np.asarray(most))
+    index = min(len(ordered) - 1, max(0, int(np.ceil(probability * len(ordered))) - 1))
+    return int(ordered[index])
