@@ -21,7 +21,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dslurm.config import SiteConfig
 
 CLUSTER_NAME = "dslurm"
 PARTITION = "debug"
@@ -69,7 +72,7 @@ class NodeShape:
         return dataclasses.asdict(self)
 
 
-def site_shape(site: Any, nodes: int) -> NodeShape:
+def site_shape(site: SiteConfig, nodes: int) -> NodeShape:
     """The NodeShape of a site config (dslurm.config.SiteConfig): its partition, per-node GPUs,
     CPUs and memory, and the gres type its `--gres` directive names (gres_name `gpu:a100`)."""
     gpu_type = None
@@ -250,8 +253,10 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "JobCompType=jobcomp/none",
     ]
     if spec.declares_gpus:
-        # Tracked as a TRES too, as GPU sites do: a job's TRES (scontrol, sacct) then shows gres/gpu=N.
-        lines += ["GresTypes=gpu", "AccountingStorageTRES=gres/gpu"]
+        lines.append("GresTypes=gpu")
+        if spec.accounting:  # slurmctld refuses to start with a gres TRES but no slurmdbd
+            # Tracked as a TRES, as GPU sites do: a job's TRES (scontrol, sacct) shows gres/gpu=N.
+            lines.append("AccountingStorageTRES=gres/gpu")
     if spec.shapes:
         # Power saving only so CLOUD nodes count as powered down (never started, never pinged):
         # nothing is ever resumed (a job on them is only ever --test-only), and the running
