@@ -4,6 +4,12 @@ munged, slurmctld and N slurmd daemons (node1..nodeN, each in its own UTS namesp
 `hostname` differs per node, each under a `tini -s` subreaper), plus slurmdbd + MariaDB with
 `--accounting` (so sacct works; submitit needs it). No systemd.
 
+`--gpus-per-node N` declares N placeholder GPUs (gres gpu) per node, so GPU-style jobs
+(`--gpus-per-node`, `--gres=gpu:N`) are scheduled by the real slurmctld and get Slurm's GPU
+environment (SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES); their processes run on
+the CPU. `--site-shape FILE[:NODES]` adds a never-started partition shaped like that site for
+`sbatch --test-only` (dslurm/cluster/conf.py says how both work).
+
 State dir (default `$DSLURM_CLUSTER_DIR` or /tmp/dslurm-cluster) holds config, logs, spool,
 controller state, MariaDB data and `cluster.json`: the settings, every PID started (with its
 start time, so a recycled PID is never killed) and every system change made. `down` stops
@@ -24,6 +30,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -85,6 +92,9 @@ class ClusterInfo:
     accounting: bool
     node_names: tuple[str, ...]
     partition: str = cc.PARTITION
+    gpus: int = 0
+    """placeholder GPUs per node"""
+    shapes: tuple[cc.NodeShape, ...] = ()
 
     @property
     def slurm_conf(self) -> Path:
@@ -102,23 +112,28 @@ def state_dir_of(state_dir: str | os.PathLike[str] | None) -> Path:
 # ------------------------------------------------------------------ public API
 
 def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[str] | None = None,
-       cpus: int = 4) -> ClusterInfo:
-    """Start the cluster (or leave a healthy one with the same settings alone)."""
+       cpus: int = 4, gpus: int | None = None, shapes: tuple[cc.NodeShape, ...] | None = None) -> ClusterInfo:
+    """Start the cluster (or leave a healthy one with the same settings alone).
+
+    `gpus` / `shapes` None: as the recorded cluster has them (none for a fresh one), so a test
+    that brings a killed node back with `up(nodes=3, accounting=True)` keeps the session's GPUs."""
     sdir = state_dir_of(state_dir)
     # A healthy cluster with these settings is left alone without taking the machine lock: a test
     # session run under `flock /tmp/dslurm-cluster.lock` (how sessions sharing the cluster take
     # turns) holds that very lock, and would deadlock here. Reading health outside the lock
     # promises no less than inside it: a `down` may follow either way.
     rec = _load(sdir)
-    if rec and rec.get("settings", {}).get("nodes") == nodes and rec["settings"].get("accounting") == accounting \
-            and rec["settings"].get("cpus") == cpus and _healthy(sdir, rec):
+    if rec and _same(rec, nodes, accounting, cpus, gpus, shapes) and _healthy(sdir, rec):
         return _info(sdir, rec)
     with _machine_lock():
+        rec = _load(sdir)
+        old = rec.get("settings", {}) if rec else {}
         # Validate first: a bad --nodes must not tear down a running cluster.
         spec = cc.ClusterSpec(state_dir=sdir, nodes=nodes, cpus=cpus, accounting=accounting,
+                              gpus=int(old.get("gpus", 0)) if gpus is None else gpus,
+                              shapes=cc.shapes_from_settings(old.get("shapes")) if shapes is None else shapes,
                               controller_host=socket.gethostname(),
                               first_job_id=_first_job_id(sdir))
-        rec = _load(sdir)
         wanted = spec.settings()
         if rec and _healthy(sdir, rec):
             if rec["settings"] == wanted:
@@ -140,6 +155,15 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
             _teardown(sdir, rec)
             raise
         return _info(sdir, rec)
+
+
+def _same(rec: dict[str, Any], nodes: int, accounting: bool, cpus: int, gpus: int | None,
+          shapes: tuple[cc.NodeShape, ...] | None) -> bool:
+    """The recorded cluster has these settings (None: any GPUs / shapes)."""
+    s = rec.get("settings", {})
+    return (s.get("nodes") == nodes and s.get("accounting") == accounting and s.get("cpus") == cpus
+            and (gpus is None or s.get("gpus", 0) == gpus)
+            and (shapes is None or cc.shapes_from_settings(s.get("shapes")) == tuple(shapes)))
 
 
 def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
@@ -167,8 +191,29 @@ def status(state_dir: str | os.PathLike[str] | None = None) -> dict[str, object]
         return {"up": False, "state_dir": str(sdir), "nodes": [], "jobs": []}
     env = _info(sdir, rec).env()
     # host_cpus: the real cores all nodes share (their CPUs and memory are declared, not real).
+    running = set(_info(sdir, rec).node_names)  # shaped (never-started) nodes are in settings
     return {"up": True, "state_dir": str(sdir), "settings": rec["settings"], "host_cpus": os.cpu_count(),
-            "nodes": slurm.nodes(env=env), "jobs": slurm.squeue(env=env)}
+            "nodes": [n for n in slurm.nodes(env=env) if n["name"] in running], "jobs": slurm.squeue(env=env)}
+
+
+DEFAULT_SHAPE_NODES = 16  # the largest shipped GPU example (llama70b-h100) asks for 16 nodes
+
+
+def parse_site_shape(arg: str) -> cc.NodeShape:
+    """`--site-shape FILE[:NODES]` -> the site's NodeShape (a bad file or count is a UserError)."""
+    from dslurm.config import load_site
+
+    path, sep, count = arg.rpartition(":")
+    if not (sep and count.isascii() and count.isdigit()):
+        path, count = arg, str(DEFAULT_SHAPE_NODES)
+    nodes = int(count)
+    if nodes < 1:
+        raise UserError(f"--site-shape {arg}: NODES={nodes} must be at least 1")
+    site = load_site(path)
+    try:
+        return cc.site_shape(site, nodes)
+    except ValueError as exc:
+        raise UserError(f"--site-shape {arg}: {exc}") from exc
 
 
 def ensure_packages(accounting: bool) -> None:
@@ -282,7 +327,8 @@ def _wait_idle(spec: cc.ClusterSpec, rec: dict[str, Any], env: dict[str, str],
             last = str(exc)
             continue
         if proc.returncode == 0:
-            states = {n["name"]: n["state"] for n in slurm.parse_sinfo_nodes(proc.stdout)}
+            running = set(cc.node_names(spec.nodes))  # not the never-started shaped nodes
+            states = {n["name"]: n["state"] for n in slurm.parse_sinfo_nodes(proc.stdout) if n["name"] in running}
             last = str(states)
             if len(states) == spec.nodes and all(s == "idle" for s in states.values()):
                 return
@@ -303,6 +349,7 @@ def _teardown(sdir: Path, rec: dict[str, Any]) -> None:
         if not p["name"].startswith("node"):
             _stop([p], grace=10 if p["name"] == "mariadbd" else 5)
     _undo_system_changes(rec.get("changes", {}), sdir)
+    shutil.rmtree(sdir / "dev", ignore_errors=True)  # the placeholder GPU devices
     (sdir / RECORD).unlink(missing_ok=True)
 
 
@@ -326,7 +373,8 @@ def _healthy(sdir: Path, rec: dict[str, Any]) -> bool:
         return False
     if proc.returncode != 0:
         return False
-    nodes = slurm.parse_sinfo_nodes(proc.stdout)
+    running = set(cc.node_names(rec["settings"]["nodes"]))
+    nodes = [n for n in slurm.parse_sinfo_nodes(proc.stdout) if n["name"] in running]
     ok = {"idle", "allocated", "mixed", "completing"}
     return len(nodes) == rec["settings"]["nodes"] and all(
         n["responding"] and n["state"] in ok for n in nodes)
@@ -335,7 +383,8 @@ def _healthy(sdir: Path, rec: dict[str, Any]) -> bool:
 def _info(sdir: Path, rec: dict[str, Any]) -> ClusterInfo:
     s = rec["settings"]
     return ClusterInfo(state_dir=sdir, nodes=s["nodes"], accounting=s["accounting"],
-                       node_names=tuple(cc.node_names(s["nodes"])))
+                       node_names=tuple(cc.node_names(s["nodes"])), gpus=int(s.get("gpus", 0)),
+                       shapes=cc.shapes_from_settings(s.get("shapes")))
 
 
 # ------------------------------------------------------------------ files and system changes
@@ -344,7 +393,7 @@ def _prepare_dirs(spec: cc.ClusterSpec) -> None:
     sdir = spec.state_dir
     # Controller state and spool are wiped on every fresh start: jobs of a crashed run must
     # not come back. Job ids stay unique through FirstJobId (see _first_job_id).
-    for sub in ("ctld", "spool", "run", "munge"):
+    for sub in ("ctld", "spool", "run", "munge", "dev"):
         shutil.rmtree(sdir / sub, ignore_errors=True)
     for sub in ("etc", "log", "ctld", "run", "secret", "munge",
                 *(f"spool/{n}" for n in cc.node_names(spec.nodes))):
@@ -357,6 +406,12 @@ def _prepare_dirs(spec: cc.ClusterSpec) -> None:
     if not key.exists():
         _atomic_write(key, os.urandom(1024), mode=0o400)
     _atomic_write(sdir / "etc" / "slurm.conf", cc.render_slurm_conf(spec).encode())
+    _atomic_write(sdir / "etc" / "gres.conf", cc.render_gres_conf(spec).encode())
+    for name in cc.node_names(spec.nodes):
+        for dev in cc.gpu_files(sdir, name, spec.gpus):
+            dev.parent.mkdir(parents=True, exist_ok=True)
+            # A character device with /dev/null's numbers: slurmd counts a GPU only if its File exists.
+            os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     if spec.accounting:
         _atomic_write(sdir / "etc" / "slurmdbd.conf", cc.render_slurmdbd_conf(spec).encode(),
                         mode=0o600)
@@ -456,19 +511,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             a.add_argument("--cpus", type=int, default=4, help="virtual CPUs per node (4)")
             a.add_argument("--accounting", action="store_true",
                            help="also run slurmdbd + MariaDB so sacct works")
+            a.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                           help="declare N placeholder GPUs (gres gpu) per node; processes still run "
+                                "on the CPU (default: as the running cluster, else 0)")
+            a.add_argument("--site-shape", action="append", default=None, metavar="FILE[:NODES]",
+                           help="add a never-started partition shaped like this site config (its "
+                                f"partition, GPUs, CPUs, memory; NODES nodes, default {DEFAULT_SHAPE_NODES}) "
+                                "for `sbatch --test-only`; repeatable")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.cluster_command == "up":
         try:
+            shapes = None if args.site_shape is None else tuple(parse_site_shape(a) for a in args.site_shape)
             info = up(nodes=args.nodes, accounting=args.accounting, state_dir=args.state_dir,
-                      cpus=args.cpus)
+                      cpus=args.cpus, gpus=args.gpus_per_node, shapes=shapes)
         except ValueError as exc:
-            raise UserError(f"{exc} (flags --nodes, --cpus)") from exc
+            raise UserError(f"{exc} (flags --nodes, --cpus, --gpus-per-node, --site-shape)") from exc
         print(f"cluster up: {info.nodes} nodes ({','.join(info.node_names)}), partition "
-              f"{info.partition}, accounting {'on' if info.accounting else 'off'}; "
-              f"SLURM_CONF={info.slurm_conf}")
+              f"{info.partition}, accounting {'on' if info.accounting else 'off'}, "
+              f"{info.gpus} placeholder GPU(s) per node; SLURM_CONF={info.slurm_conf}")
+        for shape in info.shapes:
+            print(f"  --test-only partition {shape.partition}: {shape.nodes} never-started node(s) of "
+                  f"{shape.gpus} GPU(s), {shape.cpus} CPUs, {shape.memory_mb} MB")
         return 0
     if args.cluster_command == "down":
         stopped = down(args.state_dir)

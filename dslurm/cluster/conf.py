@@ -1,8 +1,19 @@
-"""Pure rendering of the local cluster's config files (slurm.conf, slurmdbd.conf).
+"""Pure rendering of the local cluster's config files (slurm.conf, gres.conf, slurmdbd.conf).
 
 No I/O here: `dslurm.cluster` decides paths and writes the text. Everything a test wants
-to check about the config (ports, node lines, requeue timing) is computable from
+to check about the config (ports, node lines, GPU gres, requeue timing) is computable from
 `ClusterSpec` alone.
+
+GPU gres (`gpus` > 0): Slurm 22.05's slurmd drops a count-only `Name=gpu Count=N` gres.conf
+line ("Removing file-less GPU") and the node goes INVAL, so every placeholder GPU is a `File=`
+entry: a character device with the null device's numbers (1, 3) under the state dir, one set
+per node (`gpu_files`). No process opens them; Slurm only needs them to exist to count them
+and to number them for CUDA_VISIBLE_DEVICES / SLURM_JOB_GPUS.
+
+Shapes (`shapes`): extra partitions of nodes shaped like a real site (GPUs, CPUs, memory,
+partition name) for `sbatch --test-only` only. They are declared State=CLOUD, which Slurm
+treats as powered down, so they are never started, never pinged and never marked down, yet
+slurmctld checks a job against their declared resources exactly as it would at the site.
 """
 
 from __future__ import annotations
@@ -10,6 +21,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dslurm.config import SiteConfig
 
 CLUSTER_NAME = "dslurm"
 PARTITION = "debug"
@@ -28,6 +43,49 @@ _JOBID_SECONDS_PER_ID = 10
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class NodeShape:
+    """A partition of never-started nodes shaped like a site, for `sbatch --test-only`."""
+
+    partition: str
+    nodes: int
+    cpus: int
+    memory_mb: int
+    gpus: int = 0
+    gpu_type: str | None = None
+    """gres type (`gpu:a100:4` in the node line) so `--gres=gpu:a100:N` matches; untyped
+    requests (`--gpus-per-node=N`) match a typed gres too."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", self.partition) or self.partition == PARTITION:
+            raise ValueError(f"partition={self.partition!r}: must be a plain name (letters, digits, _) "
+                             f"other than {PARTITION!r}, the running nodes' partition")
+        if self.nodes < 1 or self.cpus < 1 or self.memory_mb < 1 or self.gpus < 0:
+            raise ValueError(f"shape {self.partition}: nodes={self.nodes}, cpus={self.cpus}, "
+                             f"memory_mb={self.memory_mb} must be >= 1 and gpus={self.gpus} >= 0")
+        if self.gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.gpu_type):
+            raise ValueError(f"shape {self.partition}: gpu_type={self.gpu_type!r} is not a gres type name")
+
+    def names(self) -> list[str]:
+        return [f"{self.partition}-n{k}" for k in range(1, self.nodes + 1)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def site_shape(site: SiteConfig, nodes: int) -> NodeShape:
+    """The NodeShape of a site config (dslurm.config.SiteConfig): its partition, per-node GPUs,
+    CPUs and memory, and the gres type its `--gres` directive names (gres_name `gpu:a100`)."""
+    gpu_type = None
+    if site.slurm.gpu_directive == "gres":
+        name, _, gpu_type = site.slurm.gres_name.partition(":")
+        if name != "gpu":
+            raise ValueError(f"site {site.name!r}: slurm.gres_name={site.slurm.gres_name!r} is not a gpu gres; "
+                             "the local cluster declares only gpu")
+    return NodeShape(partition=site.slurm.partition, nodes=nodes, cpus=site.node.cpus,
+                     memory_mb=site.node.mem_gb * 1024, gpus=site.node.gpus, gpu_type=gpu_type or None)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ClusterSpec:
     """Everything that shapes the local cluster's config."""
 
@@ -39,6 +97,10 @@ class ClusterSpec:
     """Virtual CPUs per node (slurmd runs with config_overrides, so more than the host has is fine)."""
     memory_mb: int = 4096
     """RealMemory per node; memory is not a consumable resource here (CR_Core)."""
+    gpus: int = 0
+    """Placeholder GPUs (gres gpu) per running node; see the module docstring."""
+    shapes: tuple[NodeShape, ...] = ()
+    """Never-started partitions shaped like sites, for `sbatch --test-only`."""
     accounting: bool = False
     """Run slurmdbd + MariaDB so sacct works."""
     controller_host: str = "localhost"
@@ -56,11 +118,26 @@ class ClusterSpec:
             raise ValueError(f"cpus={self.cpus}: must be >= 1")
         if not 1 <= self.first_job_id < MAX_JOB_ID:
             raise ValueError(f"first_job_id={self.first_job_id}: must be in [1, {MAX_JOB_ID})")
+        if not 0 <= self.gpus <= 64:
+            raise ValueError(f"gpus={self.gpus}: must be between 0 and 64 per node")
+        parts = [s.partition for s in self.shapes]
+        if len(set(parts)) != len(parts):
+            raise ValueError(f"shapes: partition names {parts} must differ")
+
+    @property
+    def declares_gpus(self) -> bool:
+        return self.gpus > 0 or any(s.gpus for s in self.shapes)
 
     def settings(self) -> dict[str, object]:
         """What makes two clusters 'the same' for idempotent `up` (job ids excluded)."""
         return {"nodes": self.nodes, "cpus": self.cpus, "memory_mb": self.memory_mb,
-                "accounting": self.accounting}
+                "accounting": self.accounting, "gpus": self.gpus,
+                "shapes": [s.as_dict() for s in self.shapes]}
+
+
+def shapes_from_settings(raw: object) -> tuple[NodeShape, ...]:
+    """`settings()["shapes"]` (as stored in cluster.json) back into NodeShapes."""
+    return tuple(NodeShape(**s) for s in raw) if isinstance(raw, list) else ()
 
 
 def node_names(nodes: int) -> list[str]:
@@ -92,6 +169,34 @@ def next_first_job_id(now: float, previous_max: int) -> int:
 def hosts_line(nodes: int, state_dir: Path) -> str:
     """The /etc/hosts line `up` adds; the marker comment lets `down` remove exactly it."""
     return f"127.0.0.1 {' '.join(node_names(nodes))}  # dslurm-cluster {state_dir}"
+
+
+def gpu_files(state_dir: Path, node: str, gpus: int) -> list[Path]:
+    """The placeholder device files of one node's GPUs (made by `up`, removed by `down`)."""
+    return [state_dir / "dev" / node / f"gpu{i}" for i in range(gpus)]
+
+
+def render_gres_conf(spec: ClusterSpec) -> str:
+    """One line per running node naming its placeholder GPUs; empty without GPUs. Shaped nodes
+    need none: slurmctld takes their counts from the node lines, and no slurmd reads this for them."""
+    lines = ["# Generated by `dslurm cluster up --gpus-per-node N`. Do not edit."]
+    for name in node_names(spec.nodes) if spec.gpus else []:
+        first = gpu_files(spec.state_dir, name, 1)[0]  # gpu0; gres.conf's range form names the rest
+        files = str(first) if spec.gpus == 1 else f"{first.parent}/gpu[0-{spec.gpus - 1}]"
+        lines.append(f"NodeName={name} Name=gpu File={files}")
+    return "\n".join(lines) + "\n"
+
+
+def _shape_lines(shape: NodeShape) -> list[str]:
+    gres = ""
+    if shape.gpus:
+        gres = f" Gres=gpu:{shape.gpu_type + ':' if shape.gpu_type else ''}{shape.gpus}"
+    names = shape.names()
+    return [
+        f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname={n} CPUs={shape.cpus} Boards=1 SocketsPerBoard=1 "
+        f"CoresPerSocket={shape.cpus} ThreadsPerCore=1 RealMemory={shape.memory_mb}{gres} State=CLOUD"
+        for n in names
+    ] + [f"PartitionName={shape.partition} Nodes={','.join(names)} MaxTime=INFINITE State=UP"]
 
 
 def render_slurm_conf(spec: ClusterSpec) -> str:
@@ -147,6 +252,17 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         f"MaxJobId={MAX_JOB_ID}",
         "JobCompType=jobcomp/none",
     ]
+    if spec.declares_gpus:
+        lines.append("GresTypes=gpu")
+        if spec.accounting:  # slurmctld refuses to start with a gres TRES but no slurmdbd
+            # Tracked as a TRES, as GPU sites do: a job's TRES (scontrol, sacct) shows gres/gpu=N.
+            lines.append("AccountingStorageTRES=gres/gpu")
+    if spec.shapes:
+        # Power saving only so CLOUD nodes count as powered down (never started, never pinged):
+        # nothing is ever resumed (a job on them is only ever --test-only), and the running
+        # nodes are excluded from suspension.
+        lines += ["ResumeProgram=/bin/false", "SuspendProgram=/bin/true", "SuspendTime=INFINITE",
+                  f"SuspendExcNodes={','.join(names)}", "ResumeTimeout=60"]
     if spec.accounting:
         lines += [
             "AccountingStorageType=accounting_storage/slurmdbd",
@@ -161,11 +277,14 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         lines.append(
             f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name} Port={node_port(k)} "
             f"CPUs={spec.cpus} Boards=1 SocketsPerBoard=1 CoresPerSocket={spec.cpus} "
-            f"ThreadsPerCore=1 RealMemory={spec.memory_mb} State=UNKNOWN"
+            f"ThreadsPerCore=1 RealMemory={spec.memory_mb}"
+            f"{f' Gres=gpu:{spec.gpus}' if spec.gpus else ''} State=UNKNOWN"
         )
     lines.append(
         f"PartitionName={PARTITION} Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP"
     )
+    for shape in spec.shapes:
+        lines += _shape_lines(shape)
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,14 @@ def format_status(st: Mapping[str, Any]) -> list[str]:
              f"(state dir {st['state_dir']})",
              f"  each node declares {cfg['cpus']} CPUs and {cfg['memory_mb']} MB in slurm.conf: not real "
              f"capacity;", f"  all {cfg['nodes']} nodes share this machine's "
-             f"{host if host else 'unknown number of'} CPU core(s)", ""]
+             f"{host if host else 'unknown number of'} CPU core(s)"]
+    if cfg.get("gpus"):
+        lines.append(f"  each node declares {cfg['gpus']} placeholder GPU(s) (gres gpu): jobs get Slurm's GPU "
+                     "environment, their processes run on the CPU")
+    for shape in cfg.get("shapes") or []:
+        lines.append(f"  partition {shape['partition']}: {shape['nodes']} never-started node(s) of {shape['gpus']} "
+                     f"GPU(s), {shape['cpus']} CPUs, {shape['memory_mb']} MB, for sbatch --test-only")
+    lines.append("")
     lines += columns([("NODE", "STATE", "CPUS(DECLARED)", "MEMORY_MB(DECLARED)", "PARTITIONS")] + [
         (str(n["name"]), str(n["state"]) + ("" if n.get("responding", True) else " (not responding)"),
          str(n["cpus"]), str(n["memory_mb"]), ",".join(n["partitions"]) or "-") for n in nodes])

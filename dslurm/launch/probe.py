@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from dslurm.durable import atomic_write_text
+from dslurm.launch.slurm_env import GPU_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         "node_rank": int(os.environ.get("DSLURM_NODE_RANK", "-1")), "hostname": socket.gethostname(),
         "master_addr": os.environ.get("MASTER_ADDR"), "master_port": os.environ.get("MASTER_PORT"),
         "allreduce_sum": t.item(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "argv": sys.argv[1:],
+        "device": str(device), "gpu_env": {k: os.environ.get(k) for k in GPU_ENV},
     }
     out = Path(os.environ.get("DSLURM_RUN_DIR", ".")) / "probe"
     out.mkdir(parents=True, exist_ok=True)

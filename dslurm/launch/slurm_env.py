@@ -127,6 +127,15 @@ def expand_hosts(nodelist: str, var: str = "SLURM_JOB_NODELIST") -> list[str]:
     return [str(h) for h in hosts]
 
 
+# The GPU variables Slurm sets in a job step that asked for GPUs (--gpus-per-node, --gres=gpu:N).
+# `dslurm launch` passes them to the workers unchanged: CUDA_VISIBLE_DEVICES renumbers the node's
+# GPUs from 0, so a worker's device is cuda:LOCAL_RANK; a CPU run ignores them (no device is set).
+# A CPU job on a node with GPUs sees only SLURM_JOB_GPUS (--exclusive gives it the node's gres)
+# and in its steps none of the others, so gpus_on_node() is None there.
+GPU_ENV = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
+           "CUDA_VISIBLE_DEVICES")
+
+
 def gpus_on_node(env: Mapping[str, str]) -> int | None:
     """GPUs Slurm gave this node: SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE, which repeats
     `--gpus-per-node=[type:]count[,[type:]count...]` ('8', 'h100:8', 'a100:2,v100:2' = 4)."""

@@ -9,10 +9,21 @@ from typing import Any
 
 import yaml
 
+from dslurm.cluster.conf import NodeShape
 from dslurm.observe.ledger import read_events
 from testkit import wait_for  # noqa: F401 - re-exported for the cluster tests
 
 SITE = "site-configs/local.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+GPUS = 2  # placeholder GPUs per node of the session cluster = site-configs/local-gpu.yaml's node.gpus
+# The shipped GPU sites, each a never-started --test-only partition of the session cluster.
+GPU_SITES = ("site-configs/h100-ib.yaml", "site-configs/a100-eth.yaml")
+
+
+def session_shapes() -> tuple[NodeShape, ...]:
+    from dslurm.cluster import parse_site_shape
+
+    return tuple(parse_site_shape(str(ROOT / s)) for s in GPU_SITES)
 
 
 def job_spec(tmp_path: Path, name: str, *, steps: int = 30, nodes: int = 2, tp: int = 2, interval: int = 10,
@@ -24,6 +35,17 @@ def job_spec(tmp_path: Path, name: str, *, steps: int = 30, nodes: int = 2, tp: 
            "checkpoint": {"run_dir": str(run_dir or tmp_path / name), "interval": interval, **(checkpoint or {})},
            **extra}
     p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(job))
+    return str(p)
+
+
+def probe_job(tmp_path: Path, mode: str) -> str:
+    """A 2-node job that runs the connectivity probe (dslurm/launch/probe.py) in place of the trainer;
+    its records land in tmp_path/run/probe."""
+    job = {"name": f"probe-{mode}", "nodes": 2, "time": "00:05:00", "launch": mode,
+           "entry": "dslurm.launch.probe", "preflight": {"enabled": False},
+           "checkpoint": {"run_dir": str(tmp_path / "run")}}
+    p = tmp_path / "job.yaml"
     p.write_text(yaml.safe_dump(job))
     return str(p)
 

@@ -5,6 +5,11 @@ accounting (slurmdbd + MariaDB: ~5 s warm, ~7 s on a fresh database), so one fix
 everything including sacct. If a cluster with these settings already runs it is reused
 (`up` is a no-op); one with other settings is restarted.
 
+The same cluster serves GPU-style jobs: every node declares GPUS placeholder GPUs (gres gpu;
+a CPU job, which asks for none, runs as before), and never-started partitions shaped like the
+shipped GPU sites take `sbatch --test-only` (tests/cluster/test_gpu_gres.py). One cluster for
+both keeps the suite to one start-up.
+
 It is LEFT RUNNING at the end of the session: several pytest sessions (other engineers,
 CI steps) share one cluster per machine, and tearing it down under a concurrent session would
 break that session's tests. Stop it with `dslurm cluster down`, or set
@@ -18,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from cluster_jobs import GPUS, session_shapes
 from dslurm import cluster
 
 NODES = 3
@@ -34,7 +40,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def slurm_cluster() -> Iterator[cluster.ClusterInfo]:
     was_up = cluster.is_up()
     try:
-        info = cluster.up(nodes=NODES, accounting=True)
+        info = cluster.up(nodes=NODES, accounting=True, gpus=GPUS, shapes=session_shapes())
     except Exception as exc:  # not root and no cluster running: nothing this session can do
         if os.geteuid() != 0:
             pytest.skip(str(exc))

@@ -11,18 +11,9 @@ import json
 import re
 
 import pytest
-import yaml
 
+from cluster_jobs import probe_job
 from dslurm import slurm
-
-
-def probe_job(tmp_path, mode: str) -> str:
-    job = {"name": f"probe-{mode}", "nodes": 2, "time": "00:05:00", "launch": mode,
-           "entry": "dslurm.launch.probe", "preflight": {"enabled": False},
-           "checkpoint": {"run_dir": str(tmp_path / "run")}}
-    p = tmp_path / "job.yaml"
-    p.write_text(yaml.safe_dump(job))
-    return str(p)
 
 
 @pytest.mark.parametrize("mode", ["torchrun", "srun"])

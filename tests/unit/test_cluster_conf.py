@@ -95,3 +95,138 @@ def test_daemons_run_in_the_state_dir_not_in_the_callers_cwd(tmp_path, monkeypat
     while not (log / "pwd.out").read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rec["pid"] > 0 and (log / "pwd.out").read_text().strip() == str(log)
+
+
+# ------------------------------------------------------------------ GPU gres and site shapes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _nodes(text: str) -> dict[str, dict[str, str]]:
+    """NodeName lines as {name: {key: value}}."""
+    out = {}
+    for ln in text.splitlines():
+        if ln.startswith("NodeName="):
+            kv = dict(tok.split("=", 1) for tok in ln.split())
+            out[kv["NodeName"]] = kv
+    return out
+
+
+def test_gres_conf_names_each_nodes_own_placeholder_devices() -> None:
+    spec = _spec(nodes=2, gpus=4)
+    lines = [ln for ln in cc.render_gres_conf(spec).splitlines() if not ln.startswith("#")]
+    assert lines == ["NodeName=node1 Name=gpu File=/s/dev/node1/gpu[0-3]",
+                     "NodeName=node2 Name=gpu File=/s/dev/node2/gpu[0-3]"]
+    # The files `up` makes are exactly the ones the range names.
+    assert cc.gpu_files(Path("/s"), "node2", 4) == [Path(f"/s/dev/node2/gpu{i}") for i in range(4)]
+    one = cc.render_gres_conf(_spec(nodes=1, gpus=1)).splitlines()[-1]
+    assert one == "NodeName=node1 Name=gpu File=/s/dev/node1/gpu0"
+    assert [ln for ln in cc.render_gres_conf(_spec(nodes=2)).splitlines() if not ln.startswith("#")] == []
+
+
+def test_slurm_conf_declares_gpu_gres_on_running_nodes() -> None:
+    text = cc.render_slurm_conf(_spec(nodes=3, gpus=2, accounting=True))
+    kv = _kv(text)
+    assert kv["GresTypes"] == "gpu" and kv["AccountingStorageTRES"] == "gres/gpu"
+    # Without slurmdbd, slurmctld refuses to start with a gres TRES ("slurmdbd is required").
+    assert "AccountingStorageTRES" not in _kv(cc.render_slurm_conf(_spec(gpus=2)))
+    nodes = _nodes(text)
+    assert sorted(nodes) == ["node1", "node2", "node3"]
+    assert all(n["Gres"] == "gpu:2" and n["State"] == "UNKNOWN" for n in nodes.values())
+    assert "SuspendTime" not in kv and "CLOUD" not in text  # no shapes: no power saving
+
+
+def test_site_shapes_of_the_shipped_gpu_sites() -> None:
+    from dslurm.config import load_site
+
+    h100 = cc.site_shape(load_site(ROOT / "site-configs/h100-ib.yaml"), 16)
+    a100 = cc.site_shape(load_site(ROOT / "site-configs/a100-eth.yaml"), 2)
+    assert h100 == cc.NodeShape(partition="gpu", nodes=16, cpus=96, memory_mb=2048 * 1024, gpus=8)
+    # --gres=gpu:a100:4 needs the type on the node; --gpus-per-node=4 matches a typed gres too.
+    assert a100 == cc.NodeShape(partition="a100", nodes=2, cpus=64, memory_mb=512 * 1024, gpus=4, gpu_type="a100")
+
+
+def test_shaped_nodes_are_never_started_partitions_of_their_own() -> None:
+    h100 = cc.NodeShape(partition="gpu", nodes=3, cpus=96, memory_mb=2_097_152, gpus=8)
+    a100 = cc.NodeShape(partition="a100", nodes=2, cpus=64, memory_mb=524_288, gpus=4, gpu_type="a100")
+    text = cc.render_slurm_conf(_spec(nodes=2, shapes=(h100, a100)))
+    kv, nodes = _kv(text), _nodes(text)
+    assert kv["GresTypes"] == "gpu"  # the shapes have GPUs even though the running nodes have none
+    assert nodes["gpu-n3"]["Gres"] == "gpu:8" and nodes["gpu-n3"]["CPUs"] == "96"
+    assert nodes["gpu-n3"]["RealMemory"] == "2097152" and nodes["gpu-n3"]["State"] == "CLOUD"
+    assert nodes["a100-n2"]["Gres"] == "gpu:a100:4"
+    assert "Gres" not in nodes["node1"] and nodes["node1"]["State"] == "UNKNOWN"
+    parts = [ln for ln in text.splitlines() if ln.startswith("PartitionName=")]
+    assert parts[1:] == ["PartitionName=gpu Nodes=gpu-n1,gpu-n2,gpu-n3 MaxTime=INFINITE State=UP",
+                         "PartitionName=a100 Nodes=a100-n1,a100-n2 MaxTime=INFINITE State=UP"]
+    assert "Default=YES" in parts[0] and parts[0].startswith("PartitionName=debug Nodes=node1,node2 ")
+    # Power saving exists only to keep CLOUD nodes powered down; the running nodes never suspend.
+    assert kv["SuspendTime"] == "INFINITE" and kv["SuspendExcNodes"] == "node1,node2"
+
+
+def test_settings_record_gpus_and_shapes_and_read_back() -> None:
+    shape = cc.NodeShape(partition="a100", nodes=2, cpus=64, memory_mb=524_288, gpus=4, gpu_type="a100")
+    spec = _spec(gpus=2, shapes=(shape,))
+    settings = spec.settings()
+    assert settings["gpus"] == 2
+    assert cc.shapes_from_settings(settings["shapes"]) == (shape,)
+    assert cc.shapes_from_settings(None) == ()  # a record written before shapes existed
+    assert _spec().settings() != settings
+
+
+@pytest.mark.parametrize(("kw", "word"), [
+    ({"partition": "debug"}, "partition"), ({"partition": "a b"}, "partition"), ({"nodes": 0}, "nodes"),
+    ({"gpus": -1}, "gpus"), ({"gpu_type": "a 100"}, "gpu_type"),
+])
+def test_node_shape_rejects_bad_values_naming_them(kw: dict, word: str) -> None:
+    base = {"partition": "gpu", "nodes": 2, "cpus": 8, "memory_mb": 1024, "gpus": 8, **kw}
+    with pytest.raises(ValueError, match=word):
+        cc.NodeShape(**base)
+
+
+def test_spec_rejects_too_many_gpus_and_duplicate_shape_partitions() -> None:
+    with pytest.raises(ValueError, match="gpus=65"):
+        _spec(gpus=65)
+    shape = cc.NodeShape(partition="gpu", nodes=1, cpus=8, memory_mb=1024, gpus=8)
+    with pytest.raises(ValueError, match="must differ"):
+        _spec(shapes=(shape, shape))
+
+
+def test_site_shape_refuses_a_gres_that_is_not_gpu() -> None:
+    from dslurm.config import load_site
+
+    site = load_site(ROOT / "site-configs/a100-eth.yaml", ["slurm.gres_name=mps:100"])
+    with pytest.raises(ValueError, match="mps:100"):
+        cc.site_shape(site, 2)
+
+
+def test_parse_site_shape_reads_file_and_node_count() -> None:
+    from dslurm.cluster import DEFAULT_SHAPE_NODES, parse_site_shape
+    from dslurm.errors import UserError
+
+    site = str(ROOT / "site-configs/a100-eth.yaml")
+    assert parse_site_shape(site).nodes == DEFAULT_SHAPE_NODES
+    assert parse_site_shape(f"{site}:3").nodes == 3
+    with pytest.raises(UserError, match="NODES=0"):
+        parse_site_shape(f"{site}:0")
+    with pytest.raises(UserError, match="nosuch.yaml"):
+        parse_site_shape("nosuch.yaml")
+
+
+@pytest.mark.parametrize(("args", "word"), [
+    (["--gpus-per-node", "99"], "gpus=99"), (["--site-shape", "nosuch.yaml"], "nosuch.yaml"),
+])
+def test_cluster_up_bad_gpu_flags_exit_2_without_traceback(cli, tmp_path, args: list[str], word: str) -> None:
+    res = cli("cluster", "up", "--state-dir", str(tmp_path / "st"), *args)
+    assert res.returncode == 2 and word in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_status_lines_name_placeholder_gpus_and_shapes() -> None:
+    from dslurm.cluster.show import format_status
+
+    shape = cc.NodeShape(partition="gpu", nodes=16, cpus=96, memory_mb=2_097_152, gpus=8)
+    st = {"up": True, "state_dir": "/s", "host_cpus": 2, "nodes": [], "jobs": [],
+          "settings": {**_spec(gpus=2, shapes=(shape,)).settings()}}
+    text = "\n".join(format_status(st))
+    assert "2 placeholder GPU(s)" in text
+    assert "partition gpu: 16 never-started node(s) of 8 GPU(s), 96 CPUs" in text
