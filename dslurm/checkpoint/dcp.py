@@ -124,6 +124,7 @@ class _Job:
     rng: dict[str, Any]
     t0: float
     phases: dict[str, float] = field(default_factory=dict)
+    lag_wait_s: float = 0.0  # two tiers, on_lag=wait: training waited this long for the copier first
 
 
 class _Comm:

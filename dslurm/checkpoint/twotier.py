@@ -133,10 +133,13 @@ class TwoTier:
             for fl in self._flights:
                 fl.local_done.wait()
             writing, copying = self._status()
+        waited = time.perf_counter()
         if copying and self.on_lag == "wait":
             log.info("[rank %d] step %d: waiting for the durable copier (on_lag=wait)", mgr.rank, step)
             self.wait()
+        waited = time.perf_counter() - waited if copying and self.on_lag == "wait" else 0.0
         job = mgr._new_job(step, extra)
+        job.lag_wait_s = waited
         sd = _to_state_dict(state)
         if blocking:  # a stop's or the final save: local and durable before returning
             out = self._run(job, sd, mgr._ctl, None)
@@ -144,7 +147,7 @@ class TwoTier:
             self._report(out, background=False)
             return out.ok
         staged = mgr.stage(sd, state)  # host copy, made while the next step computes
-        stall = time.perf_counter() - job.t0
+        stall = time.perf_counter() - job.t0 + waited  # the lag policy's wait blocked training too
         busy = [f.comm for f in self._flights]
         comm = next(c for c in self._comms if all(c is not b for b in busy))
         fl = _Flight(job, comm)
@@ -227,7 +230,8 @@ class TwoTier:
         if comm.rank == 0:
             nbytes = sum(int(e["size"]) for e in rec.files.values())
             self.mgr._event(events.CkptLocalCommit(run_dir=str(self.mgr.run_dir), step=job.step,
-                                                   generation=job.name, bytes=nbytes, local_s=round(local_s, 4)))
+                                                   generation=job.name, bytes=nbytes, local_s=round(local_s, 4),
+                                                   lag_wait_s=round(job.lag_wait_s, 4)))
         faults.ckpt_kill("after_local_commit", comm.rank, job.nth)
         if prev is not None and any(comm.gather(prev.thread is not None and prev.thread.is_alive())):
             out = SaveOutcome(job.name, job.step, True, "durable copy skipped: the copier is still busy "
