@@ -150,8 +150,8 @@ def main() -> None:
     for k in keys:
         print(f"  {k:16s} median {med[k]:7.3f} s   best {min(r[k] for r in rows):7.3f} s")
     ratio = lambda a, b: statistics.median(r[a] / r[b] for r in rows)  # noqa: E731
-    print(f"two-tier stall / sync durable save, copy on the training thread: {ratio('stall_staged', 'sync'):.3f}")
-    print(f"two-tier stall / sync durable save, copy overlapped:            {ratio('stall', 'sync'):.3f}"
+    print(f"two-tier stall / sync durable save, copy on the training thread: {ratio('stall_staged', 'sync'):.4f}")
+    print(f"two-tier stall / sync durable save, copy overlapped:            {ratio('stall', 'sync'):.4f}"
           "  (goal <= 0.02)")
     print(f"step with the save in flight / plain step, copy on the training thread: "
           f"{ratio('step_staged', 'step_plain'):.3f}")

@@ -5,7 +5,7 @@ When a generation became restorable, from the ledger (dslurm/checkpoint/twotier.
 - on the same nodes (process restart, requeue onto them): its `ckpt_local_commit` (event time);
 - after a node loss: its durable commit, `local_commit_t + lag_s` of its `ckpt_save` (a
   durable-only save: the `ckpt_save` time, which for an async save is when it was reported, a
-  little late). A durable commit also serves a process restart.
+  little late). A durable-only save serves a process restart from then on too.
 Durable lag: `lag_s` of each two-tier `ckpt_save` (pointer move minus local commit).
 RPO (recovery point objective, in seconds of training): what a failure at the worst moment would
 throw away. Within a start, training begins at `train_start` from a restored (or fresh) state;
@@ -78,9 +78,13 @@ def durability(starts: list[list[Event]]) -> Durability | None:
         if ts is None:  # never trained: nothing to lose
             continue
         end = max(e.t for e in evs)
-        durable = [_durable_t(e) for e in ev.of(evs, ev.CkptSave)]
-        restart_gaps += _gaps(ts.t, end, durable + [e.t for e in ev.of(evs, ev.CkptLocalCommit)])
-        node_gaps += _gaps(ts.t, end, durable)
+        saves, commits = list(ev.of(evs, ev.CkptSave)), list(ev.of(evs, ev.CkptLocalCommit))
+        # a generation serves a process restart from its local commit on; its durable copy adds
+        # a point only for a generation that had none (a durable-only save)
+        had_local = {e.generation for e in commits}
+        restart_gaps += _gaps(ts.t, end, [e.t for e in commits]
+                              + [_durable_t(e) for e in saves if e.generation not in had_local])
+        node_gaps += _gaps(ts.t, end, [_durable_t(e) for e in saves])
     waits = [e.lag_wait_s for e in local if e.lag_wait_s > 0]
     lag = _stats([e.lag_s for e in two if e.lag_s is not None])
     rr, rn = _stats(restart_gaps), _stats(node_gaps)

@@ -38,9 +38,9 @@ def test_lag_rpo_and_policy_cost_from_a_two_tier_ledger():
     assert d is not None
     assert (d.local_commits, d.durable_commits) == (3, 2)
     assert (d.lag_median_s, d.lag_max_s) == (6.5, 8.0)
-    # process restart: restorable at 110 (local), 115 (durable), 130, 138, 150 (local; durable skipped)
-    # gaps from 100 to 170: 10, 5, 15, 8, 12, 20 -> median 11, max 20
-    assert (d.rpo_restart_median_s, d.rpo_restart_max_s) == (11.0, 20.0)
+    # process restart: restorable from each local commit, 110, 130, 150 (the durable copies of
+    # the same generations add nothing): gaps from 100 to 170: 10, 20, 20, 20
+    assert (d.rpo_restart_median_s, d.rpo_restart_max_s) == (20.0, 20.0)
     # node loss: durable at 115 and 138 only: gaps 15, 23, 32
     assert (d.rpo_node_loss_median_s, d.rpo_node_loss_max_s) == (23.0, 32.0)
     assert (d.lag_waits, d.lag_wait_s) == (1, 2.5)
@@ -76,9 +76,19 @@ def test_report_prints_the_two_tier_lines_and_json(tmp_path, capsys):
     assert run(argparse.Namespace(run_dir=tmp_path, json=False, png=None, no_png=True)) == 0
     out = capsys.readouterr().out
     assert "3 local commit(s), 2 durable; durable lag median 6.5s, max 8.0s" in out
-    assert "process restart median 11.0s, max 20.0s; node loss median 23.0s, max 32.0s" in out
+    assert "process restart median 20.0s, max 20.0s; node loss median 23.0s, max 32.0s" in out
     assert ("lag policy cost (on_lag): waited 1x, 2.5s; skip_local 1 save(s) not taken; "
             "skip_durable 1 left local only") in out
     assert run(argparse.Namespace(run_dir=tmp_path, json=True, png=None, no_png=True)) == 0
     d = json.loads(capsys.readouterr().out)["durability"]
     assert d["rpo_node_loss_max_s"] == 32.0 and d["skipped_local"] == [40]
+
+
+def test_a_durable_only_save_also_serves_a_process_restart():
+    recs = two_tier_run()[:4] + [  # g10 two-tier; then a blocking durable-only save at t=160
+        _rec("ckpt_save", 160.0, step=50, generation="g50", stall_s=1.0, total_s=1.0),
+        _rec("exit", 170.0, reason="completed", step=50, code=0)]
+    d = durability(split_starts(decode_all(recs)))
+    assert d is not None
+    assert (d.rpo_restart_median_s, d.rpo_restart_max_s) == (10.0, 50.0)  # 100 -> 110 -> 160 -> 170
+    assert (d.rpo_node_loss_median_s, d.rpo_node_loss_max_s) == (15.0, 45.0)  # 100 -> 115 -> 160 -> 170
