@@ -21,6 +21,9 @@ variable anywhere else.
                                              tiers: after_local_commit, mid_copy)
   DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
                                              staging: a window in which to kill the whole job
+  DSLURM_FAULT_STAGE_DELAY=SECONDS           an overlapped host copy (dslurm/checkpoint/staging.py) starts
+                                             SECONDS late: it ends after the next step's backward, so
+                                             the optimizer step must wait for it
   DSLURM_FAULT_DURABLE_MBPS=MB_PER_S         each rank's copy to the durable run dir (two tiers) and
                                              each rank's checked load from it are capped at MB_PER_S
                                              (a loaded shared file system)
@@ -48,7 +51,7 @@ SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_HANG",
          "DSLURM_FAULT_NAN", "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP",
-         "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
+         "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,12 @@ def ckpt_kill(phase: str, rank: int, nth: int) -> None:
 
 def save_sleep() -> None:
     secs = float(os.environ.get("DSLURM_FAULT_SAVE_SLEEP") or 0)
+    if secs:
+        time.sleep(secs)
+
+
+def stage_delay() -> None:
+    secs = float(os.environ.get("DSLURM_FAULT_STAGE_DELAY") or 0)
     if secs:
         time.sleep(secs)
 

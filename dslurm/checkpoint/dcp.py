@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,8 +38,9 @@ import dslurm
 from dslurm import checkpoint as ck
 from dslurm import faults
 from dslurm.checkpoint.coverage import is_shard, verify_reads
-from dslurm.checkpoint.io import CrcReader, crc_writer, make_stager, restore_test
+from dslurm.checkpoint.io import CrcReader, crc_writer, restore_test
 from dslurm.checkpoint.rng import apply_rng, capture_rng
+from dslurm.checkpoint.staging import HostStager, forward_written
 from dslurm.errors import UserError
 from dslurm.observe import events
 
@@ -122,6 +124,7 @@ class _Job:
     rng: dict[str, Any]
     t0: float
     phases: dict[str, float] = field(default_factory=dict)
+    lag_wait_s: float = 0.0  # two tiers, on_lag=wait: training waited this long for the copier first
 
 
 class _Comm:
@@ -221,7 +224,7 @@ class CheckpointManager:
                  config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
                  layout: dict[str, Any] | None = None, ledger: Ledger | None = None,
                  verify_on_restore: str = "full", io_threads: int = 1, scratch: str | None = None,
-                 keep_local: int = 2, on_lag: str = "wait"):
+                 keep_local: int = 2, on_lag: str = "wait", overlap_staging: bool = True):
         for name, value, allowed in (("on_inflight", on_inflight, ("wait", "skip")),
                                      ("on_error", on_error, ("continue", "stop")),
                                      ("verify_on_restore", verify_on_restore, ("full", "size"))):
@@ -233,6 +236,7 @@ class CheckpointManager:
         self.on_inflight, self.on_error, self.verify_on_restore = on_inflight, on_error, verify_on_restore
         self.config_hash, self.model_shape, self.layout = config_hash, model_shape, layout or {}
         self.ledger, self.io_threads = ledger, io_threads
+        self.overlap_staging = overlap_staging  # host copy during the next step (dslurm.checkpoint.staging)
         on = dist.is_available() and dist.is_initialized()
         self._ctl = _Comm(dist.new_group(backend="gloo") if on else None)
         self._bg = _Comm(dist.new_group(backend="gloo") if on and async_mode else None)
@@ -246,7 +250,7 @@ class CheckpointManager:
                 err = str(exc)
         if err := self._ctl.bcast(err):
             raise ck.RunLocked(err)
-        self._stager: Any = None
+        self._stager: HostStager | None = None
         self._thread: threading.Thread | None = None
         self._outcome: SaveOutcome | None = None
         self._saves = 0
@@ -419,9 +423,7 @@ class CheckpointManager:
         job = self._new_job(step, extra or {})
         sd = _to_state_dict(state)
         if self.async_mode and not blocking:
-            if self._stager is None:
-                self._stager = make_stager()
-            staged = self._stager.stage(sd)  # host copy: training may now change the live tensors
+            staged = self.stage(sd, state)
             stall = time.perf_counter() - job.t0
             self._thread = threading.Thread(target=self._background, args=(job, staged, stall),
                                             name="dslurm-ckpt", daemon=True)
@@ -441,7 +443,25 @@ class CheckpointManager:
         self._thread.join()
         self._thread, out = None, self._outcome
         assert out is not None  # _background always sets it
+        out.stall_s += self.take_blocked()
         self._finish(out)
+
+    def stage(self, sd: dict[str, Any], state: dict[str, Any]) -> Future[dict[str, Any]]:
+        """Start the host copy of `sd` (the state dict of `state`): once the future is done,
+        training may change the live tensors; the next optimizer step waits for that."""
+        if self._stager is None:
+            self._stager = HostStager(self.overlap_staging)
+        return self._stager.stage(sd, forward_written(state))
+
+    def fence(self) -> None:
+        """Wait for the host copy of the save in flight. Torch optimizers' steps do this by
+        themselves; call it before changing the saved state any other way."""
+        if self._stager is not None:
+            self._stager.fence()
+
+    def take_blocked(self) -> float:
+        """Seconds training waited at the fence since the last call (part of a save's stall)."""
+        return self._stager.take_blocked() if self._stager is not None else 0.0
 
     def close(self) -> None:
         try:
@@ -472,10 +492,11 @@ class CheckpointManager:
                 "dslurm_version": dslurm.__version__, "saved_by": ck.holder_identity()}
         return _Job(name, step, self._saves, meta, capture_rng(), t0)
 
-    def _background(self, job: _Job, staged: dict[str, Any], stall: float) -> None:
+    def _background(self, job: _Job, staged: Future[dict[str, Any]], stall: float) -> None:
         try:
+            host = staged.result()  # the host copy, made while training goes on
             faults.save_sleep()
-            out = self._write(job, staged, self._bg)
+            out = self._write(job, host, self._bg)
         except BaseException as exc:  # a dead peer, say; never lose the reason in a thread
             out = SaveOutcome(job.name, job.step, False, _reason(exc))
         out.stall_s = stall

@@ -20,6 +20,7 @@ import logging
 import pickle
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ from dslurm import checkpoint as ck
 from dslurm import faults
 from dslurm.checkpoint import tiers
 from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
-from dslurm.checkpoint.io import CrcFileSystem, CrcReader, make_stager
+from dslurm.checkpoint.io import CrcFileSystem, CrcReader
 from dslurm.observe import events
 
 if TYPE_CHECKING:
@@ -132,20 +133,21 @@ class TwoTier:
             for fl in self._flights:
                 fl.local_done.wait()
             writing, copying = self._status()
+        waited = time.perf_counter()
         if copying and self.on_lag == "wait":
             log.info("[rank %d] step %d: waiting for the durable copier (on_lag=wait)", mgr.rank, step)
             self.wait()
+        waited = time.perf_counter() - waited if copying and self.on_lag == "wait" else 0.0
         job = mgr._new_job(step, extra)
+        job.lag_wait_s = waited
         sd = _to_state_dict(state)
         if blocking:  # a stop's or the final save: local and durable before returning
             out = self._run(job, sd, mgr._ctl, None)
             out.stall_s = out.total_s
-            self._report(out)
+            self._report(out, background=False)
             return out.ok
-        if mgr._stager is None:
-            mgr._stager = make_stager()
-        staged = mgr._stager.stage(sd)  # host copy: training may now change the live tensors
-        stall = time.perf_counter() - job.t0
+        staged = mgr.stage(sd, state)  # host copy, made while the next step computes
+        stall = time.perf_counter() - job.t0 + waited  # the lag policy's wait blocked training too
         busy = [f.comm for f in self._flights]
         comm = next(c for c in self._comms if all(c is not b for b in busy))
         fl = _Flight(job, comm)
@@ -185,8 +187,10 @@ class TwoTier:
         self.mgr._event(events.CkptSaveSkipped(run_dir=str(self.mgr.run_dir), step=step, reason=why))
         return False
 
-    def _report(self, out: SaveOutcome | None) -> None:
+    def _report(self, out: SaveOutcome | None, background: bool = True) -> None:
         assert out is not None  # _background always sets it
+        if background:  # training also waited for its host copy at the optimizer step's fence
+            out.stall_s += self.mgr.take_blocked()
         if out.ok and not out.durable:
             log.warning("[rank %d] checkpoint step %d: %s", self.mgr.rank, out.step, out.reason)
             self.mgr._event(events.CkptDurableSkipped(run_dir=str(self.mgr.run_dir), step=out.step,
@@ -194,11 +198,13 @@ class TwoTier:
             return
         self.mgr._finish(out)
 
-    def _background(self, fl: _Flight, staged: dict[str, Any], stall: float, prev: _Flight | None) -> None:
+    def _background(self, fl: _Flight, staged: Future[dict[str, Any]], stall: float,
+                    prev: _Flight | None) -> None:
         from dslurm.checkpoint.dcp import SaveOutcome, _reason
         try:
+            host = staged.result()  # the host copy, made while training goes on
             faults.save_sleep()
-            out = self._run(fl.job, staged, fl.comm, fl, prev)
+            out = self._run(fl.job, host, fl.comm, fl, prev)
         except BaseException as exc:  # a dead peer, say; never lose the reason in a thread
             out = SaveOutcome(fl.job.name, fl.job.step, False, _reason(exc), tier="two_tier")
         finally:
@@ -224,7 +230,8 @@ class TwoTier:
         if comm.rank == 0:
             nbytes = sum(int(e["size"]) for e in rec.files.values())
             self.mgr._event(events.CkptLocalCommit(run_dir=str(self.mgr.run_dir), step=job.step,
-                                                   generation=job.name, bytes=nbytes, local_s=round(local_s, 4)))
+                                                   generation=job.name, bytes=nbytes, local_s=round(local_s, 4),
+                                                   lag_wait_s=round(job.lag_wait_s, 4)))
         faults.ckpt_kill("after_local_commit", comm.rank, job.nth)
         if prev is not None and any(comm.gather(prev.thread is not None and prev.thread.is_alive())):
             out = SaveOutcome(job.name, job.step, True, "durable copy skipped: the copier is still busy "

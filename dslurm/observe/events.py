@@ -218,6 +218,9 @@ class CkptLocalCommit(Event):
     stall_s: float = 0.0
     local_s: float = 0.0
     """from the save's start to the local commit"""
+    lag_wait_s: float = 0.0
+    """on_lag=wait: seconds training waited for the previous durable copy before this save began
+    (included in the save's stall_s)"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dslurm.observe import events as ev
+from dslurm.observe.durability import lines as durability_lines
 
 if TYPE_CHECKING:
     from dslurm.observe.report import Start, Summary
@@ -45,6 +46,8 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
                                                                          key=lambda kv: -kv[1]))
                           or "none") + f" ({sm.straggler_checks} check(s))",
     ]
+    if sm.durability is not None:
+        lines += durability_lines(sm.durability)
     if sm.undurable_steps:
         lines.append(f"[red]{sm.undurable_steps} step(s) trained after the last committed checkpoint: in no "
                      "checkpoint (counted as lost)[/red]")

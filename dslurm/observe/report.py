@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
+from dslurm.observe.durability import Durability, durability
 from dslurm.observe.events import Event
 
 E = TypeVar("E", bound=Event)
@@ -149,6 +150,8 @@ class Summary:
     endings: dict[str, int] = field(default_factory=dict)
     recoveries: list[Recovered] = field(default_factory=list)
     """recoveries inside the allocation (spare swap, same nodes, shrink): no queue, no requeue"""
+    durability: Durability | None = None
+    """two-tier checkpoints: durable lag, RPO on process restart vs node loss, lag policy cost"""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -375,7 +378,8 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
         tokens_per_s=(sum(t * n for t, n in tps) / sum(n for _, n in tps)) if tps else None,
         final_step=starts[-1].reached if starts else None, stragglers=hosts, straggler_checks=len(checks),
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
-        undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts))
+        undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts),
+        durability=durability([s.events for s in starts]))
 
 
 def load(run_dir: Path) -> tuple[list[Event], int]:

@@ -192,6 +192,11 @@ def test_lag_policies(tmp_path, monkeypatch, policy):
     names = ledger.names()
     if policy == "wait":
         assert saved and blocked > 0.2 and names.count("ckpt_save") == 2
+        commits = [e for e in ledger.events if e.NAME == "ckpt_local_commit"]
+        saves = [e for e in ledger.events if e.NAME == "ckpt_save"]
+        # the wait is recorded for the report (dslurm/observe/durability.py) and billed as stall
+        assert commits[0].lag_wait_s == 0 and 0.2 < commits[1].lag_wait_s <= blocked
+        assert saves[1].stall_s >= commits[1].lag_wait_s
     elif policy == "skip_local":
         assert not saved and blocked < 0.2 and names.count("ckpt_local_commit") == 1
         assert [e.reason for e in ledger.events if e.NAME == "ckpt_save_skipped"] == ["lag"]
