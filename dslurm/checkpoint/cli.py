@@ -1,4 +1,5 @@
-"""`dslurm ckpt ls|verify|gc RUN_DIR`: inspect and prune a run's checkpoints without torch."""
+"""`dslurm ckpt ls|verify|gc RUN_DIR`: inspect and prune a run's checkpoints without torch;
+`dslurm ckpt export`: take the weights out (imports torch when it runs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dslurm.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("ckpt", help="list, verify and prune a run's checkpoint generations",
+    p = sub.add_parser("ckpt", help="list, verify, prune and export a run's checkpoint generations",
                        description="Checkpoints of one run directory (see docs/checkpoint.md).")
     acts = p.add_subparsers(dest="ckpt_action", metavar="ACTION", required=True)
     ls = acts.add_parser("ls", help="generations: step, size, check, pointer, name (with its UTC time)",
@@ -33,14 +34,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--keep", type=int, default=2, help="last K committed generations to keep (>= 2)")
     g.add_argument("--keep-every", type=int, default=None, metavar="M", help="also keep every M-th step")
     g.add_argument("--dry-run", action="store_true", help="print what would be removed")
+    _register_export(acts)
     p.set_defaults(func=run)
+
+
+def _register_export(acts: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from dslurm.checkpoint.export import DTYPES, FORMATS
+    e = acts.add_parser("export", help="a generation's model weights as one file or size-sharded files",
+                        description="Write the model weights of one verified generation (any layout it was "
+                        "saved in) as plain torch or safetensors files, loadable without dslurm; optimizer "
+                        "state is left out. See docs/checkpoint.md, 'Taking the weights out'.")
+    e.add_argument("run_dir", type=Path)
+    e.add_argument("--generation", "-g", help="name (or unique prefix); default: the pointer's target")
+    e.add_argument("--format", required=True, choices=FORMATS, help="file format of the weights")
+    e.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
+    e.add_argument("--max-shard-size", metavar="SIZE",
+                   help="split into files of at most SIZE (5GB, 500MB, 2GiB), with an index json; default: one file")
+    e.add_argument("--hf-llama", action="store_true",
+                   help="the built-in Llama in the Hugging Face Llama layout, with config.json")
+    e.add_argument("--key", default="model", help="the state entry holding the model (default: model)")
+    e.add_argument("-o", "--output", type=Path, required=True,
+                   help="new (or empty) directory to create; it appears only once complete")
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.run_dir.is_dir():
         raise UserError(f"{args.run_dir}: no such run directory (give the directory holding {ck.POINTER} "
                         f"and {ck.GENERATIONS}/)")
-    return {"ls": _ls, "verify": _verify, "gc": _gc}[args.ckpt_action](args)
+    return {"ls": _ls, "verify": _verify, "gc": _gc, "export": _export}[args.ckpt_action](args)
 
 
 def _console() -> Any:  # rich only when a person is going to read something
@@ -167,4 +188,17 @@ def _gc(args: argparse.Namespace) -> int:
         doomed = ck.collect_garbage(args.run_dir, args.keep, args.keep_every, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     _console().print(f"{verb} {len(doomed)} generation(s)" + "".join(f"\n  {n}" for n in doomed))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dslurm.checkpoint.export import export, parse_size
+    limit = parse_size(args.max_shard_size) if args.max_shard_size is not None else None
+    name, crc = _resolve(args.run_dir, args.generation)
+    con = _console()
+    res = export(ck.generations_dir(args.run_dir) / name, args.output, fmt=args.format, dtype=args.dtype,
+                 max_shard_bytes=limit, hf=args.hf_llama, key=args.key, pointer_crc=crc,
+                 progress=lambda msg: con.print(f"ckpt export: {msg}", highlight=False, soft_wrap=True))
+    con.print(f"[green]OK[/green] {res.generation} (step {res.step}): {res.tensors} tensors, "
+              f"{_human(res.total_bytes)} in {len(res.files)} file(s) -> {res.out}", soft_wrap=True)
     return 0
