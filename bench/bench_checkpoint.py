@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dslurm.checkpoint.dcp as cdcp  # noqa: E402
 from dslurm.checkpoint.dcp import CheckpointManager  # noqa: E402
+from dslurm.checkpoint.io import raw_write  # noqa: E402
 
 
 def make_model(mb: int) -> nn.Module:
@@ -50,19 +51,6 @@ def make_model(mb: int) -> nn.Module:
 
 def nbytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def raw_write(path: Path, size: int) -> float:
-    chunk = torch.randn(8 << 18).numpy().tobytes()  # 8 MiB of incompressible bytes
-    t = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = size
-        while left > 0:
-            left -= f.write(chunk[: min(len(chunk), left)])
-        os.fsync(f.fileno())
-    dt = time.perf_counter() - t
-    path.unlink()
-    return dt
 
 
 def plain_dcp(model: nn.Module, path: Path) -> float:

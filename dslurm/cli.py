@@ -34,6 +34,7 @@ COMMANDS = {
     "report": "dslurm.observe.report",
     "requeue-me": "dslurm.requeue",
     "supervise": "dslurm.recover.supervise",
+    "selftest": "dslurm.selftest.cli",
 }
 
 

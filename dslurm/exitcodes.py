@@ -22,6 +22,9 @@ BURNIN_BAD_NODES = 3  # at least one node failed; the report's verdict names the
 BURNIN_UNLOCALIZED = 4  # a cluster-wide threshold failed but no single node was to blame
 BURNIN_NO_REPORT = 5  # `dslurm burnin`: the runner crashed before writing its report
 
+# `dslurm selftest --gpu`: the report is written either way; this says it holds a failure.
+SELFTEST_FAILED = 6  # a part raised, did not run, or a goal of issue 20 was missed
+
 NAMES = {OK: "completed", USER_ERROR: "user_error", SAVE_FAILED: "save_failed", REQUEUE: "requeue",
          NO_PROGRESS: "no_progress", BUDGET: "budget", PREFLIGHT_FAILED: "preflight_failed",
          REFUSED: "refused", HANG: "hang", NONFINITE: "nonfinite", TERMINATED: "terminated"}

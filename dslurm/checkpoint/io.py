@@ -314,3 +314,19 @@ def restore_test(gen: Path, files: dict[str, Any], reason: Any) -> list[str]:
     except Exception as exc:
         return [f"{gen}: restore test failed: {reason(exc)}"]
     return []
+
+
+def raw_write(path: Path, size: int) -> float:
+    """Seconds to write `size` incompressible bytes to `path` in 8 MiB chunks and fsync them: the
+    baseline a save's throughput is compared with (bench/bench_checkpoint.py, dslurm selftest).
+    The file is removed afterwards."""
+    chunk = torch.randn(8 << 18).numpy().tobytes()  # 8 MiB of incompressible bytes
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = size
+        while left > 0:
+            left -= f.write(chunk[: min(len(chunk), left)])
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    path.unlink()
+    return dt

@@ -64,6 +64,11 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, train: Any, fsdp: boo
         apply_fsdp(part, mesh, dtype=train.dtype, device_type=dims.device_type, pp_enabled=lay.pp_enabled)
 
 
+def meta_init(device: torch.device) -> bool:
+    """Whether the model is built on the meta device and materialised after sharding (see above)."""
+    return device.type != "cpu"
+
+
 def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.device, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 fsdp: bool | None = None) -> Built:
@@ -71,7 +76,7 @@ def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.d
     there is data parallelism; True forces it (the 1-process overhead benchmark)."""
     train, par, lay = job.train, job.parallel, dims.layout
     fsdp = lay.fsdp_enabled if fsdp is None else fsdp
-    meta = device.type != "cpu"
+    meta = meta_init(device)
     full = build_model(shape, train.seed, "meta" if meta else "cpu")
     if lay.pp_enabled:
         from train.parallel.pp import split_stage, stage_ids
