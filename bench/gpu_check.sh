@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU self-check in one line: bash bench/gpu_check.sh OUT.json [more `dslurm selftest` flags]
-# Runs `dslurm selftest --gpu` (docs/gpu-selftest.md) from this checkout with the Python that holds
+# Runs `dslurm selftest --gpu` (docs/gpu.md) from this checkout with the Python that holds
 # the machine's CUDA build of torch ($PYTHON, default python3), writes the JSON report to OUT.json
 # and prints it. Installs nothing: the project's Python packages must be importable (pip install -e .,
 # or on PYTHONPATH); the check below names any that is missing. Exit 0: every part ran and met its
