@@ -44,6 +44,7 @@ from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
+from train.sdc import RunChecks, flip_bit
 from train.startup import StartClock
 from train.state import train_state
 from train.watchdog import NO_WATCHDOG, Watchdog
@@ -95,6 +96,7 @@ class Trainer:
         self._fault_kill9 = faults.step_fault("DSLURM_FAULT_KILL9")
         self._fault_hang = faults.step_fault("DSLURM_FAULT_HANG")
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
+        self._fault_bitflip = faults.step_fault("DSLURM_FAULT_BITFLIP")
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
         self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
@@ -117,6 +119,8 @@ class Trainer:
             peak=peak_for(resolved.site, procs_per_node=resolved.procs_per_node), n_devices=world_size,
             sync=torch.cuda.synchronize if device.type == "cuda" else None)
         self.ckpt = self._checkpoint_manager() if checkpoint else None
+        self.checks = RunChecks(resolved, self.dims, self.built.parts, device, rank)  # SDC, device poll
+        self.sdc_handled, self.last_clean_step = 0, 0  # corruptions rolled back; the last check passed
         self.clock.mark("checkpoint_setup")
 
     # ------------------------------------------------------------------ one step
@@ -261,6 +265,7 @@ class Trainer:
     def run(self) -> int:
         """Train to `train.steps` or until a stop is agreed; returns the exit code."""
         res = self.restore()
+        self.last_clean_step = self.step  # a generation is only saved after its step's check passed
         self.clock.mark("restore")
         self._event(events.TrainStart(step=self.step, generation=res.generation if res else None,
                                       fell_back=bool(res and res.fell_back),
@@ -271,6 +276,10 @@ class Trainer:
         result = None
         while self.step < self.train.steps:
             result = self.train_step()
+            if self._fault_bitflip == self.step:  # DSLURM_FAULT_BITFLIP, once per process
+                self._fault_bitflip = None
+                log.warning("[rank %d] DSLURM_FAULT_BITFLIP: flipped a bit of %s after step %d", self.rank,
+                            flip_bit(self.params), self.step)
             if not self.clock.finished:
                 self.clock.mark("first_step")
                 self._event(self.clock.event(step=res.step if res else 0, generation=res.generation if res else None))
@@ -289,6 +298,13 @@ class Trainer:
                 with self.watch.collective("stragglers"):
                     times, hosts = gather_step_times(self.metrics.last_step_time_s)
                 self._event(straggler_event(self.step, times, hosts))
+            if self.checks.poll_due(self.step):
+                self._poll_devices()
+            interval = self.resolved.job.checkpoint.interval
+            saving = result.stop or self.step % interval == 0 or self.step == self.train.steps
+            if self.checks.replicas_due(self.step, saving) and self._replicas_corrupt():
+                self.watch.beat(self.step)  # rolled back to a checked generation: train on from there
+                continue
             if result.stop:
                 self._event(events.Signal(signal="stop_requested", step=self.step))
                 self._save_final()
@@ -299,7 +315,7 @@ class Trainer:
                 with self.watch.collective("exit_barrier"):
                     dist.barrier()
                 return code
-            if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
+            if self.step % interval == 0 and self.step < self.train.steps:
                 self._save(blocking=False)
             self.watch.beat(self.step)
         if result is not None:  # None: resumed at the end already
@@ -356,7 +372,53 @@ class Trainer:
             dist.barrier()
         return code
 
+    # ------------------------------------------------------------------ corruption, device health
+
+    def _replicas_corrupt(self) -> bool:
+        """The replica check (train/sdc.py). On a mismatch: the ledger's `sdc` event, the named node
+        into the run's blocklist, and a rollback to the pointer's generation -- every save is checked
+        at its own step first, so it predates the corruption. True when rolled back; raises (the start
+        ends as a crash, the requeue excludes the node) past health.sdc_max or with nothing saved."""
+        assert self.checks.replicas is not None
+        with self.watch.collective("sdc_check"):
+            bad = self.checks.replicas.check(self.step)
+        if bad is None:
+            self.last_clean_step = self.step
+            return False
+        self.sdc_handled += 1
+        blocked = bad.blocklist
+        if self.rank == 0 and blocked:
+            from dslurm.preflight.in_job import add_to_blocklist
+
+            add_to_blocklist(self.resolved.run_dir, blocked)
+        ev = events.Sdc(step=self.step, last_clean_step=self.last_clean_step, suspects=bad.suspects,
+                        suspect_hosts=bad.suspect_hosts, named=bad.named, why=bad.why, params=bad.params,
+                        blocklisted=blocked)
+        log.error("[rank %d] SILENT DATA CORRUPTION after step %d (last clean check at step %d): %s; suspect "
+                  "rank(s) %s on %s%s", self.rank, self.step, self.last_clean_step, bad.why, bad.suspects,
+                  bad.suspect_hosts, f"; blocklisted {blocked}" if blocked else "")
+        if self.sdc_handled > self.resolved.job.health.sdc_max or self.ckpt is None:
+            self._event(dataclasses.replace(ev, action="stop"))
+            raise RuntimeError(f"silent data corruption after step {self.step} on {bad.suspect_hosts} "
+                               f"({self.sdc_handled} this start, health.sdc_max={self.resolved.job.health.sdc_max})")
+        self.watch.expect_long()
+        with self.watch.collective("rollback"):
+            res = self.restore()  # the pointer: saved right after a check that passed
+        if res is None:  # corrupted before the first save: a fresh start elsewhere is the only clean state
+            self._event(dataclasses.replace(ev, action="stop"))
+            raise RuntimeError(f"silent data corruption after step {self.step} before any save: restart fresh")
+        self._event(dataclasses.replace(ev, action="rollback", generation=res.generation, resumed_step=self.step))
+        return True
+
+    def _poll_devices(self) -> None:
+        assert self.checks.poll is not None
+        found = self.checks.poll.poll()
+        if found:
+            log.warning("[rank %d] device health after step %d: %s", self.rank, self.step, "; ".join(found))
+            Ledger(self.resolved.run_dir).append(events.DeviceHealth(step=self.step, findings=found))
+
     def close(self) -> None:
+        self.checks.close()
         self.watch.close()
         if self.ckpt is not None:
             self.ckpt.close()
