@@ -137,6 +137,8 @@ class DevicePoll:
         return self.nv is not None and bool(self.handles)
 
     def _q(self, fn: Any, *args: Any) -> Any:
+        """Any NVML error is 'not read' here (unlike the burn-in's `_query`): a poll must never
+        end the training it watches; a GPU that stops answering shows up as a hang or a crash."""
         try:
             return fn(*args)
         except self.nv.NVMLError:  # not supported, no permission: not checked
@@ -160,17 +162,16 @@ class DevicePoll:
             return seen
 
     def readings(self) -> list[health.GpuReading]:
+        from dslurm.preflight.nvml import hard_throttle, throttle_reasons_fn
+
         nv = self.nv
-        fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
-        hard = {"HW slowdown": nv.nvmlClocksThrottleReasonHwSlowdown,
-                "HW thermal slowdown": nv.nvmlClocksThrottleReasonHwThermalSlowdown,
-                "HW power brake": nv.nvmlClocksThrottleReasonHwPowerBrakeSlowdown}
+        fn = throttle_reasons_fn(nv)
         xids = self._xids()
         out = []
         for i, h in enumerate(self.handles):
             reasons = self._q(fn, h) or 0
             out.append(health.GpuReading(i, temp_c=self._q(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
-                                         throttle=[n for n, bit in hard.items() if reasons & bit],
+                                         throttle=hard_throttle(nv, reasons),
                                          ecc_uncorrected=self._ecc(h), xids=xids.get(i, [])))
         return out
 
