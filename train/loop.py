@@ -12,8 +12,12 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   2  user error (bad config or layout), raised before any process-group work
   (80: the hang watchdog ended the process; train/watchdog.py, not this function)
 Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
-log_every), Stragglers (every straggler_every), Signal, NonFinite, Exit; the checkpoint manager
-adds Ckpt*; the watchdog adds Hang.
+log_every), Stragglers (every straggler_every), Signal, NonFinite, Sdc, Exit; the checkpoint manager
+adds Ckpt*; the watchdog adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py).
+
+Silent data corruption (train/sdc.py): the HSDP replicas compare parameter fingerprints every
+health.sdc_every steps and before every save, so every generation was checked clean at its own
+step; on a mismatch the named node is blocklisted and all ranks roll back to the pointer's.
 
 Non-finite steps (dslurm/health.py): the loss and "is the gradient norm finite" ride in the one
 all-reduce that carries the stop flag, taken before the optimizer step, so every rank sees the
@@ -44,7 +48,7 @@ from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
-from train.sdc import RunChecks, flip_bit
+from train.sdc import RunChecks
 from train.startup import StartClock
 from train.state import train_state
 from train.watchdog import NO_WATCHDOG, Watchdog
@@ -96,7 +100,6 @@ class Trainer:
         self._fault_kill9 = faults.step_fault("DSLURM_FAULT_KILL9")
         self._fault_hang = faults.step_fault("DSLURM_FAULT_HANG")
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
-        self._fault_bitflip = faults.step_fault("DSLURM_FAULT_BITFLIP")
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
         self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
@@ -276,10 +279,7 @@ class Trainer:
         result = None
         while self.step < self.train.steps:
             result = self.train_step()
-            if self._fault_bitflip == self.step:  # DSLURM_FAULT_BITFLIP, once per process
-                self._fault_bitflip = None
-                log.warning("[rank %d] DSLURM_FAULT_BITFLIP: flipped a bit of %s after step %d", self.rank,
-                            flip_bit(self.params), self.step)
+            self.checks.maybe_flip(self.step, self.params)  # DSLURM_FAULT_BITFLIP
             if not self.clock.finished:
                 self.clock.mark("first_step")
                 self._event(self.clock.event(step=res.step if res else 0, generation=res.generation if res else None))
@@ -298,8 +298,7 @@ class Trainer:
                 with self.watch.collective("stragglers"):
                     times, hosts = gather_step_times(self.metrics.last_step_time_s)
                 self._event(straggler_event(self.step, times, hosts))
-            if self.checks.poll_due(self.step):
-                self._poll_devices()
+            self.checks.poll_devices(self.step, self.resolved.run_dir)
             interval = self.resolved.job.checkpoint.interval
             saving = result.stop or self.step % interval == 0 or self.step == self.train.steps
             if self.checks.replicas_due(self.step, saving) and self._replicas_corrupt():
@@ -409,13 +408,6 @@ class Trainer:
             raise RuntimeError(f"silent data corruption after step {self.step} before any save: restart fresh")
         self._event(dataclasses.replace(ev, action="rollback", generation=res.generation, resumed_step=self.step))
         return True
-
-    def _poll_devices(self) -> None:
-        assert self.checks.poll is not None
-        found = self.checks.poll.poll()
-        if found:
-            log.warning("[rank %d] device health after step %d: %s", self.rank, self.step, "; ".join(found))
-            Ledger(self.resolved.run_dir).append(events.DeviceHealth(step=self.step, findings=found))
 
     def close(self) -> None:
         self.checks.close()

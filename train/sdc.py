@@ -208,10 +208,12 @@ class RunChecks:
 
     def __init__(self, resolved: Any, dims: Any, parts: list[torch.nn.Module], device: torch.device,
                  rank: int) -> None:
+        from dslurm import faults
         from dslurm.checkpoint.tiers import node_name
 
         spec, lay = resolved.job.health, dims.layout
-        self.spec, self.host = spec, node_name()
+        self.spec, self.host, self.rank = spec, node_name(), rank
+        self._flip_at = faults.step_fault("DSLURM_FAULT_BITFLIP")
         self.replicas: ReplicaCheck | None = None
         if spec.sdc_every and lay.dp_replicate_enabled:
             named = [(n, p) for part in parts for n, p in part.named_parameters()]
@@ -230,8 +232,24 @@ class RunChecks:
         """Before every save (no unchecked generation is ever committed) and every sdc_every steps."""
         return self.replicas is not None and (saving or health.due(step, self.spec.sdc_every))
 
-    def poll_due(self, step: int) -> bool:
-        return self.poll is not None and self.poll.on and health.due(step, self.spec.device_poll_every)
+    def poll_devices(self, step: int, run_dir: Any) -> None:
+        """The NVML poll when due; what is new goes to the log and the ledger (`device_health`)."""
+        if self.poll is None or not self.poll.on or not health.due(step, self.spec.device_poll_every):
+            return
+        found = self.poll.poll()
+        if found:
+            from dslurm.observe import events
+            from dslurm.observe.ledger import Ledger
+
+            log.warning("[rank %d] device health after step %d: %s", self.rank, step, "; ".join(found))
+            Ledger(run_dir).append(events.DeviceHealth(step=step, findings=found))
+
+    def maybe_flip(self, step: int, params: list[torch.Tensor]) -> None:
+        """DSLURM_FAULT_BITFLIP (dslurm/faults.py): once per process, after optimizer step STEP."""
+        if self._flip_at == step:
+            self._flip_at = None  # a replay after the rollback must not flip again
+            log.warning("[rank %d] DSLURM_FAULT_BITFLIP: flipped a bit of %s after step %d", self.rank,
+                        flip_bit(params), step)
 
     def close(self) -> None:
         if self.poll is not None:
