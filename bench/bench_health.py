@@ -11,7 +11,14 @@ The per-step part is timed in process CPU seconds over many repetitions (one tor
 compared with the step time of the demo model (tiny preset, global batch 8: forward, backward,
 clip, AdamW), measured here the same way. The thread's share is its work per wake / poll interval.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_health.py [--reps 20000] [--steps 20]
+Every `health.sdc_every` steps (and before each save) the replica check: the fingerprint of every
+local parameter shard, one all-gather over dp_replicate, one 1-element all-reduce (train/sdc.py).
+Timed in wall seconds with 2 gloo processes that each hold the whole tiny model (dp_replicate 2,
+dp_shard 1: the largest shards the demo model can have), against the demo step's wall time in the
+same process. Every `health.device_poll_every` steps the NVML poll, with pynvml mocked (this
+machine has no GPU: this times our Python around NVML, not the driver calls).
+
+    PYTHONPATH=. .venv/bin/python bench/bench_health.py [--reps 20000] [--steps 20] [--checks 200]
 """
 
 from __future__ import annotations
@@ -76,8 +83,9 @@ def thread_share(floor_s: float = 120.0) -> float:
     return per_wake / health.poll_s(floor_s)  # CPU seconds per second of training
 
 
-def demo_step_s(steps: int) -> float:
-    """CPU seconds per optimizer step of the tiny model, global batch 8, one process."""
+def demo_step_s(steps: int, timer=cpu_per_call) -> float:
+    """CPU (or, with timer=wall_per_call, wall) seconds per optimizer step of the tiny model,
+    global batch 8, one process."""
     import torch
 
     from dslurm.config.models import PRESETS
@@ -97,13 +105,100 @@ def demo_step_s(steps: int) -> float:
         loss.item()
 
     step()  # warm-up
-    return statistics.median(cpu_per_call(step, max(1, steps // 4)) for _ in range(4))
+    return statistics.median(timer(step, max(1, steps // 4)) for _ in range(4))
+
+
+def _sdc_worker(rank: int, port: int, checks: int, steps: int, out: str) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from dslurm.config.models import PRESETS
+    from train.model import build_model
+    from train.sdc import ReplicaCheck
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = build_model(PRESETS["tiny"], seed=0)
+    named = list(model.named_parameters())
+    chk = ReplicaCheck([p for _, p in named], [n for n, _ in named], dist.group.WORLD, torch.device("cpu"),
+                       "localhost", rank)
+    assert chk.check(0) is None  # identical replicas
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(checks):
+        chk.check(i)
+    per_check = (time.perf_counter() - t0) / checks
+    if rank == 0:
+        Path(out).write_text(f"{per_check}")
+    dist.destroy_process_group()
+
+
+def sdc_check_s(checks: int, steps: int) -> float:
+    """Wall seconds of one replica check of the tiny model over 2 gloo processes."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "per_check")
+        mp.spawn(_sdc_worker, args=(port, checks, steps, out), nprocs=2)
+        return float(Path(out).read_text())
+
+
+def fingerprint_cpu_s(reps: int) -> float:
+    """CPU seconds of the fingerprint alone (no peer to wait on): the load-independent part."""
+    from dslurm.config.models import PRESETS
+    from train.model import build_model
+    from train.sdc import fingerprint
+
+    params = list(build_model(PRESETS["tiny"], seed=0).parameters())
+    return statistics.median(cpu_per_call(lambda: fingerprint(params), reps) for _ in range(3))
+
+
+def nvml_poll_s(reps: int) -> float:
+    """CPU seconds of one DevicePoll.poll of an 8-GPU node, pynvml mocked (no GPU here)."""
+    from unittest import mock
+
+    import pynvml
+
+    from dslurm.preflight.thresholds import Thresholds
+    from train.sdc import DevicePoll
+
+    timeout = pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+
+    def wait(*a: object) -> None:
+        raise timeout
+
+    fakes = dict(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 8,
+                 nvmlDeviceGetHandleByIndex=lambda i: i, nvmlEventSetCreate=lambda: "set",
+                 nvmlDeviceRegisterEvents=lambda *a: None, nvmlEventSetFree=lambda *a: None,
+                 nvmlEventSetWait_v2=wait, nvmlDeviceGetTemperature=lambda *a: 60,
+                 nvmlDeviceGetTotalEccErrors=lambda *a: 0, nvmlDeviceGetCurrentClocksEventReasons=lambda *a: 0)
+    with mock.patch.multiple(pynvml, **fakes):
+        poll = DevicePoll(Thresholds())
+        assert poll.on and poll.poll() == []
+        return cpu_per_call(poll.poll, reps)
+
+
+def wall_per_call(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=20000)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--checks", type=int, default=200)
     a = p.parse_args()
     import torch
 
@@ -116,7 +211,23 @@ def main() -> None:
     print(f"non-finite verdict (4th element, .item): {extra * 1e6:8.1f} us")
     print(f"watchdog thread, CPU per step:           {share * step * 1e6:8.1f} us")
     print(f"demo step (tiny, global batch 8, 1 proc): {step * 1e3:8.2f} ms")
-    print(f"checks / step time:                      {100 * total / step:8.3f} %  (goal <= 1 %)")
+    from dslurm.config import HealthSpec
+
+    h = HealthSpec()
+    wall_step = demo_step_s(a.steps, wall_per_call)
+    sdc = sdc_check_s(a.checks, a.steps)
+    poll = nvml_poll_s(max(1, a.reps // 20))
+    periodic = sdc / h.sdc_every + poll / h.device_poll_every
+    print(f"replica check (fingerprint + all-gather + all-reduce, 2 gloo procs, whole tiny model): "
+          f"{sdc * 1e3:.2f} ms = {100 * sdc / wall_step:.1f} % of one step, every {h.sdc_every} steps")
+    fp = fingerprint_cpu_s(max(1, a.checks // 2))
+    print(f"  of which the fingerprint alone, CPU:   {fp * 1e3:8.2f} ms = {100 * fp / step:.1f} % of one step "
+          f"(CPU time), {100 * fp / step / h.sdc_every:.3f} % every {h.sdc_every} steps")
+    print(f"NVML poll (8 GPUs, pynvml mocked):       {poll * 1e6:8.1f} us, every {h.device_poll_every} steps")
+    print(f"demo step, wall (same as above):         {wall_step * 1e3:8.2f} ms")
+    print(f"periodic checks / step time:             {100 * periodic / wall_step:8.3f} %  (at the defaults)")
+    print(f"all checks / step time:                  {100 * (total / step + periodic / wall_step):8.3f} %  "
+          "(goal <= 1 %)")
 
 
 if __name__ == "__main__":

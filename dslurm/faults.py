@@ -14,6 +14,9 @@ variable anywhere else.
   DSLURM_FAULT_NAN=STEP[:RANKS][@RESTART]    the batch that step STEP reads in an uninterrupted run is
                                              poisoned on RANKS: its loss is NaN whenever it is read,
                                              so a rollback that does not skip it meets it again
+  DSLURM_FAULT_BITFLIP=STEP[:RANKS][@RESTART] RANKS flip one bit of one parameter element after optimizer
+                                             step STEP (once per process): silent data corruption in one
+                                             HSDP replica, for the replica check (train/sdc.py)
   DSLURM_FAULT_EXIT_DELAY=SECONDS[:RANKS][@RESTART]  RANKS wait SECONDS after their exit report,
                                              before exiting: forces which node's processes exit first
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
@@ -50,8 +53,8 @@ log = logging.getLogger(__name__)
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_HANG",
-         "DSLURM_FAULT_NAN", "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_CKPT_KILL", "DSLURM_FAULT_SAVE_SLEEP",
-         "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
+         "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP", "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_CKPT_KILL",
+         "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,22 @@ collective means the transport itself hangs: no single suspect.
 Non-finite loss. The ranks agree on "this step's loss or gradient norm is not finite" in the
 same all-reduce that carries the loss and the stop flag, then each applies
 `nonfinite_action` to the same inputs, so they act together.
+
+Silent data corruption. Where parameters are replicated (HSDP replicas, dp_replicate > 1), the
+replicas of one shard must hold identical bits. Every `sdc_every` steps, and before every save
+(so no generation is committed that was not checked at its own step), each rank fingerprints
+its local shards and the replicas compare: the replica that disagrees with a strict majority is
+named; without a strict majority (2 replicas, or 3+ all different) every replica is a suspect
+and none is named. The pointer then names a generation that passed its check: the rollback
+target. Periodic device health: the site's burn-in thresholds applied to a cheap NVML poll.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 PG_GRACE_S = 60.0  # process-group timeout = the watchdog's ceiling + this
 
@@ -115,3 +123,102 @@ def nonfinite_action(policy: NonfinitePolicy, handled: int, max_handled: int) ->
         return NonfiniteDecision("stop", f"{handled} non-finite step(s) already handled by {policy} "
                                          f"(train.nonfinite_max={max_handled}): the run keeps diverging")
     return NonfiniteDecision(policy, f"train.nonfinite={policy} ({handled + 1} of {max_handled})")
+
+
+# ------------------------------------------------------------------ silent data corruption
+
+Fingerprint = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SdcVerdict:
+    ok: bool
+    odd: list[int]
+    """replica indices (dp_replicate coordinates) that disagree with the majority"""
+    named: bool
+    """a strict majority agreed, so `odd` names the culprit(s); False: all replicas are suspects"""
+    why: str
+
+
+def sdc_verdict(fingerprints: Sequence[Fingerprint]) -> SdcVerdict:
+    """Compare one shard's fingerprints across its replicas (index = replica). Pure."""
+    groups: dict[Fingerprint, list[int]] = {}
+    for i, fp in enumerate(fingerprints):
+        groups.setdefault(tuple(fp), []).append(i)
+    if len(groups) <= 1:
+        return SdcVerdict(True, [], True, f"{len(fingerprints)} replica(s) agree")
+    biggest = max(groups.values(), key=len)
+    if 2 * len(biggest) > len(fingerprints):
+        odd = sorted(i for i in range(len(fingerprints)) if i not in biggest)
+        return SdcVerdict(False, odd, True, f"replica(s) {odd} disagree with the majority {biggest}")
+    every = list(range(len(fingerprints)))
+    return SdcVerdict(False, every, False,
+                      f"no majority among {len(fingerprints)} replicas ({len(groups)} different fingerprints): "
+                      "every replica is a suspect (2 replicas cannot name one)")
+
+
+def due(step: int, every: int) -> bool:
+    """Is a periodic check (SDC, device poll) due after `step` optimizer steps? every=0: off. Pure."""
+    return every > 0 and step % every == 0
+
+
+def mismatched_params(mine: Sequence[Fingerprint], majority: Sequence[Fingerprint], names: Sequence[str],
+                      limit: int = 5) -> list[str]:
+    """The parameter names whose per-parameter fingerprints differ (at most `limit`). Pure."""
+    return [n for n, a, b in zip(names, mine, majority) if tuple(a) != tuple(b)][:limit]
+
+
+@dataclass(frozen=True)
+class SdcSummary:
+    suspects: list[int]
+    hosts: list[str]
+    named: bool
+    blocklist: list[str]
+    """hosts to keep out of the run: only those a strict majority named"""
+    why: str
+    params: list[str]
+
+
+def sdc_summary(reports: Sequence[Mapping[str, Any]]) -> SdcSummary:
+    """Every rank's word after a mismatch (rank, host, suspect, named, why, params) -> the run's
+    verdict: a suspect host is blocklisted only when its replicas' majority named it. Pure."""
+    sus = [r for r in reports if r["suspect"]]
+    named = bool(sus) and all(r["named"] for r in sus)
+    whys = sorted({str(r["why"]) for r in reports if r["why"]})
+    params = sorted({str(p) for r in sus for p in r["params"]})[:5]
+    return SdcSummary(suspects=sorted(int(r["rank"]) for r in sus), hosts=sorted({str(r["host"]) for r in sus}),
+                      named=named, blocklist=sorted({str(r["host"]) for r in sus if r["named"]}),
+                      why="; ".join(whys), params=params)
+
+# ------------------------------------------------------------------ device health during the run
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One cheap NVML poll of one GPU (None: not supported)."""
+
+    index: int
+    temp_c: int | None = None
+    throttle: list[str] = field(default_factory=list)
+    """hardware slowdown reasons active now"""
+    ecc_uncorrected: int | None = None
+    xids: list[int] = field(default_factory=list)
+    """Xid events since the last poll"""
+
+
+def device_findings(now: Sequence[GpuReading], baseline: Mapping[int, int | None], *, max_temp_c: float,
+                    hardware_xids: frozenset[int]) -> list[str]:
+    """What is new and wrong since the start: temperature over the site's limit, hardware
+    throttling, uncorrected ECC errors above the count at the start, any Xid. Pure."""
+    out = []
+    for g in now:
+        if g.temp_c is not None and g.temp_c > max_temp_c:
+            out.append(f"gpu{g.index}: temperature {g.temp_c} C > {max_temp_c:g} C")
+        if g.throttle:
+            out.append(f"gpu{g.index}: clock throttled: {', '.join(g.throttle)}")
+        base = baseline.get(g.index)
+        if g.ecc_uncorrected is not None and base is not None and g.ecc_uncorrected > base:
+            out.append(f"gpu{g.index}: {g.ecc_uncorrected - base} new uncorrected ECC error(s)")
+        if g.xids:
+            hw = sorted(set(g.xids) & hardware_xids)
+            out.append(f"gpu{g.index}: {'hardware ' if hw else ''}Xid {hw or sorted(set(g.xids))}")
+    return out

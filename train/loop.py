@@ -12,8 +12,12 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   2  user error (bad config or layout), raised before any process-group work
   (80: the hang watchdog ended the process; train/watchdog.py, not this function)
 Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
-log_every), Stragglers (every straggler_every), Signal, NonFinite, Exit; the checkpoint manager
-adds Ckpt*; the watchdog adds Hang.
+log_every), Stragglers (every straggler_every), Signal, NonFinite, Sdc, Exit; the checkpoint manager
+adds Ckpt*; the watchdog adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py).
+
+Silent data corruption (train/sdc.py): the HSDP replicas compare parameter fingerprints every
+health.sdc_every steps and before every save, so every generation was checked clean at its own
+step; on a mismatch the named node is blocklisted and all ranks roll back to the pointer's.
 
 Non-finite steps (dslurm/health.py): the loss and "is the gradient norm finite" ride in the one
 all-reduce that carries the stop flag, taken before the optimizer step, so every rank sees the
@@ -44,6 +48,7 @@ from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
+from train.sdc import RunChecks
 from train.startup import StartClock
 from train.state import train_state
 from train.watchdog import NO_WATCHDOG, Watchdog
@@ -117,6 +122,8 @@ class Trainer:
             peak=peak_for(resolved.site, procs_per_node=resolved.procs_per_node), n_devices=world_size,
             sync=torch.cuda.synchronize if device.type == "cuda" else None)
         self.ckpt = self._checkpoint_manager() if checkpoint else None
+        self.checks = RunChecks(resolved, self.dims, self.built.parts, device, rank)  # SDC, device poll
+        self.sdc_handled, self.last_clean_step = 0, 0  # corruptions rolled back; the last check passed
         self.clock.mark("checkpoint_setup")
 
     # ------------------------------------------------------------------ one step
@@ -261,6 +268,7 @@ class Trainer:
     def run(self) -> int:
         """Train to `train.steps` or until a stop is agreed; returns the exit code."""
         res = self.restore()
+        self.last_clean_step = self.step  # a generation is only saved after its step's check passed
         self.clock.mark("restore")
         self._event(events.TrainStart(step=self.step, generation=res.generation if res else None,
                                       fell_back=bool(res and res.fell_back),
@@ -271,6 +279,7 @@ class Trainer:
         result = None
         while self.step < self.train.steps:
             result = self.train_step()
+            self.checks.maybe_flip(self.step, self.params)  # DSLURM_FAULT_BITFLIP
             if not self.clock.finished:
                 self.clock.mark("first_step")
                 self._event(self.clock.event(step=res.step if res else 0, generation=res.generation if res else None))
@@ -289,6 +298,12 @@ class Trainer:
                 with self.watch.collective("stragglers"):
                     times, hosts = gather_step_times(self.metrics.last_step_time_s)
                 self._event(straggler_event(self.step, times, hosts))
+            self.checks.poll_devices(self.step, self.resolved.run_dir)
+            interval = self.resolved.job.checkpoint.interval
+            saving = result.stop or self.step % interval == 0 or self.step == self.train.steps
+            if self.checks.replicas_due(self.step, saving) and self._replicas_corrupt():
+                self.watch.beat(self.step)  # rolled back to a checked generation: train on from there
+                continue
             if result.stop:
                 self._event(events.Signal(signal="stop_requested", step=self.step))
                 self._save_final()
@@ -299,7 +314,7 @@ class Trainer:
                 with self.watch.collective("exit_barrier"):
                     dist.barrier()
                 return code
-            if self.step % self.resolved.job.checkpoint.interval == 0 and self.step < self.train.steps:
+            if self.step % interval == 0 and self.step < self.train.steps:
                 self._save(blocking=False)
             self.watch.beat(self.step)
         if result is not None:  # None: resumed at the end already
@@ -356,7 +371,46 @@ class Trainer:
             dist.barrier()
         return code
 
+    # ------------------------------------------------------------------ corruption, device health
+
+    def _replicas_corrupt(self) -> bool:
+        """The replica check (train/sdc.py). On a mismatch: the ledger's `sdc` event, the named node
+        into the run's blocklist, and a rollback to the pointer's generation -- every save is checked
+        at its own step first, so it predates the corruption. True when rolled back; raises (the start
+        ends as a crash, the requeue excludes the node) past health.sdc_max or with nothing saved."""
+        assert self.checks.replicas is not None
+        with self.watch.collective("sdc_check"):
+            bad = self.checks.replicas.check(self.step)
+        if bad is None:
+            self.last_clean_step = self.step
+            return False
+        self.sdc_handled += 1
+        blocked = bad.blocklist
+        if self.rank == 0 and blocked:
+            from dslurm.preflight.in_job import add_to_blocklist
+
+            add_to_blocklist(self.resolved.run_dir, blocked)
+        ev = events.Sdc(step=self.step, last_clean_step=self.last_clean_step, suspects=bad.suspects,
+                        suspect_hosts=bad.suspect_hosts, named=bad.named, why=bad.why, params=bad.params,
+                        blocklisted=blocked)
+        log.error("[rank %d] SILENT DATA CORRUPTION after step %d (last clean check at step %d): %s; suspect "
+                  "rank(s) %s on %s%s", self.rank, self.step, self.last_clean_step, bad.why, bad.suspects,
+                  bad.suspect_hosts, f"; blocklisted {blocked}" if blocked else "")
+        if self.sdc_handled > self.resolved.job.health.sdc_max or self.ckpt is None:
+            self._event(dataclasses.replace(ev, action="stop"))
+            raise RuntimeError(f"silent data corruption after step {self.step} on {bad.suspect_hosts} "
+                               f"({self.sdc_handled} this start, health.sdc_max={self.resolved.job.health.sdc_max})")
+        self.watch.expect_long()
+        with self.watch.collective("rollback"):
+            res = self.restore()  # the pointer: saved right after a check that passed
+        if res is None:  # corrupted before the first save: a fresh start elsewhere is the only clean state
+            self._event(dataclasses.replace(ev, action="stop"))
+            raise RuntimeError(f"silent data corruption after step {self.step} before any save: restart fresh")
+        self._event(dataclasses.replace(ev, action="rollback", generation=res.generation, resumed_step=self.step))
+        return True
+
     def close(self) -> None:
+        self.checks.close()
         self.watch.close()
         if self.ckpt is not None:
             self.ckpt.close()

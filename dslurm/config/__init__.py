@@ -244,8 +244,18 @@ class HealthSpec:
     hang_floor_s: float = field(120.0, help="the hang bound is never below this (seconds)")
     hang_ceiling_s: float = field(1800.0, help="the hang bound before step times are known and during saves; "
                                   "the process-group timeout is this + 60 s")
+    sdc_every: int = field(50, help="steps between silent-data-corruption checks of the HSDP replicas "
+                           "(also before every save); 0 = off; needs parallel.dp_replicate > 1")
+    sdc_max: int = field(2, help="corruptions rolled back per start; the next one ends the start as a crash "
+                         "(the requeue then excludes the blocklisted node)")
+    device_poll_every: int = field(50, help="steps between NVML polls (temperature, throttling, new ECC/Xid); "
+                                   "0 = off; a no-op without NVML")
 
     def __post_init__(self) -> None:
+        for name in ("sdc_every", "sdc_max", "device_poll_every"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"{getattr(self, name)} must not be negative",
+                                 f"set health.{name} to 0 (off) or more")
         if self.hang_k < 1:
             raise FieldError("hang_k", f"{self.hang_k} must be at least 1", "set health.hang_k to e.g. 10")
         if not 0 < self.hang_floor_s <= self.hang_ceiling_s:
@@ -287,7 +297,7 @@ class JobSpec:
     data: DataSpec = field(factory=DataSpec, help="data")
     checkpoint: CheckpointSpec = field(factory=CheckpointSpec, help="checkpoints")
     preflight: PreflightSpec = field(factory=PreflightSpec, help="pre-flight burn-in")
-    health: HealthSpec = field(factory=HealthSpec, help="health during the run: hang watchdog")
+    health: HealthSpec = field(factory=HealthSpec, help="health during the run: hang watchdog, SDC check, device poll")
     requeue: RequeueSpec = field(factory=RequeueSpec, help="requeue")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
     env: dict[str, str] = field(factory=dict, help="extra environment for this job")

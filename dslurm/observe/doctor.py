@@ -277,6 +277,46 @@ def _hangs(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     return out
 
 
+def _corruption(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """Silent data corruption the replica check caught (train/sdc.py): who disagreed, what was done."""
+    out = []
+    for s in starts:
+        for e in s.all(E.Sdc):
+            hosts = ", ".join(e.suspect_hosts) or "?"
+            ev = [_ev(e, "step", "last_clean_step", "suspects", "suspect_hosts", "named", "action"), f"why: {e.why}",
+                  f"parameters that differ: {', '.join(e.params) or '?'}"]
+            if e.action == "rollback":
+                ev.append(f"rolled back to {e.generation} (step {e.resumed_step}), saved at or before the last "
+                          f"clean check (step {e.last_clean_step})")
+            who = (f"{hosts} disagreed with the majority of its replicas" if e.named else
+                   f"no majority among the replicas: every one of {hosts} is a suspect")
+            out.append(Finding(
+                f"silent data corruption at step {e.step}: {who}", ev,
+                "silent data corruption (seed table: wrong numbers with no error): a flaky core, memory or "
+                "link on the suspect node changed parameter bits without an ECC or Xid report",
+                (f"blocklisted {', '.join(e.blocklisted)}: later starts exclude it; " if e.blocklisted else
+                 "with 2 replicas no node can be named: use 3 or more (parallel.dp_replicate); ") +
+                f"run `dslurm burnin` on {hosts} and tell the admins"))
+    return out
+
+
+def _device_health(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """What the periodic NVML poll found during training (train/sdc.py DevicePoll), per host."""
+    by_host: dict[str, list[str]] = {}
+    for s in starts:
+        for e in s.all(E.DeviceHealth):
+            by_host.setdefault(e.host or "?", []).extend(f"step {e.step}: {f}" for f in e.findings)
+    out = []
+    for host, lines in sorted(by_host.items()):
+        xid = any("Xid" in x or "ECC" in x for x in lines)
+        out.append(Finding(
+            f"device health on {host} during training", lines[:MAX_EVIDENCE],
+            "hardware (seed table: " + ("Xid / ECC errors: a failing GPU or its memory" if xid else
+                                        "thermal or power throttling: a slow GPU, a straggler") + ")",
+            f"run `dslurm burnin` on {host}; " + ("drain it and tell the admins" if xid else
+                                                   "check its cooling; blocklist it if it keeps throttling")))
+    return out
+
 def _crashes(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     dead = [s for s in starts if s.exit_reason == DIED or s.exit_reason.startswith("failed")
             or s.exit_reason == "budget"]
@@ -317,7 +357,8 @@ def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 
 CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
-    _no_first_step, _scaling, _idle_stages, _hangs, _loss, _resume, _stragglers, _endings, _crashes]
+    _no_first_step, _scaling, _idle_stages, _hangs, _corruption, _device_health, _loss, _resume, _stragglers,
+    _endings, _crashes]
 
 
 def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list[Finding]:

@@ -374,10 +374,45 @@ class ChainCancel(Event):
     reason: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Sdc(Event):
+    """Silent data corruption: the fingerprints of replicated parameter shards disagreed
+    (train/sdc.py; the rules: dslurm/health.py). Written once by rank 0 for all replicas."""
+    NAME = "sdc"
+    step: int | None = None
+    """optimizer steps completed when the check ran"""
+    last_clean_step: int | None = None
+    """the step of the last check that passed (the rollback target was saved at or before it)"""
+    suspects: list[int] = field(default_factory=list)
+    """global ranks whose shards disagree with their replicas' majority (all of them when unnamed)"""
+    suspect_hosts: list[str] = field(default_factory=list)
+    named: bool = False
+    """a strict majority of replicas agreed, so the suspects are the culprits"""
+    why: str = ""
+    params: list[str] = field(default_factory=list)
+    """parameter names whose fingerprints differ (the first few)"""
+    blocklisted: list[str] = field(default_factory=list)
+    action: str = ""
+    """rollback | stop"""
+    generation: str | None = None
+    """the generation restored"""
+    resumed_step: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceHealth(Event):
+    """The periodic NVML poll found something (train/sdc.py DevicePoll; the site's burn-in
+    thresholds). One event per host and finding set."""
+    NAME = "device_health"
+    step: int | None = None
+    findings: list[str] = field(default_factory=list)
+
+
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
-    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel)}
+    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel,
+    Sdc, DeviceHealth)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

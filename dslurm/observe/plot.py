@@ -60,6 +60,7 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
                                  for r in sm.recoveries)
                      + ")" + (f"; failure to training {_fmt_s(sum(back))} in all, {_fmt_s(max(back))} at most"
                               if back else ""))
+    lines += sm.health  # hangs and their cost, silent data corruption, device findings
     if sm.endings:
         lines.append("endings: " + ", ".join(f"{k} {n}x" for k, n in sorted(sm.endings.items())))
     if sm.skipped_lines:

@@ -121,6 +121,38 @@ def _recoveries(starts: list[Start]) -> list[Recovered]:
     return out
 
 
+def _after(s: Start, starts: list[Start], t: float) -> float | None:
+    """The first step done after time t: in this start, else in the next one that trained."""
+    for st in starts[s.index:]:
+        done = [w.t for w in st.windows if w.t > t]
+        if done:
+            return min(done)
+    return None
+
+
+def health_lines(starts: list[Start]) -> list[str]:
+    """Hangs with their cost (no progress until detection, then back to a step done), silent
+    data corruption and device findings, one line each (pure; doctor has the evidence)."""
+    out = []
+    for s in starts:
+        for h in s.all(ev.Hang):
+            back = _after(s, starts, h.t)
+            rec = f", back to training {back - h.t:.0f} s later" if back is not None else ", never back to training"
+            cost = f"; cost {h.idle_s + (back - h.t):.0f} s" if back is not None else ""
+            out.append(f"hang in start {s.index} after step {h.step} (suspects {h.suspects or 'none'} on "
+                       f"{', '.join(h.suspect_hosts) or '?'}): detected after {h.idle_s:.0f} s without progress "
+                       f"(bound {h.bound_s:.0f} s){rec}{cost}")
+        for c in s.all(ev.Sdc):
+            what = (f"rolled back to step {c.resumed_step}, {c.step - c.resumed_step} step(s) redone"
+                    if c.action == "rollback" and c.step is not None and c.resumed_step is not None else c.action)
+            out.append(f"silent data corruption in start {s.index} at step {c.step} (last clean check step "
+                       f"{c.last_clean_step}; {'named' if c.named else 'unnamed, no majority'}: ranks {c.suspects} "
+                       f"on {', '.join(c.suspect_hosts) or '?'}): {what}"
+                       + (f"; blocklisted {', '.join(c.blocklisted)}" if c.blocklisted else ""))
+        for d in s.all(ev.DeviceHealth):
+            out.append(f"device health on {d.host or '?'} at step {d.step}: {'; '.join(d.findings)}")
+    return out
+
 @dataclass(slots=True)
 class Summary:
     """What `dslurm report` prints; `to_dict` is the --json form (without raw events)."""
@@ -152,6 +184,8 @@ class Summary:
     """recoveries inside the allocation (spare swap, same nodes, shrink): no queue, no requeue"""
     durability: Durability | None = None
     """two-tier checkpoints: durable lag, RPO on process restart vs node loss, lag policy cost"""
+    health: list[str] = field(default_factory=list)
+    """hangs (with their cost), silent data corruption, device findings (`health_lines`)"""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -178,6 +212,13 @@ def _opens_new(cur: list[Event], e: Event) -> bool:
     return False
 
 
+def _rolled_back(e: Event, after: list[Event]) -> bool:
+    """A restore inside a running start: the trainer rolled back (non-finite loss, silent data
+    corruption) and wrote its event right after the restore's. Not a new start."""
+    return (isinstance(e, ev.RESTORES) and bool(after) and _key(after[0]) == _key(e)
+            and isinstance(after[0], (ev.NonFinite, ev.Sdc)) and after[0].action == "rollback")
+
+
 def _late(e: Event) -> bool:
     """An ending written by a later start for an earlier one (whose batch shell died with it)."""
     return isinstance(e, ev.Ending) and e.late
@@ -188,10 +229,10 @@ def split_starts(events: Iterable[Event]) -> list[list[Event]]:
     late endings join the start they describe."""
     starts: list[list[Event]] = []
     events = list(events)
-    for e in events:
+    for i, e in enumerate(events):
         if isinstance(e, _OUTSIDE) or _late(e):
             continue
-        if not starts or _opens_new(starts[-1], e):
+        if not starts or (_opens_new(starts[-1], e) and not _rolled_back(e, events[i + 1:i + 2])):
             starts.append([])
         starts[-1].append(e)
     for e in filter(_late, events):
@@ -379,7 +420,7 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
         final_step=starts[-1].reached if starts else None, stragglers=hosts, straggler_checks=len(checks),
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
         undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts),
-        durability=durability([s.events for s in starts]))
+        durability=durability([s.events for s in starts]), health=health_lines(starts))
 
 
 def load(run_dir: Path) -> tuple[list[Event], int]:

@@ -154,17 +154,25 @@ def check_power_limit(nv: Any, h: Any, th: Thresholds) -> Finding:
     return Finding("power_limit", "ok", f"{enforced / 1000:.0f} W")
 
 
-def check_throttle(nv: Any, h: Any, th: Thresholds) -> Finding:
-    # The "ClocksEvent" name replaced "ClocksThrottle" in newer bindings; same bit values.
-    fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        nv.nvmlDeviceGetCurrentClocksThrottleReasons
-    reasons = _query(nv, fn, h)
-    if reasons is UNSUPPORTED:
-        return _skip("throttle")
+def throttle_reasons_fn(nv: Any) -> Any:
+    """The NVML call for the clock throttle reasons: the "ClocksEvent" name replaced "ClocksThrottle"
+    in newer bindings; same bit values."""
+    return getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+
+
+def hard_throttle(nv: Any, reasons: int) -> list[str]:
+    """The hardware slowdowns among NVML's clock throttle reasons (the burn-in fails on them)."""
     hard = {"HW slowdown": nv.nvmlClocksThrottleReasonHwSlowdown,
             "HW thermal slowdown": nv.nvmlClocksThrottleReasonHwThermalSlowdown,
             "HW power brake": nv.nvmlClocksThrottleReasonHwPowerBrakeSlowdown}
-    hit = [name for name, bit in hard.items() if reasons & bit]
+    return [name for name, bit in hard.items() if reasons & bit]
+
+
+def check_throttle(nv: Any, h: Any, th: Thresholds) -> Finding:
+    reasons = _query(nv, throttle_reasons_fn(nv), h)
+    if reasons is UNSUPPORTED:
+        return _skip("throttle")
+    hit = hard_throttle(nv, reasons)
     if hit:
         return Finding("throttle", "fail", "clock throttled: " + ", ".join(hit))
     # Power capping under load is normal; software thermal slowdown is a cooling warning.

@@ -225,6 +225,30 @@ def test_a_nan_under_rollback_on_the_cluster_completes(slurm_cluster, cli, tmp_p
            recovery=False)
 
 
+@pytest.mark.timeout(500)
+def test_a_bit_flip_in_one_hsdp_replica_is_named_blocklisted_and_rolled_back(slurm_cluster, cli, tmp_path):
+    """Issue 18: 3 nodes x 2 processes, 3 HSDP replicas x tp 2 (node k holds replica k-1). Rank 2
+    (node2) flips one parameter bit after step 7. The replica check before the save at step 10 finds
+    node2's shard disagreeing with the other two, names and blocklists node2, rolls back to step 5's
+    generation (saved after the clean check at step 5), and the run completes in one start."""
+    env = slurm_cluster.env()
+    run = tmp_path / "sdc"
+    spec = job_spec(tmp_path, "sdc", nodes=3, steps=12, interval=5, sleep=0.1, env={"DSLURM_FAULT_BITFLIP": "7:2"},
+                    train={"global_batch": 6}, parallel={"tp": 2, "dp_replicate": 3})
+    job = submit(cli, env, spec)
+    assert slurm.wait_job(job, timeout=450, env=env) == "COMPLETED", logs(run)
+    (sdc,) = events(run, "sdc")
+    assert sdc["step"] == 10 and sdc["last_clean_step"] == 5 and sdc["named"], sdc
+    assert sdc["suspects"] == [2] and sdc["suspect_hosts"] == ["node2"] and sdc["blocklisted"] == ["node2"], sdc
+    assert sdc["action"] == "rollback" and sdc["resumed_step"] == 5, sdc
+    assert (run / "blocklist.txt").read_text().split() == ["node2"]
+    assert endings(run) == ["completed"] and decisions(run) == ["end"]
+    assert [e["step"] for e in events(run, "ckpt_save")] == [5, 10, 12]  # the corrupted step 10 never saved
+    record("rank 2 (node2) flips a parameter bit after step 7 (DSLURM_FAULT_BITFLIP), 3 HSDP replicas",
+           "caught at the next check, node named and blocklisted, rolled back to a clean generation, completes",
+           f"sdc at step {sdc['step']}: rank 2 on node2 against the majority; blocklisted node2; rolled back to "
+           f"{sdc['generation']}", run, recovery=False)
+
 @pytest.fixture
 def tiny_disks(tmp_path):
     """3 MB tmpfs mounts, one per run: the run's data (~2.1 MB) and logs fit, no checkpoint
