@@ -1,10 +1,6 @@
-"""A plain PyTorch DDP training script: no dslurm in it.
-
-Run it with torchrun (`torchrun --nproc-per-node 2 train_plain.py --steps 40`) or under dslurm
-(examples/jobs/own-plain.yaml): whole nodes, torchrun, the burn-in -- but a preemption loses
-the run. train_safe.py is the same script made preemption-safe with dslurm.runtime.
-CPU and gloo, a tiny MLP, synthetic data that is a pure function of (step, rank).
-"""
+"""A plain PyTorch DDP training script (CPU, gloo, a tiny MLP, data a pure function of step and rank).
+It runs under torchrun or dslurm (examples/jobs/own-plain.yaml), but a preemption loses the run;
+train_safe.py is the same script made preemption-safe with dslurm.runtime."""
 
 from __future__ import annotations
 

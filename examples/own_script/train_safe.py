@@ -1,9 +1,6 @@
-"""train_plain.py made preemption-safe with dslurm.runtime (diff the two files).
-
-Under dslurm (examples/jobs/own-safe.yaml): a USR2 (time limit) or TERM (preemption) makes every
-rank agree at the next step boundary, save, and exit 75 / 143; the requeued job resumes from
-the verified checkpoint with the model, optimizer, scheduler and RNG streams as they were.
-"""
+"""train_plain.py made preemption-safe with dslurm.runtime (diff the two files): on USR2/TERM all
+ranks agree at a step boundary, save and exit 75/143; the requeued job resumes from the verified
+checkpoint (model, optimizer, scheduler, RNG). Job: examples/jobs/own-safe.yaml."""
 
 from __future__ import annotations
 
