@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from dslurm.runtime.exit import Outcome, report, world_from_env
+
 T_START = time.time()  # process start, for the ledger's startup_s
 
 
@@ -33,13 +35,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a site field (repeatable)")
     return p.parse_args(argv)
-
-
-def world_from_env() -> tuple[int, int, int, int]:
-    """(rank, local_rank, world_size, local_world_size) from torchrun's environment, or one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return (int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), world, local_world)
 
 
 def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
@@ -65,23 +60,7 @@ def init_distributed(resolved, local_rank: int, world: int):
                               timeout_s=health.pg_timeout_s(spec.hang_ceiling_s) if spec.watchdog else None)
 
 
-class Outcome:
-    """How this process is ending, noted where it happens (the time of a failure, not of
-    the cleanup after it)."""
-
-    def __init__(self) -> None:
-        self.error, self.t, self.step = "", None, None
-        self.kind: str | None = None  # set by the watchdog: its verdict wins over the code's kind
-        self.trainer: object = None
-        self.stop: object = None
-
-    def failed(self, exc: BaseException) -> None:
-        if self.t is None:
-            self.t, self.error = time.time(), f"{type(exc).__name__}: {exc}"[:2000]
-        self.step = getattr(self.trainer, "step", self.step)
-
-
-OUTCOME = Outcome()
+OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/runtime/exit.py)
 
 
 def on_hang(verdict) -> None:
@@ -91,7 +70,7 @@ def on_hang(verdict) -> None:
 
     OUTCOME.t, OUTCOME.error, OUTCOME.step, OUTCOME.kind = verdict.t, verdict.error, verdict.step, verdict.kind
     try:
-        report(exitcodes.HANG, verdict.rank)
+        report(OUTCOME, exitcodes.HANG, verdict.rank)
     finally:
         sys.stderr.flush()
         sys.stdout.flush()
@@ -127,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     clock.mark("config")
     import torch.distributed as dist
 
+    from dslurm.runtime.stop import StopRequest
     from train.loop import Trainer
-    from train.stop import StopRequest
 
     clock.mark("imports")
     device = init_distributed(resolved, local_rank, world)
@@ -142,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             return code
         clock.mark("burnin")
         OUTCOME.stop = StopRequest().install(None)  # a TERM during the build is recorded too
-        trainer = OUTCOME.trainer = Trainer(resolved, device=device, rank=rank, world_size=world,
+        trainer = OUTCOME.progress = Trainer(resolved, device=device, rank=rank, world_size=world,
                                             t_start=T_START, clock=clock,
                                             watchdog=make_watchdog(resolved, rank, world))
-        OUTCOME.stop.install(trainer)  # USR2 -> save, exit 75; TERM -> save, exit 143
+        OUTCOME.run_dir = resolved.run_dir
+        OUTCOME.stop.install(trainer.stop)  # USR2 -> save, exit 75; TERM -> save, exit 143
         code = trainer.run()
         OUTCOME.step = trainer.step
         return code
@@ -162,31 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
-def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
-    """The stop signal this process received, unless it came only after the process had
-    already failed of its own accord (e.g. the watchdog's verdict, then torchrun's TERM when a
-    peer exited): that one is the teardown, not the cause. Pure."""
-    signame, sig_t = getattr(stop, "signame", None), getattr(stop, "t", None)
-    if signame is None or failed_t is None or sig_t is None:
-        return signame
-    return signame if sig_t <= failed_t else None
-
-
-def report(code: int, rank: int) -> None:
-    """This process's own account of its ending, for the launcher and for requeue-me."""
-    from dslurm import exitcodes
-    from dslurm.launch import write_worker_code
-    from dslurm.requeue import facts
-
-    write_worker_code(code)
-    signame = signal_before_failure(OUTCOME.stop, OUTCOME.t)
-    kind = OUTCOME.kind or facts.victim_kind(exitcodes.KIND_OF_CODE.get(code, "crash"), OUTCOME.error, signame)
-    run_dir = getattr(getattr(OUTCOME.trainer, "resolved", None), "run_dir", None)
-    facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=OUTCOME.step,
-                                             error=OUTCOME.error, t=OUTCOME.t or time.time(), signal=signame),
-                            run_dir=run_dir)
-
-
 def _main_reporting() -> int:
     """Run, then report this process's own exit code and ending (torchrun reports any worker
     failure as 1, which would hide a requeue request)."""
@@ -199,7 +154,7 @@ def _main_reporting() -> int:
         OUTCOME.failed(exc)
         raise
     finally:
-        report(code, world_from_env()[0])
+        report(OUTCOME, code, world_from_env()[0])
         faults.delay_exit()
     return code
 

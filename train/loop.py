@@ -42,6 +42,9 @@ from torch.distributed.tensor import DTensor
 from dslurm import exitcodes, faults, health
 from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
+from dslurm.runtime.checkpoint import final_failure, manager_for
+from dslurm.runtime.state import train_state
+from dslurm.runtime.stop import StopFlags
 from train.data import make_loader
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
 from train.model import cross_entropy
@@ -50,7 +53,6 @@ from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
 from train.sdc import RunChecks
 from train.startup import StartClock
-from train.state import train_state
 from train.watchdog import NO_WATCHDOG, Watchdog
 
 log = logging.getLogger(__name__)
@@ -93,10 +95,8 @@ class Trainer:
         self.t_start = t_start if t_start is not None else time.time()
         self.clock = clock if clock is not None else StartClock(self.t_start)  # rank 0 writes its phases
         self.dims = ParallelDims.from_layout(resolved.layout, world_size, device.type)
-        self.stop_requested = False  # set by a signal handler; only read at step boundaries
-        self.stop_terminated = False  # the stop came from TERM (scancel/preemption): save, do not requeue
-        self._fault_stop = faults.step_fault("DSLURM_FAULT_STOP")  # test knobs: dslurm/faults.py
-        self._fault_crash = faults.step_fault("DSLURM_FAULT_CRASH")
+        self.stop = StopFlags()  # set by the signal handler (dslurm/runtime/stop.py); read at step boundaries
+        self._fault_crash = faults.step_fault("DSLURM_FAULT_CRASH")  # test knobs: dslurm/faults.py
         self._fault_kill9 = faults.step_fault("DSLURM_FAULT_KILL9")
         self._fault_hang = faults.step_fault("DSLURM_FAULT_HANG")
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
@@ -177,12 +177,10 @@ class Trainer:
             norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
         # Only the ranks holding the last stage contribute a loss (world/pp of them, each a
         # dp-rank mean); a non-finite norm on any rank is counted too, so all ranks agree.
-        if self._fault_stop is not None and self.step + 1 >= self._fault_stop:
-            self.stop_requested = True
         holder = self.built.has_last_stage
+        stop, term = self.stop.local(self.step + 1)  # this rank's stop flags, agreed in the same all-reduce
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
-                           torch.tensor(float(self.stop_requested), device=self.device),
-                           torch.tensor(float(self.stop_terminated), device=self.device),
+                           torch.tensor(stop, device=self.device), torch.tensor(term, device=self.device),
                            (~torch.isfinite(norm)).float().to(self.device)])
         with self.watch.collective("step_agree"):
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
@@ -208,17 +206,12 @@ class Trainer:
 
     def _checkpoint_manager(self) -> Any:
         from dslurm import checkpoint as ck
-        from dslurm.checkpoint.dcp import CheckpointManager
-        c, job = self.resolved.job.checkpoint, self.resolved.job
-        return CheckpointManager(
-            self.resolved.run_dir, keep=c.keep, keep_every=c.keep_every, async_mode=c.async_save,
-            on_inflight=c.on_inflight, on_error=c.on_error,
-            config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
-                                          "train": dataclasses.asdict(job.train)}),
-            model_shape=dataclasses.asdict(self.resolved.shape),
-            layout=self.resolved.layout.degrees(), ledger=self.ledger,
-            scratch=self.resolved.site.storage.scratch if c.tiers == "two_tier" else None,
-            keep_local=c.keep_local, on_lag=c.on_lag)
+        job = self.resolved.job
+        return manager_for(job.checkpoint, self.resolved.run_dir, scratch=self.resolved.site.storage.scratch,
+                           ledger=self.ledger, layout=self.resolved.layout.degrees(),
+                           config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
+                                                         "train": dataclasses.asdict(job.train)}),
+                           model_shape=dataclasses.asdict(self.resolved.shape))
 
     def _save(self, blocking: bool) -> None:
         if self.ckpt is not None:
@@ -234,10 +227,9 @@ class Trainer:
         if self.ckpt is None:
             return
         self._save(blocking=True)
-        out = self.ckpt.last_outcome
-        if out is not None and out.step == self.step and not out.ok:
+        if (err := final_failure(self.ckpt, self.step)) is not None:
             self._event(events.Exit(reason="save_failed", step=self.step, code=exitcodes.SAVE_FAILED))
-            raise self.ckpt.failure(out)
+            raise err
 
     def restore(self) -> Any:
         """Resume from the run directory's pointer (if any); the LR follows the restored step."""

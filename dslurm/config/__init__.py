@@ -289,8 +289,11 @@ class JobSpec:
     procs_per_node: int | None = field(None, help="override the site's processes per node")
     launch: Literal["torchrun", "srun"] = field(
         "torchrun", help="torchrun: one task per node; srun: one task per process")
-    entry: str = field("train", help="Python module run in every training process (python -m ENTRY "
-                       "--site S --job J); dslurm.launch.probe is a connectivity check")
+    entry: str | list[str] = field(
+        "train", help="what every training process runs. A module name (train, dslurm.launch.probe): "
+        "python -m ENTRY --site S --job J. Your own script with its arguments: [my_train.py, --lr, '3e-4'] "
+        "(or [-m, my.module, ...]), run as given, without dslurm's arguments; dslurm.runtime finds the "
+        "frozen config through DSLURM_RUN_DIR")
     model: ModelSpec = field(factory=ModelSpec, help="model shape")
     parallel: ParallelSpec = field(factory=ParallelSpec, help="parallel degrees")
     train: TrainSpec = field(factory=TrainSpec, help="optimisation")
@@ -317,9 +320,11 @@ class JobSpec:
         if self.spares < 0:
             raise FieldError("spares", f"spares={self.spares} must not be negative",
                              "set spares: 0 (no spare nodes) or more")
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.entry):
-            raise FieldError("entry", f"{self.entry!r} is not a Python module name",
-                             "name a module like train or dslurm.launch.probe")
+        _check_entry(self.entry)
+        if self.launch == "srun" and not self.builtin_entry and self.preflight.enabled:
+            raise FieldError(("entry", "launch", "preflight"), "a script entry gets its burn-in from a torchrun "
+                             "wrapper (dslurm.launch.gate), which srun mode does not have",
+                             "use launch: torchrun, or set preflight.enabled: false")
         if self.procs_per_node is not None and self.procs_per_node < 1:
             raise FieldError("procs_per_node", f"{self.procs_per_node} must be at least 1",
                              "set procs_per_node: 1 or more, or remove it (the site's)")
@@ -330,6 +335,45 @@ class JobSpec:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise FieldError("env", f"{key!r} is not a valid environment variable name",
                                  "use letters, digits and '_', not starting with a digit")
+
+    @property
+    def builtin_entry(self) -> bool:
+        """A module given as a string: a dslurm entry, which takes --site/--job."""
+        return isinstance(self.entry, str) and not self.entry.endswith(".py")
+
+    @property
+    def entry_argv(self) -> list[str]:
+        """What follows the interpreter: `-m MODULE`, or the script entry's words as given."""
+        if isinstance(self.entry, str):
+            return [self.entry] if self.entry.endswith(".py") else ["-m", self.entry]
+        return list(self.entry)
+
+
+_MODULE = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+
+
+def _check_entry(entry: str | list[str]) -> None:
+    """A module name, a script path ending in .py, or a list: [SCRIPT.py, ARGS...] or
+    [-m, MODULE, ARGS...]. Every word one line (it is quoted into the script). Pure."""
+    words = [entry] if isinstance(entry, str) else entry
+    for i, w in enumerate(words):
+        if any(c in w for c in "\n\r\0"):
+            raise FieldError("entry", f"item {i} {w!r} holds a newline or NUL", "write each argument on one line")
+    if isinstance(entry, str):
+        if entry.endswith(".py") or re.fullmatch(_MODULE, entry):
+            return
+        raise FieldError("entry", f"{entry!r} is neither a Python module name nor a script path ending in .py",
+                         "name a module like train, or give your script: entry: [my_train.py, --lr, '3e-4']")
+    if not entry:
+        raise FieldError("entry", "the list is empty", "give the script and its arguments: [my_train.py, --lr, '3e-4']")
+    head = entry[0]
+    if head == "-m":
+        if len(entry) < 2 or not re.fullmatch(_MODULE, entry[1]):
+            raise FieldError("entry", f"{entry[1:2]!r} after -m is not a Python module name",
+                             "write [-m, my.module, ARGS...]")
+    elif not head.endswith(".py") or head.startswith("-"):
+        raise FieldError("entry", f"the first item {head!r} is not a script path ending in .py",
+                         "start the list with your script, e.g. [my_train.py, --lr, '3e-4'], or with -m MODULE")
 
 
 # ------------------------------------------------------------------------ loading

@@ -14,12 +14,14 @@ from dslurm.errors import UserError
 
 
 def init_process_group(backend: str | None = None, *, require_cuda: bool = False, cpu_only: bool = False,
-                       where: str = "", timeout_s: float | None = None) -> Any:
+                       where: str = "", timeout_s: float | None = None, store_prefix: str | None = None) -> Any:
     """Initialise torch.distributed from torchrun's (or srun's) environment; return the device.
     `require_cuda`: the site has GPUs, so a missing CUDA device is a user error naming `where`;
     `cpu_only`: the site has none, so stay on the CPU even where CUDA exists; `timeout_s`: how
     long a collective may block (the trainer passes `dslurm.health.pg_timeout_s`, just above its
-    hang watchdog's ceiling; None: torch's default, 10 min NCCL / 30 min gloo)."""
+    hang watchdog's ceiling; None: torch's default, 10 min NCCL / 30 min gloo); `store_prefix`: keep
+    this group's keys apart in torchrun's store, so a later group of the same processes (the
+    script after the burn-in wrapper, dslurm/launch/gate.py) never meets them."""
     import datetime
 
     import torch
@@ -37,7 +39,11 @@ def init_process_group(backend: str | None = None, *, require_cuda: bool = False
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
-    if world == 1 and "MASTER_ADDR" not in os.environ:
+    if store_prefix is not None:
+        store, rank, world = next(dist.rendezvous("env://"))
+        dist.init_process_group(backend, store=dist.PrefixStore(store_prefix, store), rank=rank,
+                                world_size=world, timeout=timeout)
+    elif world == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)

@@ -167,6 +167,8 @@ class Steps(Event):
     duration_s: float | None = None
     grad_norm: float | None = None
     lr: float | None = None
+    values: dict[str, float] = field(default_factory=dict)
+    """a script's other metrics (dslurm.runtime.log_metrics), by name"""
 
     def phase_s(self, name: str) -> float:
         v = self.breakdown.get(name)

@@ -123,8 +123,13 @@ def _env_lines(r: Resolved, refs: RenderRefs) -> list[str]:
 
 
 def trainer_args(r: Resolved, refs: RenderRefs) -> list[str]:
-    """`PYTHON -m ENTRY --site S --job J [--site-set ..] [--set ..]` as the job runs it."""
-    args = [*r.site.python_argv, "-m", r.job.entry, "--site", refs.site, "--job", refs.job]
+    """`PYTHON -m ENTRY --site S --job J [--site-set ..] [--set ..]` as the job runs it; a script
+    entry runs with its own arguments only (dslurm.runtime reads the frozen config through
+    DSLURM_RUN_DIR), behind the burn-in wrapper when the job has one (dslurm/launch/gate.py)."""
+    if not r.job.builtin_entry:
+        gate = ["-m", "dslurm.launch.gate"] if r.job.preflight.enabled else []
+        return [*r.site.python_argv, *gate, *r.job.entry_argv]
+    args = [*r.site.python_argv, *r.job.entry_argv, "--site", refs.site, "--job", refs.job]
     for o in refs.site_overrides:
         args += ["--site-set", o]
     for o in refs.overrides:

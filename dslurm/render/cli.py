@@ -17,6 +17,8 @@ from dslurm.errors import UserError
 EXAMPLES = (
     ("site-configs/local.yaml", "examples/jobs/tiny-2node.yaml"),
     ("site-configs/local.yaml", "examples/jobs/tiny-spares.yaml"),
+    ("site-configs/local.yaml", "examples/jobs/own-safe.yaml"),
+    ("site-configs/local.yaml", "examples/jobs/own-plain.yaml"),
     ("site-configs/h100-ib.yaml", "examples/jobs/llama8b-h100.yaml"),
     ("site-configs/h100-ib.yaml", "examples/jobs/llama70b-h100.yaml"),
     ("site-configs/a100-eth.yaml", "examples/jobs/llama1b-a100-srun.yaml"),

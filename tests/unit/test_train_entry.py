@@ -64,7 +64,7 @@ def test_a_signal_after_a_rank_failed_of_its_own_is_not_recorded_as_its_cause():
     from types import SimpleNamespace
 
     from dslurm.requeue.facts import victim_kind
-    from train.__main__ import signal_before_failure
+    from dslurm.runtime.exit import signal_before_failure
 
     term_first = SimpleNamespace(signame="SIGTERM", t=100.0)
     assert signal_before_failure(term_first, 101.0) == "SIGTERM"

@@ -1,4 +1,5 @@
-"""What a checkpoint holds for the trainer, as DCP `Stateful`s.
+"""What a checkpoint holds, as DCP `Stateful`s: the trainer's model parts and optimizers, and
+whatever a script hands `dslurm.runtime.Checkpoint` (in-job: imports torch).
 
 The model parts of this rank (one, or two for an interleaved pipeline) and their
 optimizers are saved under the unsplit model's parameter names with flattened optimizer
@@ -63,3 +64,34 @@ class OptimizerState(Stateful):
 def train_state(parts: list[nn.Module], optimizers: list[Any]) -> dict[str, Stateful]:
     """The `state` dict handed to `CheckpointManager.save/restore`."""
     return {"model": ModelState(parts), "optim": OptimizerState(parts, optimizers)}
+
+
+def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A script's named state -> (tensor state for DCP, JSON dicts for the generation's metadata).
+    Modules and optimizers go through the DCP state-dict helpers (sharded under FSDP2/TP, the
+    `module.` prefix of DDP dropped), so a checkpoint loads into another layout; anything with
+    `state_dict`/`load_state_dict` (a scheduler, a GradScaler, your own) is saved as it says;
+    a plain dict (data position, counters) must be JSON and is restored in place.
+    Raises ValueError naming the entry and the fix."""
+    from torch.optim import Optimizer
+
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    optims = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+    if optims and len(modules) != 1:
+        raise ValueError(f"optimizer(s) {', '.join(sorted(optims))} need exactly one model in the checkpoint "
+                         f"(got {len(modules)}): put the models in one nn.ModuleDict")
+    tensors: dict[str, Any] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            tensors[name] = ModelState([value])
+        elif isinstance(value, Optimizer):
+            tensors[name] = OptimizerState(modules, [value])
+        elif isinstance(value, Stateful):
+            tensors[name] = value
+        elif isinstance(value, dict):
+            extra[name] = value
+        else:
+            raise ValueError(f"checkpoint entry {name!r} is a {type(value).__name__}: give a module, an "
+                             "optimizer, an object with state_dict/load_state_dict, or a dict of JSON values")
+    return tensors, extra

@@ -1,11 +1,12 @@
-"""Stop requests: the signal handlers of a training process.
+"""Stop requests: the signal handlers of a training process, and the flags they set.
 
 Slurm's time-limit warning (USR2, from `--signal=B:USR2@LEAD`) and TERM (scancel,
 preemption) reach the training processes through the batch shell's trap, srun and the
 launcher (dslurm/launch/__init__.py). The handler only sets a flag — never save inside a signal
-handler — and the loop agrees on the flag at the next step boundary (it rides on the
-all-reduce that already carries the logged loss, so agreement costs no extra
-collective), saves synchronously, and exits.
+handler — and the ranks agree on the flag at the next step boundary with one SUM all-reduce
+of `StopFlags.local()`: the built-in trainer rides it on the all-reduce that already carries
+the logged loss (train/loop.py), `dslurm.runtime.stop_requested` on the caller's own values or
+on one small collective of its own. Then every rank saves synchronously and exits.
 
 A signal that arrives before this process installed its handler is not lost: the
 launcher also leaves a `stop` file in its status directory (DSLURM_STATUS_DIR), which
@@ -20,7 +21,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dslurm import faults
+
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class StopFlags:
+    """This process's view of a stop at a step boundary: set by `StopRequest`'s handler, or by
+    the DSLURM_FAULT_STOP test knob (dslurm/faults.py). Only read at step boundaries."""
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self.stop_terminated = False  # the stop came from TERM (scancel/preemption): save, do not requeue
+        self._fault_stop = faults.step_fault("DSLURM_FAULT_STOP")
+
+    def local(self, done: int) -> list[float]:
+        """[stop requested, TERM] of this rank after `done` optimizer steps (1-based, as the
+        knob counts): the two numbers every rank adds into one SUM all-reduce."""
+        if self._fault_stop is not None and done >= self._fault_stop:
+            self.stop_requested = True
+        return [float(self.stop_requested), float(self.stop_terminated)]
 
 
 class StopRequest:
@@ -31,15 +51,16 @@ class StopRequest:
         self.t: float | None = None  # when the first stop signal arrived
         self._target: Any = None
 
-    def install(self, trainer: Any) -> StopRequest:
-        """Route stop signals to `trainer.stop_requested`; pick up an earlier request."""
-        self._target = trainer
+    def install(self, target: Any) -> StopRequest:
+        """Route stop signals to `target` (a StopFlags, or None: only remember them); pick up
+        an earlier request."""
+        self._target = target
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         early = read_stop_file()
         if early and self.signame is None:
             self._set(early)
-        elif self.signame is not None:  # arrived before the trainer existed: hand it over
+        elif self.signame is not None:  # arrived before the target existed: hand it over
             self._set(self.signame)
         return self
 

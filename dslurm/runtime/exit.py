@@ -1,0 +1,68 @@
+"""How a training process ends: its own account (the rank report) and the code it exits with.
+
+Torch-free. Every in-job entry that trains (the built-in trainer, a script using
+`dslurm.runtime`) reports the same way: the worker code the launcher reads (torchrun folds
+every failure into 1, which would hide a requeue request) and the rank report of
+dslurm/requeue/facts.py -- what kind of ending, its code, the step reached, the error and
+when the failure happened -- from which `dslurm requeue-me` classifies the step's ending.
+Exit codes are dslurm/exitcodes.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) from torchrun's environment, or one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), world, local_world)
+
+
+class Outcome:
+    """How this process is ending, noted where it happens (the time of a failure, not of
+    the cleanup after it)."""
+
+    def __init__(self) -> None:
+        self.error = ""
+        self.t: float | None = None
+        self.step: int | None = None
+        self.kind: str | None = None  # set by the watchdog: its verdict wins over the code's kind
+        self.progress: Any = None  # anything with a `.step` (the trainer): read when a failure is noted
+        self.stop: Any = None  # the StopRequest (dslurm/runtime/stop.py), once installed
+        self.run_dir: Path | None = None
+        self.reported = False
+
+    def failed(self, exc: BaseException) -> None:
+        if self.t is None:
+            self.t, self.error = time.time(), f"{type(exc).__name__}: {exc}"[:2000]
+        self.step = getattr(self.progress, "step", self.step)
+
+
+def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
+    """The stop signal this process received, unless it came only after the process had
+    already failed of its own accord (e.g. the watchdog's verdict, then torchrun's TERM when a
+    peer exited): that one is the teardown, not the cause. Pure."""
+    signame, sig_t = getattr(stop, "signame", None), getattr(stop, "t", None)
+    if signame is None or failed_t is None or sig_t is None:
+        return signame
+    return signame if sig_t <= failed_t else None
+
+
+def report(outcome: Outcome, code: int, rank: int) -> None:
+    """This process's own account of its ending, for the launcher and for requeue-me."""
+    from dslurm import exitcodes
+    from dslurm.launch import write_worker_code
+    from dslurm.requeue import facts
+
+    write_worker_code(code)
+    signame = signal_before_failure(outcome.stop, outcome.t)
+    kind = outcome.kind or facts.victim_kind(exitcodes.KIND_OF_CODE.get(code, "crash"), outcome.error, signame)
+    facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=outcome.step,
+                                             error=outcome.error, t=outcome.t or time.time(), signal=signame),
+                            run_dir=outcome.run_dir)
+    outcome.reported = True
