@@ -178,7 +178,7 @@ def start(args: argparse.Namespace) -> tuple[Any, torch.device, Report]:
 
 
 def run_parts(args: argparse.Namespace, site: Any, device: torch.device, report: Report) -> None:
-    from train.state import train_state
+    from dslurm.runtime.state import train_state
 
     dry = args.dry_run
     # One GPU is checked, whatever the node holds: the GPU count is the burn-in's question.

@@ -27,8 +27,8 @@ from dslurm.checkpoint import hf_llama
 from dslurm.checkpoint.dcp import CheckpointManager
 from dslurm.cli import main
 from dslurm.config.models import ModelShape
+from dslurm.runtime.state import train_state
 from train.model import build_model
-from train.state import train_state
 from train_helpers import run_train, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -22,8 +22,8 @@ from dslurm.checkpoint.dcp import CheckpointManager
 from dslurm.cli import main
 from dslurm.config.models import PRESETS
 from dslurm.errors import UserError
+from dslurm.runtime.state import train_state
 from train.model import build_model, cross_entropy
-from train.state import train_state
 
 TINY = PRESETS["tiny"]
 
