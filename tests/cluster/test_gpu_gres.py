@@ -16,10 +16,11 @@ import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from cluster_jobs import GPUS, ROOT, logs, probe_job
+from cluster_jobs import GPUS, ROOT, logs, probe_job, session_shapes
 from dslurm import slurm
 from dslurm.launch.slurm_env import expand_hosts, gpus_on_node
 
@@ -78,23 +79,32 @@ def test_cpu_job_on_gpu_nodes_sees_no_gpus_in_its_steps(slurm_cluster, tmp_path)
     assert gpus_on_node(seen) is None
 
 
-# Every shipped GPU example job with the site it is written for.
-GPU_EXAMPLES = [
-    ("site-configs/h100-ib.yaml", "examples/jobs/llama8b-h100.yaml"),
-    ("site-configs/h100-ib.yaml", "examples/jobs/llama70b-h100.yaml"),
-    ("site-configs/a100-eth.yaml", "examples/jobs/llama1b-a100-srun.yaml"),
-]
+def _gpu_examples() -> list[tuple[str, str]]:
+    """Every shipped example rendered for a GPU site (the golden list, dslurm/render/cli.py)."""
+    from dslurm.config import load_site
+    from dslurm.render.cli import EXAMPLES
+
+    return [(s, j) for s, j in EXAMPLES if load_site(ROOT / s).node.gpus]
 
 
-def test_every_shipped_gpu_example_is_listed():
+# Every shipped GPU example job with the site it is written for (container sites included: the
+# script's resources are what `--test-only` checks, the runtime is never started).
+GPU_EXAMPLES = _gpu_examples()
+
+
+def test_every_shipped_gpu_site_has_an_example_and_a_shape():
+    from dslurm.cluster import parse_site_shape
     from dslurm.config import load_site
 
     gpu_sites = {str(p.relative_to(ROOT)) for p in (ROOT / "site-configs").glob("*.yaml")
                  if load_site(p).node.gpus and p.name != "local-gpu.yaml"}
     assert gpu_sites == {s for s, _ in GPU_EXAMPLES}
-    examples = {str(p.relative_to(ROOT)) for p in (ROOT / "examples/jobs").glob("*.yaml")
-                if "tiny" not in p.name}  # tiny-*: the local CPU demo jobs
-    assert examples == {j for _, j in GPU_EXAMPLES}
+    assert len(GPU_EXAMPLES) >= 5
+    # each site's shape is one the session cluster declares (a container site shares its base's)
+    shapes = {(x.partition, x.gpus, x.gpu_type, x.cpus, x.memory_mb) for x in session_shapes()}
+    for site in gpu_sites:
+        x = parse_site_shape(str(ROOT / site))
+        assert (x.partition, x.gpus, x.gpu_type, x.cpus, x.memory_mb) in shapes, site
 
 
 def _test_only(cli, tmp_path, env, site: str, job: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -106,7 +116,7 @@ def _test_only(cli, tmp_path, env, site: str, job: str, *extra: str) -> subproce
                           capture_output=True, text=True, timeout=30)
 
 
-@pytest.mark.parametrize(("site", "job"), GPU_EXAMPLES, ids=[j.rsplit("/", 1)[1] for _, j in GPU_EXAMPLES])
+@pytest.mark.parametrize(("site", "job"), GPU_EXAMPLES, ids=[f"{Path(j).stem}@{Path(s).stem}" for s, j in GPU_EXAMPLES])
 def test_shipped_gpu_example_is_accepted_by_a_cluster_shaped_like_its_site(slurm_cluster, cli, tmp_path, site, job):
     from dslurm.config import load_job, load_site
 
