@@ -29,7 +29,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -59,7 +59,10 @@ class Step:
 class Runner(Protocol):
     """Everything the loop does outside itself: run a step, ask Slurm, act on a decision."""
 
-    def run(self, step: Step) -> int: ...
+    def run(self, step: Step, abandon: Callable[[], bool]) -> int:
+        """Run the step to its end, or until `abandon()` (asked about once a second) says the
+        step is over although srun is still waiting; return srun's code."""
+        ...
     def signal(self, signum: int) -> None: ...
     def view(self, hosts: Sequence[str]) -> E.SlurmView: ...
     def act(self, dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path,
@@ -81,6 +84,10 @@ class Supervisor:
         # down: SlurmdTimeout is 10 s on the local cluster but 300 s by default on real ones, and
         # waiting for it (up to 45 s here) made a spare swap slower than a requeue.
         self.probe_s = 8.0
+        # srun waits for a lost node's tasks until Slurm marks the node down (~25 s here): once a
+        # launcher reported a failure and a node stayed silent for `grace_s`, the silent nodes are
+        # probed, and a step whose silent nodes are all gone is abandoned instead of waited for.
+        self.grace_s = 2.0
         self.unanswered: set[str] = set()  # nodes that failed a probe: down for the plan too
 
     def on_signal(self, name: str) -> None:
@@ -113,7 +120,8 @@ class Supervisor:
         while True:
             d = self.facts_dir = self.step_dir(index)
             log.info("dslurm supervise: step %d on %s", index, ",".join(nodes.training))
-            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum))
+            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum),
+                                 self._abandon_when_lost(d, nodes.training))
             t_end = time.time()
             ending = E.classify(read_start(d), self._view_after(d, nodes.training), rc)
             if self.stopping or ending.cls not in E.FAILURES:
@@ -127,6 +135,33 @@ class Supervisor:
             accum = shrunk if shrunk is not None else accum
             self._record(d, ending, rc, plan, nodes, index + 1, accum, failed_at(read_start(d), t_end))
             nodes, index = plan.nodes, index + 1
+
+    def _abandon_when_lost(self, d: Path, hosts: Sequence[str]) -> Callable[[], bool]:
+        """The `abandon` of one step: true once a launcher reported a failure `grace_s` ago, some
+        training nodes left no report, and those nodes do not answer a probe (they are probed once:
+        a silent node that answers is alive and srun will end the step itself)."""
+        from dslurm.requeue.facts import read_start
+
+        probed = False
+
+        def abandon() -> bool:
+            nonlocal probed
+            if probed or self.stopping:
+                return False
+            launchers = read_start(d).launchers
+            failed = [float(x.get("t") or 0) for x in launchers if int(x.get("code") or 0) != 0]
+            reported = {str(x.get("host")) for x in launchers}
+            silent = [h for h in hosts if h not in reported]
+            if not failed or not silent or time.time() - min(failed) < self.grace_s:
+                return False
+            probed = True
+            dead = self.runner.probe(silent, self.probe_s)
+            self.unanswered.update(dead)
+            if dead:
+                log.warning("dslurm supervise: %s lost (no report, no answer to a probe): not waiting for srun",
+                            ",".join(dead))
+            return len(dead) == len(silent)
+        return abandon
 
     def _view_after(self, d: Path, hosts: Sequence[str]) -> E.SlurmView:
         """Slurm's view of the step's nodes, with the nodes that left no report settled: a node whose
@@ -143,7 +178,9 @@ class Supervisor:
         if not silent or self.stopping:
             return view
         t0 = time.monotonic()
-        dead = self.runner.probe(silent, self.probe_s)
+        known = [h for h in silent if h in self.unanswered]  # probed while the step ran
+        unknown = [h for h in silent if h not in known]
+        dead = (*known, *(self.runner.probe(unknown, self.probe_s) if unknown else ()))
         took = time.monotonic() - t0
         self.unanswered.update(dead)
         if dead:
@@ -244,14 +281,24 @@ class SrunRunner:
                 *with_cwd(srun_container_flags(self.r), self.cwd),  # pyxis: on the step's srun, as rendered
                 *self.cmd, *extra]
 
-    def run(self, step: Step) -> int:
+    def run(self, step: Step, abandon: Callable[[], bool]) -> int:
         from dslurm.launch.slurm_env import STEP_INDEX_ENV
         from dslurm.requeue.facts import ENV
 
         env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index)}
-        self.proc = subprocess.Popen(self.argv(step), env=env)
+        self.proc = proc = subprocess.Popen(self.argv(step), env=env)
         try:
-            rc = self.proc.wait()  # PEP 475: retried after each handled signal
+            while True:
+                try:
+                    rc = proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    if abandon():
+                        # Its other tasks ended (their launcher reported); what is left runs on
+                        # nodes that are gone, which Slurm cleans up when it marks them down.
+                        proc.kill()
+                        rc = proc.wait()
+                        break
         finally:
             self.proc = None
         return 128 - rc if rc < 0 else rc

@@ -39,8 +39,10 @@ class FakeCluster:
         self.on_run = None
         self.answers: dict[str, bool] = {}  # a probe's result per silent host (default: no answer)
         self.probed: list = []
+        self.abandons: list = []
 
-    def run(self, step: Step) -> int:
+    def run(self, step: Step, abandon) -> int:
+        self.abandons.append(abandon)
         self.steps.append(step)
         if self.on_run:
             self.on_run(step)
@@ -256,9 +258,63 @@ def test_the_real_runner_runs_a_step_with_its_own_facts_dir_and_forwards_signals
             time.sleep(0.02)
         runner.signal(signal.SIGTERM)
     threading.Thread(target=stop).start()
-    assert runner.run(Step(index=1, hosts=("node1", "node3"), facts_dir=d)) == 143
+    assert runner.run(Step(index=1, hosts=("node1", "node3"), facts_dir=d), lambda: False) == 143
     assert (d / "index").read_text().strip() == "1" and "--nodelist=node1,node3" in (d / "argv").read_text()
     assert d.name == "4242.0.1" and F.parse_start_name(d.name) == ("4242", 0, 1)
+
+
+def test_the_real_runner_kills_an_srun_that_waits_for_a_lost_node_once_abandoned(make, tmp_path, monkeypatch):
+    """A stand-in srun that never returns (as srun waits for a lost node's tasks): the runner
+    kills it once `abandon()` says so, and only then."""
+    sup, _, run = make([completes])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/bash\nwhile :; do sleep 0.05; done\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    runner = SrunRunner(sup.r, ["launch"], dict(__import__("os").environ))
+    asked = []
+
+    def abandon():
+        asked.append(time.monotonic())
+        return len(asked) >= 2
+    assert runner.run(Step(index=0, hosts=("node1", "node2"), facts_dir=sup.step_dir(0)), abandon) == 128 + 9
+    assert len(asked) == 2
+
+
+def _node1_failed_node2_silent(c, step, *, ago: float):
+    c.train(step, 0, 5)
+    c.ranks(step, {"node1": "peer_lost"}, 5, lost=("node2",))
+    rep = step.facts_dir / "launcher-node1.json"
+    rec = json.loads(rep.read_text())
+    rec["t"] = time.time() - ago
+    rep.write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("alive", [False, True])
+def test_a_step_is_abandoned_only_when_its_silent_nodes_are_gone(make, alive):
+    """While srun still runs: node1's launcher reported a failure, node2 nothing. Before the grace
+    the step is not abandoned (node2's report may be on its way) and nothing is probed; after it,
+    node2 is probed once: gone -> abandon, and the ending is a node failure without a second
+    probe; alive -> srun is left to end the step, and it is read as a crash."""
+    seen = {}
+
+    def play(c, step):
+        c.answers = {"node2": alive}
+        _node1_failed_node2_silent(c, step, ago=0.0)
+        abandon = c.abandons[-1]
+        seen["early"] = (abandon(), list(c.probed))
+        _node1_failed_node2_silent(c, step, ago=5.0)
+        seen["late"] = (abandon(), abandon(), list(c.probed))
+        return 137 if not alive else 1
+    sup, c, run = make([play, completes])
+    assert sup.loop() == X.OK
+    assert seen["early"] == (False, [])
+    assert seen["late"] == (not alive, False, [(["node2"], sup.probe_s)])
+    assert len(c.probed) == (1 if not alive else 2)  # the alive node is probed again once srun returned
+    ends = [e.cls for e in _events(run, ev.Ending)]
+    assert ends == (["node_failure", "completed"] if not alive else ["crash", "completed"])
+    assert c.steps[1].hosts == (("node1", "node3") if not alive else ("node1", "node2"))
 
 
 def test_start_names_with_steps_sort_and_parse():
