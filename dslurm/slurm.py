@@ -323,3 +323,24 @@ def incarnations(job_id: int | str, env: Mapping[str, str] | None = None) -> lis
 def down_nodes(hosts: Iterable[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
     proc = run_cmd(["sinfo", "--json"], check=False, env=env)
     return parse_sinfo_down(proc.stdout, hosts) if proc.returncode == 0 else {}
+
+
+SLURMD_PORT = 6818  # Slurm's default SlurmdPort, when `scontrol show node` names none
+
+
+def parse_node_addresses(stdout: str) -> dict[str, tuple[str, int]]:
+    """NodeName -> (NodeAddr, slurmd port) from `scontrol -o show node`. Pure."""
+    out = {}
+    for rec in parse_scontrol_records(stdout):
+        name = rec.get("NodeName")
+        port = rec.get("Port", "")
+        if name:
+            out[name] = (rec.get("NodeAddr") or name, int(port) if port.isdigit() else SLURMD_PORT)
+    return out
+
+
+def node_addresses(hosts: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, tuple[str, int]]:
+    if not hosts:
+        return {}
+    proc = run_cmd(["scontrol", "-o", "show", "node", ",".join(hosts)], check=False, env=env)
+    return parse_node_addresses(proc.stdout) if proc.returncode == 0 else {}

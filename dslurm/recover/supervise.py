@@ -334,14 +334,21 @@ class SrunRunner:
                 log.error("could not drain %s: %s", host, res.stderr.strip())
 
     def probe(self, hosts: Sequence[str], timeout_s: float) -> tuple[str, ...]:
-        """The hosts that do not run `true` through their slurmd within `timeout_s`, probed in
-        parallel. srun to a node whose slurmd is gone fails (connection refused) or hangs until its
-        message timeout: either is "no answer"."""
+        """The hosts that are gone. First their slurmd's port (from `scontrol show node`): a
+        refused or unanswered connection settles it at once (a killed slurmd, a frozen machine).
+        Then the hosts whose slurmd listens run `true` through srun in parallel: failing, or not
+        answering within `timeout_s`, they are gone too (a slurmd that listens but cannot start a
+        task is no use either)."""
+        from dslurm import slurm
+
+        addrs = slurm.node_addresses(hosts, env=self.env)
+        silent_port = [h for h in hosts if h in addrs and not _listens(*addrs[h], timeout_s=min(2.0, timeout_s))]
+        rest = [h for h in hosts if h not in silent_port]
         env = {k: v for k, v in self.env.items() if not k.startswith("SLURM_STEP")}
         procs = {h: subprocess.Popen([*PROBE_ARGV[:-1], f"--nodelist={h}", PROBE_ARGV[-1]], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for h in hosts}
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for h in rest}
         deadline = time.monotonic() + timeout_s
-        dead = []
+        dead = list(silent_port)
         for h, p in procs.items():
             try:
                 rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -351,7 +358,18 @@ class SrunRunner:
                 rc = None
             if rc != 0:
                 dead.append(h)
-        return tuple(dead)
+        return tuple(h for h in hosts if h in dead)
+
+
+def _listens(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts a TCP connection at addr:port within timeout_s."""
+    import socket
+
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s):
+            return True
+    except OSError:  # refused, unreachable, timed out
+        return False
 
 
 PROBE_ARGV = ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--quiet", "true")

@@ -183,3 +183,11 @@ def test_a_job_that_shrank_inside_its_allocation_has_no_restart() -> None:
 
     incs = slurm.parse_sacct_incarnations(json.dumps(recs))
     assert [i["state"] for i in incs] == ["COMPLETED"]  # one start: requeue-me indexes restarts by these
+
+
+def test_node_addresses_come_from_scontrol_with_the_default_port_when_none_is_named():
+    from dslurm.slurm import SLURMD_PORT, parse_node_addresses
+
+    out = ("NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=node1 Port=16821 State=IDLE\n"
+           "NodeName=gpu7 NodeAddr=10.0.0.7 State=ALLOCATED\n\n")
+    assert parse_node_addresses(out) == {"node1": ("127.0.0.1", 16821), "gpu7": ("10.0.0.7", SLURMD_PORT)}

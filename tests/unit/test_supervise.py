@@ -363,15 +363,34 @@ def test_a_node_slurm_already_reports_down_is_not_probed(make):
 
 
 def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp_path, monkeypatch):
-    """SrunRunner.probe with srun replaced by a script on PATH (no Slurm here): node1 answers,
-    node2 fails at once (connection refused), node3 hangs past the timeout and is killed."""
+    """SrunRunner.probe with srun and scontrol replaced by scripts on PATH (no Slurm here). node1's
+    slurmd port (a real listening socket) accepts and srun answers; node4's port refuses (nothing
+    listens there), so node4 is gone without an srun (the fake srun would say it answers); node2
+    and node3 have no address (scontrol says nothing) and go to srun: node2 fails at once, node3
+    hangs past the timeout and is killed."""
+    import socket
+
     import dslurm.recover.supervise as S
-    fake = tmp_path / "bin" / "srun"
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\ncase "$*" in *node1*) exit 0;; *node2*) exit 1;; *) sleep 30;; esac\n')
-    fake.chmod(0o755)
+    live = socket.socket()
+    live.bind(("127.0.0.1", 0))
+    live.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\ncase "$*" in *node1*|*node4*) exit 0;; *node2*) exit 1;; '
+                                  '*) sleep 30;; esac\n')
+    (bin_dir / "scontrol").write_text(
+        f"#!/bin/sh\necho 'NodeName=node1 Arch=x86_64 NodeAddr=127.0.0.1 Port={live.getsockname()[1]}'\n"
+        f"echo 'NodeName=node4 NodeAddr=127.0.0.1 Port={closed.getsockname()[1]}'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
     sup, c, run = make([completes])
-    runner = S.SrunRunner(sup.r, ["true"], {"PATH": f"{fake.parent}:/usr/bin:/bin"})
+    runner = S.SrunRunner(sup.r, ["true"], {"PATH": f"{bin_dir}:/usr/bin:/bin"})
     t0 = time.monotonic()
-    assert runner.probe(["node1", "node2", "node3"], 1.0) == ("node2", "node3")
+    try:
+        assert runner.probe(["node1", "node2", "node3", "node4"], 1.0) == ("node2", "node3", "node4")
+    finally:
+        live.close()
+        closed.close()
     assert time.monotonic() - t0 < 10
