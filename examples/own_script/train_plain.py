@@ -40,7 +40,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(1 + rank)  # dropout masks differ per rank
-    model = DDP(make_model())
+    model = DDP(make_model(), find_unused_parameters=True)  # fixed gradient buckets: README, own script
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     for step in range(0, args.steps):

@@ -42,7 +42,7 @@ def main() -> None:
     dr.init()  # the process group, stop handlers, the burn-in when asked
     rank = dist.get_rank()
     torch.manual_seed(1 + rank)  # dropout masks differ per rank
-    model = DDP(make_model())
+    model = DDP(make_model(), find_unused_parameters=True)  # fixed gradient buckets: README, own script
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     ckpt = dr.Checkpoint(model=model, optim=opt, sched=sched)
