@@ -8,7 +8,8 @@ munged, slurmctld and N slurmd daemons (node1..nodeN, each in its own UTS namesp
 (`--gpus-per-node`, `--gres=gpu:N`) are scheduled by the real slurmctld and get Slurm's GPU
 environment (SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES); their processes run on
 the CPU. `--site-shape FILE[:NODES]` adds a never-started partition shaped like that site for
-`sbatch --test-only` (dslurm/cluster/conf.py says how both work).
+`sbatch --test-only` (dslurm/cluster/conf.py says how both work; shapes.py reads the site
+file, devices.py makes the placeholder GPU devices).
 
 State dir (default `$DSLURM_CLUSTER_DIR` or /tmp/dslurm-cluster) holds config, logs, spool,
 controller state, MariaDB data and `cluster.json`: the settings, every PID started (with its
@@ -30,7 +31,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import subprocess
 import tempfile
 import time
@@ -39,6 +39,7 @@ from typing import Any
 
 from dslurm import slurm
 from dslurm.cluster import conf as cc
+from dslurm.cluster.devices import make_gpu_devices, remove_gpu_devices
 from dslurm.cluster.proc import (  # process and file helpers, kept apart for size
     alive as _alive,
 )
@@ -63,6 +64,8 @@ from dslurm.cluster.proc import (
 from dslurm.cluster.proc import (
     write_in_place_or_atomic as _write_in_place_or_atomic,
 )
+from dslurm.cluster.shapes import DEFAULT_SHAPE_NODES as DEFAULT_SHAPE_NODES  # `X as X`: re-exported,
+from dslurm.cluster.shapes import parse_site_shape as parse_site_shape  # tests import both from here
 from dslurm.errors import SlurmError, UserError
 
 log = logging.getLogger(__name__)
@@ -194,26 +197,6 @@ def status(state_dir: str | os.PathLike[str] | None = None) -> dict[str, object]
     running = set(_info(sdir, rec).node_names)  # shaped (never-started) nodes are in settings
     return {"up": True, "state_dir": str(sdir), "settings": rec["settings"], "host_cpus": os.cpu_count(),
             "nodes": [n for n in slurm.nodes(env=env) if n["name"] in running], "jobs": slurm.squeue(env=env)}
-
-
-DEFAULT_SHAPE_NODES = 16  # the largest shipped GPU example (llama70b-h100) asks for 16 nodes
-
-
-def parse_site_shape(arg: str) -> cc.NodeShape:
-    """`--site-shape FILE[:NODES]` -> the site's NodeShape (a bad file or count is a UserError)."""
-    from dslurm.config import load_site
-
-    path, sep, count = arg.rpartition(":")
-    if not (sep and count.isascii() and count.isdigit()):
-        path, count = arg, str(DEFAULT_SHAPE_NODES)
-    nodes = int(count)
-    if nodes < 1:
-        raise UserError(f"--site-shape {arg}: NODES={nodes} must be at least 1")
-    site = load_site(path)
-    try:
-        return cc.site_shape(site, nodes)
-    except ValueError as exc:
-        raise UserError(f"--site-shape {arg}: {exc}") from exc
 
 
 def ensure_packages(accounting: bool) -> None:
@@ -349,7 +332,7 @@ def _teardown(sdir: Path, rec: dict[str, Any]) -> None:
         if not p["name"].startswith("node"):
             _stop([p], grace=10 if p["name"] == "mariadbd" else 5)
     _undo_system_changes(rec.get("changes", {}), sdir)
-    shutil.rmtree(sdir / "dev", ignore_errors=True)  # the placeholder GPU devices
+    remove_gpu_devices(sdir)
     (sdir / RECORD).unlink(missing_ok=True)
 
 
@@ -393,8 +376,9 @@ def _prepare_dirs(spec: cc.ClusterSpec) -> None:
     sdir = spec.state_dir
     # Controller state and spool are wiped on every fresh start: jobs of a crashed run must
     # not come back. Job ids stay unique through FirstJobId (see _first_job_id).
-    for sub in ("ctld", "spool", "run", "munge", "dev"):
+    for sub in ("ctld", "spool", "run", "munge"):
         shutil.rmtree(sdir / sub, ignore_errors=True)
+    remove_gpu_devices(sdir)
     for sub in ("etc", "log", "ctld", "run", "secret", "munge",
                 *(f"spool/{n}" for n in cc.node_names(spec.nodes))):
         (sdir / sub).mkdir(parents=True, exist_ok=True)
@@ -407,11 +391,7 @@ def _prepare_dirs(spec: cc.ClusterSpec) -> None:
         _atomic_write(key, os.urandom(1024), mode=0o400)
     _atomic_write(sdir / "etc" / "slurm.conf", cc.render_slurm_conf(spec).encode())
     _atomic_write(sdir / "etc" / "gres.conf", cc.render_gres_conf(spec).encode())
-    for name in cc.node_names(spec.nodes):
-        for dev in cc.gpu_files(sdir, name, spec.gpus):
-            dev.parent.mkdir(parents=True, exist_ok=True)
-            # A character device with /dev/null's numbers: slurmd counts a GPU only if its File exists.
-            os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    make_gpu_devices(sdir, spec.nodes, spec.gpus)
     if spec.accounting:
         _atomic_write(sdir / "etc" / "slurmdbd.conf", cc.render_slurmdbd_conf(spec).encode(),
                         mode=0o600)

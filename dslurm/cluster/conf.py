@@ -21,10 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from dslurm.config import SiteConfig
+from typing import Any
 
 CLUSTER_NAME = "dslurm"
 PARTITION = "debug"
@@ -70,19 +67,6 @@ class NodeShape:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def site_shape(site: SiteConfig, nodes: int) -> NodeShape:
-    """The NodeShape of a site config (dslurm.config.SiteConfig): its partition, per-node GPUs,
-    CPUs and memory, and the gres type its `--gres` directive names (gres_name `gpu:a100`)."""
-    gpu_type = None
-    if site.slurm.gpu_directive == "gres":
-        name, _, gpu_type = site.slurm.gres_name.partition(":")
-        if name != "gpu":
-            raise ValueError(f"site {site.name!r}: slurm.gres_name={site.slurm.gres_name!r} is not a gpu gres; "
-                             "the local cluster declares only gpu")
-    return NodeShape(partition=site.slurm.partition, nodes=nodes, cpus=site.node.cpus,
-                     memory_mb=site.node.mem_gb * 1024, gpus=site.node.gpus, gpu_type=gpu_type or None)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -171,9 +155,14 @@ def hosts_line(nodes: int, state_dir: Path) -> str:
     return f"127.0.0.1 {' '.join(node_names(nodes))}  # dslurm-cluster {state_dir}"
 
 
+def gpu_dev_root(state_dir: Path) -> Path:
+    """The folder holding every node's placeholder GPU device files (devices.py makes them)."""
+    return state_dir / "dev"
+
+
 def gpu_files(state_dir: Path, node: str, gpus: int) -> list[Path]:
     """The placeholder device files of one node's GPUs (made by `up`, removed by `down`)."""
-    return [state_dir / "dev" / node / f"gpu{i}" for i in range(gpus)]
+    return [gpu_dev_root(state_dir) / node / f"gpu{i}" for i in range(gpus)]
 
 
 def render_gres_conf(spec: ClusterSpec) -> str:

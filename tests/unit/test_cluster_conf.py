@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dslurm.cluster import conf as cc
+from dslurm.cluster import shapes
 
 
 def _spec(**kw: object) -> cc.ClusterSpec:
@@ -139,8 +140,8 @@ def test_slurm_conf_declares_gpu_gres_on_running_nodes() -> None:
 def test_site_shapes_of_the_shipped_gpu_sites() -> None:
     from dslurm.config import load_site
 
-    h100 = cc.site_shape(load_site(ROOT / "site-configs/h100-ib.yaml"), 16)
-    a100 = cc.site_shape(load_site(ROOT / "site-configs/a100-eth.yaml"), 2)
+    h100 = shapes.site_shape(load_site(ROOT / "site-configs/h100-ib.yaml"), 16)
+    a100 = shapes.site_shape(load_site(ROOT / "site-configs/a100-eth.yaml"), 2)
     assert h100 == cc.NodeShape(partition="gpu", nodes=16, cpus=96, memory_mb=2048 * 1024, gpus=8)
     # --gres=gpu:a100:4 needs the type on the node; --gpus-per-node=4 matches a typed gres too.
     assert a100 == cc.NodeShape(partition="a100", nodes=2, cpus=64, memory_mb=512 * 1024, gpus=4, gpu_type="a100")
@@ -197,7 +198,7 @@ def test_site_shape_refuses_a_gres_that_is_not_gpu() -> None:
 
     site = load_site(ROOT / "site-configs/a100-eth.yaml", ["slurm.gres_name=mps:100"])
     with pytest.raises(ValueError, match="mps:100"):
-        cc.site_shape(site, 2)
+        shapes.site_shape(site, 2)
 
 
 def test_parse_site_shape_reads_file_and_node_count() -> None:
