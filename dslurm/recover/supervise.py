@@ -150,8 +150,7 @@ class Supervisor:
                 return False
             launchers = read_start(d).launchers
             failed = [float(x.get("t") or 0) for x in launchers if int(x.get("code") or 0) != 0]
-            reported = {str(x.get("host")) for x in launchers}
-            silent = [h for h in hosts if h not in reported]
+            silent = silent_hosts(launchers, hosts)
             if not failed or not silent or time.time() - min(failed) < self.grace_s:
                 return False
             probed = True
@@ -173,18 +172,15 @@ class Supervisor:
         from dslurm.requeue.facts import read_start
 
         view = self.runner.view(hosts)
-        reported = {str(x.get("host")) for x in read_start(d).launchers}
-        silent = [h for h in hosts if h not in reported and h not in view.down_nodes]
+        silent = [h for h in silent_hosts(read_start(d).launchers, hosts) if h not in view.down_nodes]
         if not silent or self.stopping:
             return view
-        t0 = time.monotonic()
-        known = [h for h in silent if h in self.unanswered]  # probed while the step ran
-        unknown = [h for h in silent if h not in known]
-        dead = (*known, *(self.runner.probe(unknown, self.probe_s) if unknown else ()))
-        took = time.monotonic() - t0
+        unknown = [h for h in silent if h not in self.unanswered]  # the rest were probed while the step ran
+        dead = (*(h for h in silent if h in self.unanswered),
+                *(self.runner.probe(unknown, self.probe_s) if unknown else ()))
         self.unanswered.update(dead)
         if dead:
-            log.warning("dslurm supervise: %s: no answer to a probe step (%.1f s): lost", ",".join(dead), took)
+            log.warning("dslurm supervise: %s: no report and no answer to a probe: lost", ",".join(dead))
             view = self.runner.view(hosts)
             extra = [h for h in dead if h not in view.down_nodes]
             return E.SlurmView(state=view.state, down_nodes=(*view.down_nodes, *extra), node_states=(
@@ -240,6 +236,12 @@ class Supervisor:
             resume_step=pointer_step(self.run_dir), failed_t=round(failed_t, 3)))
         print(f"dslurm: step ended: {ending.cls} ({ending.reason}); recovering inside the allocation: "
               f"{plan.reason}", flush=True)
+
+
+def silent_hosts(launchers: Sequence[Mapping[str, object]], hosts: Sequence[str]) -> list[str]:
+    """The hosts whose launcher left no report. Pure."""
+    reported = {str(x.get("host")) for x in launchers}
+    return [h for h in hosts if h not in reported]
 
 
 def failed_at(facts: StartFacts, t_end: float) -> float:
