@@ -162,10 +162,10 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def mismatched_params(mine: Sequence[Fingerprint], majority: Sequence[Fingerprint], names: Sequence[str],
+def mismatched_params(mine: Sequence[int], majority: Sequence[int], names: Sequence[str],
                       limit: int = 5) -> list[str]:
     """The parameter names whose per-parameter fingerprints differ (at most `limit`). Pure."""
-    return [n for n, a, b in zip(names, mine, majority) if tuple(a) != tuple(b)][:limit]
+    return [n for n, a, b in zip(names, mine, majority) if a != b][:limit]
 
 
 @dataclass(frozen=True)

@@ -292,7 +292,8 @@ class Trainer:
                 self._event(straggler_event(self.step, times, hosts))
             self.checks.poll_devices(self.step, self.resolved.run_dir)
             interval = self.resolved.job.checkpoint.interval
-            saving = result.stop or self.step % interval == 0 or self.step == self.train.steps
+            periodic = self.step % interval == 0 and self.step < self.train.steps
+            saving = result.stop or periodic or self.step == self.train.steps  # every save is checked first
             if self.checks.replicas_due(self.step, saving) and self._replicas_corrupt():
                 self.watch.beat(self.step)  # rolled back to a checked generation: train on from there
                 continue
@@ -306,7 +307,7 @@ class Trainer:
                 with self.watch.collective("exit_barrier"):
                     dist.barrier()
                 return code
-            if self.step % interval == 0 and self.step < self.train.steps:
+            if periodic:
                 self._save(blocking=False)
             self.watch.beat(self.step)
         if result is not None:  # None: resumed at the end already
@@ -372,7 +373,7 @@ class Trainer:
         ends as a crash, the requeue excludes the node) past health.sdc_max or with nothing saved."""
         assert self.checks.replicas is not None
         with self.watch.collective("sdc_check"):
-            bad = self.checks.replicas.check(self.step)
+            bad = self.checks.replicas.check()
         if bad is None:
             self.last_clean_step = self.step
             return False
@@ -383,14 +384,14 @@ class Trainer:
 
             add_to_blocklist(self.resolved.run_dir, blocked)
         ev = events.Sdc(step=self.step, last_clean_step=self.last_clean_step, suspects=bad.suspects,
-                        suspect_hosts=bad.suspect_hosts, named=bad.named, why=bad.why, params=bad.params,
+                        suspect_hosts=bad.hosts, named=bad.named, why=bad.why, params=bad.params,
                         blocklisted=blocked)
         log.error("[rank %d] SILENT DATA CORRUPTION after step %d (last clean check at step %d): %s; suspect "
                   "rank(s) %s on %s%s", self.rank, self.step, self.last_clean_step, bad.why, bad.suspects,
-                  bad.suspect_hosts, f"; blocklisted {blocked}" if blocked else "")
+                  bad.hosts, f"; blocklisted {blocked}" if blocked else "")
         if self.sdc_handled > self.resolved.job.health.sdc_max or self.ckpt is None:
             self._event(dataclasses.replace(ev, action="stop"))
-            raise RuntimeError(f"silent data corruption after step {self.step} on {bad.suspect_hosts} "
+            raise RuntimeError(f"silent data corruption after step {self.step} on {bad.hosts} "
                                f"({self.sdc_handled} this start, health.sdc_max={self.resolved.job.health.sdc_max})")
         self.watch.expect_long()
         with self.watch.collective("rollback"):

@@ -16,7 +16,6 @@ rank) and the optimizer state (it shows up in the parameters at a later check).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,19 +52,6 @@ def flip_bit(params: list[torch.Tensor], bit: int = 16) -> str:
     return "nothing (no local shard)"
 
 
-@dataclass(frozen=True)
-class Mismatch:
-    """What every rank learns when some replicas disagreed (the same on every rank)."""
-
-    step: int
-    suspects: list[int]
-    suspect_hosts: list[str]
-    named: bool
-    blocklist: list[str]
-    why: str
-    params: list[str]
-
-
 class ReplicaCheck:
     """The fingerprint comparison of one rank (collective: every rank calls `check` together)."""
 
@@ -86,10 +72,11 @@ class ReplicaCheck:
         params: list[str] = []
         if not verdict.ok:
             ref = next((i for i in range(self.replicas) if i not in verdict.odd), 0 if me else 1)
-            params = health.mismatched_params([(v,) for v in table[me]], [(v,) for v in table[ref]], self.names)
+            params = health.mismatched_params(table[me], table[ref], self.names)
         return verdict, params, me
 
-    def check(self, step: int) -> Mismatch | None:
+    def check(self) -> health.SdcSummary | None:
+        """None when every shard group's replicas agree, else the run's verdict (on every rank)."""
         verdict, params, me = self.compare()
         flag = torch.tensor([0.0 if verdict.ok else 1.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every shard group acts together
@@ -99,8 +86,7 @@ class ReplicaCheck:
                 "why": "" if verdict.ok else verdict.why, "params": params}
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, mine)
-        s = health.sdc_summary(reports)
-        return Mismatch(step, s.suspects, s.hosts, s.named, s.blocklist, s.why, s.params)
+        return health.sdc_summary(reports)
 
 
 # ------------------------------------------------------------------ the NVML poll

@@ -284,16 +284,6 @@ class CrcReader(dcp.FileSystemReader):
         return self._pending
 
 
-def make_stager() -> Any:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    cuda = torch.cuda.is_available()
-    # Synchronous staging (the host copy is the part training must wait for); on CPU the stager
-    # needs use_non_blocking_copy=False (ARCHITECTURE.md traps). Buffers are reused across saves,
-    # which is safe because at most one save is in flight.
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
-
-
 def restore_test(gen: Path, files: dict[str, Any], reason: Any) -> list[str]:
     """Read .metadata back, check that every storage record lies inside a file the manifest lists,
     and load the smallest tensor through DCP's own read path into scratch. Bounded cost: it does

@@ -133,11 +133,12 @@ class TwoTier:
             for fl in self._flights:
                 fl.local_done.wait()
             writing, copying = self._status()
-        waited = time.perf_counter()
+        waited = 0.0
         if copying and self.on_lag == "wait":
             log.info("[rank %d] step %d: waiting for the durable copier (on_lag=wait)", mgr.rank, step)
+            t = time.perf_counter()
             self.wait()
-        waited = time.perf_counter() - waited if copying and self.on_lag == "wait" else 0.0
+            waited = time.perf_counter() - t
         job = mgr._new_job(step, extra)
         job.lag_wait_s = waited
         sd = _to_state_dict(state)

@@ -72,7 +72,7 @@ def test_due_every_n_steps_and_zero_is_off():
 
 
 def test_mismatched_params_names_the_differing_ones():
-    assert health.mismatched_params([(1,), (2,), (3,)], [(1,), (7,), (3,)], ["a", "b", "c"]) == ["b"]
+    assert health.mismatched_params([1, 2, 3], [1, 7, 3], ["a", "b", "c"]) == ["b"]
 
 
 # ------------------------------------------------------------------ fingerprint and the knob
