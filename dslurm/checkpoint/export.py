@@ -17,6 +17,7 @@ torch (and safetensors) are imported inside functions: the CLI imports this modu
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -108,10 +109,7 @@ class Item:
 
     @property
     def out_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _ITEMSIZE.get(self.out_dtype, 8)
+        return math.prod(self.shape) * _ITEMSIZE.get(self.out_dtype, 8)
 
 
 

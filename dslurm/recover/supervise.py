@@ -123,12 +123,13 @@ class Supervisor:
             rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum),
                                  self._abandon_when_lost(d, nodes.training))
             t_end = time.time()
-            ending = E.classify(read_start(d), self._view_after(d, nodes.training), rc)
+            view = self._view_after(d, nodes.training)
+            ending = E.classify(read_start(d), view, rc)
             if self.stopping or ending.cls not in E.FAILURES:
                 return self._conclude(d, ending, rc, acct)
             if retry_decision(self.run_dir, self.job_id, ending, frozen_policy(self.run_dir)).action != "requeue":
                 return self._conclude(d, ending, rc, acct)  # budget spent or no progress: decided there
-            planned = self._plan(ending, nodes)
+            planned = self._plan(ending, nodes, view)
             if planned is None or self.stopping:
                 return self._conclude(d, ending, rc, acct)  # spares exhausted: requeue without the bad nodes
             plan, shrunk = planned
@@ -193,14 +194,14 @@ class Supervisor:
 
         return conclude(self.run_dir, d, ending, rc, self.env, acct, act=self.runner.act).exit_code
 
-    def _plan(self, ending: E.Ending, nodes: Nodes) -> tuple[Plan, int | None] | None:
+    def _plan(self, ending: E.Ending, nodes: Nodes, view: E.SlurmView) -> tuple[Plan, int | None] | None:
         """The recovery after a failed step with the gradient accumulation a shrink needs, or None:
         requeue without the bad nodes. The nodes at fault join the run's blocklist either way (and
         are drained where the site allows)."""
         from dslurm.preflight.in_job import add_to_blocklist
         from dslurm.submit import read_blocklist
 
-        down = (*self.runner.view(nodes.training).down_nodes, *sorted(self.unanswered))
+        down = (*view.down_nodes, *sorted(self.unanswered))  # the view the ending was read from
         bad = nodes_at_fault(ending, nodes.training, down=down, blocklist=read_blocklist(self.run_dir))
         spares_down = self.runner.view(nodes.spares).down_nodes if nodes.spares else ()
         plan = plan_recovery(nodes, bad, wanted=self.r.nnodes, on_exhausted=self.r.job.on_spares_exhausted,

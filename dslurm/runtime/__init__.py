@@ -142,8 +142,9 @@ class Runtime:
     def exit_for_requeue(self, step: int | None = None) -> None:
         """After the stop's final save: exit 75 (requeue me) or 143 (the stop came from TERM:
         Slurm decides), with the ledger's exit event and this rank's report. Does not return."""
-        self._end(exitcodes.TERMINATED if self.terminated else exitcodes.REQUEUE, step)
-        sys.exit(exitcodes.TERMINATED if self.terminated else exitcodes.REQUEUE)
+        code = exitcodes.TERMINATED if self.terminated else exitcodes.REQUEUE
+        self._end(code, step)
+        sys.exit(code)
 
     def finish(self, step: int | None = None) -> None:
         """Training complete (after the final save): the exit event, this rank's report (code 0),

@@ -35,7 +35,6 @@ class Outcome:
         self.progress: Any = None  # anything with a `.step` (the trainer): read when a failure is noted
         self.stop: Any = None  # the StopRequest (dslurm/runtime/stop.py), once installed
         self.run_dir: Path | None = None
-        self.reported = False
 
     def failed(self, exc: BaseException) -> None:
         if self.t is None:
@@ -65,4 +64,3 @@ def report(outcome: Outcome, code: int, rank: int) -> None:
     facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=outcome.step,
                                              error=outcome.error, t=outcome.t or time.time(), signal=signame),
                             run_dir=outcome.run_dir)
-    outcome.reported = True

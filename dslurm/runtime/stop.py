@@ -78,10 +78,6 @@ class StopRequest:
             if self.signame == "SIGTERM":  # agreed across ranks like the stop itself
                 self._target.stop_terminated = True
 
-    @property
-    def terminated(self) -> bool:
-        return self.signame == "SIGTERM"
-
 
 def read_stop_file() -> str | None:
     d = os.environ.get("DSLURM_STATUS_DIR")
