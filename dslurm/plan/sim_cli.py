@@ -14,6 +14,8 @@ from typing import Any
 
 from dslurm.plan.recovery_sim import MECHANISMS, SAVES
 
+# The cost inputs whose default is another input (SimConfig.cost_inputs resolves them).
+DEFAULTS_TO = {"durable_lag_s": "save_s", "relaunch_s": "restart_s", "swap_s": "restart_s"}
 # SimConfig fields a flag or a run can set: (flag, help). Flags default to None so an explicit
 # value is told apart from SimConfig's default.
 COSTS = {
@@ -59,10 +61,8 @@ def add_arguments(sim: argparse.ArgumentParser) -> None:
 def inputs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     """SimConfig keyword values and, per cost input, where its value came from."""
     from dslurm.plan.run_inputs import from_runs
-    from dslurm.plan.simulate import SimConfig
 
     measured = from_runs(args.from_run)
-    derived = {f.name for f in fields(SimConfig) if f.name in COSTS and f.default is None}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, (flag, _) in COSTS.items():
@@ -72,8 +72,7 @@ def inputs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
         elif name in measured:
             values[name], sources[name] = measured[name]
         else:
-            sources[name] = "default, as " + COSTS[name][1].rsplit("(", 1)[-1].rstrip(")") if name in derived \
-                else "default"
+            sources[name] = f"default, as {COSTS[DEFAULTS_TO[name]][0]}" if name in DEFAULTS_TO else "default"
     for name in ("node_loss_fraction", "repair_h"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

@@ -117,8 +117,7 @@ class SimConfig:
     @property
     def lag_s(self) -> float:
         """Delay from the end of the stall until the checkpoint is durable."""
-        two_tier = self.save_s if self.durable_lag_s is None else self.durable_lag_s
-        return {"sync": 0.0, "async": self.save_s, "two_tier": two_tier}[self.save]
+        return {"sync": 0.0, "async": self.save_s, "two_tier": self.cost_inputs()["durable_lag_s"]}[self.save]
 
     @property
     def young_daly_s(self) -> float:

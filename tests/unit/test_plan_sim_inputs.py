@@ -91,3 +91,18 @@ def test_a_run_dir_with_an_empty_ledger_is_refused(capsys, tmp_path):
     (tmp_path / "ledger.jsonl").write_text("")
     code, _, err = _run(capsys, "--from-run", str(tmp_path))
     assert code == 2 and "holds no readable event" in err
+
+
+def test_an_input_left_to_its_default_says_which_input_it_follows():
+    import argparse
+
+    from dslurm.plan import sim_cli
+    from dslurm.plan.simulate import SimConfig
+
+    p = argparse.ArgumentParser()
+    sim_cli.add_arguments(p)
+    values, sources = sim_cli.inputs(p.parse_args(["--gpus", "8", "--save-s", "100"]))
+    assert sources["durable_lag_s"] == "default, as --save-s" and sources["swap_s"] == "default, as --restart-s"
+    assert sources["save_s"] == "flag --save-s" and sources["requeue_s"] == "default"
+    cfg = SimConfig(gpus=8, save="two_tier", **values)
+    assert cfg.lag_s == cfg.cost_inputs()["durable_lag_s"] == 100  # the lag follows the save time it names
