@@ -131,3 +131,23 @@ def test_a_term_after_a_saved_warned_stop_does_not_undo_it():
     # ... but a TERM before the save finished is Slurm's stop.
     f = facts(ranks=saved, batch=[("USR2", T0), ("TERM", T0 + 0.5)])
     assert E.classify(f, E.SlurmView(state="TIMEOUT"), 75).cls == E.TIME_LIMIT
+
+
+def test_a_burnin_verdict_stays_the_ending_when_srun_tears_the_other_node_down():
+    # Every rank gets the verdict and exits 78; node1's launcher happens to exit first, srun TERMs
+    # node2's, and returns 143 (seen in CI under load). Both orders, the same ending.
+    node1 = [rank(r, E.BURNIN_REJECTED, T0, code=78) for r in (0, 1)]
+    node2_written = [rank(r, E.BURNIN_REJECTED, T0 + 0.01, host="node2", code=78) for r in (2, 3)]
+    torn = [launcher("node1", rc=78, t=T0 + 0.2), launcher("node2", [("SIGTERM", T0 + 0.3)], rc=143, t=T0 + 0.4)]
+    for ranks in (node1 + node2_written, node1):  # node2's ranks wrote their verdict, or died first
+        assert E.classify(facts(ranks=ranks, launchers=torn), RUNNING, step_rc=143).cls == E.BURNIN_REJECTED
+    assert E.classify(facts(ranks=node1 + node2_written), RUNNING, step_rc=78).cls == E.BURNIN_REJECTED
+
+
+def test_a_warned_stop_stays_a_warned_stop_when_srun_tears_the_other_node_down():
+    # All ranks saved on USR2 and exit 75; node1's 75 is "bad" to --kill-on-bad-exit, so srun TERMs
+    # node2's launcher as its ranks leave and returns 143: still the agreed stop, to be requeued.
+    saved = [rank(r, "stop_saved", T0 + 1, host=f"node{1 + r // 2}", code=75, signal="SIGUSR2") for r in range(4)]
+    torn = [launcher("node1", rc=75, t=T0 + 1.1), launcher("node2", [("SIGTERM", T0 + 1.2)], rc=143, t=T0 + 1.3)]
+    e = E.classify(facts(ranks=saved, launchers=torn, batch=[("USR2", T0)]), RUNNING, step_rc=143)
+    assert (e.cls, e.saved) == (E.WARNED_STOP, True)
