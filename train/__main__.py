@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from dslurm.preflight.in_job import gate_in_process
 
-        code = gate_in_process(device)  # the burn-in, when the launcher asked for one
+        code = gate_in_process(device, outcome=OUTCOME)  # the burn-in, when the launcher asked for one
         if code:
             return code
         clock.mark("burnin")

@@ -7,7 +7,7 @@ process group whose keys live under a prefix of their own in torchrun's store, r
 leaves the group, and then *becomes* the script (exec: same pid, so torchrun, the launcher's
 signal forwarding and the worker's status files are unchanged) with the burn-in variables
 removed, so a dslurm.runtime script does not gate a second time. Bad nodes: every worker
-exits PREFLIGHT_FAILED (78) with its code written, as the trainer would.
+exits PREFLIGHT_FAILED (78) with its code and its rank report written, as the trainer would.
 torchrun mode only: srun mode has no agent store to share (dslurm.config refuses the combination).
 """
 
@@ -33,16 +33,18 @@ def main(argv: list[str]) -> int:
     if os.environ.get(REPORT_ENV):
         import torch.distributed as dist
 
-        from dslurm.launch import write_worker_code
         from dslurm.launch.process_group import init_process_group
         from dslurm.preflight.in_job import gate_in_process
+        from dslurm.runtime.exit import Outcome, report
 
         device = init_process_group(store_prefix=STORE_PREFIX)
-        code = gate_in_process(device)
+        outcome = Outcome()
+        code = gate_in_process(device, outcome=outcome)
+        rank = dist.get_rank()
         dist.barrier()  # nobody leaves the group (or starts the script's) before all have the verdict
         dist.destroy_process_group()
         if code:
-            write_worker_code(code)
+            report(outcome, code, rank)  # the verdict as this rank's report: the ending is read from it
             return code
     sys.stdout.flush()
     sys.stderr.flush()

@@ -22,17 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from dslurm.launch import write_worker_code
     from dslurm.launch.process_group import init_process_group
     from dslurm.preflight.in_job import gate_in_process
+    from dslurm.runtime.exit import Outcome, report
 
     device = init_process_group()
-    code = gate_in_process(device)
+    outcome = Outcome()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    code = gate_in_process(device, outcome=outcome)
     if code:
         dist.destroy_process_group()
-        write_worker_code(code)
+        report(outcome, code, rank)  # the verdict as this rank's own report: the ending is read from it
         return code
-    rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     record = {
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(out / f"rank-{rank}.json", json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
-    write_worker_code(0)
+    report(outcome, 0, rank)
     return 0
 
 

@@ -47,9 +47,12 @@ def add_to_blocklist(run_dir: Path, hosts: list[str]) -> list[str]:
     return merged
 
 
-def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
+def gate_in_process(device: Any, env: Mapping[str, str] | None = None, outcome: Any = None) -> int:
     """Run the burn-in on the default process group if the launcher asked for it.
-    0: train; PREFLIGHT_FAILED: every rank returns it, the node list is in the blocklist."""
+    0: train; PREFLIGHT_FAILED: every rank returns it, the node list is in the blocklist, and
+    `outcome` (a dslurm.runtime.exit.Outcome) holds the verdict for this rank's report: the
+    ending is read from that report, since srun may return 143 for it (it TERMs the other
+    nodes' launchers when the first one exits 78)."""
     env = os.environ if env is None else env
     report = env.get(REPORT_ENV)
     if not report:
@@ -84,6 +87,10 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None) -> int:
         elif verdict.get("problems"):
             # A cluster-wide shortfall no node can be blamed for: train, but say so loudly.
             log.warning("burn-in: %s (no single node to blame; training anyway)", "; ".join(verdict["problems"]))
+    if bad and outcome is not None:
+        outcome.t = time.time()
+        outcome.error = "burn-in rejected " + "; ".join(
+            f"{h} ({', '.join(w)})" for h, w in sorted(verdict["bad_nodes"].items()))
     return X.PREFLIGHT_FAILED if bad else 0
 
 

@@ -12,16 +12,18 @@ import sys
 def main() -> int:
     import torch.distributed as dist
 
-    from dslurm.launch import write_worker_code
     from dslurm.launch.process_group import init_process_group
     from dslurm.preflight.in_job import gate_in_process
+    from dslurm.runtime.exit import Outcome, report
 
     device = init_process_group()
+    outcome = Outcome()
+    rank = dist.get_rank()
     try:
-        code = gate_in_process(device)
+        code = gate_in_process(device, outcome=outcome)
     finally:
         dist.destroy_process_group()
-    write_worker_code(code)
+    report(outcome, code, rank)
     return code
 
 

@@ -135,6 +135,9 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
             ev.append(f"batch shell TERM only later, at {min(terms):.3f}")
         if victims:
             ev.append(f"other ranks ended after it: {victims}")
+        if kind == BURNIN_REJECTED:  # every rank reports the same verdict: its text names the nodes
+            return Ending(kind, str(f.get("error") or "the burn-in rejected a node")[:300], step=f.get("step"),
+                          evidence=ev)
         return Ending(kind, f"{kind.replace('_', ' ')} on rank {rank} ({host}) at step {f.get('step')}: "
                       f"{str(f.get('error', ''))[:300]}", origin_rank=rank, origin_host=host,
                       step=f.get("step"), evidence=ev)

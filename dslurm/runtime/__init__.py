@@ -235,7 +235,7 @@ def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None =
     rt.device = init_process_group(backend or (site.network.backend if site else None), require_cuda=gpus,
                                    cpu_only=site is not None and not gpus,
                                    where=f"{rd}/site.yaml: site {site.name!r}" if site else "")
-    code = gate_in_process(rt.device)  # the burn-in, when the launcher asked for one
+    code = gate_in_process(rt.device, outcome=rt.outcome)  # the burn-in, when the launcher asked for one
     if code:
         rt._end(code, 0)
         sys.exit(code)
