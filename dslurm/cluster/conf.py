@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 CLUSTER_NAME = "dslurm"
 PARTITION = "debug"
@@ -37,6 +38,7 @@ MAX_JOB_ID = 67_043_328
 # state was wiped never reuses the ids of an earlier run (log folders are keyed by job id).
 _JOBID_EPOCH = 1_735_689_600
 _JOBID_SECONDS_PER_ID = 10
+_Node = TypeVar("_Node", bound=Mapping[str, Any])  # a node as slurm.parse_sinfo_nodes gives it
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -126,6 +128,15 @@ def shapes_from_settings(raw: object) -> tuple[NodeShape, ...]:
 
 def node_names(nodes: int) -> list[str]:
     return [f"node{k}" for k in range(1, nodes + 1)]
+
+
+def running_nodes(sinfo_nodes: Iterable[_Node], nodes: int) -> list[_Node]:
+    """The entries of `slurm.parse_sinfo_nodes` that are one of the `nodes` started slurmds
+    (node1..nodeN), in sinfo's order. sinfo also lists the shaped partitions' never-started
+    (CLOUD) nodes, which would never be idle or responding; matched by exact name, so node10
+    is not node1."""
+    started = set(node_names(nodes))
+    return [n for n in sinfo_nodes if n["name"] in started]
 
 
 def node_port(index: int) -> int:

@@ -1,4 +1,4 @@
-"""Process and file helpers of the local cluster (dslurm/cluster/__init__.py): start daemons in
+"""Process and file helpers of the local cluster (daemons.py, state.py): start daemons in
 the foreground and record them with their /proc start time, stop exactly those (and the
 job processes they leave behind), wait for ports and conditions, write files atomically.
 """

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dslurm.cluster.conf import NodeShape, shapes_from_settings
+
 
 def columns(rows: Sequence[Sequence[str]]) -> list[str]:
     """Rows as left-aligned columns two spaces apart (the last column is not padded)."""
@@ -17,6 +19,12 @@ def columns(rows: Sequence[Sequence[str]]) -> list[str]:
         return []
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return ["  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip() for r in rows]
+
+
+def shape_line(shape: NodeShape) -> str:
+    """A never-started shaped partition in words (`up` and `status` both print it)."""
+    return (f"partition {shape.partition}: {shape.nodes} never-started node(s) of {shape.gpus} GPU(s), "
+            f"{shape.cpus} CPUs, {shape.memory_mb} MB")
 
 
 def format_status(st: Mapping[str, Any]) -> list[str]:
@@ -34,9 +42,8 @@ def format_status(st: Mapping[str, Any]) -> list[str]:
     if cfg.get("gpus"):
         lines.append(f"  each node declares {cfg['gpus']} placeholder GPU(s) (gres gpu): jobs get Slurm's GPU "
                      "environment, their processes run on the CPU")
-    for shape in cfg.get("shapes") or []:
-        lines.append(f"  partition {shape['partition']}: {shape['nodes']} never-started node(s) of {shape['gpus']} "
-                     f"GPU(s), {shape['cpus']} CPUs, {shape['memory_mb']} MB, for sbatch --test-only")
+    for shape in shapes_from_settings(cfg.get("shapes")):  # `up` prints the same line its own way
+        lines.append(f"  {shape_line(shape)}, for sbatch --test-only")
     lines.append("")
     lines += columns([("NODE", "STATE", "CPUS(DECLARED)", "MEMORY_MB(DECLARED)", "PARTITIONS")] + [
         (str(n["name"]), str(n["state"]) + ("" if n.get("responding", True) else " (not responding)"),

@@ -231,3 +231,45 @@ def test_status_lines_name_placeholder_gpus_and_shapes() -> None:
     text = "\n".join(format_status(st))
     assert "2 placeholder GPU(s)" in text
     assert "partition gpu: 16 never-started node(s) of 8 GPU(s), 96 CPUs" in text
+
+
+def test_running_nodes_keeps_only_the_started_slurmds_by_exact_name() -> None:
+    """The one filter behind `up`'s idle wait, the health check and `status` (three copies before):
+    shaped CLOUD nodes, nodes of a bigger earlier cluster and look-alike names are dropped; a
+    started node that is down or not responding is kept (health decides on those, not the filter)."""
+    from dslurm import slurm
+
+    sinfo = ("node1|idle|4|4096|debug*\nnode2|down*|4|4096|debug*\nnode3|idle|4|4096|debug*\n"
+             "node10|idle|4|4096|debug*\ngpu-n1|idle~|96|2097152|gpu\ngpu-n2|idle~|96|2097152|gpu\n"
+             "node1|idle|4|4096|other\n")
+    parsed = slurm.parse_sinfo_nodes(sinfo)
+    kept = cc.running_nodes(parsed, 2)
+    assert [n["name"] for n in kept] == ["node1", "node2"]
+    assert kept[1]["state"] == "down" and kept[1]["responding"] is False
+    assert kept[0]["partitions"] == ["debug", "other"]  # one entry per node, as parse_sinfo_nodes gives
+    assert [n["name"] for n in cc.running_nodes(parsed, 3)] == ["node1", "node2", "node3"]
+    assert cc.running_nodes(parsed[4:6], 3) == []  # only shaped nodes answered: none running
+
+
+def test_shape_line_is_the_one_wording_of_up_and_status(capsys, monkeypatch, tmp_path) -> None:
+    """`up` and `status` describe a shaped partition with one function (two copies before); each
+    keeps its own framing: up prefixes `--test-only`, status appends `for sbatch --test-only`."""
+    import argparse
+
+    from dslurm import cluster
+    from dslurm.cluster.show import format_status, shape_line
+    from dslurm.cluster.state import ClusterInfo
+
+    shape = cc.NodeShape(partition="gpu", nodes=16, cpus=96, memory_mb=2_097_152, gpus=8, gpu_type="h100")
+    assert shape_line(shape) == "partition gpu: 16 never-started node(s) of 8 GPU(s), 96 CPUs, 2097152 MB"
+    st = {"up": True, "state_dir": "/s", "host_cpus": 2, "nodes": [], "jobs": [],
+          "settings": _spec(shapes=(shape,)).settings()}
+    assert f"  {shape_line(shape)}, for sbatch --test-only" in format_status(st)
+
+    info = ClusterInfo(state_dir=tmp_path, nodes=2, accounting=False, node_names=("node1", "node2"),
+                       shapes=(shape,))
+    monkeypatch.setattr(cluster, "up", lambda **kw: info)
+    args = argparse.Namespace(cluster_command="up", nodes=2, accounting=False, state_dir=None, cpus=4,
+                              gpus_per_node=None, site_shape=None)
+    assert cluster.run(args) == 0
+    assert f"  --test-only {shape_line(shape)}\n" in capsys.readouterr().out
