@@ -250,6 +250,19 @@ def _begin(evs: list[Event]) -> float:
     return min(cands)
 
 
+def _reason_of_ending(ending: str, rc: int | None) -> str:
+    """A start's exit reason, in the words of exitcodes.NAMES, from its classified ending
+    (dslurm/requeue/endings.py) rather than srun's code: a burn-in rejection or a warned stop
+    that srun tore down on the other node returns 143, a crash torchrun folds into 1. Pure."""
+    from dslurm.requeue import endings as E
+
+    said = {E.COMPLETED: "completed (no exit event)", E.WARNED_STOP: "requeue (no exit event)",
+            E.BURNIN_REJECTED: "preflight_failed", E.USER_ERROR: "user_error", E.SAVE_FAILED: "save_failed",
+            E.REFUSED: "refused", E.DIVERGED: "nonfinite", E.CANCELLED: "terminated",
+            E.PREEMPTED: "terminated", E.TIME_LIMIT: "terminated"}
+    return said.get(ending) or f"failed ({ending}{'' if rc is None else f', exit {rc}'})"
+
+
 def _exit_reason(s: Start) -> tuple[str, str | None]:
     """(reason, requeue decision): the requeue decision wins when it stopped the chain."""
     ex, rq = s.all(ev.Exit), s.all(ev.Requeue)
@@ -259,7 +272,9 @@ def _exit_reason(s: Start) -> tuple[str, str | None]:
         return X.NAMES[rq_ev.exit_code], decision
     if ex:
         return ex[-1].reason, decision
-    if rq_ev:  # the step ended without the trainer's exit event; requeue-me saw its code
+    if rq_ev and rq_ev.ending:  # no exit event from the trainer: the ending classified from the facts
+        return _reason_of_ending(rq_ev.ending, rq_ev.step_rc), decision
+    if rq_ev:  # an older ledger without the ending: the step's code, said as such
         rc = rq_ev.step_rc
         name = X.NAMES.get(rc) if rc is not None else None
         if name and rc in (X.OK, X.REQUEUE):

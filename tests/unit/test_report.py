@@ -377,3 +377,27 @@ def test_report_shows_each_starts_phases_and_its_ratio_to_the_cold_start(capsys,
         plt.close(fig)
     assert {"startup: imports", "startup: restore", "startup: spawn"} <= set(legend)
     assert "startup: build" not in legend  # only the phases this run measured
+
+
+def test_a_start_without_exit_event_takes_its_reason_from_the_classified_ending():
+    """A burn-in-only start whose rejection srun tore down (step rc 143) is the burn-in's
+    verdict, not a kill; a crash torchrun folded into 1 names the class; old ledgers keep the code."""
+    from dslurm.observe.doctor import diagnose
+
+    led = Ledger()
+    led.ev("submit", 0.0, job_ids=[6034286])
+    t = led.start(10.0, 0, 0)
+    led.ev("requeue", t + 1.0, 0, decision="requeue", step_rc=143, exit_code=0, ending="burnin_rejected",
+           reason="bad nodes found by burn-in")
+    t = led.start(t + 20.0, 1, 0)
+    t = led.train(t, 0, 9, 1)
+    led.ev("requeue", t + 1.0, 1, decision="requeue", step_rc=1, exit_code=0, ending="node_failure",
+           reason="node failure")
+    t = led.start(t + 20.0, 2, 0)
+    t = led.train(t, 0, 19, 2)
+    led.ev("requeue", t + 1.0, 2, decision="end", step_rc=143, exit_code=0, ending="completed", reason="completed")
+    sm = summarize(led.events)
+    assert [s.exit_reason for s in sm.starts] == ["preflight_failed", "failed (node_failure, exit 1)",
+                                                  "completed (no exit event)"]
+    (died,) = [f for f in diagnose(led.events, []) if f.symptom == "starts that died"]
+    assert len(died.evidence) == 1 and "node_failure" in died.evidence[0]  # the rejection is no death
