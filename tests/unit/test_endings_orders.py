@@ -1,0 +1,161 @@
+"""Endings that were decided by srun's code, or by the order the nodes exited in, instead of by
+the facts (dslurm/requeue/endings.py). Each case writes its facts with the real writers
+(dslurm.runtime.exit.report for the rank that fails, dslurm.requeue.facts for the rest, with the
+fields and signal times each party really records) and classifies them under every return code
+srun gives for that interleaving: one that is crash (1), one where srun TERMed the other
+launcher (143).
+
+Found by walking every worker kind x every way a step ends x both exit orders; the cells that
+were already right are covered by tests/unit/test_endings.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dslurm.requeue import endings as E
+from dslurm.requeue import facts as F
+from dslurm.runtime.exit import Outcome, report
+from dslurm.runtime.stop import StopRequest
+
+PEER = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
+RUNNING = E.SlurmView(state="RUNNING")
+
+
+@pytest.fixture
+def start(tmp_path, monkeypatch):
+    """This start's facts dir, as the batch script exports it; no launcher status dir."""
+    d = tmp_path / "starts" / "7.0"
+    d.mkdir(parents=True)
+    monkeypatch.setenv(F.ENV, str(d))
+    monkeypatch.delenv("DSLURM_STATUS_DIR", raising=False)
+    return d
+
+
+def tick() -> float:
+    """A moment strictly after the previous one (the writers stamp time.time())."""
+    time.sleep(0.002)
+    return time.time()
+
+
+def batch(d, *lines: tuple[str, float]) -> None:
+    """The batch shell's trap: `SIGNAME EPOCHREALTIME` per signal."""
+    with open(d / "batch.signals", "a") as fh:
+        for name, t in lines:
+            fh.write(f"{name} {t:.6f}\n")
+
+
+def rank(r: int, kind: str, t: float, host: str, signal_: str | None, error: str = PEER, code: int = 1) -> None:
+    F.write_rank_report(F.RankReport(rank=r, kind=kind, code=code, step=14, error=error, t=t, signal=signal_,
+                                     host=host))
+
+
+def launcher(host: str, node_rank: int, signals: list[tuple[str, float]], *, rc: int | None, codes: dict[str, int],
+             silent: list[int], code: int, t: float) -> None:
+    F.write_launcher_report(F.LauncherReport(host=host, node_rank=node_rank, signals=signals, torchrun_rc=rc,
+                                             worker_codes=codes, silent_local_ranks=silent, code=code, t=t))
+
+
+def own_crash_after(stop: StopRequest, *late_signals: signal.Signals) -> float:
+    """Rank 0 fails of its own accord (its own exception, not a peer's), after whatever `stop`
+    already received; `late_signals` reach it afterwards, while it cleans up (torchrun TERMs the
+    workers still alive once a peer exited). Then it reports, as every entry does on its way out."""
+    out = Outcome()
+    out.stop = stop
+    out.failed(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    t_fail = out.t
+    assert t_fail is not None
+    for sig in late_signals:
+        tick()
+        stop._handle(sig, None)  # the handler the signal runs
+    tick()
+    report(out, 1, 0)
+    return t_fail
+
+
+@pytest.mark.parametrize("late", [(), (signal.SIGTERM,)], ids=["alone", "then-torn-down"])
+@pytest.mark.parametrize("step_rc", [1, 143])
+def test_a_rank_that_crashes_after_the_time_limit_warning_is_the_origin(start, late, step_rc):
+    # USR2 (the time-limit warning) reaches every rank; before the next step boundary (or during
+    # the stop's save) rank 0 on node1 crashes of its own. Its peers lose it; node2's launcher is
+    # TERMed by srun. USR2 tears nothing down: rank 0's crash is the origin, a retry is owed.
+    # It was reported killed_by_teardown (victim_kind took any signal for a teardown; and a TERM
+    # that reached it after its failure was dated to the USR2's arrival), so nothing named an
+    # origin and the ending fell to srun's code: 143 read as `cancelled`, the retry lost.
+    t0 = time.time()
+    batch(start, ("USR2", t0))
+    stop = StopRequest()
+    stop._handle(signal.SIGUSR2, None)
+    tick()
+    t_fail = own_crash_after(stop, *late)
+    rank(1, "peer_lost", tick(), "node1", "SIGUSR2")
+    rank(2, "peer_lost", tick(), "node2", "SIGUSR2")
+    rank(3, "peer_lost", tick(), "node2", "SIGUSR2")
+    launcher("node1", 0, [("SIGUSR2", t0)], rc=1, codes={"0": 1, "1": 1}, silent=[], code=1, t=tick())
+    launcher("node2", 1, [("SIGUSR2", t0), ("SIGTERM", tick())], rc=1, codes={"0": 1, "1": 1}, silent=[], code=1,
+             t=tick())
+    e = E.classify(F.read_start(start), RUNNING, step_rc)
+    assert (e.cls, e.origin_rank) == (E.CRASH, 0), e
+    assert any(f"{t_fail:.3f}" in x for x in e.evidence), e.evidence
+
+
+@pytest.mark.parametrize("first", ["node1", "node2"])
+@pytest.mark.parametrize("step_rc", [1, 143])
+def test_a_rank_killed_9_after_the_time_limit_warning_is_a_crash(start, first, step_rc):
+    # USR2 reaches every launcher (srun forwards it) and rank; rank 0 on node1 is killed -9
+    # (OOM killer) during the stop's save and leaves no report. Its peers lose it. The launcher
+    # rule skipped every launcher that had received *any* signal, USR2 included, so the ending
+    # fell to srun's code. Both exit orders: node1's launcher first (srun TERMs node2's), or
+    # node2's first (srun TERMs node1's, whose torchrun had already failed).
+    t0 = time.time()
+    batch(start, ("USR2", t0))
+    for r, host in ((1, "node1"), (2, "node2"), (3, "node2")):
+        rank(r, "peer_lost", tick(), host, "SIGUSR2")
+    order = ["node1", "node2"] if first == "node1" else ["node2", "node1"]
+    for i, host in enumerate(order):
+        torn = [("SIGTERM", tick())] if i else []
+        if host == "node1":
+            launcher("node1", 0, [("SIGUSR2", t0), *torn], rc=1, codes={"1": 1}, silent=[0], code=1, t=tick())
+        else:
+            launcher("node2", 1, [("SIGUSR2", t0), *torn], rc=1, codes={"0": 1, "1": 1}, silent=[], code=1, t=tick())
+    e = E.classify(F.read_start(start), RUNNING, step_rc)
+    assert e.cls == E.CRASH and "left no report" in e.reason, e
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_term_aimed_at_the_step_of_a_script_without_reports_is_a_cancel(start, nodes):
+    # `scancel --signal=TERM JOB` (steps only, not the batch shell) while the workers run code that
+    # writes no rank report: a plain script (behind the gate or not), the probe or the burn-in
+    # before their verdict, the trainer before its handlers are installed. Every launcher records
+    # the TERM; the workers die of it; torchrun, TERMed too, exits 1 (SignalException), so every
+    # launcher and srun return 1. The ending was read from that 1 as a crash and retried; the
+    # facts say every launcher was stopped by a TERM and nothing failed before it (rule 4's
+    # "TERM that reached the step only": a cancel aimed at the step).
+    t0 = time.time()
+    for n in range(nodes):
+        launcher(f"node{n + 1}", n, [("SIGTERM", t0 + 0.001 * n)], rc=1, codes={}, silent=[0, 1], code=1, t=tick())
+    e = E.classify(F.read_start(start), RUNNING, step_rc=1)
+    assert e.cls == E.CANCELLED and not e.saved, e
+
+
+def test_the_signal_a_rank_reports_is_the_one_that_came_before_its_failure():
+    # The writer's rule behind the first test, on its own: USR2 first, then the rank fails, then
+    # torchrun's TERM. The report's signal is the USR2 (a warning: not a teardown), never the TERM
+    # that came after the failure.
+    from dslurm.runtime.exit import signal_before_failure
+
+    stop = StopRequest()
+    stop._handle(signal.SIGUSR2, None)
+    failed = tick()
+    tick()
+    stop._handle(signal.SIGTERM, None)
+    assert stop.signame == "SIGTERM"  # TERM outranks USR2 for the stop itself
+    assert signal_before_failure(stop, failed) == "SIGUSR2"
+    assert F.victim_kind("crash", "RuntimeError: boom", "SIGUSR2") == "crash"
+    assert F.victim_kind("crash", "RuntimeError: boom", "SIGTERM") == "killed_by_teardown"
+    # an object with only the first signal's time (older callers) keeps the old reading
+    assert signal_before_failure(SimpleNamespace(signame="SIGTERM", t=1.0), 2.0) == "SIGTERM"
