@@ -17,9 +17,14 @@ Rules, first match wins:
   4. A stop the ranks agreed on and saved (USR2: the time-limit warning; TERM that reached
      the step only: a cancel aimed at the step).
   5. Every rank completed.
-  6. A launcher whose torchrun failed while it had received no signal, with ranks that left
-     no report (killed -9, died in C code): a crash on that node.
-  7. No facts at all (nothing could be written): the step's exit code, said plainly.
+  6. A launcher whose torchrun failed while it had received no TERM (USR2 is only a warning),
+     with ranks that left no report (killed -9, died in C code): a crash on that node.
+  7. Every launcher received a TERM (so none ended the step with a failure of its own, the exit
+     srun's teardown would follow), and no rank failed or saved: a TERM aimed at the job step
+     (`scancel --signal=TERM`) stopped workers that write no report (a plain script, the probe,
+     the burn-in, a trainer before its handlers): a cancel, whatever torchrun (1 on TERM) and
+     srun returned.
+  8. No facts at all (nothing could be written): the step's exit code, said plainly.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dslurm import exitcodes as X
-from dslurm.requeue.facts import OWN_FAILURES, StartFacts, victim_kind
+from dslurm.requeue.facts import OWN_FAILURES, StartFacts, is_term, victim_kind
 
 COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
     "completed", "warned_stop", "cancelled", "preempted", "time_limit")
@@ -85,6 +90,10 @@ def _slurm_stop(state: str | None) -> str:
 def _max_step(ranks: Sequence[Mapping[str, Any]]) -> int | None:
     steps = [int(r["step"]) for r in ranks if isinstance(r.get("step"), int)]
     return max(steps) if steps else None
+
+
+def _got_term(launcher: Mapping[str, Any]) -> bool:
+    return any(is_term(str(s[0])) for s in launcher.get("signals") or [])
 
 
 def _by_rc(rc: int | None) -> tuple[str, str]:
@@ -156,14 +165,21 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
         return Ending(COMPLETED, f"training complete at step {_max_step(ranks)}", step=_max_step(ranks),
                       saved=True, evidence=[f"{len(ranks)} rank(s) reported completed"])
     for ln in sorted(facts.launchers, key=lambda x: float(x.get("t") or 0)):
-        if ln.get("signals") or not ln.get("torchrun_rc"):
+        if _got_term(ln) or not ln.get("torchrun_rc"):
             continue
         silent = ln.get("silent_local_ranks") or []
         return Ending(CRASH, f"crash on {ln.get('host')}: torchrun exited {ln.get('torchrun_rc')} with no "
-                      f"signal received; local rank(s) {silent} left no report (killed -9 or died in native code)",
+                      f"TERM received; local rank(s) {silent} left no report (killed -9 or died in native code)",
                       origin_host=ln.get("host"), step=_max_step(ranks),
-                      evidence=[f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, no signal, "
-                                f"worker codes {ln.get('worker_codes')}, silent {silent}"])
+                      evidence=[f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, no TERM "
+                                f"(signals {ln.get('signals')}), worker codes {ln.get('worker_codes')}, "
+                                f"silent {silent}"])
+    if facts.launchers and all(_got_term(ln) for ln in facts.launchers):
+        return Ending(CANCELLED, "stopped by a TERM aimed at the job step; its workers wrote no report; no save",
+                      step=_max_step(ranks),
+                      evidence=[f"launcher on {ln.get('host')}: signals {ln.get('signals')}, torchrun rc "
+                                f"{ln.get('torchrun_rc')}, silent {ln.get('silent_local_ranks')}"
+                                for ln in facts.launchers] + [f"step rc {step_rc} (not read)"])
     if not ranks and not facts.launchers and terms:
         return Ending(_slurm_stop(slurm.state), f"ended by Slurm (TERM) before training reported; state "
                       f"{slurm.state}", evidence=[f"batch shell got TERM at {min(terms):.3f}"])

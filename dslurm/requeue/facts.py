@@ -57,15 +57,21 @@ def is_peer_error(error: str) -> bool:
     return bool(_PEER.search(error or ""))
 
 
+def is_term(signal: str | None) -> bool:
+    """TERM is what tears a step down (srun, torchrun, Slurm); USR2 is only a warning. Pure."""
+    return signal in ("SIGTERM", "TERM")
+
+
 def victim_kind(kind: str, error: str, signal: str | None) -> str:
     """The kind a rank reports: a crash whose error says a peer went away is `peer_lost`; one
-    that came after a stop signal (torchrun or srun tearing the step down) is
-    `killed_by_teardown`; anything else keeps its kind. Pure; the one home of this rule."""
+    that came after a TERM (torchrun or srun tearing the step down) is `killed_by_teardown`;
+    anything else keeps its kind -- a crash after the time-limit warning (USR2) included: that
+    signal tears nothing down. Pure; the one home of this rule."""
     if kind != "crash":
         return kind
     if is_peer_error(error):
         return "peer_lost"
-    return "killed_by_teardown" if signal else kind
+    return "killed_by_teardown" if is_term(signal) else kind
 
 
 def start_name(job_id: str, restart: int, step: int = 0) -> str:

@@ -45,11 +45,14 @@ class Outcome:
 def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
     """The stop signal this process received, unless it came only after the process had
     already failed of its own accord (e.g. the watchdog's verdict, then torchrun's TERM when a
-    peer exited): that one is the teardown, not the cause. Pure."""
+    peer exited): that one is the teardown, not the cause. Each signal is judged by its own
+    arrival: a TERM that came after the failure is not dated to an earlier USR2. Pure."""
     signame, sig_t = getattr(stop, "signame", None), getattr(stop, "t", None)
     if signame is None or failed_t is None or sig_t is None:
         return signame
-    return signame if sig_t <= failed_t else None
+    times = getattr(stop, "times", None) or {signame: sig_t}
+    before = [name for name, t in times.items() if t <= failed_t]
+    return "SIGTERM" if "SIGTERM" in before else (before[0] if before else None)
 
 
 def report(outcome: Outcome, code: int, rank: int) -> None:
