@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         OUTCOME.stop.install(trainer.stop)  # USR2 -> save, exit 75; TERM -> save, exit 143
         code = trainer.run()
         OUTCOME.step = trainer.step
+        if trainer.settled is not None:  # before close() and leaving the group: see Outcome.settled
+            OUTCOME.settled(*trainer.settled)
         return code
     except UserError as exc:  # e.g. data file too small, run dir locked, a final save failed
         OUTCOME.failed(exc)

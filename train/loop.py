@@ -103,6 +103,7 @@ class Trainer:
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
         self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
+        self.settled: tuple[float, str] | None = None  # when and why the ending was decided (Outcome.settled)
         self.skip_positions: set[int] = set()  # batches (stream positions) never to be read again
         self.step = 0
         # The batch rule (dslurm.config.layout): grad_accum x microbatches equal micro-batches per rank.
@@ -300,6 +301,7 @@ class Trainer:
             if result.stop:
                 self._event(events.Signal(signal="stop_requested", step=self.step))
                 self._save_final()
+                self.settled = (time.time(), "")  # the stop's save committed: the ending is decided
                 code = EXIT_TERMINATED if result.terminated else EXIT_REQUEUE
                 self._event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))
                 # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
@@ -352,6 +354,7 @@ class Trainer:
         except CheckpointError:
             ptr = None
         where = f"the pointer still names {ptr.generation} (step {ptr.step})" if ptr else "nothing was saved"
+        self.settled = (time.time(), f"non-finite loss at step {r.step} (loss {r.loss}, grad norm {r.grad_norm})")
         self._nonfinite_event(r, generation=ptr.generation if ptr else None)
         code = exitcodes.NONFINITE
         if self.rank == 0:

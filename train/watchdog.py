@@ -82,6 +82,8 @@ class Watchdog:
         self._record_next = False  # the first interval (warm-up) and one holding a save are not steps
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fired = False  # under _lock: close() and the thread agree on whether it fired
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------ the loop's side (hot path)
 
@@ -117,13 +119,26 @@ class Watchdog:
         return self
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop watching. If it has already fired, wait for the verdict to finish: a peer's exit
+        can break this process's collective while its watchdog is still gathering notes, and this
+        rank may be the one that writes the ledger's hang event (the lowest that fired); leaving
+        now would lose the event (seen under load). The verdict then ends the process (on_hang)."""
+        with self._lock:
+            self._stop.set()
+            fired = self._fired
+        t = self._thread
+        if fired and t is not None and t is not threading.current_thread():
+            t.join(timeout=health.gather_s(float(self.spec.hang_ceiling_s)) + 10.0)
 
     def _watch(self) -> None:
         interval = health.poll_s(self.spec.hang_floor_s)
         while not self._stop.wait(interval):
             idle, bound = time.monotonic() - self._last, self.bound()
-            if idle > bound and not self._stop.is_set():
+            if idle > bound:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._fired = True
                 self._fire(idle, bound)
                 return
 

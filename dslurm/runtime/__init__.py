@@ -159,6 +159,7 @@ class Runtime:
         self.step = self.step if step is None else step
         for ck in self.checkpoints:
             ck.close()
+        self.outcome.settled(time.time())
         self.event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))
         if dist.is_initialized():
             # torchrun tears the others down as soon as one exits non-zero: nobody leaves before

@@ -36,6 +36,15 @@ class Outcome:
         self.stop: Any = None  # the StopRequest (dslurm/runtime/stop.py), once installed
         self.run_dir: Path | None = None
 
+    def settled(self, t: float, error: str = "") -> None:
+        """The ending was settled at `t` (a stop's save committed, a divergence stop agreed): the
+        report's time. A TERM that arrives during the cleanup after it (closing checkpoints,
+        leaving the process group) is then the teardown it is, not the cause: read as the cause,
+        it turns a saved warned stop into Slurm's time limit (no requeue) and a divergence into a
+        cancel."""
+        if self.t is None:
+            self.t, self.error = t, self.error or error
+
     def failed(self, exc: BaseException) -> None:
         if self.t is None:
             self.t, self.error = time.time(), f"{type(exc).__name__}: {exc}"[:2000]

@@ -94,11 +94,20 @@ def test_nan_under_stop_exits_81_with_the_pointer_on_a_finite_generation(tmp_pat
     assert "the loss is not finite" in proc.stderr and "step-00000002" in proc.stderr, proc.stderr[-3000:]
     run = tmp_path / "stop"
     (nf,) = _nonfinite(run)
+    events = ev.read(run)
     assert nf.action == "stop" and nf.step == 3 and nf.generation.startswith("step-00000002"), nf
     assert read_pointer(run).step == 2
     (start,) = list_starts(run)
-    ending = E.classify(read_start(start), E.SlurmView(state="RUNNING"))
+    facts = read_start(start)
+    ending = E.classify(facts, E.SlurmView(state="RUNNING"))
     assert ending.cls == E.DIVERGED, ending
+    # Every rank's report is stamped when the stop was decided, before its exit event and the
+    # cleanup: a scancel/preemption TERM arriving during that cleanup cannot outrank it.
+    exit_t = max(e.t for e in events if isinstance(e, ev.Exit))
+    assert all(r["t"] <= exit_t and "non-finite loss at step 3" in r["error"] for r in facts.ranks), facts.ranks
+    late_term = E.classify(type(facts)(facts.name, [("TERM", exit_t)], facts.launchers, facts.ranks, None),
+                           E.SlurmView(state="CANCELLED"))
+    assert late_term.cls == E.DIVERGED, late_term
     d = decide(ending=ending.cls, failures=0, max_restarts=3, no_progress_limit=3, start_steps=[0],
                pointer_step=2)
     assert d.action == "stop" and d.exit_code == X.NONFINITE, d

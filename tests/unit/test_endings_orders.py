@@ -159,3 +159,34 @@ def test_the_signal_a_rank_reports_is_the_one_that_came_before_its_failure():
     assert F.victim_kind("crash", "RuntimeError: boom", "SIGTERM") == "killed_by_teardown"
     # an object with only the first signal's time (older callers) keeps the old reading
     assert signal_before_failure(SimpleNamespace(signame="SIGTERM", t=1.0), 2.0) == "SIGTERM"
+
+
+def test_a_saved_warned_stop_is_stamped_before_the_cleanup_so_a_late_term_cannot_undo_it(start, tmp_path):
+    # dslurm.runtime's exit_for_requeue: the stop's save is closed (committed), then the exit
+    # event, the barrier, the report. The time limit's TERM may land in between; the report was
+    # stamped after it, so "every rank saved before the TERM" failed and the warned stop became
+    # Slurm's time limit: no requeue, the job over. The report is stamped when the save closed.
+    from dslurm.runtime import Runtime
+
+    t0 = time.time()
+    batch(start, ("USR2", t0))
+    term_at: list[float] = []
+
+    class Ledger:  # the exit event is where the TERM lands: after the save, before the report
+        def append(self, event):
+            term_at.append(tick())
+            rt.outcome.stop._handle(signal.SIGTERM, None)
+
+    rt = Runtime(run_dir=tmp_path, site=None, job=None, t_start=t0)
+    rt.ledger = Ledger()
+    rt.outcome.stop = StopRequest()
+    rt.outcome.stop._handle(signal.SIGUSR2, None)
+    rt.checkpoints = [SimpleNamespace(close=lambda: None)]
+    rt._end(75, 12)
+    rank(1, "stop_saved", t0 + 0.001, "node1", "SIGUSR2", error="", code=75)
+    batch(start, ("TERM", term_at[0]))
+    facts = F.read_start(start)
+    assert [r["kind"] for r in facts.ranks] == ["stop_saved", "stop_saved"]
+    assert all(r["t"] < term_at[0] for r in facts.ranks), (facts.ranks, term_at)
+    e = E.classify(facts, E.SlurmView(state="RUNNING"), 143)
+    assert (e.cls, e.saved) == (E.WARNED_STOP, True), e

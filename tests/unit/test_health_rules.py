@@ -129,6 +129,36 @@ def test_watchdog_fires_dumps_stacks_and_names_itself_when_alone(tmp_path):
     assert h.suspects == [0] and h.bound_s == pytest.approx(0.3) and h.step == 2
 
 
+def test_closing_while_the_watchdog_names_suspects_waits_for_its_verdict(tmp_path):
+    """Both orders of the main thread leaving (a peer's exit broke its collective) and the
+    watchdog firing. Fired first: this rank may be the lowest that fired, the one to write the
+    ledger's hang event; close() must let it finish (under load the event was lost). Closed
+    first: it never fires."""
+    from train.watchdog import Watchdog
+
+    got = []
+    wd = Watchdog(Spec, rank=0, world=2, start_dir=tmp_path / "s", run_dir=tmp_path, on_hang=got.append)
+    wd.start()
+    wd.beat(1)
+    wd.beat(2)
+    note = tmp_path / "s" / "hang-rank-00000.json"
+    deadline = time.time() + 10
+    while not note.exists() and time.time() < deadline:  # fired: now gathering rank 1's note (2 s)
+        time.sleep(0.02)
+    assert note.exists() and not got
+    wd.close()
+    assert [v.kind for v in got] == ["crash"]
+    (h,) = ev.of(ev.read(tmp_path), ev.Hang)
+    assert h.suspects == [0, 1] and sorted(h.collectives) == ["0"]  # rank 1 left no note: a suspect too
+
+    quiet = []
+    wd = Watchdog(Spec, rank=0, world=2, start_dir=tmp_path / "q", run_dir=tmp_path / "q", on_hang=quiet.append)
+    wd.start()
+    wd.close()  # before any bound could pass
+    time.sleep(1.0)
+    assert quiet == [] and not (tmp_path / "q" / "hang-rank-00000.json").exists()
+
+
 def test_a_save_raises_the_bound_to_the_ceiling():
     from train.watchdog import Watchdog
 
