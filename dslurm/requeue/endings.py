@@ -17,8 +17,9 @@ Rules, first match wins:
   4. A stop the ranks agreed on and saved (USR2: the time-limit warning; TERM that reached
      the step only: a cancel aimed at the step).
   5. Every rank completed.
-  6. A launcher whose torchrun failed while it had received no TERM (USR2 is only a warning),
-     with ranks that left no report (killed -9, died in C code): a crash on that node.
+  6. A launcher whose torchrun failed while it had received no TERM (USR2 is only a warning):
+     a crash, on the node whose ranks left no report (killed -9, died in C code) -- even if
+     that node's launcher got srun's TERM after its peers, who saw it vanish, exited first.
   7. Every launcher received a TERM (so none ended the step with a failure of its own, the exit
      srun's teardown would follow), and no rank failed or saved: a TERM aimed at the job step
      (`scancel --signal=TERM`) stopped workers that write no report (a plain script, the probe,
@@ -96,6 +97,18 @@ def _got_term(launcher: Mapping[str, Any]) -> bool:
     return any(is_term(str(s[0])) for s in launcher.get("signals") or [])
 
 
+def _silent_origin(launchers: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """Rule 6's node, when no rank reported a failure of its own: only if some launcher's torchrun
+    failed with no TERM received (a failure of its own, not srun's teardown). Of the failed ones,
+    the node whose process left no report wins over the exit order: its peers' ranks see it vanish
+    and may exit first, and srun then TERMs the silent node's launcher. So: silent without a TERM,
+    else silent with a TERM, else the first to fail. Pure."""
+    failed = [ln for ln in launchers if ln.get("torchrun_rc")]
+    if not any(not _got_term(ln) for ln in failed):
+        return None
+    return min(failed, key=lambda ln: (not ln.get("silent_local_ranks"), _got_term(ln), float(ln.get("t") or 0)))
+
+
 def _by_rc(rc: int | None) -> tuple[str, str]:
     if rc == X.OK:
         return COMPLETED, "exit 0"
@@ -164,16 +177,16 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
     if ranks and kinds == {"completed"}:
         return Ending(COMPLETED, f"training complete at step {_max_step(ranks)}", step=_max_step(ranks),
                       saved=True, evidence=[f"{len(ranks)} rank(s) reported completed"])
-    for ln in sorted(facts.launchers, key=lambda x: float(x.get("t") or 0)):
-        if _got_term(ln) or not ln.get("torchrun_rc"):
-            continue
-        silent = ln.get("silent_local_ranks") or []
-        return Ending(CRASH, f"crash on {ln.get('host')}: torchrun exited {ln.get('torchrun_rc')} with no "
-                      f"TERM received; local rank(s) {silent} left no report (killed -9 or died in native code)",
-                      origin_host=ln.get("host"), step=_max_step(ranks),
-                      evidence=[f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, no TERM "
-                                f"(signals {ln.get('signals')}), worker codes {ln.get('worker_codes')}, "
-                                f"silent {silent}"])
+    origin = _silent_origin(facts.launchers)
+    if origin is not None:
+        silent = origin.get("silent_local_ranks") or []
+        got = "a TERM only after its peers had failed" if _got_term(origin) else "no TERM"
+        return Ending(CRASH, f"crash on {origin.get('host')}: torchrun exited {origin.get('torchrun_rc')} with "
+                      f"{got}; local rank(s) {silent} left no report (killed -9 or died in native code)",
+                      origin_host=origin.get("host"), step=_max_step(ranks),
+                      evidence=[f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, signals "
+                                f"{ln.get('signals')}, worker codes {ln.get('worker_codes')}, silent "
+                                f"{ln.get('silent_local_ranks')}" for ln in facts.launchers])
     if facts.launchers and all(_got_term(ln) for ln in facts.launchers):
         return Ending(CANCELLED, "stopped by a TERM aimed at the job step; its workers wrote no report; no save",
                       step=_max_step(ranks),

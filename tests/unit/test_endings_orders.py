@@ -124,6 +124,25 @@ def test_a_rank_killed_9_after_the_time_limit_warning_is_a_crash(start, first, s
             launcher("node2", 1, [("SIGUSR2", t0), *torn], rc=1, codes={"0": 1, "1": 1}, silent=[], code=1, t=tick())
     e = E.classify(F.read_start(start), RUNNING, step_rc)
     assert e.cls == E.CRASH and "left no report" in e.reason, e
+    assert e.origin_host == "node1", e  # the silent node, even when node2's launcher exited first
+
+
+@pytest.mark.parametrize("first", ["node1", "node2"])
+def test_a_kill_9_without_any_warning_names_the_silent_node_in_either_order(start, first):
+    # Rank 0 on node1 is killed -9 mid-step. Order A: node1's launcher exits first, srun TERMs
+    # node2's. Order B: node2's ranks see the peer vanish and exit 1 first (their launcher has no
+    # TERM and a failed torchrun too); srun TERMs node1's. The silent node is the origin in both.
+    for r, host in ((1, "node1"), (2, "node2"), (3, "node2")):
+        rank(r, "peer_lost", tick(), host, None)
+    order = ["node1", "node2"] if first == "node1" else ["node2", "node1"]
+    for i, host in enumerate(order):
+        torn = [("SIGTERM", tick())] if i else []
+        if host == "node1":
+            launcher("node1", 0, torn, rc=1, codes={"1": 1}, silent=[0], code=1, t=tick())
+        else:
+            launcher("node2", 1, torn, rc=1, codes={"0": 1, "1": 1}, silent=[], code=1, t=tick())
+    e = E.classify(F.read_start(start), RUNNING, 1)
+    assert (e.cls, e.origin_host) == (E.CRASH, "node1"), e
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
