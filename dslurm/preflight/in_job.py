@@ -88,9 +88,8 @@ def gate_in_process(device: Any, env: Mapping[str, str] | None = None, outcome: 
             # A cluster-wide shortfall no node can be blamed for: train, but say so loudly.
             log.warning("burn-in: %s (no single node to blame; training anyway)", "; ".join(verdict["problems"]))
     if bad and outcome is not None:
-        outcome.t = time.time()
-        outcome.error = "burn-in rejected " + "; ".join(
-            f"{h} ({', '.join(w)})" for h, w in sorted(verdict["bad_nodes"].items()))
+        outcome.settled(time.time(), "burn-in rejected " + "; ".join(
+            f"{h} ({', '.join(w)})" for h, w in sorted(verdict["bad_nodes"].items())))
     return X.PREFLIGHT_FAILED if bad else 0
 
 

@@ -97,6 +97,11 @@ def _got_term(launcher: Mapping[str, Any]) -> bool:
     return any(is_term(str(s[0])) for s in launcher.get("signals") or [])
 
 
+def _launcher_line(ln: Mapping[str, Any]) -> str:
+    return (f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, signals {ln.get('signals')}, "
+            f"worker codes {ln.get('worker_codes')}, silent {ln.get('silent_local_ranks')}")
+
+
 def _silent_origin(launchers: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """Rule 6's node, when no rank reported a failure of its own: only if some launcher's torchrun
     failed with no TERM received (a failure of its own, not srun's teardown). Of the failed ones,
@@ -184,15 +189,11 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
         return Ending(CRASH, f"crash on {origin.get('host')}: torchrun exited {origin.get('torchrun_rc')} with "
                       f"{got}; local rank(s) {silent} left no report (killed -9 or died in native code)",
                       origin_host=origin.get("host"), step=_max_step(ranks),
-                      evidence=[f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, signals "
-                                f"{ln.get('signals')}, worker codes {ln.get('worker_codes')}, silent "
-                                f"{ln.get('silent_local_ranks')}" for ln in facts.launchers])
+                      evidence=[_launcher_line(ln) for ln in facts.launchers])
     if facts.launchers and all(_got_term(ln) for ln in facts.launchers):
         return Ending(CANCELLED, "stopped by a TERM aimed at the job step; its workers wrote no report; no save",
                       step=_max_step(ranks),
-                      evidence=[f"launcher on {ln.get('host')}: signals {ln.get('signals')}, torchrun rc "
-                                f"{ln.get('torchrun_rc')}, silent {ln.get('silent_local_ranks')}"
-                                for ln in facts.launchers] + [f"step rc {step_rc} (not read)"])
+                      evidence=[*map(_launcher_line, facts.launchers), f"step rc {step_rc} (not read)"])
     if not ranks and not facts.launchers and terms:
         return Ending(_slurm_stop(slurm.state), f"ended by Slurm (TERM) before training reported; state "
                       f"{slurm.state}", evidence=[f"batch shell got TERM at {min(terms):.3f}"])

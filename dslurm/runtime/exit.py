@@ -56,10 +56,9 @@ def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
     already failed of its own accord (e.g. the watchdog's verdict, then torchrun's TERM when a
     peer exited): that one is the teardown, not the cause. Each signal is judged by its own
     arrival: a TERM that came after the failure is not dated to an earlier USR2. Pure."""
-    signame, sig_t = getattr(stop, "signame", None), getattr(stop, "t", None)
-    if signame is None or failed_t is None or sig_t is None:
+    signame, times = getattr(stop, "signame", None), getattr(stop, "times", None) or {}
+    if signame is None or failed_t is None:
         return signame
-    times = getattr(stop, "times", None) or {signame: sig_t}
     before = [name for name, t in times.items() if t <= failed_t]
     return "SIGTERM" if "SIGTERM" in before else (before[0] if before else None)
 

@@ -48,7 +48,6 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signame: str | None = None
-        self.t: float | None = None  # when the first stop signal arrived
         self.times: dict[str, float] = {}  # when each signal first arrived (a TERM after a USR2 has its own)
         self._target: Any = None
 
@@ -69,10 +68,7 @@ class StopRequest:
         self._set(signal.Signals(signum).name)
 
     def _set(self, name: str) -> None:
-        now = time.time()
-        if self.t is None:
-            self.t = now
-        self.times.setdefault(name, now)
+        self.times.setdefault(name, time.time())
         # TERM outranks USR2: a preemption/cancel must not be turned into a requeue.
         if self.signame != "SIGTERM":
             self.signame = name

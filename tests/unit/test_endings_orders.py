@@ -176,8 +176,8 @@ def test_the_signal_a_rank_reports_is_the_one_that_came_before_its_failure():
     assert signal_before_failure(stop, failed) == "SIGUSR2"
     assert F.victim_kind("crash", "RuntimeError: boom", "SIGUSR2") == "crash"
     assert F.victim_kind("crash", "RuntimeError: boom", "SIGTERM") == "killed_by_teardown"
-    # an object with only the first signal's time (older callers) keeps the old reading
-    assert signal_before_failure(SimpleNamespace(signame="SIGTERM", t=1.0), 2.0) == "SIGTERM"
+    # a TERM alone, before the failure, is kept
+    assert signal_before_failure(SimpleNamespace(signame="SIGTERM", times={"SIGTERM": 1.0}), 2.0) == "SIGTERM"
 
 
 def test_a_saved_warned_stop_is_stamped_before_the_cleanup_so_a_late_term_cannot_undo_it(start, tmp_path):

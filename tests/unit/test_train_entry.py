@@ -66,11 +66,11 @@ def test_a_signal_after_a_rank_failed_of_its_own_is_not_recorded_as_its_cause():
     from dslurm.requeue.facts import victim_kind
     from dslurm.runtime.exit import signal_before_failure
 
-    term_first = SimpleNamespace(signame="SIGTERM", t=100.0)
+    term_first = SimpleNamespace(signame="SIGTERM", times={"SIGTERM": 100.0})  # a StopRequest's fields
     assert signal_before_failure(term_first, 101.0) == "SIGTERM"
     assert victim_kind("crash", "hang", signal_before_failure(term_first, 101.0)) == "killed_by_teardown"
     assert signal_before_failure(term_first, 99.0) is None
     assert victim_kind("crash", "hang", signal_before_failure(term_first, 99.0)) == "crash"
     assert signal_before_failure(term_first, None) == "SIGTERM"  # a stop without a failure: kept
-    assert signal_before_failure(SimpleNamespace(signame=None, t=None), 5.0) is None
+    assert signal_before_failure(SimpleNamespace(signame=None, times={}), 5.0) is None
     assert signal_before_failure(None, 5.0) is None
