@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import dslurm
 from dslurm import checkpoint as ck
 from dslurm import faults
+from dslurm.checkpoint import per_rank
 from dslurm.checkpoint.coverage import is_shard, verify_reads
 from dslurm.checkpoint.io import CrcReader, crc_writer, restore_test
 from dslurm.checkpoint.rng import apply_rng, capture_rng
@@ -125,6 +126,7 @@ class _Job:
     t0: float
     phases: dict[str, float] = field(default_factory=dict)
     lag_wait_s: float = 0.0  # two tiers, on_lag=wait: training waited this long for the copier first
+    state: dict[str, Any] = field(default_factory=dict)  # this rank's per-rank state (per_rank.capture)
 
 
 class _Comm:
@@ -201,7 +203,7 @@ def prepare_generation(gen: Path, job: _Job, sd: dict[str, Any], rank: int, worl
         (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
         faults.ckpt_kill("before_write", rank, job.nth)
         ck.atomic_write_json(gen / ck.RANKS / f"rank-{rank:05d}.json",
-                             {"rank": rank, "world_size": world, "rng": job.rng})
+                             {"rank": rank, "world_size": world, "rng": job.rng, "state": job.state})
         if leader:
             ck.atomic_write_json(gen / ck.META, job.meta)
         bad = nonfinite_keys(sd)
@@ -224,7 +226,8 @@ class CheckpointManager:
                  config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
                  layout: dict[str, Any] | None = None, ledger: Ledger | None = None,
                  verify_on_restore: str = "full", io_threads: int = 1, scratch: str | None = None,
-                 keep_local: int = 2, on_lag: str = "wait", overlap_staging: bool = True):
+                 keep_local: int = 2, on_lag: str = "wait", overlap_staging: bool = True,
+                 per_rank_state: list[per_rank.Entry] | None = None):
         for name, value, allowed in (("on_inflight", on_inflight, ("wait", "skip")),
                                      ("on_error", on_error, ("continue", "stop")),
                                      ("verify_on_restore", verify_on_restore, ("full", "size"))):
@@ -237,6 +240,7 @@ class CheckpointManager:
         self.config_hash, self.model_shape, self.layout = config_hash, model_shape, layout or {}
         self.ledger, self.io_threads = ledger, io_threads
         self.overlap_staging = overlap_staging  # host copy during the next step (dslurm.checkpoint.staging)
+        self.per_rank = per_rank_state or []  # saved by each rank into its rank file (checkpoint.per_rank)
         on = dist.is_available() and dist.is_initialized()
         self._ctl = _Comm(dist.new_group(backend="gloo") if on else None)
         self._bg = _Comm(dist.new_group(backend="gloo") if on and async_mode else None)
@@ -302,6 +306,8 @@ class CheckpointManager:
         else:
             log.warning("[rank %d] world size %d -> %d: RNG streams not restored", self.rank,
                         meta["world_size"], self.world)
+        for how in per_rank.restore(self.per_rank, gen, meta["world_size"], self.rank, self.world):
+            log.info("[rank %d] per-rank state %s", self.rank, how)
         if extra is not None:
             extra.update(meta["extra"])
         phases["total"] = time.perf_counter() - t0
@@ -489,8 +495,9 @@ class CheckpointManager:
         meta = {"format": ck.FORMAT, "generation": name, "step": step, "extra": extra,
                 "world_size": self.world, "layout": self.layout, "config_hash": self.config_hash,
                 "model_shape": self.model_shape, "torch_version": torch.__version__,
-                "dslurm_version": dslurm.__version__, "saved_by": ck.holder_identity()}
-        return _Job(name, step, self._saves, meta, capture_rng(), t0)
+                "dslurm_version": dslurm.__version__, "saved_by": ck.holder_identity(),
+                "per_rank": [e.name for e in self.per_rank]}
+        return _Job(name, step, self._saves, meta, capture_rng(), t0, state=per_rank.capture(self.per_rank))
 
     def _background(self, job: _Job, staged: Future[dict[str, Any]], stall: float) -> None:
         try:

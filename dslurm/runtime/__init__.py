@@ -7,7 +7,7 @@ built-in trainer (train/), which uses these modules too::
     import dslurm.runtime as dr
 
     rt = dr.init()                          # process group + device, stop handlers, burn-in gate
-    ckpt = dr.Checkpoint(model=model, optim=opt, data=position)   # any state; RNG included
+    ckpt = dr.Checkpoint(model=model, optim=opt, data=loader)   # any state; RNG included
     start = ckpt.restore()                  # completed steps to resume after (0: fresh)
     for step in range(start, steps):
         ...                                 # forward, backward, optimizer step
@@ -17,8 +17,14 @@ built-in trainer (train/), which uses these modules too::
             dr.exit_for_requeue(step + 1)   # exit 75 (USR2: requeue me) or 143 (TERM)
         if ckpt.due(step + 1):
             ckpt.save(step + 1)             # sync, async or two tiers, as the job says
-    ckpt.save(steps, final=True)
+    ckpt.save(steps, final=True)            # a no-op wait when the loop's last save was this step
     dr.finish(steps)
+
+Shared and per-rank state: models and optimizers (and `dr.shared(obj)`) are one state for the
+job, through DCP; everything else (data loaders, samplers, generators, schedulers, dicts, your
+own objects) is saved by each rank for itself and given back to the same rank; on a world-size
+change it is resharded when it can be (`dr.per_rank(obj, reshard=fn)`), refused by name when
+not. See dslurm/runtime/checkpoint.py `Checkpoint` and docs/checkpoint.md.
 
 Configuration comes from the run directory, not from arguments: the launcher exports
 DSLURM_RUN_DIR, where `dslurm submit` froze `site.yaml` and `job.yaml` (the job's
@@ -47,11 +53,12 @@ from typing import Any
 
 from dslurm import exitcodes
 from dslurm.runtime.checkpoint import Checkpoint as _Checkpoint
+from dslurm.runtime.checkpoint import per_rank, shared
 from dslurm.runtime.exit import Outcome, report, world_from_env
 from dslurm.runtime.stop import StopFlags, StopRequest
 
-__all__ = ["Checkpoint", "Runtime", "current", "exit_for_requeue", "finish", "init", "log_metrics",
-           "stop_requested"]
+__all__ = ["Checkpoint", "Runtime", "current", "exit_for_requeue", "finish", "init", "log_metrics", "per_rank",
+           "shared", "stop_requested"]
 log = logging.getLogger(__name__)
 # Steps fields a metric of that name fills; every other metric goes to Steps.values.
 _STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s")
@@ -201,7 +208,9 @@ def _excepthook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
     rt = _CURRENT
     code = rt._on_error(exc) if rt is not None else 1
     if isinstance(exc, UserError):  # a dslurm error: one line, its own exit code, no traceback
-        print(f"error: [rank {rt.rank if rt else '?'}] {exc}", file=sys.stderr, flush=True)
+        # The process's real stderr: init_process_group wraps this hook in one that swaps
+        # sys.stderr for a buffer and prints it after we return -- which os._exit never does.
+        print(f"error: [rank {rt.rank if rt else '?'}] {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(code)
     sys.__excepthook__(tp, exc, tb)

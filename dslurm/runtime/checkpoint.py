@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,41 @@ from dslurm.errors import UserError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PerRank:
+    """`per_rank(obj, reshard=fn)`: see `per_rank`."""
+
+    obj: Any
+    reshard: Callable[[Any, list[Any], int, int], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Shared:
+    """`shared(obj)`: see `shared`."""
+
+    obj: Any
+
+
+def per_rank(obj: Any, reshard: Callable[[Any, list[Any], int, int], Any] | None = None) -> PerRank:
+    """Mark a Checkpoint entry as per-rank state (the default for everything but models,
+    optimizers and `shared` entries) and give it a resharder for resumes with another world
+    size: `reshard(obj, old_states, new_rank, new_world) -> this rank's state` (raise
+    ValueError to refuse). Without one, states that differ between the saved ranks are
+    refused on a world-size change, naming the entry."""
+    return PerRank(obj, reshard)
+
+
+def shared(obj: Any) -> Shared:
+    """Mark a Checkpoint entry (an object with state_dict/load_state_dict) as one state for the
+    whole job, saved through DCP: replicated values (one copy is kept) or DTensor shards
+    (resharded to the new layout). Use it for big replicated state (an EMA copy) or a sharded
+    object of your own; never for anything that differs between ranks."""
+    return Shared(obj)
+
+
 def manager_for(spec: Any, run_dir: str | Path, *, scratch: str | None, ledger: Any,
                 config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
-                layout: dict[str, Any] | None = None) -> Any:
+                layout: dict[str, Any] | None = None, per_rank_state: list[Any] | None = None) -> Any:
     """The CheckpointManager of a run: `spec` is the job's `checkpoint` section
     (dslurm.config.CheckpointSpec); `scratch` the site's node-local storage (used with
     tiers: two_tier). Collective: call on every rank."""
@@ -31,7 +65,8 @@ def manager_for(spec: Any, run_dir: str | Path, *, scratch: str | None, ledger: 
         run_dir, keep=spec.keep, keep_every=spec.keep_every, async_mode=spec.async_save,
         on_inflight=spec.on_inflight, on_error=spec.on_error, config_hash=config_hash,
         model_shape=model_shape, layout=layout, ledger=ledger,
-        scratch=scratch if spec.tiers == "two_tier" else None, keep_local=spec.keep_local, on_lag=spec.on_lag)
+        scratch=scratch if spec.tiers == "two_tier" else None, keep_local=spec.keep_local, on_lag=spec.on_lag,
+        per_rank_state=per_rank_state)
 
 
 def final_failure(mgr: Any, step: int) -> Exception | None:
@@ -45,10 +80,18 @@ def final_failure(mgr: Any, step: int) -> Exception | None:
 
 class Checkpoint:
     """Save and restore any named state of a script: `Checkpoint(rt, model=m, optim=o, sched=s,
-    data={"epoch": 0, "batch": 0})`. RNG streams (Python, numpy, torch, CUDA) of every rank are
-    saved with each generation and restored when the world size is unchanged. A plain dict must
-    hold JSON values, the same on every rank (rank 0 writes it), and is restored in place.
-    Every method is collective: call it on every rank at the same step."""
+    data=loader, gen=torch_generator, pos={"epoch": 0})`.
+
+    Which state is shared and which per rank (docs/checkpoint.md, "Per-rank state"):
+    models, optimizers, LR schedulers and GradScalers (and entries marked `shared(obj)`) are
+    one state for the job, saved through DCP and resharded to any layout; everything else --
+    data loaders and samplers, generators, plain dicts, your own objects -- is per-rank: each
+    rank saves its own and gets its own back. On a resume with another world size, a
+    DataLoader over a DistributedSampler (torchdata's StatefulDataLoader) is resharded, an
+    entry with `per_rank(obj, reshard=fn)` is resharded by `fn`, and any other per-rank entry
+    is refused by name. RNG streams (Python, numpy, torch, CUDA) of every rank are saved too
+    and restored when the world size is unchanged. Every method is collective: call it on
+    every rank at the same step."""
 
     def __init__(self, rt: Any, **state: Any) -> None:
         from dslurm.config import CheckpointSpec
@@ -58,14 +101,15 @@ class Checkpoint:
             raise UserError("dslurm.runtime.Checkpoint needs a run directory: run the script under dslurm "
                             "(it sets DSLURM_RUN_DIR) or pass init(run_dir=...)")
         try:
-            self._tensors, self._dicts = split_state(state)
+            self._shared, self._per_rank = split_state(state)
         except ValueError as exc:
             raise UserError(f"dslurm.runtime.Checkpoint: {exc}") from None
         self.rt = rt
         self.spec = rt.job.checkpoint if rt.job is not None else CheckpointSpec()
         scratch = rt.site.storage.scratch if rt.site is not None else None
         self.manager = manager_for(self.spec, rt.run_dir, scratch=scratch, ledger=rt.ledger,
-                                   layout={"world_size": rt.world_size})
+                                   layout={"world_size": rt.world_size}, per_rank_state=self._per_rank)
+        self._saved_step: int | None = None  # the step of the last save started or done
 
     @property
     def interval(self) -> int:
@@ -82,13 +126,9 @@ class Checkpoint:
         `train_start` event, from which `dslurm report` counts this start."""
         from dslurm.observe import events
 
-        extra: dict[str, Any] = {}
-        res = self.manager.restore(self._tensors, extra)
-        for name, d in self._dicts.items():
-            if name in extra:
-                d.clear()
-                d.update(extra[name])
+        res = self.manager.restore(self._shared)
         step = res.step if res is not None else 0
+        self._saved_step = step if res is not None else None
         self.rt.event(events.TrainStart(step=step, generation=res.generation if res else None,
                                         fell_back=bool(res and res.fell_back),
                                         startup_s=round(time.time() - self.rt.t_start, 3),
@@ -99,15 +139,30 @@ class Checkpoint:
     def save(self, step: int, *, final: bool = False) -> bool:
         """Save the state as of `step` completed steps: in the background when the job's
         checkpoint.async_save says so, unless `final` (before an exit: blocking, and it must
-        commit, or this raises and the script exits 74 through `dslurm.runtime`)."""
-        ok = self.manager.save(step, self._tensors, {k: dict(v) for k, v in self._dicts.items()}, blocking=final)
+        commit, or this raises and the script exits 74 through `dslurm.runtime`). A step already
+        saved is not saved again (a loop whose last periodic save is its final step): a final
+        save then waits for that one and checks it committed durably."""
+        if step == self._saved_step and self._already_saved(step, final):
+            return True
+        ok = self.manager.save(step, self._shared, blocking=final)
         if final and (err := final_failure(self.manager, step)) is not None:
             from dslurm import exitcodes
             from dslurm.observe import events
 
             self.rt.event(events.Exit(reason="save_failed", step=step, code=exitcodes.SAVE_FAILED))
             raise err
+        if ok:
+            self._saved_step = step
         return bool(ok)
+
+    def _already_saved(self, step: int, final: bool) -> bool:
+        if not final:
+            return True  # committed, or in flight: the state has not changed since
+        self.manager.wait()
+        out = self.manager.last_outcome
+        if out is None:  # restored at this step and nothing trained since: the pointer holds it
+            return True
+        return bool(out.step == step and out.ok and out.durable)
 
     def close(self) -> None:
         """Wait for an in-flight save and release the run directory's lock."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -22,8 +23,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim import Optimizer
+
+from dslurm.checkpoint.per_rank import DictState, Entry, entry_for
+from dslurm.runtime.checkpoint import PerRank, Shared
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+# One state for the whole job by nature (the step count, the loss scale): saved through DCP.
+_SHARED_KINDS: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
 
 
 class ModelState(Stateful):
@@ -66,32 +73,40 @@ def train_state(parts: list[nn.Module], optimizers: list[Any]) -> dict[str, Stat
     return {"model": ModelState(parts), "optim": OptimizerState(parts, optimizers)}
 
 
-def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """A script's named state -> (tensor state for DCP, JSON dicts for the generation's metadata).
-    Modules and optimizers go through the DCP state-dict helpers (sharded under FSDP2/TP, the
-    `module.` prefix of DDP dropped), so a checkpoint loads into another layout; anything with
-    `state_dict`/`load_state_dict` (a scheduler, a GradScaler, your own) is saved as it says;
-    a plain dict (data position, counters) must be JSON and is restored in place.
-    Raises ValueError naming the entry and the fix."""
-    from torch.optim import Optimizer
+def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
+    """A script's named state -> (shared state for DCP, per-rank entries for the rank files).
 
+    Shared (one copy for the job, through DCP: sharded under FSDP2/TP, the `module.` prefix of
+    DDP dropped, so it loads into another layout): modules, optimizers, LR schedulers,
+    GradScalers, and whatever is marked `dslurm.runtime.shared(obj)` (a dict, or replicated or
+    DTensor state of your own).
+    Per rank (each rank saves its own and gets its own back; dslurm/checkpoint/per_rank.py):
+    everything else -- a `StatefulDataLoader`, a sampler, a `torch.Generator` or numpy
+    `Generator`, a plain dict (restored in place), any object with `state_dict`/
+    `load_state_dict`, and whatever is marked `dslurm.runtime.per_rank(obj, reshard=fn)`.
+    Raises ValueError naming the entry and the fix."""
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     optims = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
     if optims and len(modules) != 1:
         raise ValueError(f"optimizer(s) {', '.join(sorted(optims))} need exactly one model in the checkpoint "
                          f"(got {len(modules)}): put the models in one nn.ModuleDict")
-    tensors: dict[str, Any] = {}
-    extra: dict[str, dict[str, Any]] = {}
+    shared: dict[str, Any] = {}
+    ranks: list[Entry] = []
     for name, value in state.items():
         if isinstance(value, nn.Module):
-            tensors[name] = ModelState([value])
+            shared[name] = ModelState([value])
         elif isinstance(value, Optimizer):
-            tensors[name] = OptimizerState(modules, [value])
-        elif isinstance(value, Stateful):
-            tensors[name] = value
-        elif isinstance(value, dict):
-            extra[name] = value
+            shared[name] = OptimizerState(modules, [value])
+        elif isinstance(value, Shared) or isinstance(value, _SHARED_KINDS):
+            obj = value.obj if isinstance(value, Shared) else value
+            if isinstance(obj, dict):
+                obj = DictState(obj)
+            if not isinstance(obj, Stateful):
+                raise ValueError(f"checkpoint entry {name!r}: shared(...) needs a dict or an object with "
+                                 f"state_dict/load_state_dict, not a {type(obj).__name__}")
+            shared[name] = obj
+        elif isinstance(value, PerRank):
+            ranks.append(entry_for(name, value.obj, value.reshard))
         else:
-            raise ValueError(f"checkpoint entry {name!r} is a {type(value).__name__}: give a module, an "
-                             "optimizer, an object with state_dict/load_state_dict, or a dict of JSON values")
-    return tensors, extra
+            ranks.append(entry_for(name, value))
+    return shared, ranks
