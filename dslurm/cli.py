@@ -23,6 +23,7 @@ COMMANDS = {
     "render": "dslurm.render.cli",
     "submit": "dslurm.submit",
     "status": "dslurm.submit",
+    "cancel": "dslurm.requeue.cancel",
     "cluster": "dslurm.cluster",
     "launch": "dslurm.launch",
     "env": "dslurm.launch",

@@ -73,6 +73,8 @@ class SiteRequeueSpec:
     signal_lead_s: int = field(120, help="seconds before the time limit that USR2 is sent")
     max_restarts: int = field(5, help="restart budget per job")
     no_progress_limit: int = field(3, help="stop after this many starts without the pointer advancing")
+    max_stray_stops: int = field(3, help="requeues per job after a stray stop (a TERM that reached the job step "
+                                         "but not the batch shell while Slurm still ran the job)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -276,6 +278,8 @@ class RequeueSpec:
         None, help="seconds of warning before the time limit, or 'auto'; null = the site's")
     max_restarts: int | None = field(None, help="restart budget; null = the site's")
     no_progress_limit: int | None = field(None, help="starts without progress before giving up")
+    max_stray_stops: int | None = field(None, help="requeues after stray stops (a TERM that reached only the "
+                                                   "job step); null = the site's")
 
 
 _DEPENDENCY = r"[a-z]+(:[0-9_+]+)+([,?][a-z]+(:[0-9_+]+)+)*|singleton"  # e.g. afterany:12:13,afterok:14

@@ -74,6 +74,9 @@ class RequeuePolicy:
     """restart budget for failures (crash, node failure, burn-in); preemptions spend none"""
     no_progress_limit: int
     """stop after this many starts without the pointer advancing (0: never)"""
+    max_stray_stops: int
+    """requeues per job after stray stops (a TERM that reached the job step, not the batch shell,
+    while Slurm still ran the job: docs/endings.md); counted apart from max_restarts"""
 
 
 def requeue_policy(site: SiteConfig, job: JobSpec, history: Iterable[Event] = ()) -> RequeuePolicy:
@@ -91,7 +94,8 @@ def requeue_policy(site: SiteConfig, job: JobSpec, history: Iterable[Event] = ()
         enabled=site.requeue.enabled if rq.enabled is None else rq.enabled, lead_setting=setting, lead_s=lead,
         lead_reason=how,
         max_restarts=site.requeue.max_restarts if rq.max_restarts is None else rq.max_restarts,
-        no_progress_limit=site.requeue.no_progress_limit if rq.no_progress_limit is None else rq.no_progress_limit)
+        no_progress_limit=site.requeue.no_progress_limit if rq.no_progress_limit is None else rq.no_progress_limit,
+        max_stray_stops=site.requeue.max_stray_stops if rq.max_stray_stops is None else rq.max_stray_stops)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

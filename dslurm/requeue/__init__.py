@@ -16,6 +16,10 @@ class:
   of the job: they spend no restart budget.
 - crash (any rank, whatever code srun gave the others), node failure, burn-in rejection:
   requeue within the restart budget, counted over this job's earlier *failure* endings.
+- stray stop (a TERM reached the job step, not the batch shell, while Slurm still ran the job:
+  nobody said the run should end): requeue within `max_stray_stops`, counted over this job's
+  earlier stray stops; the crash budget is not touched. A run is stopped on purpose with
+  `scancel JOB` (it reaches the batch shell) or `dslurm cancel` (dslurm/requeue/cancel.py).
 - either way, the no-progress guard: if the pointer has not advanced across
   `no_progress_limit` consecutive starts, stop with its own exit code (76).
 - in a chain, the next link continues instead of a requeue.
@@ -65,8 +69,10 @@ _STOPS = {E.USER_ERROR: (X.USER_ERROR, "user error: fix the input and resubmit")
 
 def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: int,
            start_steps: list[int], pointer_step: int, in_chain: bool = False,
-           requeue_enabled: bool = True, detail: str = "") -> Decision:
-    """Pure policy; see the module docstring. `failures`: this job's earlier failure endings."""
+           requeue_enabled: bool = True, detail: str = "", stray_stops: int = 0,
+           max_stray_stops: int = 0) -> Decision:
+    """Pure policy; see the module docstring. `failures`: this job's earlier failure endings;
+    `stray_stops`: its earlier stray stops (`max_stray_stops`: the policy's budget for them)."""
     tail = f" [{detail}]" if detail else ""
     if ending == E.COMPLETED:
         return Decision("end", X.OK, "completed")
@@ -87,8 +93,18 @@ def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: 
     if in_chain:
         return Decision("end", X.OK, f"{what}: the next link of the chain continues{tail}")
     if not requeue_enabled:
-        return Decision("stop", X.REQUEUE if ending == E.WARNED_STOP else 1,
-                        f"{what}, but requeue is off for this job (requeue.enabled: false){tail}")
+        code = {E.WARNED_STOP: X.REQUEUE, E.STRAY_STOP: X.TERMINATED}.get(ending, 1)
+        return Decision("stop", code, f"{what}, but requeue is off for this job (requeue.enabled: false){tail}")
+    if ending == E.STRAY_STOP:
+        if stray_stops >= max_stray_stops:
+            return Decision("stop", X.BUDGET, f"stray stop, but its budget is spent ({stray_stops} of "
+                                              f"{max_stray_stops} stray-stop requeues, requeue.max_stray_stops): "
+                                              f"TERMs keep reaching the job step without Slurm ending the job; "
+                                              f"find their sender (the ending's evidence names the nodes). To stop "
+                                              f"a run on purpose: scancel JOB or dslurm cancel{tail}")
+        return Decision("requeue", X.OK, f"stray stop (a TERM reached the job step only; not a cancel): requeue "
+                                         f"(stray stop {stray_stops + 1} of {max_stray_stops}; no restart budget "
+                                         f"spent){tail}")
     if ending not in E.FAILURES:
         return Decision("requeue", X.OK, f"{what}: requeue (not a failure: no restart budget spent){tail}")
     if failures >= max_restarts:
@@ -129,6 +145,21 @@ def pointer_step(run_dir: Path) -> int:
 def failures_of(history: Iterable[ev.Event], job_id: str) -> int:
     """This job's earlier endings that were failures (crash, node failure, burn-in)."""
     return sum(1 for e in ev.of(history, ev.Ending) if e.job_id == job_id and e.cls in E.FAILURES)
+
+
+def stray_stops_of(history: Iterable[ev.Event], job_id: str) -> int:
+    """This job's earlier endings that were stray stops (requeue.max_stray_stops counts them)."""
+    return sum(1 for e in ev.of(history, ev.Ending) if e.job_id == job_id and e.cls == E.STRAY_STOP)
+
+
+def decide_for(history: list[ev.Event], run_dir: Path, job_id: str, ending: E.Ending, policy: Any, *,
+               in_chain: bool, requeue_enabled: bool) -> Decision:
+    """`decide` with the run's frozen policy and this job's earlier endings from the ledger."""
+    return decide(ending=ending.cls, failures=failures_of(history, job_id), max_restarts=policy.max_restarts,
+                  no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(history),
+                  pointer_step=pointer_step(run_dir), in_chain=in_chain, requeue_enabled=requeue_enabled,
+                  detail=ending.reason, stray_stops=stray_stops_of(history, job_id),
+                  max_stray_stops=policy.max_stray_stops)
 
 
 def _record_ending(run_dir: Path, d: Path, ending: E.Ending, *, step_rc: int | None = None,
@@ -228,10 +259,8 @@ def retry_decision(run_dir: Path, job_id: str, ending: E.Ending, policy: Any) ->
     """Would a failure ending be retried? `decide` with the run's restart budget and no-progress
     guard, asked before the ending is recorded (as requeue-me does): the in-allocation recovery
     (dslurm/recover/supervise.py) retries only what a requeue would."""
-    history = ev.read(run_dir)
-    return decide(ending=ending.cls, failures=failures_of(history, job_id), max_restarts=policy.max_restarts,
-                  no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(history),
-                  pointer_step=pointer_step(run_dir), detail=ending.reason)
+    # Recovering inside the allocation is no requeue: requeue.enabled does not forbid it (as before).
+    return decide_for(ev.read(run_dir), run_dir, job_id, ending, policy, in_chain=False, requeue_enabled=True)
 
 
 Act = Callable[[Decision, E.Ending, Mapping[str, str], Path, list[int]], None]
@@ -243,17 +272,13 @@ def conclude(run_dir: Path, d: Path | None, ending: E.Ending, rc: int, env: Mapp
     from dslurm.observe.ledger import Ledger
 
     close_earlier_starts(run_dir, d, env, acct)
-    history = ev.read(run_dir)
+    history = ev.read(run_dir)  # read before this ending is recorded: the budgets count earlier ones
     job_id = env.get("SLURM_JOB_ID", "")
-    failures = failures_of(history, job_id)
     if d is not None:
         _record_ending(run_dir, d, ending, step_rc=rc)
     chain = chain_of(history, job_id)
     policy = frozen_policy(run_dir)
-    dec = decide(ending=ending.cls, failures=failures, max_restarts=policy.max_restarts,
-                 no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(history),
-                 pointer_step=pointer_step(run_dir), in_chain=bool(chain), requeue_enabled=policy.enabled,
-                 detail=ending.reason)
+    dec = decide_for(history, run_dir, job_id, ending, policy, in_chain=bool(chain), requeue_enabled=policy.enabled)
     Ledger(run_dir).append(ev.Requeue(decision=dec.action, step_rc=rc, exit_code=dec.exit_code,
                                       reason=dec.reason, ending=ending.cls))
     print(f"dslurm: step ended: {ending.cls} ({ending.reason}); exit {rc}; decision: {dec.action}: "

@@ -9,23 +9,33 @@ Rules, first match wins:
      the step (scancel, preemption, `scontrol requeue`, the time limit). A TERM that reached
      only a launcher may be srun tearing the step down after another node failed: it
      decides nothing on its own. A TERM that came after every rank had saved on a stop
-     warning (the time limit arriving while requeue-me runs) does not undo that stop.
+     warning (the time limit arriving while requeue-me runs) does not undo that stop. The class
+     follows Slurm's state; a `dslurm cancel` request on record while the job still runs makes
+     it a cancel.
   3. The earliest failure a rank reported of its own: crash (a hang the watchdog caught is one),
      save failure, user error, refused (run dir locked), burn-in rejection, diverged (non-finite
      loss under train.nonfinite=stop). A peer's "connection closed" marks a
      victim, never the origin.
-  4. A stop the ranks agreed on and saved (USR2: the time-limit warning; TERM that reached
-     the step only: a cancel aimed at the step).
+  4. A stop the ranks agreed on and saved: USR2 (the time-limit warning): a warned stop. TERM
+     that reached the step only (the batch shell got none): a stray stop while Slurm still runs
+     the job (RUNNING, COMPLETING, or its state unknown); a cancel once Slurm says the job is
+     cancelled, or when `dslurm cancel` recorded the request.
   5. Every rank completed.
   6. A launcher whose torchrun failed while it had received no TERM (USR2 is only a warning):
      a crash, on the node whose ranks left no report (killed -9, died in C code) -- even if
      that node's launcher got srun's TERM after its peers, who saw it vanish, exited first.
-  7. Every launcher received a TERM (so none ended the step with a failure of its own, the exit
-     srun's teardown would follow), and no rank failed or saved: a TERM aimed at the job step
-     (`scancel --signal=TERM`) stopped workers that write no report (a plain script, the probe,
-     the burn-in, a trainer before its handlers): a cancel, whatever torchrun (1 on TERM) and
-     srun returned.
+  7. Some or every launcher received a TERM (none ended the step with a failure of its own, the
+     exit srun's teardown would follow), the batch shell none, and no rank failed or saved: the
+     TERM stopped workers that write no report (a plain script, the probe, the burn-in, a trainer
+     before its handlers), whatever torchrun (1 on TERM) and srun returned. While Slurm still runs
+     the job nobody said the run should end (a TERM aimed at the step alone is not how a run is
+     stopped: `scancel JOB` reaches the batch shell, `dslurm cancel` records the request): a
+     stray stop, naming who got the TERM and when. Once Slurm says the job is cancelled (or a
+     `dslurm cancel` request is on record) and every launcher got the TERM: a cancel.
   8. No facts at all (nothing could be written): the step's exit code, said plainly.
+
+A stray stop is requeued within a budget of its own (dslurm/requeue/__init__.py::decide); seen in
+the field ~40 s after the requeue of a hung start, on the node that had been holding it.
 """
 
 from __future__ import annotations
@@ -41,8 +51,13 @@ COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
     "completed", "warned_stop", "cancelled", "preempted", "time_limit")
 CRASH, NODE_FAILURE, SAVE_FAILED, REFUSED, USER_ERROR, BURNIN_REJECTED, DIVERGED = (
     "crash", "node_failure", "save_failed", "refused", "user_error", "burnin_rejected", "diverged")
+# A TERM reached the job step but not the batch shell while Slurm still ran the job: nobody
+# said the run should end. Requeued within requeue.max_stray_stops, not the crash budget.
+STRAY_STOP = "stray_stop"
 FAILURES = (CRASH, NODE_FAILURE, BURNIN_REJECTED)  # retried within the crash budget
 SLURM_STOPS = (CANCELLED, PREEMPTED, TIME_LIMIT)  # Slurm ended the step: Slurm decides what next
+# Accounting's states of an incarnation that Slurm has not ended (None: accounting said nothing).
+_STILL_RUNNING = ("RUNNING", "COMPLETING", "CONFIGURING", "UNKNOWN", "")
 
 @dataclass(frozen=True)
 class SlurmView:
@@ -97,6 +112,41 @@ def _got_term(launcher: Mapping[str, Any]) -> bool:
     return any(is_term(str(s[0])) for s in launcher.get("signals") or [])
 
 
+def _term_t(launcher: Mapping[str, Any]) -> float:
+    return min(float(s[1]) for s in launcher.get("signals") or [] if is_term(str(s[0])))
+
+
+def _still_running(state: str | None) -> bool:
+    """Slurm has not ended this incarnation: RUNNING, COMPLETING, ... or accounting said nothing."""
+    return (state or "").upper().split(" ")[0] in _STILL_RUNNING
+
+
+def _cancel_line(facts: StartFacts) -> str | None:
+    """The `dslurm cancel` request recorded for this start, said for the evidence; None without one."""
+    req = facts.cancel
+    if not req:
+        return None
+    return (f"`dslurm cancel{' --save' if req.get('save') else ''}` requested by {req.get('user', '?')} at "
+            f"{float(req.get('t') or 0):.3f}")
+
+
+def _stray(facts: StartFacts, slurm: SlurmView, ranks: Sequence[Mapping[str, Any]], saved: bool) -> Ending:
+    """Rule 4's or 7's TERM that reached the job step alone while Slurm still ran the job."""
+    got = sorted(((str(ln.get("host")), _term_t(ln)) for ln in facts.launchers if _got_term(ln)), key=lambda x: x[1])
+    spared = sorted(str(ln.get("host")) for ln in facts.launchers if not _got_term(ln))
+    where = ", ".join(f"{h} at {t:.3f}" for h, t in got) or "the ranks (no launcher recorded it)"
+    step = _max_step(ranks)
+    ev = [f"TERM reached the job step only: launcher(s) {where}" + (f"; none at {', '.join(spared)}" if spared else ""),
+          f"the batch shell got no TERM (its signals: {facts.batch_signals or 'none'})",
+          f"slurm: job state {slurm.state} (Slurm had not ended the job)", "no `dslurm cancel` request on record",
+          f"rank reports: {sorted({str(r.get('kind')) for r in ranks}) or 'none'}",
+          *map(_launcher_line, facts.launchers)]
+    return Ending(STRAY_STOP, f"stray stop: a TERM reached the job step only ({where}), not the batch shell, while "
+                  f"Slurm still ran the job (state {slurm.state}); not a cancel of the run; "
+                  + (f"saved at step {step}" if saved else "its workers wrote no report; no save"),
+                  step=step, saved=saved, evidence=ev)
+
+
 def _launcher_line(ln: Mapping[str, Any]) -> str:
     return (f"launcher on {ln.get('host')}: torchrun rc {ln.get('torchrun_rc')}, signals {ln.get('signals')}, "
             f"worker codes {ln.get('worker_codes')}, silent {ln.get('silent_local_ranks')}")
@@ -143,10 +193,13 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
     terms = [t for s, t in facts.batch_signals if s in ("TERM", "SIGTERM")]
     saved_t = [float(r.get("t") or 0) for r in ranks if r.get("kind") == "stop_saved"]
     warned_first = bool(terms) and bool(saved_t) and len(saved_t) == len(ranks) and max(saved_t) <= min(terms)
+    asked = _cancel_line(facts)
+    stray_ok = not terms and not asked and _still_running(slurm.state)  # nobody said the run should end
     if terms and (first_fail_t is None or min(terms) <= first_fail_t) and not warned_first:
-        cls = _slurm_stop(slurm.state)
+        # a TERM while the job still runs is a preemption's grace time, or the user's with the request on record
+        cls = CANCELLED if asked and _still_running(slurm.state) else _slurm_stop(slurm.state)
         saved = any(r.get("kind") == "terminated_saved" for r in ranks)
-        ev = [f"batch shell got TERM at {min(terms):.3f}", f"slurm: job state {slurm.state}"]
+        ev = [f"batch shell got TERM at {min(terms):.3f}", f"slurm: job state {slurm.state}", *filter(None, [asked])]
         if own:
             ev.append(f"first own failure later, at {first_fail_t:.3f} (rank {own[0].get('rank')})")
         what = {CANCELLED: "cancelled by the user (scancel)", TIME_LIMIT: "killed at the time limit",
@@ -172,11 +225,16 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
     usr2 = [t for s, t in facts.batch_signals if s in ("USR2", "SIGUSR2")]
     if "stop_saved" in kinds or "terminated_saved" in kinds:
         term = "terminated_saved" in kinds
+        if term and stray_ok:
+            return _stray(facts, slurm, ranks, saved=True)
         cls = CANCELLED if term else WARNED_STOP
-        ev = [f"ranks agreed to stop and saved: {sorted(kinds)}"]
+        ev = [f"ranks agreed to stop and saved: {sorted(kinds)}", *filter(None, [asked])]
+        if term:
+            ev.append(f"slurm: job state {slurm.state}")
         if usr2:
             ev.append(f"batch shell got USR2 at {min(usr2):.3f}")
-        why = "TERM aimed at the job step" if term else "a stop warning (USR2)"
+        why = ("the user's `dslurm cancel` (TERM to the job step)" if asked else "TERM aimed at the job step") \
+            if term else "a stop warning (USR2)"
         return Ending(cls, f"stopped on {why}; saved at step {_max_step(ranks)}", step=_max_step(ranks),
                       saved=True, evidence=ev)
     if ranks and kinds == {"completed"}:
@@ -190,10 +248,16 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
                       f"{got}; local rank(s) {silent} left no report (killed -9 or died in native code)",
                       origin_host=origin.get("host"), step=_max_step(ranks),
                       evidence=[_launcher_line(ln) for ln in facts.launchers])
+    # A launcher that ended non-zero with no TERM ended the step itself: srun's teardown sent the
+    # others theirs (a known sender), so that is not a stray stop.
+    own_exit = any(int(ln.get("code") or 0) and not _got_term(ln) for ln in facts.launchers)
+    if stray_ok and not own_exit and any(_got_term(ln) for ln in facts.launchers):
+        return _stray(facts, slurm, ranks, saved=False)
     if facts.launchers and all(_got_term(ln) for ln in facts.launchers):
         return Ending(CANCELLED, "stopped by a TERM aimed at the job step; its workers wrote no report; no save",
                       step=_max_step(ranks),
-                      evidence=[*map(_launcher_line, facts.launchers), f"step rc {step_rc} (not read)"])
+                      evidence=[*map(_launcher_line, facts.launchers), f"step rc {step_rc} (not read)",
+                                f"slurm: job state {slurm.state}", *filter(None, [asked])])
     if not ranks and not facts.launchers and terms:
         return Ending(_slurm_stop(slurm.state), f"ended by Slurm (TERM) before training reported; state "
                       f"{slurm.state}", evidence=[f"batch shell got TERM at {min(terms):.3f}"])

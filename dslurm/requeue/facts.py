@@ -15,6 +15,8 @@ into the same numbers. Each start of a run gets a directory of its own:
                          error, and the time of the failure itself (not of the cleanup)
     ending.json          the classified ending, written once by `dslurm requeue-me` (or, for
                          a start that died with its batch shell, by the next start)
+    cancel.json          `dslurm cancel` was asked to stop the run (who, when, --save), written
+                         before it signals: a TERM that follows is the user's, not a stray one
 
 Writers are torch-free and never raise into the caller's exit path: a fact that cannot be
 written (disk full) is logged and the run goes on ending the way it would have.
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 ENV = "DSLURM_FACTS_DIR"  # set by the batch script; derived the same way when absent
 STARTS = "starts"
 ENDING = "ending.json"
+CANCEL = "cancel.json"
 
 # Kinds a training process reports about itself. "victim" kinds say a peer went away:
 # they mark who was hurt, never where the failure began.
@@ -168,6 +171,11 @@ def write_ending(d: Path, ending: dict[str, Any]) -> bool:
     return _write_json(d / ENDING, ending)
 
 
+def write_cancel_request(d: Path, *, save: bool, user: str) -> bool:
+    """`dslurm cancel`'s record, in the facts dir of the start it stops, before it signals."""
+    return _write_json(d / CANCEL, {"t": time.time(), "save": save, "user": user})
+
+
 @dataclass
 class StartFacts:
     """Everything recorded for one start, as read back."""
@@ -177,6 +185,7 @@ class StartFacts:
     launchers: list[dict[str, Any]]
     ranks: list[dict[str, Any]]
     ending: dict[str, Any] | None
+    cancel: dict[str, Any] | None = None  # `dslurm cancel`'s request (cancel.json), if any
 
 
 def parse_signal_lines(text: str) -> list[tuple[str, float]]:
@@ -199,7 +208,11 @@ def read_start(d: Path) -> StartFacts:
     launchers = [x for p in sorted(d.glob("launcher-*.json")) if isinstance(x := _read_json(p), dict)]
     ranks = [x for p in sorted(d.glob("rank-*.json")) if isinstance(x := _read_json(p), dict)]
     ending = _read_json(d / ENDING)
-    return StartFacts(d.name, sigs, launchers, ranks, ending if isinstance(ending, dict) else None)
+    # A cancel is asked of the start (job.restart); a recovery's later job steps read it there too.
+    job, restart, _step = parse_start_name(d.name)
+    cancel = _read_json(d / CANCEL) or _read_json(d.parent / start_name(job, restart) / CANCEL)
+    return StartFacts(d.name, sigs, launchers, ranks, ending if isinstance(ending, dict) else None,
+                      cancel if isinstance(cancel, dict) else None)
 
 
 def list_starts(run_dir: str | os.PathLike[str]) -> list[Path]:

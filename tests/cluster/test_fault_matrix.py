@@ -393,14 +393,17 @@ def test_requeue_before_the_first_checkpoint_then_kill_9_of_one_rank(slurm_clust
 # ---------------------------------------------------------------- cancel, resubmit, torn ledger, corrupt metadata
 
 
-@pytest.mark.timeout(700)
-def test_cancel_resubmit_torn_ledger_and_corrupt_metadata(slurm_cluster, cli, tmp_path):
-    """One run directory, three jobs. Job 1 is `scancel`led while training: it saves on TERM, ends
-    'cancelled', Slurm does not requeue it. A torn line is left in the ledger (a kill -9 mid-write).
-    Job 2 resumes at exactly the saved step, and its first event is intact (the report's queue
-    wait is job 2's own); it is cancelled again. The pointer's `.metadata` is then corrupted:
-    job 3 falls back loudly to the older generation, marks the corrupt one rejected, and
-    retention deletes the corrupt one, never the verified fallback."""
+@pytest.mark.timeout(760)
+def test_cancel_resubmit_torn_ledger_corrupt_metadata_and_a_stray_term(slurm_cluster, cli, tmp_path):
+    """One run directory, three jobs. Job 1 is cancelled (`dslurm cancel JOB`: scancel) while
+    training: it saves on TERM, ends 'cancelled', Slurm does not requeue it. A torn line is left in
+    the ledger (a kill -9 mid-write). Job 2 resumes at exactly the saved step, and its first event
+    is intact (the report's queue wait is job 2's own); it is cancelled again, with
+    `dslurm cancel --save RUN_DIR` (the request on record, then TERM to the job step). The
+    pointer's `.metadata` is then corrupted: job 3 falls back loudly to the older generation, marks
+    the corrupt one rejected, and retention deletes the corrupt one, never the verified fallback.
+    While job 3 trains, a TERM reaches its job step only (`scancel --signal=TERM`, not the batch
+    shell: issue 24's stray TERM): a stray stop, saved and requeued, and job 3 completes."""
     from dslurm.checkpoint import list_generations, read_pointer
 
     env = slurm_cluster.env()
@@ -408,7 +411,8 @@ def test_cancel_resubmit_torn_ledger_and_corrupt_metadata(slurm_cluster, cli, tm
     spec = job_spec(tmp_path, "cancel", nodes=1, steps=40, interval=4, checkpoint={"keep": 2})
     job1 = submit(cli, env, spec)
     wait_for(lambda: _steps_in(run, 0, job1) >= 6, 240, "training in job 1")
-    slurm.run_cmd(["scancel", str(job1)], env=env)
+    res = cli("cancel", str(job1), env=env)
+    assert res.returncode == 0 and f"scancel {job1}" in res.stdout and "cancel.json" in res.stdout, res
     assert slurm.wait_job(job1, timeout=120, env=env) == "CANCELLED"
     wait_for(lambda: [e for e in events(run, "ending") if e["job_id"] == str(job1)], 60, "job 1's ending")
     saved = read_pointer(run).step
@@ -421,9 +425,14 @@ def test_cancel_resubmit_torn_ledger_and_corrupt_metadata(slurm_cluster, cli, tm
     wait_for(lambda: _steps_in(run, 0, job2) >= saved + 4, 240, "training in job 2")
     assert [e["step"] for e in events(run, "train_start") if e["job_id"] == str(job2)] == [saved]
     assert [e for e in events(run, "submit") if job2 in e["job_ids"]], "job 2's submit event was lost"
-    slurm.run_cmd(["scancel", str(job2)], env=env)
-    assert slurm.wait_job(job2, timeout=120, env=env) == "CANCELLED"
+    res = cli("cancel", "--save", str(run), env=env)
+    assert res.returncode == 0 and "scancel --signal=TERM" in res.stdout and "cancel.json" in res.stdout, res
+    # The batch shell exits 143 after the save (FAILED to Slurm); the ending says who stopped it.
+    assert slurm.wait_job(job2, timeout=120, env=env) in ("FAILED", "CANCELLED")
     wait_for(lambda: [e for e in events(run, "ending") if e["job_id"] == str(job2)], 60, "job 2's ending")
+    e2 = [e for e in events(run, "ending") if e["job_id"] == str(job2)][0]
+    assert (e2["cls"], e2["saved"]) == ("cancelled", True) and any("dslurm cancel --save" in x
+                                                                   for x in e2["evidence"]), e2
     sm = summarize(ev.read(run))
     assert sm.skipped_lines == 0  # the torn line is finished with a newline, then skipped as garbage
     assert sm.starts[1].queue_wait_s < 60, [s.queue_wait_s for s in sm.starts]
@@ -433,19 +442,30 @@ def test_cancel_resubmit_torn_ledger_and_corrupt_metadata(slurm_cluster, cli, tm
     assert older, "retention must have kept a fallback"
     (run / "generations" / ptr.generation / ".metadata").write_bytes(b"rotten")
     job3 = submit(cli, env, spec)
-    assert slurm.wait_job(job3, timeout=300, env=env) == "COMPLETED", logs(run)
+    wait_for(lambda: _steps_in(run, 0, job3) >= 1 + max([e["step"] for e in events(run, "train_start")
+                                                          if e["job_id"] == str(job3)], default=99), 240,
+             "training in job 3")
+    slurm.run_cmd(["scancel", "--signal=TERM", str(job3)], env=env)  # the job step only, not the batch shell
+    assert slurm.wait_job(job3, timeout=400, env=env) == "COMPLETED", logs(run)
+    stray = [e for e in events(run, "ending") if e["job_id"] == str(job3)][0]
+    assert (stray["cls"], stray["saved"]) == ("stray_stop", True), stray
+    assert any("batch shell got no TERM" in x for x in stray["evidence"]), stray
+    rq3 = [e for e in events(run, "requeue") if e["job_id"] == str(job3)]
+    assert [e["decision"] for e in rq3] == ["requeue", "end"] and "stray stop 1 of" in rq3[0]["reason"], rq3
+    assert [e["step"] for e in events(run, "train_start") if e["job_id"] == str(job3)][1] == stray["step"]
     fb = events(run, "ckpt_fallback")
     assert fb and fb[0]["generation"] == older[-1] and ptr.generation in fb[0]["rejected"], fb
     assert "CHECKPOINT FALLBACK" in logs(run)
     left = {g.name for g in list_generations(run)}
     assert ptr.generation not in left  # the corrupt one is gone ...
     assert read_pointer(run).step == 40
-    assert [e["cls"] for e in events(run, "ending")] == ["cancelled", "cancelled", "completed"]
-    record("scancel, resubmit; torn ledger line; corrupt .metadata", "resume at exactly the saved step; no "
-           "event lost after a torn line; loud fallback to a verified generation, the corrupt one deleted "
-           "(recovery here includes the test's own resubmission)",
+    assert [e["cls"] for e in events(run, "ending")] == ["cancelled", "cancelled", "stray_stop", "completed"]
+    record("dslurm cancel, resubmit, dslurm cancel --save; torn ledger line; corrupt .metadata; a TERM to the "
+           "job step only", "resume at exactly the saved step; no event lost after a torn line; loud fallback "
+           "to a verified generation, the corrupt one deleted; a stray TERM is saved and requeued, not a "
+           "cancel (recovery here includes the test's own resubmissions)",
            f"job 2 resumed at {saved}; queue wait {sm.starts[1].queue_wait_s:.0f} s; job 3 fell back to step "
-           f"{fb[0]['step']}", run)
+           f"{fb[0]['step']}, stray stop at {stray['step']}, requeued, completed", run)
 
 
 # ---------------------------------------------------------------- SIGKILL of everything, node loss

@@ -154,3 +154,61 @@ def test_a_warned_stop_stays_a_warned_stop_when_srun_tears_the_other_node_down()
     torn = [launcher("node1", rc=75, t=T0 + 1.1), launcher("node2", [("SIGTERM", T0 + 1.2)], rc=143, t=T0 + 1.3)]
     e = E.classify(facts(ranks=saved, launchers=torn, batch=[("USR2", T0)]), RUNNING, step_rc=143)
     assert (e.cls, e.saved) == (E.WARNED_STOP, True)
+
+
+# ---------------------------------------------------------------- stray stops (issue 24)
+
+STEP_ONLY = [launcher("node1", rc=143, t=T0 + 2), launcher("node2", [("SIGTERM", T0)], rc=143, t=T0 + 2.1)]
+SAVED_ON_TERM = [rank(r, "terminated_saved", T0 + 1, host=f"node{1 + r // 2}", code=143, step=8, signal="SIGTERM")
+                 for r in range(4)]
+
+
+def test_a_term_that_reached_the_step_only_while_slurm_runs_the_job_is_a_stray_stop():
+    for state in ("RUNNING", "COMPLETING", None, ""):
+        e = E.classify(facts(ranks=SAVED_ON_TERM, launchers=STEP_ONLY), E.SlurmView(state=state), step_rc=143)
+        assert (e.cls, e.saved, e.step) == (E.STRAY_STOP, True, 8), (state, e)
+    assert "node2 at 1000.000" in e.reason and "not a cancel" in e.reason
+    # Slurm's own word that the job was cancelled (the batch shell's record lost) keeps it a cancel.
+    e = E.classify(facts(ranks=SAVED_ON_TERM, launchers=STEP_ONLY), E.SlurmView(state="CANCELLED by 0"), 143)
+    assert (e.cls, e.saved) == (E.CANCELLED, True)
+
+
+def test_a_term_at_some_launchers_with_no_reports_is_a_stray_stop_unless_a_launcher_failed_of_its_own():
+    # node2's launcher got the TERM and its workers died of it; node1's workers finished and wrote
+    # nothing (a plain script): no rule named it, the ending fell to srun's code (1: a crash).
+    part = [launcher("node1", rc=0, t=T0 + 5), launcher("node2", [("SIGTERM", T0)], rc=1, t=T0 + 0.2)]
+    assert E.classify(facts(launchers=part), RUNNING, step_rc=1).cls == E.STRAY_STOP
+    # node1's launcher ended non-zero of its own (no TERM): srun's teardown sent node2 its TERM.
+    own = [{**launcher("node1", rc=0, t=T0 - 1), "code": 1}, launcher("node2", [("SIGTERM", T0)], rc=1, t=T0 + 0.2)]
+    assert E.classify(facts(launchers=own), RUNNING, step_rc=1).cls == E.CRASH
+
+
+def test_rules_before_the_stray_stop_keep_their_endings():
+    # A crash of rank 0 on node1, with node2's launcher TERMed by srun: a crash, never a stray stop.
+    f = facts(ranks=[rank(0, "crash", T0 - 1, error="boom"),
+                     rank(2, "killed_by_teardown", T0 + 0.5, host="node2", signal="SIGTERM")],
+              launchers=[launcher("node1", rc=1, t=T0 - 0.5), launcher("node2", [("SIGTERM", T0)], rc=143)])
+    assert (E.classify(f, RUNNING, 143).cls, E.classify(f, RUNNING, 143).origin_rank) == (E.CRASH, 0)
+    # A kill -9 (silent rank) on node1: rule 6, whatever node2's launcher got.
+    f = facts(ranks=[rank(2, "peer_lost", T0, host="node2", error=PEER)],
+              launchers=[launcher("node1", rc=1, silent=[0], t=T0 - 0.1), launcher("node2", [("SIGTERM", T0)], rc=1)])
+    assert (E.classify(f, RUNNING, 1).cls, E.classify(f, RUNNING, 1).origin_host) == (E.CRASH, "node1")
+    # A TERM at the batch shell is rule 2's, as before (RUNNING with a TERM: a preemption's grace time).
+    f = facts(ranks=SAVED_ON_TERM, launchers=STEP_ONLY, batch=[("TERM", T0 - 0.1)])
+    assert E.classify(f, RUNNING, 143).cls == E.PREEMPTED
+    assert E.classify(f, E.SlurmView(state="CANCELLED"), 143).cls == E.CANCELLED
+    # A node lost without a launcher report: rule 1.
+    f = facts(ranks=SAVED_ON_TERM[:2], launchers=STEP_ONLY[:1])
+    assert E.classify(f, E.SlurmView(state="RUNNING", down_nodes=("node2",)), 143).cls == E.NODE_FAILURE
+    # The warned stop (USR2) whose other node srun tore down stays a warned stop.
+    usr2 = [rank(r, "stop_saved", T0 + 1, code=75, signal="SIGUSR2") for r in range(2)]
+    assert E.classify(facts(ranks=usr2, launchers=STEP_ONLY), RUNNING, 143).cls == E.WARNED_STOP
+
+
+def test_a_late_ending_of_a_stray_stop_reads_the_incarnations_state():
+    # The next start writes the ending of a start whose batch shell left none: once accounting says
+    # the incarnation ended (FAILED: the batch exited 143; REQUEUED), Slurm ended it and no stray
+    # stop is made up afterwards: rule 4's class as before, decided by Slurm.
+    f = facts(ranks=SAVED_ON_TERM, launchers=STEP_ONLY)
+    for state in ("FAILED", "REQUEUED", "TIMEOUT", "PREEMPTED"):
+        assert E.classify(f, E.SlurmView(state=state), 143).cls == E.CANCELLED, state

@@ -145,20 +145,77 @@ def test_a_kill_9_without_any_warning_names_the_silent_node_in_either_order(star
     assert (e.cls, e.origin_host) == (E.CRASH, "node1"), e
 
 
+@pytest.mark.parametrize("state", ["RUNNING", None])
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_term_aimed_at_the_step_of_a_script_without_reports_is_a_cancel(start, nodes):
+def test_term_aimed_at_the_step_of_a_script_without_reports_is_a_stray_stop(start, nodes, state):
     # `scancel --signal=TERM JOB` (steps only, not the batch shell) while the workers run code that
     # writes no rank report: a plain script (behind the gate or not), the probe or the burn-in
     # before their verdict, the trainer before its handlers are installed. Every launcher records
     # the TERM; the workers die of it; torchrun, TERMed too, exits 1 (SignalException), so every
-    # launcher and srun return 1. The ending was read from that 1 as a crash and retried; the
-    # facts say every launcher was stopped by a TERM and nothing failed before it (rule 4's
-    # "TERM that reached the step only": a cancel aimed at the step).
+    # launcher and srun return 1. The ending was read from that 1 as a crash and retried, then as
+    # a cancel (no retry); but nothing reached the batch shell and Slurm still runs the job:
+    # nobody said the run should end. A stray stop, requeued within its own budget.
     t0 = time.time()
     for n in range(nodes):
         launcher(f"node{n + 1}", n, [("SIGTERM", t0 + 0.001 * n)], rc=1, codes={}, silent=[0, 1], code=1, t=tick())
-    e = E.classify(F.read_start(start), RUNNING, step_rc=1)
-    assert e.cls == E.CANCELLED and not e.saved, e
+    e = E.classify(F.read_start(start), E.SlurmView(state=state), step_rc=1)
+    assert e.cls == E.STRAY_STOP and not e.saved, e
+    assert any("batch shell got no TERM" in x for x in e.evidence), e.evidence
+    # Once Slurm says the job is cancelled, the same facts are a cancel, as before.
+    assert E.classify(F.read_start(start), E.SlurmView(state="CANCELLED"), step_rc=1).cls == E.CANCELLED
+
+
+def _saved_on_term(hosts: dict[int, str], t: float) -> None:
+    """Every rank agreed on the TERM one of them got and saved (the trainer's `terminated_saved`)."""
+    for r, host in hosts.items():
+        rank(r, "terminated_saved", t, host, "SIGTERM", error="", code=143)
+
+
+@pytest.mark.parametrize("first", ["node1", "node2"])
+@pytest.mark.parametrize("reports_first", [True, False], ids=["reports-then-launchers", "launchers-then-reports"])
+def test_a_term_that_reached_one_launcher_only_is_a_stray_stop_in_either_order(start, first, reports_first):
+    # The field report (issue 24): in the start after a hang's requeue, node2's launcher alone got a
+    # TERM at step 8: not the batch shell, not node1's launcher, no cancel in any Slurm log. The
+    # ranks agreed on it and saved; the ending was "cancelled" (TERM aimed at the job step) and the
+    # run stopped at step 8 of 40. Whichever node exits first and whether the ranks' reports or
+    # the launchers' land first, it is a stray stop, saved, naming node2 and when.
+    t_term = time.time()
+
+    def launchers() -> None:
+        for host in (["node1", "node2"] if first == "node1" else ["node2", "node1"]):
+            sigs = [("SIGTERM", t_term)] if host == "node2" else []
+            launcher(host, int(host[-1]) - 1, sigs, rc=143, codes={"0": 143, "1": 143}, silent=[], code=143, t=tick())
+
+    if not reports_first:
+        launchers()
+    _saved_on_term({0: "node1", 1: "node1", 2: "node2", 3: "node2"}, tick())
+    if reports_first:
+        launchers()
+    for step_rc in (143, 1):
+        e = E.classify(F.read_start(start), RUNNING, step_rc)
+        assert (e.cls, e.saved, e.step) == (E.STRAY_STOP, True, 14), e
+        assert "node2" in e.reason and f"{t_term:.3f}" in e.reason, e.reason
+        assert any("none at node1" in x for x in e.evidence) and any("batch shell got no TERM" in x
+                                                                      for x in e.evidence), e.evidence
+
+
+def test_a_cancel_that_dslurm_cancel_recorded_is_a_cancel_in_either_form(start):
+    # `dslurm cancel --save`: the request is recorded first, then `scancel --full --signal=TERM`
+    # reaches the batch shell and the steps while Slurm still shows the job RUNNING (rule 2 would
+    # call that a preemption); and a step-only TERM after a recorded request is the user's too.
+    F.write_cancel_request(start, save=True, user="ada")
+    _saved_on_term({0: "node1", 1: "node1"}, tick())
+    launcher("node1", 0, [("SIGTERM", tick())], rc=143, codes={"0": 143, "1": 143}, silent=[], code=143, t=tick())
+    e = E.classify(F.read_start(start), RUNNING, 143)
+    assert (e.cls, e.saved) == (E.CANCELLED, True), e
+    assert any("dslurm cancel --save" in x and "ada" in x for x in e.evidence), e.evidence
+    batch(start, ("TERM", tick() - 0.5))
+    e = E.classify(F.read_start(start), RUNNING, 143)
+    assert (e.cls, e.saved) == (E.CANCELLED, True), e
+    # a later job step of an in-allocation recovery reads the request of its start
+    step1 = start.parent / "7.0.1"
+    step1.mkdir()
+    assert F.read_start(step1).cancel and F.read_start(step1).cancel["save"] is True
 
 
 def test_the_signal_a_rank_reports_is_the_one_that_came_before_its_failure():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dslurm import exitcodes as X
 from dslurm.observe import events as ev
-from dslurm.requeue import chain_of, decide, failures_of, job_ref, starts_without_progress
+from dslurm.requeue import chain_of, decide, failures_of, job_ref, starts_without_progress, stray_stops_of
 from dslurm.requeue import endings as E
 
 BASE = dict(failures=0, max_restarts=3, no_progress_limit=2, start_steps=[0], pointer_step=10)
@@ -88,3 +90,63 @@ def test_requeue_off_stops_with_the_steps_code():
     assert (d.action, d.exit_code) == ("stop", X.REQUEUE) and "requeue is off" in d.reason
     d = decide(ending=E.CRASH, **BASE, requeue_enabled=False)
     assert (d.action, d.exit_code) == ("stop", 1) and "requeue is off" in d.reason
+
+
+def test_a_stray_stop_is_requeued_within_its_own_budget_and_spends_no_crash_budget():
+    stray = {**BASE, "max_stray_stops": 3}
+    d = decide(ending=E.STRAY_STOP, **{**stray, "failures": 3})  # the crash budget spent: no matter
+    assert (d.action, d.exit_code) == ("requeue", X.OK), d
+    assert "stray stop 1 of 3" in d.reason and "no restart budget" in d.reason and "not a cancel" in d.reason
+    spent = decide(ending=E.STRAY_STOP, **stray, stray_stops=3, detail="node2 at 12.0")
+    assert (spent.action, spent.exit_code) == ("stop", X.BUDGET), spent
+    assert "3 of 3" in spent.reason and "max_stray_stops" in spent.reason and "dslurm cancel" in spent.reason
+    assert "node2 at 12.0" in spent.reason
+    # The no-progress guard still applies; a chain's link ends; requeue off stops with 143.
+    d = decide(ending=E.STRAY_STOP, **{**stray, "start_steps": [0, 10, 10]})
+    assert (d.action, d.exit_code) == ("stop", X.NO_PROGRESS)
+    assert decide(ending=E.STRAY_STOP, **stray, in_chain=True).action == "end"
+    d = decide(ending=E.STRAY_STOP, **stray, requeue_enabled=False)
+    assert (d.action, d.exit_code) == ("stop", X.TERMINATED) and "requeue is off" in d.reason
+    # a crash still counts its own budget only
+    assert decide(ending=E.CRASH, **stray, stray_stops=3).action == "requeue"
+
+
+def test_stray_stops_are_counted_from_this_jobs_stray_endings_apart_from_failures():
+    events = [ev.Ending(job_id="7", cls=c) for c in ("stray_stop", "crash", "stray_stop", "cancelled")]
+    events += [ev.Ending(job_id="8", cls="stray_stop"), ev.Requeue(job_id="7", ending="stray_stop")]
+    assert (stray_stops_of(events, "7"), failures_of(events, "7")) == (2, 1)
+
+
+def test_dslurm_cancel_records_the_request_then_signals(tmp_path, monkeypatch):
+    """`dslurm cancel JOB [--save]`: the request lands in the running start's facts dir before the
+    signal (so the ending says the user cancelled); --save TERMs the job step, kills nothing; with
+    no running start to record it in, --save is a plain scancel (a step-only TERM would be stray)."""
+    import subprocess
+
+    from dslurm import slurm
+    from dslurm.errors import UserError
+    from dslurm.requeue import cancel as C
+    from dslurm.requeue.facts import read_start
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "job.yaml").write_text("{}")
+    (run / "starts" / "41.2").mkdir(parents=True)
+    calls: list[list[str]] = []
+
+    def run_cmd(args, **k):
+        calls.append(list(args))
+        out = f"JobId=41 JobState=RUNNING Restarts=2 StdOut={run}/logs/x-41.out\n" if args[0] == "scontrol" else ""
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+    monkeypatch.setattr(slurm, "run_cmd", run_cmd)
+    said = C.cancel("41", save=True)
+    assert calls[-1] == ["scancel", "--signal=TERM", "41"] and "cancel.json" in said[0], (calls, said)
+    req = read_start(run / "starts" / "41.2").cancel
+    assert req and req["save"] is True and req["t"] > 0
+    C.cancel("41", save=False)
+    assert calls[-1] == ["scancel", "41"]
+    (run / "job.yaml").unlink()  # not a dslurm run: nothing to record the request in
+    assert "nothing recorded" in C.cancel("41", save=True)[0] and calls[-1] == ["scancel", "41"]
+    with pytest.raises(UserError, match="neither a job id nor a run directory"):
+        C.cancel(str(tmp_path / "nothing"), save=False)

@@ -121,3 +121,36 @@ def test_a_start_that_died_with_its_node_gets_a_late_ending_naming_the_node(tmp_
     assert len(ends) == 1 and ends[0]["late"] and (ends[0]["job_id"], ends[0]["restart"]) == ("7", 0)
     assert (ends[0]["cls"], ends[0]["origin_host"]) == ("node_failure", "node2"), ends[0]
     assert json.loads((run / "starts" / "7.0" / "ending.json").read_text())["cls"] == "node_failure"
+
+
+def test_requeue_me_requeues_a_stray_stop_within_the_frozen_stray_budget(tmp_path, monkeypatch):
+    """A TERM that reached node2's launcher alone while Slurm runs the job (issue 24): the ranks
+    saved; requeue-me records a stray stop and requeues (max_stray_stops: 1 in the job, read from
+    run_dir/job.yaml); the second stray stop of the same job spends that budget and stops (77)."""
+    from dslurm import requeue, slurm
+    from dslurm.observe.ledger import read_events
+    from dslurm.requeue.facts import LauncherReport, RankReport, write_launcher_report, write_rank_report
+
+    run = tmp_path / "run"
+    submit(load(SITE, _job(tmp_path, run, max_stray_stops=1, no_progress_limit=0)), dry_run=True)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(slurm, "incarnations", lambda job, env=None: [{"state": "RUNNING"}])
+    monkeypatch.setattr(slurm, "down_nodes", lambda hosts, env=None: {})
+    monkeypatch.setattr(slurm, "run_cmd", lambda args, **k: calls.append(list(args)))
+    for restart in (0, 1):
+        env = {"DSLURM_RUN_DIR": str(run), "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": str(restart)}
+        for host, sigs in (("node1", []), ("node2", [("SIGTERM", 5.0)])):
+            write_launcher_report(LauncherReport(host=host, node_rank=int(host[-1]) - 1, signals=sigs, torchrun_rc=143,
+                                                 worker_codes={}, silent_local_ranks=[], code=143), env)
+        for r in range(4):
+            write_rank_report(RankReport(rank=r, kind="terminated_saved", code=143, step=8, signal="SIGTERM",
+                                         host=f"node{1 + r // 2}"), env)
+        monkeypatch.setenv("SLURM_JOB_ID", "7")  # the ledger stamps each event with this start
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        assert requeue.requeue_me(143, env) == (X.OK if restart == 0 else X.BUDGET)
+    assert calls == [["scontrol", "requeue", "7"]]  # the first stray stop only
+    ends = [e for e in read_events(run) if e["event"] == "ending"]
+    assert [(e["cls"], e["saved"], e["step"]) for e in ends] == [("stray_stop", True, 8)] * 2, ends
+    rq = [e for e in read_events(run) if e["event"] == "requeue"]
+    assert [(e["decision"], e["ending"]) for e in rq] == [("requeue", "stray_stop"), ("stop", "stray_stop")]
+    assert "stray stop 1 of 1" in rq[0]["reason"] and "1 of 1 stray-stop requeues" in rq[1]["reason"], rq
