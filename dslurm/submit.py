@@ -4,6 +4,9 @@
 The site and job are frozen into the run directory at submit time (`site.yaml`,
 `job.yaml`, overrides applied) and the script points at those copies: a requeued job
 re-runs the same script, and must not pick up an edit made to the YAML since.
+`dslurm submit --run-dir RUN` submits a run again from those frozen copies (it resumes from
+the checkpoint pointer). A run that already completed at its train.steps is not submitted
+again unless --force says so: the job would pay for an allocation and a start-up to do nothing.
 """
 
 from __future__ import annotations
@@ -89,6 +92,35 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
     return Submission(ids, script, r.run_dir, log_dir)
 
 
+def completed_note(r: Resolved) -> str | None:
+    """What to tell the user instead of submitting `r`, when its run directory already holds a
+    run that completed at r's train.steps: the ledger's last start ended `completed` and the
+    pointer (else, without checkpoints, the ledger) is at train.steps or past it. None when
+    there is training left: a fresh run dir, a run that ended short, or train.steps raised."""
+    from dslurm.checkpoint import CheckpointError, read_pointer
+    from dslurm.observe import events
+    from dslurm.observe.completion import ended_completed
+    from dslurm.observe.ledger import FILENAME
+    from dslurm.observe.report import summarize
+
+    if not (r.run_dir / FILENAME).is_file():
+        return None
+    starts = summarize(events.read(r.run_dir)).starts
+    if not starts or not ended_completed(starts[-1]):
+        return None
+    try:
+        ptr = read_pointer(r.run_dir)
+    except CheckpointError:
+        return None  # a garbage pointer: let the job's restore say what it finds
+    done = ptr.step if ptr is not None else starts[-1].reached
+    steps = r.job.train.steps
+    if done is None or done < steps:
+        return None
+    return (f"run {r.run_dir} already completed at step {done} of {steps}; nothing submitted (a job would "
+            f"allocate the nodes, restore step {done} and end). To train further raise the target "
+            f"(--set train.steps=N, N > {done}); to submit anyway use --force")
+
+
 def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list[dict[str, object]]:
     """Jobs submitted for this run directory (its ledger's submit events) that the controller
     still has pending or running."""
@@ -123,8 +155,14 @@ def record_submission(r: Resolved, ids: list[int], via: str | None = None) -> No
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("submit", help="render into the run directory and submit with sbatch")
-    p.add_argument("--site", required=True, help="site config YAML")
-    p.add_argument("--job", required=True, help="job spec YAML")
+    p.add_argument("--site", help="site config YAML (with --job; or use --run-dir)")
+    p.add_argument("--job", help="job spec YAML (with --site; or use --run-dir)")
+    p.add_argument("--run-dir", type=Path, default=None, metavar="RUN_DIR",
+                   help="submit an existing run again from its frozen site.yaml and job.yaml (--set applies "
+                        "on top); it resumes from the checkpoint pointer. Run it from the directory of the "
+                        "first submit: relative paths in the job resolve there")
+    p.add_argument("--force", action="store_true",
+                   help="submit even when the run directory's run already completed at train.steps")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--chain", type=int, default=1, help="submit K jobs linked by afterany dependencies")
@@ -138,10 +176,37 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.set_defaults(func=run_status)
 
 
+def inputs_of(args: argparse.Namespace) -> tuple[str, str, list[str]]:
+    """(site, job, overrides) to load: the files given, or a run directory's frozen copies with
+    the run directory itself as checkpoint.run_dir (the copy names where it was frozen; a moved
+    run continues where it is now)."""
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is None:
+        if not (args.site and args.job):
+            raise UserError("dslurm submit: give --site and --job (a new run), or --run-dir RUN_DIR (continue "
+                            "a run from its frozen config)")
+        return args.site, args.job, list(args.overrides)
+    if args.site or args.job:
+        raise UserError(f"dslurm submit --run-dir {run_dir}: --site/--job cannot go with it (the run's frozen "
+                        "site.yaml and job.yaml are used). Fix: drop them, and change a field with --set")
+    site, job = Path(run_dir) / "site.yaml", Path(run_dir) / "job.yaml"
+    for path in (site, job):
+        if not path.is_file():
+            raise UserError(f"{path}: missing; --run-dir needs a run directory `dslurm submit` wrote (it holds "
+                            "site.yaml and job.yaml). Fix: give that directory, or submit with --site and --job")
+    return str(site), str(job), [f"checkpoint.run_dir={Path(run_dir).resolve()}", *args.overrides]
+
+
 def run_submit(args: argparse.Namespace) -> int:
     from dslurm.config.resolve import load
 
-    r = load(args.site, args.job, args.overrides, args.site_overrides, base_dir=os.getcwd())
+    site, job, overrides = inputs_of(args)
+    r = load(site, job, overrides, args.site_overrides, base_dir=os.getcwd())
+    if not args.dry_run and not getattr(args, "force", False):
+        note = completed_note(r)
+        if note:
+            print(note)
+            return 0
     _plan_check(r, strict=args.strict)
     if not args.dry_run:
         busy = active_jobs_of_run(r.run_dir)

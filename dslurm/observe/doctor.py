@@ -3,7 +3,8 @@
 The symptom table of seed 000 (table 2.3) turned into checks over the ledger and the job
 logs (`<run_dir>/logs/*.out|*.err`). `diagnose(events, log_lines)` is pure; each check
 returns zero or more `Finding`s. Exit code: 0 nothing found, 1 findings, 2 user error.
-The table with thresholds is in docs/report.md.
+The table with thresholds is in docs/report.md. A run that ended short of its steps is said
+first (`dslurm.observe.completion`), and exits 1 even without another finding.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from dslurm import exitcodes as X
 from dslurm.observe import events as E
 from dslurm.observe.events import Event
-from dslurm.observe.report import DIED, Start, summarize
+from dslurm.observe.report import DIED, Start, summarize, suspect_hosts
 
 HANG_S = 600.0  # a start this long without a first step is a hang, not a slow startup
 STALL_FRACTION = 0.05  # periodic save stalls (not the save at a stop) above this share of training time
@@ -84,21 +85,36 @@ def _in_time_order(timed: Iterable[tuple[float, str]]) -> list[str]:
     return [line for _, line in sorted(timed, key=lambda tl: tl[0])]
 
 
+def _trained(s: Start) -> bool:
+    """The start did a step: a steps window, the phase table rank 0 writes after its first step,
+    or a later step reached (exit, agreed stop, save) than the one it resumed from."""
+    moved = s.reached is not None and s.resumed_from is not None and s.reached > s.resumed_from
+    return bool(s.windows) or bool(s.all(E.StartPhases)) or moved
+
+
 def _no_first_step(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
-    ev = []
+    """Starts that never did a step, from the ledger. Rendezvous lines in the logs are evidence
+    only when such a start exists: torchrun prints the same errors when it tears down a start
+    that trained and then hung or was stopped, and that is not a start-up hang."""
+    ev, never = [], []
     for s in starts:
         ts = s.first(E.TrainStart)
         clean = s.exit_reason in ("preflight_failed", "user_error") or s.exit_reason.startswith("completed")
-        waited = s.end - (ts.t if ts else s.begin)
-        # A quick, recorded failure is a crash (see _crashes); long or killed without a word is a hang.
-        if s.windows or clean or (waited < HANG_S and s.exit_reason != DIED):
+        if _trained(s) or clean:
             continue
+        waited = s.end - (ts.t if ts else s.begin)
         last = s.events[-1]
         what = "train_start but no steps" if ts else "no train_start"
-        ev.append(f"start {s.index} ({s.job_id}.{s.restart}) from {_when(s.begin)}: {what} after {waited:.0f} s; "
-                  f"last event {last.NAME} at {_when(last.t)}; exit: {s.exit_reason}")
-    rdzv = _grep(logs, RDZV)
-    if not ev and not rdzv:
+        line = (f"start {s.index} ({s.job_id}.{s.restart}) from {_when(s.begin)}: {what} after {waited:.0f} s; "
+                f"last event {last.NAME} at {_when(last.t)}; exit: {s.exit_reason}")
+        never.append(line)
+        # A quick, recorded failure is a crash (see _crashes); long or killed without a word is a hang.
+        if waited >= HANG_S or s.exit_reason == DIED:
+            ev.append(line)
+    rdzv = _grep(logs, RDZV) if never else []
+    if rdzv:
+        ev = never  # a start that never stepped, and the rendezvous said why
+    if not ev:
         return []
     return [Finding("hang before the first step", ev + rdzv,
                     "launcher or scheduler: ranks never all joined the rendezvous (wrong master address/port, "
@@ -258,7 +274,7 @@ def _hangs(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out = []
     for s in starts:
         for e in s.all(E.Hang):
-            hosts = ", ".join(e.suspect_hosts) or "?"
+            hosts = ", ".join(suspect_hosts(e, s)) or "?"
             ev = [_ev(e, "step", "idle_s", "bound_s", "median_step_s", "suspects", "suspect_hosts"),
                   f"why: {e.why}",
                   f"cost: {e.idle_s:.0f} s without progress before the watchdog fired (bound {e.bound_s:.0f} s), "
@@ -282,7 +298,7 @@ def _corruption(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out = []
     for s in starts:
         for e in s.all(E.Sdc):
-            hosts = ", ".join(e.suspect_hosts) or "?"
+            hosts = ", ".join(suspect_hosts(e, s)) or "?"
             ev = [_ev(e, "step", "last_clean_step", "suspects", "suspect_hosts", "named", "action"), f"why: {e.why}",
                   f"parameters that differ: {', '.join(e.params) or '?'}"]
             if e.action == "rollback":
@@ -387,14 +403,22 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from dslurm.observe.completion import COMPLETED, target_steps
     from dslurm.observe.report import load
 
     events, _ = load(args.run_dir)
+    done = summarize(events, target_steps=target_steps(args.run_dir), run_dir=args.run_dir).completion
     findings = diagnose(events, read_logs(args.run_dir))
     console = Console()
+    if done.status != COMPLETED:  # first: whether the run finished, and how to continue one that ended short
+        style = "bold red" if done.complete is False else "bold"
+        for i, line in enumerate(done.lines()):
+            console.print(f"[{style}]{escape(line)}[/{style}]" if i == 0 else escape(line),
+                          highlight=False, soft_wrap=True)
+        console.print()
     if not findings:
         console.print(f"{args.run_dir}: no symptom found ({len(events)} events)")
-        return 0
+        return 1 if done.complete is False else 0
     for f in findings:
         console.print(f"[bold red]{escape(f.symptom)}[/bold red]")
         for line in f.evidence:

@@ -31,11 +31,16 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
     """The human form: one line per headline number, then one row per start."""
     from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
     tps = "n/a" if sm.tokens_per_s is None else f"{sm.tokens_per_s:,.0f}"
+    head = [escape(x) for x in sm.completion.lines()]  # first: did the run finish (STYLE 14)
+    if sm.completion.complete is False:
+        head[0] = f"[bold red]{head[0]}[/bold red]"
     lines = [
+        *head,
         f"goodput [bold]{gp}[/bold] = productive {_fmt_s(sm.productive_s)} / wall {_fmt_s(sm.wall_s)}"
         f" (queue wait {_fmt_s(sm.queue_wait_s)} excluded)",
         f"restarts {sm.restarts}: overhead {_fmt_s(sm.restart_overhead_s)} (first start"
@@ -77,8 +82,8 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
     console = Console()
     if not console.is_terminal:  # a file or a pipe: rich would assume 80 columns and fold
         console = Console(width=120)
-    for line in lines:
-        console.print(line, highlight=False)
+    for i, line in enumerate(lines):  # the headline whole on its line: the reason is the point
+        console.print(line, highlight=False, soft_wrap=i < len(head))
     console.print(table)
     phased = [s for s in sm.starts if s.phases]
     if phased:
@@ -165,6 +170,16 @@ MARKERS = [("|", COLORS["save stall"], "save"), ("v", "crimson", "interruption (
            (">", "black", "outcome (what happened next)"), ("X", "crimson", "no exit event")]
 
 
+def timeline_title(sm: Summary) -> str:
+    """The PNG's title: whether the run finished first, then goodput, restarts, redone steps."""
+    done = sm.completion
+    state = done.status.upper().replace("_", " ")
+    if done.stopped_at is not None:
+        state += f" at step {done.stopped_at}" + (f" of {done.target_steps}" if done.target_steps is not None else "")
+    gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
+    return f"{state}: goodput {gp}, {sm.restarts} restart(s), {sm.lost_steps} step(s) redone"
+
+
 def plot_timeline(sm: Summary, path: str | Path) -> Path:
     """Write the timeline PNG: one lane per start (top) and the loss curve (bottom)."""
     import matplotlib.pyplot as plt
@@ -207,8 +222,7 @@ def timeline_figure(sm: Summary) -> Any:
     labels = [f"{s.index}: {start_label(s, width=24)}" for s in starts]  # the classified ending > what next
     top.set_yticks([s.index for s in starts], labels, fontsize=8)
     top.set_ylim(len(starts) - 0.5, -0.5)
-    gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
-    top.set_title(f"goodput {gp}, {sm.restarts} restart(s), {sm.lost_steps} step(s) redone", fontsize=10)
+    top.set_title(timeline_title(sm), fontsize=10, color="crimson" if sm.completion.complete is False else "black")
     handles: list[Any] = [Patch(color=c, label=k) for k, c in COLORS.items()]
     seen = {n for s in starts for n, _ in s.phases}
     handles += [Patch(color=c, label=f"startup: {k}") for k, c in PHASE_COLORS.items() if k in seen]

@@ -1,6 +1,8 @@
-"""`dslurm report RUN_DIR`: goodput, lost work, restarts, saves, MFU, stragglers, a PNG.
+"""`dslurm report RUN_DIR`: whether the run finished, goodput, lost work, restarts, saves, MFU,
+stragglers, a PNG.
 
-Reads the run's ledger (typed events, `dslurm.observe.events`) and nothing else. `summarize(events)` is pure;
+Reads the run's ledger (typed events, `dslurm.observe.events`) and, for the target step count,
+the frozen job.yaml (`dslurm.observe.completion`). `summarize(events)` is pure;
 the definitions (goodput, productive time, lost steps, restart overhead) are in
 docs/report.md and in the docstrings below. `dslurm doctor` reuses `split_starts`.
 """
@@ -18,6 +20,8 @@ from typing import Any, TypeVar
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
+from dslurm.observe.completion import NOT_STARTED, Completion, completion, ended_completed
+from dslurm.observe.completion import target_steps as frozen_target
 from dslurm.observe.durability import Durability, durability
 from dslurm.observe.events import Event
 
@@ -122,12 +126,42 @@ def _recoveries(starts: list[Start]) -> list[Recovered]:
 
 
 def _after(s: Start, starts: list[Start], t: float) -> float | None:
-    """The first step done after time t: in this start, else in the next one that trained."""
+    """The first step done after time t: in this start, else in the next one that trained (its
+    first logged window, or the phase table rank 0 writes right after its first step)."""
     for st in starts[s.index:]:
-        done = [w.t for w in st.windows if w.t > t]
+        done = [w.t for w in st.windows if w.t > t] + [p.t for p in st.all(ev.StartPhases) if p.t > t]
         if done:
             return min(done)
     return None
+
+
+def rank_host(rank: int, start: ev.JobStart | None) -> str | None:
+    """The host global rank `rank` ran on, from the start's layout (the launcher's job_start):
+    in torchrun mode each node runs nproc_per_node ranks, and the c10d rendezvous numbers the
+    nodes in the order of their --local-addr, the host name (torch's dynamic_rendezvous sorts its
+    participants), so rank r runs on sorted(hosts)[r // nproc_per_node]. None when unknown
+    (srun mode: Slurm's task distribution decides). Pure."""
+    if start is None or start.mode not in (None, "torchrun") or not start.nproc_per_node or rank < 0:
+        return None
+    hosts = sorted(start.hosts)
+    i = rank // start.nproc_per_node
+    return hosts[i] if i < len(hosts) else None
+
+
+def suspect_hosts(e: ev.Hang | ev.Sdc, s: Start) -> list[str]:
+    """The hosts of an event's suspect ranks: those the event names (from the ranks' own notes),
+    then, for a suspect that left no note (a frozen or dead rank), its place in the start's
+    layout (`rank_host`). Pure; report and doctor both print these."""
+    out = list(e.suspect_hosts)
+    notes = e.collectives if isinstance(e, ev.Hang) else {}
+    layout = s.first(ev.JobStart)
+    for r in e.suspects:
+        note = notes.get(str(r))
+        named = note.get("host") if isinstance(note, dict) else None
+        host = str(named) if named else rank_host(r, layout)
+        if host and host not in out:
+            out.append(host)
+    return out
 
 
 def health_lines(starts: list[Start]) -> list[str]:
@@ -140,14 +174,14 @@ def health_lines(starts: list[Start]) -> list[str]:
             rec = f", back to training {back - h.t:.0f} s later" if back is not None else ", never back to training"
             cost = f"; cost {h.idle_s + (back - h.t):.0f} s" if back is not None else ""
             out.append(f"hang in start {s.index} after step {h.step} (suspects {h.suspects or 'none'} on "
-                       f"{', '.join(h.suspect_hosts) or '?'}): detected after {h.idle_s:.0f} s without progress "
+                       f"{', '.join(suspect_hosts(h, s)) or '?'}): detected after {h.idle_s:.0f} s without progress "
                        f"(bound {h.bound_s:.0f} s){rec}{cost}")
         for c in s.all(ev.Sdc):
             what = (f"rolled back to step {c.resumed_step}, {c.step - c.resumed_step} step(s) redone"
                     if c.action == "rollback" and c.step is not None and c.resumed_step is not None else c.action)
             out.append(f"silent data corruption in start {s.index} at step {c.step} (last clean check step "
                        f"{c.last_clean_step}; {'named' if c.named else 'unnamed, no majority'}: ranks {c.suspects} "
-                       f"on {', '.join(c.suspect_hosts) or '?'}): {what}"
+                       f"on {', '.join(suspect_hosts(c, s)) or '?'}): {what}"
                        + (f"; blocklisted {', '.join(c.blocklisted)}" if c.blocklisted else ""))
         for d in s.all(ev.DeviceHealth):
             out.append(f"device health on {d.host or '?'} at step {d.step}: {'; '.join(d.findings)}")
@@ -186,12 +220,18 @@ class Summary:
     """two-tier checkpoints: durable lag, RPO on process restart vs node loss, lag policy cost"""
     health: list[str] = field(default_factory=list)
     """hangs (with their cost), silent data corruption, device findings (`health_lines`)"""
+    completion: Completion = field(default_factory=lambda: Completion(NOT_STARTED, None, None, None))
+    """whether the run finished: the report's first line (`dslurm.observe.completion`)"""
 
     def to_dict(self) -> dict[str, Any]:
+        """The --json form: the completion's fields (status, complete, target_steps, stopped_at,
+        why, continue_with, resumes_from) at the top level, first."""
         d = asdict(self)
         for s in d["starts"]:
             s.pop("events"), s.pop("windows")
-        return d
+        done = d.pop("completion")
+        done.pop("job_id")
+        return {**done, **d}
 
 
 def _key(e: Event) -> tuple[str | None, int]:
@@ -343,7 +383,7 @@ def _undurable(starts: list[Start]) -> int:
     last = starts[-1] if starts else None
     if last is None or last.decision not in ("stop", "end") or last.reached is None:
         return 0
-    if last.ending == "completed" or (last.ending is None and last.exit_reason == "completed"):
+    if ended_completed(last):
         return 0
     saved = [e.step for s in starts for e in s.all(ev.CkptSave) if e.step is not None]
     saved += [s.resumed_from for s in starts if s.resumed_from is not None]
@@ -397,8 +437,11 @@ def _phases(starts: list[Start], events: list[Event]) -> None:
             s.phases, s.phases_end, s.startup_ratio = list(t.rows), marks[-1].t, r
 
 
-def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
-    """The report of one run from its ledger events (pure; see docs/report.md)."""
+def summarize(events: Iterable[Event], skipped_lines: int = 0, target_steps: int | None = None,
+              run_dir: str | Path = "RUN_DIR") -> Summary:
+    """The report of one run from its ledger events (pure; see docs/report.md). `target_steps`
+    (the frozen train.steps) and `run_dir` (named in the command that continues a run that
+    ended short) feed the completion headline."""
     events = list(events)
     groups = split_starts(events)
     starts = [Start(i, g[0].job_id, g[0].restart or 0, _begin(g), max(e.t for e in g), events=g)
@@ -435,7 +478,8 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0) -> Summary:
         final_step=starts[-1].reached if starts else None, stragglers=hosts, straggler_checks=len(checks),
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
         undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts),
-        durability=durability([s.events for s in starts]), health=health_lines(starts))
+        durability=durability([s.events for s in starts]), health=health_lines(starts),
+        completion=completion(starts, events, target_steps, run_dir))
 
 
 def load(run_dir: Path) -> tuple[list[Event], int]:
@@ -455,7 +499,8 @@ def load(run_dir: Path) -> tuple[list[Event], int]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("report", help="goodput, lost work, restarts, MFU, stragglers of a run (+ PNG)",
+    p = sub.add_parser("report", help="whether a run finished; goodput, lost work, restarts, MFU, "
+                                      "stragglers (+ PNG)",
                        description="Summarize a run's ledger (see docs/report.md).")
     p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -470,7 +515,7 @@ def run(args: argparse.Namespace) -> int:
     from dslurm.observe.plot import print_summary
 
     events, skipped = load(args.run_dir)
-    summary = summarize(events, skipped)
+    summary = summarize(events, skipped, frozen_target(args.run_dir), args.run_dir)
     if args.json:
         from dslurm.observe.ledger import finite_json
 

@@ -134,7 +134,15 @@ def test_cli_exit_codes_and_log_reading(tmp_path, capsys):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "j-5.err").write_bytes(b"W1130 09:54:02.491 RendezvousTimeoutError \xff\n")
     assert read_logs(tmp_path)[0].where().startswith("j-5.err:1 [1130 09:54:02]")
-    assert run(args) == 1 and "hang before the first step" in capsys.readouterr().out
+    assert run(args) == 0 and "no symptom" in capsys.readouterr().out  # every start trained: teardown noise
+    never = Ledger()
+    never.ev("job_start", 900.0, 2, hosts=["node1", "node2"], mode="torchrun", nproc_per_node=2)
+    never.ev("ckpt_restore", 930.0, 2, step=100)  # then nothing: the ranks never all joined
+    with (tmp_path / "ledger.jsonl").open("a") as fh:
+        fh.write("".join(json.dumps(e) + "\n" for e in never.records))
+    out = (run(args), capsys.readouterr().out)
+    assert out[0] == 1 and "hang before the first step" in out[1] and "j-5.err:1" in out[1]
+    assert out[1].startswith("RUNNING: step 100")  # no decision yet: not called incomplete
 
 
 def test_cli_missing_ledger_is_user_error(tmp_path):
@@ -261,3 +269,52 @@ def test_non_finite_steps_handled_by_the_policy_are_evidence_of_nan():
     assert "action=rollback" in nan.evidence[0] and "skipped_position=80" in nan.evidence[0]
     assert "action=stop" in nan.evidence[1] and "stopped on it" in nan.cause
     assert "ended by diverged" in [f.symptom for f in found]
+
+
+# ---------------------------------------------------------------- issue 24: a hung start torn down
+
+TEARDOWN = [  # what torchrun printed while srun tore down the start the watchdog had caught
+    "[W1130 10:02:11.123 socket.cpp:464] [c10d] The client socket has failed to connect to [node1]:29500 "
+    "(errno: 111 - Connection refused).",
+    "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has "
+    "failed. See inner exception for details.",
+    "torch.distributed.DistNetworkError: Connection reset by peer",
+]
+
+
+def test_rendezvous_errors_of_a_start_that_trained_are_teardown_noise_not_a_startup_hang():
+    from test_report_completion import frozen_rank
+
+    logs = [LogLine("/r/logs/t-7001.err", i, text) for i, text in enumerate(TEARDOWN, 1)]
+    found = {f.symptom: f for f in diagnose(frozen_rank().events, logs)}
+    assert "hang before the first step" not in found  # both starts trained: the ledger says so
+    hang = found["hang during training at step 10 (suspect rank(s) [2] on node2)"]
+    assert "burnin` on node2" in hang.action  # the frozen rank left no note: its host from the layout
+
+
+def test_rendezvous_errors_still_count_for_a_start_that_never_stepped():
+    from test_report_completion import frozen_rank
+
+    led = frozen_rank()
+    led.ev("job_start", 2000.0, 2, hosts=["node1", "node2"], mode="torchrun", nproc_per_node=2)
+    led.ev("ckpt_restore", 2010.0, 2, step=8)
+    led.ev("requeue", 2100.0, 2, decision="requeue", step_rc=1, exit_code=0, ending="crash", reason="crash")
+    logs = [LogLine("/r/logs/t-7001.err", 2, TEARDOWN[1])]
+    (f,) = [f for f in diagnose(led.events, logs) if f.symptom == "hang before the first step"]
+    assert f.evidence[0].startswith("start 2 (7001.2)") and "t-7001.err:2" in f.evidence[1]
+    assert "hang before the first step" not in symptoms(led.events)  # 90 s and a recorded crash: a crash
+
+
+def test_doctor_says_first_that_the_run_ended_short(tmp_path, capsys):
+    from test_report_completion import TINY, frozen_rank
+
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in frozen_rank().records))
+    (tmp_path / "job.yaml").write_text(TINY.read_text().replace("steps: 60", "steps: 40"))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "t-7001.err").write_text("\n".join(TEARDOWN) + "\n")
+    assert run(argparse.Namespace(run_dir=tmp_path)) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("INCOMPLETE: stopped at step 8 of 40 — cancelled: ")
+    assert out[1] == f"continue with: dslurm submit --run-dir {tmp_path} (resumes from the checkpoint at step 8)"
+    assert not any("hang before the first step" in x for x in out)
+    assert any("suspect rank(s) [2] on node2" in x for x in out)

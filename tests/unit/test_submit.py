@@ -1,12 +1,16 @@
-"""submit without Slurm: what lands in the run directory (dry run)."""
+"""submit without Slurm: what lands in the run directory (dry run); a run submitted again
+(--run-dir, a completed run) with a fake sbatch."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dslurm.config.resolve import load
+from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.submit import submit
@@ -35,3 +39,102 @@ def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):
     assert r.policy.lead_setting == "auto" and r.policy.lead_s == 170  # measured in resolve, once
     text = submit(r, dry_run=True).script.read_text()
     assert "#SBATCH --signal=B:USR2@170" in text  # 2 x (40 + 45)
+
+
+# ------------------------------------------------ submitting a run again (--run-dir, a completed run)
+
+GEN = "step-{:08d}-20240101T000000Z-abcdef"
+
+
+@pytest.fixture
+def fake_sbatch(monkeypatch):
+    """No controller here: sbatch records its calls and answers a job id; no job is active."""
+    from dslurm import slurm
+    from dslurm import submit as submit_mod
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(slurm, "sbatch", lambda script, extra, **kw: calls.append(list(extra)) or 4242)
+    monkeypatch.setattr(submit_mod, "active_jobs_of_run", lambda run_dir, env=None: [])
+    return calls
+
+
+def _cli(*argv: str) -> int:
+    from dslurm.cli import build_parser
+
+    args = build_parser(["submit"]).parse_args(["submit", *argv])
+    return int(args.func(args))
+
+
+def _run(tmp_path: Path, steps: int, done: int, ending: str = "completed") -> Path:
+    """A run dir `dslurm submit` froze (train.steps=steps) whose one start ended `ending` at step
+    `done`, with the pointer at `done`."""
+    run = tmp_path / "run"
+    submit(load(ROOT / "site-configs/local.yaml", ROOT / "examples/jobs/tiny-2node.yaml",
+                overrides=[f"checkpoint.run_dir={run}", f"train.steps={steps}"]), dry_run=True)
+    led = Ledger(run)
+    led.append(ev.Submit(job_ids=[4241]))
+    led.append(ev.TrainStart(step=0, job_id="4241", restart=0))
+    led.append(ev.Exit(reason="completed" if ending == "completed" else "terminated", step=done, job_id="4241"))
+    led.append(ev.Ending(cls=ending, reason=ending, step=done, job_id="4241", restart=0))
+    led.append(ev.Requeue(decision="end" if ending == "completed" else "stop", ending=ending, job_id="4241",
+                          restart=0))
+    (run / "LATEST").write_text(json.dumps({"generation": GEN.format(done), "step": done}))
+    return run
+
+
+def test_a_completed_run_is_not_submitted_again(tmp_path, fake_sbatch, capsys):
+    run = _run(tmp_path, steps=7, done=7)
+    assert _cli("--run-dir", str(run)) == 0 and fake_sbatch == []
+    out = capsys.readouterr().out
+    assert out.startswith(f"run {run} already completed at step 7 of 7; nothing submitted")
+    assert "--force" in out and "train.steps" in out
+    assert _cli("--site", str(ROOT / "site-configs/local.yaml"), "--job", str(run / "job.yaml")) == 0
+    assert fake_sbatch == []  # the same check on the plain form
+
+
+def test_force_submits_a_completed_run_anyway(tmp_path, fake_sbatch, capsys):
+    run = _run(tmp_path, steps=7, done=7)
+    assert _cli("--run-dir", str(run), "--force") == 0 and len(fake_sbatch) == 1
+    assert "submitted job 4242" in capsys.readouterr().out
+
+
+def test_raised_steps_or_an_incomplete_run_submit_normally_and_resume(tmp_path, fake_sbatch):
+    run = _run(tmp_path, steps=7, done=7)
+    assert _cli("--run-dir", str(run), "--set", "train.steps=12") == 0 and len(fake_sbatch) == 1
+    assert yaml.safe_load((run / "job.yaml").read_text())["train"]["steps"] == 12  # frozen again
+    other = _run(tmp_path / "b", steps=7, done=4, ending="cancelled")
+    assert _cli("--run-dir", str(other)) == 0 and len(fake_sbatch) == 2
+
+
+def test_completed_note_reads_the_ledger_and_the_pointer(tmp_path):
+    from dslurm.submit import completed_note
+
+    run = _run(tmp_path, steps=7, done=7)
+    r = load(run / "site.yaml", run / "job.yaml")
+    assert completed_note(r) is not None
+    (run / "LATEST").write_text(json.dumps({"generation": GEN.format(5), "step": 5}))
+    assert completed_note(r) is None  # the pointer is behind the target: there is training left
+    (run / "LATEST").unlink()
+    assert completed_note(r) is not None  # no checkpoints: the ledger's completed step says it
+    fresh = load(ROOT / "site-configs/local.yaml", ROOT / "examples/jobs/tiny-2node.yaml",
+                 overrides=[f"checkpoint.run_dir={tmp_path / 'new'}"])
+    assert completed_note(fresh) is None
+
+
+def test_run_dir_uses_the_frozen_config_where_the_run_is_now(tmp_path, fake_sbatch):
+    run = _run(tmp_path, steps=7, done=4, ending="cancelled")
+    moved = tmp_path / "moved"
+    run.rename(moved)
+    assert _cli("--run-dir", str(moved)) == 0 and len(fake_sbatch) == 1
+    frozen = yaml.safe_load((moved / "job.yaml").read_text())
+    assert frozen["checkpoint"]["run_dir"] == str(moved.resolve()) and frozen["train"]["steps"] == 7
+
+
+def test_run_dir_misuse_is_a_user_error_naming_the_fix(tmp_path):
+    run = _run(tmp_path, steps=7, done=4, ending="cancelled")
+    with pytest.raises(UserError, match="--site/--job cannot go with it"):
+        _cli("--run-dir", str(run), "--job", str(run / "job.yaml"))
+    with pytest.raises(UserError, match=r"empty/site.yaml: missing; --run-dir needs"):
+        _cli("--run-dir", str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="give --site and --job"):
+        _cli("--site", str(ROOT / "site-configs/local.yaml"))
