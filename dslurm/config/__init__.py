@@ -139,6 +139,9 @@ class ModelSpec:
     ffn_dim: int | None = field(None, help="override the SwiGLU hidden size")
     vocab_size: int | None = field(None, help="override the vocabulary size")
     seq_len: int | None = field(None, help="override the sequence length")
+    init_from: str | None = field(None, help="start a fresh run from these weights: a Hugging Face Llama directory "
+                                             "(config.json + safetensors) or a `dslurm ckpt export` output; "
+                                             "a run that has a generation resumes from it instead")
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -186,6 +189,8 @@ class TrainSpec:
     activation_checkpoint: Literal["none", "selective", "full"] = field("none", help="recomputation")
     compile: bool = field(False, help="torch.compile each block")
     log_every: int = field(10, help="steps between log lines and metrics")
+    eval_every: int = field(0, help="steps between evaluations on data.val / the held-out fraction (0 = never)")
+    eval_batches: int = field(4, help="batches per evaluation (each the size of one global batch)")
     straggler_every: int = field(50, help="steps between gathers of per-rank step times")
     step_sleep_s: float = field(0.0, help="sleep per step (demos and tests that need a long run)")
     nonfinite: Literal["skip", "rollback", "stop", "off"] = field(
@@ -199,16 +204,43 @@ class TrainSpec:
                 raise FieldError(name, f"{getattr(self, name)} must be at least 1", f"set train.{name} to 1 or more")
         if self.lr <= 0:
             raise FieldError("lr", f"{self.lr} must be above 0", "set train.lr to the peak rate, e.g. 3e-4")
-        for name in ("min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "step_sleep_s"):
+        if self.eval_batches < 1:
+            raise FieldError("eval_batches", f"{self.eval_batches} must be at least 1",
+                             "set train.eval_batches to 1 or more")
+        for name in ("min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "step_sleep_s", "eval_every"):
             if getattr(self, name) < 0:
                 raise FieldError(name, f"{getattr(self, name)} must not be negative", f"set train.{name} to 0 or more")
 
 
 @dataclass(kw_only=True, slots=True)
+class SourceSpec:
+    path: str = field(help="a token file (HDF5), a shard manifest (manifest.json), or a directory holding one")
+    weight: float = field(1.0, help="share of the mixture's tokens drawn from this source (relative)")
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise FieldError("weight", f"{self.weight} must be above 0", "give every source a positive weight")
+
+
+@dataclass(kw_only=True, slots=True)
 class DataSpec:
-    path: str | None = field(None, help="HDF5 token file; null = a synthetic corpus made in the run dir")
+    path: str | None = field(None, help="HDF5 token file, a shard manifest (manifest.json) or a directory holding "
+                                        "one; null (and no sources) = a synthetic corpus made in the run dir")
+    sources: list[SourceSpec] = field(factory=list, help="a mixture instead of `path`: [{path, weight}, ...]")
     synthetic_tokens: int = field(1 << 20, help="tokens in the synthetic corpus")
     policy: Literal["drop", "pad"] = field("drop", help="uneven tail across data-parallel ranks")
+    val: str | None = field(None, help="validation tokens: a token file or manifest (see val_fraction otherwise)")
+    val_fraction: float = field(0.0, help="without `val`: this fraction of the training stream is held out for "
+                                          "evaluation (never trained on)")
+
+    def __post_init__(self) -> None:
+        if self.path is not None and self.sources:
+            raise FieldError(("path", "sources"), "both are set", "give either data.path or data.sources")
+        if not 0.0 <= self.val_fraction < 0.5:
+            raise FieldError("val_fraction", f"{self.val_fraction} is outside [0, 0.5)",
+                             "hold out a small fraction, e.g. 0.01, or set data.val")
+        if self.val is not None and self.val_fraction:
+            raise FieldError(("val", "val_fraction"), "both are set", "give either data.val or data.val_fraction")
 
 
 @dataclass(kw_only=True, slots=True)
