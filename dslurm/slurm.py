@@ -207,8 +207,14 @@ def sbatch(script_path: str | os.PathLike[str] | None, extra_args: Iterable[str]
     return parse_parsable_job_id(run_cmd(args, env=env).stdout)
 
 
-def job_info(job_id: int | str, env: Mapping[str, str] | None = None) -> dict[str, object]:
-    """State, nodes, restarts, exit code, reason of a job (scontrol, else sacct)."""
+def job_info(job_id: int | str, env: Mapping[str, str] | None = None,
+             settle_s: float = 0.0) -> dict[str, object]:
+    """State, nodes, restarts, exit code, reason of a job (scontrol, else sacct).
+
+    `settle_s`: for a job known to exist (one we submitted), how long "gone from slurmctld,
+    not in accounting" is a window to wait through rather than an answer: slurmctld hands its
+    records to slurmdbd through a queue, which a loaded machine drains late. 0: answer now (a
+    job id nobody submitted is unknown at once)."""
     proc = run_cmd(["scontrol", "-o", "show", "job", str(job_id)], check=False, env=env)
     if proc.returncode == 0:
         recs = parse_scontrol_records(proc.stdout)
@@ -217,24 +223,55 @@ def job_info(job_id: int | str, env: Mapping[str, str] | None = None) -> dict[st
     elif "Invalid job id" not in proc.stderr:
         raise SlurmError(failure_message(["scontrol", "show", "job", str(job_id)],
                                          proc.returncode, proc.stderr))
-    # Gone from the controller (older than MinJobAge): ask accounting, if there is any.
-    acct = run_cmd(["sacct", "-D", "-X", "-n", "-P", "-j", str(job_id), "-o", SACCT_FIELDS],
-                   check=False, env=env)
-    info = parse_sacct(acct.stdout) if acct.returncode == 0 else None
-    if info is None:
-        raise SlurmError(f"job {job_id} is unknown to slurmctld and to accounting (sacct: "
-                         f"{(acct.stderr or acct.stdout).strip() or 'no record'})")
-    return info
+    # Gone from the controller (older than MinJobAge, or a restarted slurmctld): ask accounting.
+    deadline = time.monotonic() + settle_s
+    while True:
+        acct = run_cmd(["sacct", "-D", "-X", "-n", "-P", "-j", str(job_id), "-o", SACCT_FIELDS],
+                       check=False, env=env)
+        info = parse_sacct(acct.stdout) if acct.returncode == 0 else None
+        if info is not None:
+            return info
+        if time.monotonic() >= deadline:
+            waited = f" after waiting {settle_s:.0f} s for accounting" if settle_s else ""
+            raise SlurmError(f"job {job_id} is unknown to slurmctld and to accounting (sacct: "
+                             f"{(acct.stderr or acct.stdout).strip() or 'no record'}){waited}")
+        log.info("job %s: gone from slurmctld, not in accounting yet; waiting", job_id)
+        time.sleep(1.0)
+
+
+# How long accounting may lag behind slurmctld on an idle machine; `accounting_settle_s` stretches
+# it with the load. Records usually arrive within a second; a minute is far beyond a healthy lag.
+ACCOUNTING_SETTLE_S = 60.0
+
+
+def load_factor(procs: int = 1, running: int = 0) -> float:
+    """How many times slower than on an idle machine `procs` CPU-bound processes run now: the
+    other runnable processes (the 1-minute load average, less the `running` of ours already in
+    it) share the cores with them. 1.0 on an idle machine; 8 processes on 2 cores beside 2 busy
+    loops: (8+2)/8 = 1.25; beside a load of 8: 2.0. The load average lags a minute behind a
+    change and counts processes that just ended: both stretch a bound, never shrink it. Used by
+    `accounting_settle_s` and by the tests' deadlines (tests/testkit.py)."""
+    cores = os.cpu_count() or 1
+    others = max(0.0, os.getloadavg()[0] - running)
+    return max(1.0, (procs + others) / cores) / max(1.0, procs / cores)
+
+
+def accounting_settle_s(idle_s: float = ACCOUNTING_SETTLE_S) -> float:
+    """`job_info`'s settle window for a job we submitted, following this machine's load (the
+    local cluster's slurmctld and slurmdbd share it; on a real cluster it is only a floor)."""
+    return idle_s * load_factor()
 
 
 def wait_job(job_id: int | str, states: Iterable[str] = TERMINAL_STATES, timeout: float = 300,
              poll: float = 0.25, env: Mapping[str, str] | None = None) -> str:
-    """Poll until the job reaches one of `states`; return that state."""
+    """Poll until the job reaches one of `states`; return that state. The job exists (the
+    caller has its id from sbatch), so a moment when neither slurmctld nor accounting has it
+    is waited through (`job_info`'s settle window) before it is an error."""
     wanted = set(states)
     deadline = time.monotonic() + timeout
     state = "UNKNOWN"
     while True:
-        state = str(job_info(job_id, env=env)["state"])
+        state = str(job_info(job_id, env=env, settle_s=accounting_settle_s())["state"])
         if state in wanted:
             return state
         if time.monotonic() > deadline:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from dslurm.slurm import load_factor
 
 
 def sbatch_flags(text: str) -> dict[str, str | None]:
@@ -26,6 +29,38 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, poll: float = 0
             return got
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def load_scaled(idle_s: float, procs: int = 1) -> float:
+    """A bound measured on an idle machine, stretched by the load now (`load_factor`)."""
+    return idle_s * load_factor(procs)
+
+
+class LoadDeadline:
+    """A deadline that follows the machine's load while it runs: `idle_s` on an idle machine,
+    stretched by the largest `load_factor(procs)` seen so far (checked at each `expired()`, with
+    the `procs` started meanwhile counted as ours, not as load), so a load that rises during
+    the wait moves the deadline out. A hang still ends: the load of other processes is finite."""
+
+    def __init__(self, idle_s: float, procs: int = 1) -> None:
+        self.idle_s, self.procs = idle_s, procs
+        self.start = time.monotonic()
+        self.factor = load_factor(procs)
+
+    @property
+    def limit_s(self) -> float:
+        return self.idle_s * self.factor
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.start
+
+    def expired(self) -> bool:
+        self.factor = max(self.factor, load_factor(self.procs, running=self.procs))
+        return self.elapsed_s() > self.limit_s
+
+    def describe(self) -> str:
+        return (f"{self.elapsed_s():.0f} s (limit {self.limit_s:.0f} s: {self.idle_s:g} s idle x load "
+                f"factor {self.factor:.2f}, {os.cpu_count()} cores, load now {os.getloadavg()[0]:.1f})")
 
 
 class ReadCounter:

@@ -105,11 +105,19 @@ def run_job(args: argparse.Namespace) -> int:
 
 
 def _wait_verdict(job_id: int, run_dir: Path) -> int:
+    """The verdict is the job's `preflight` event in the run's ledger; Slurm only says when to
+    look. A job Slurm can no longer place (gone from slurmctld, accounting still without it once
+    `wait_job` has waited for it) is no verdict either way: the ledger decides."""
     from dslurm import slurm
+    from dslurm.errors import SlurmError
     from dslurm.observe import events
     from dslurm.preflight.gate import exit_code, load_report, render_table
 
-    state = slurm.wait_job(job_id, timeout=3600, poll=1)
+    try:
+        state = slurm.wait_job(job_id, timeout=3600, poll=1)
+    except SlurmError as exc:
+        log.warning("%s; reading the verdict from the ledger", exc)
+        state = "UNKNOWN"
     mine = [e for e in events.of(events.read(run_dir), events.Preflight) if e.job_id == str(job_id) and e.report]
     if not mine:
         print(f"dslurm burnin: job {job_id} ended {state} without a verdict; see {run_dir}/logs",

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+
+import pytest
+
 from dslurm import slurm
+from dslurm.errors import SlurmError
 from dslurm.observe.ledger import read_events
+from testkit import load_scaled
 
 
 def test_standalone_burnin_job_prints_its_verdict(slurm_cluster, cli, tmp_path):
     res = cli("burnin", "--site", "site-configs/local.yaml", "--nodes", "2", "--run-dir", str(tmp_path / "b"),
-              "--wait", env=slurm_cluster.env(), timeout=300)
+              "--wait", env=slurm_cluster.env(), timeout=load_scaled(300, procs=4))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "submitted burn-in job" in res.stdout and "busbw" in res.stdout.lower()
     pre = [e for e in read_events(tmp_path / "b") if e["event"] == "preflight"]
@@ -24,7 +30,7 @@ def test_bad_node_is_drained_where_the_site_allows_it(slurm_cluster, cli, tmp_pa
                      .replace("burnin:\n", "burnin:\n  allow_drain: true\n"))
     try:
         res = cli("burnin", "--site", str(site), "--nodes", "3", "--run-dir", str(tmp_path / "d"), "--wait",
-                  env=env, timeout=300)
+                  env=env, timeout=load_scaled(300, procs=6))
         assert res.returncode == 3, res.stdout + res.stderr  # EXIT_BAD_NODES
         node1 = [n for n in slurm.nodes(env=env) if n["name"] == "node1"][0]
         assert "drain" in str(node1["state"]).lower(), node1
@@ -50,3 +56,36 @@ def _resume(env, node: str, timeout: float = 60) -> None:
             assert info["state"] == "idle" and info["responding"], f"{node} after RESUME: {info}"
             return
         time.sleep(0.5)
+
+
+def _fake_slurm(monkeypatch, sacct_after: int) -> list[str]:
+    """scontrol has forgotten job 7; sacct has no record of it for its first `sacct_after` calls,
+    then has it FAILED. No daemons: only what the commands answer."""
+    calls: list[str] = []
+
+    def run_cmd(args, **_kw):
+        calls.append(args[0])
+        if args[0] == "scontrol":
+            return subprocess.CompletedProcess(args, 1, "", "slurm_load_jobs error: Invalid job id specified")
+        known = calls.count("sacct") > sacct_after
+        return subprocess.CompletedProcess(args, 0, "7|burnin-2|FAILED|node[1-2]|1:0|None|2\n" if known else "", "")
+
+    monkeypatch.setattr(slurm, "run_cmd", run_cmd)
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    return calls
+
+
+def test_a_job_gone_from_slurmctld_is_waited_for_until_accounting_has_it(monkeypatch):
+    """Under load slurmdbd records a job late: `wait_job` (a job we submitted) waits through
+    that window, bounded, instead of calling the job unknown; a bare `job_info` (any id,
+    maybe one nobody submitted) still answers at once."""
+    calls = _fake_slurm(monkeypatch, sacct_after=3)
+    assert slurm.wait_job(7, timeout=60) == "FAILED"
+    assert calls.count("sacct") == 4
+    _fake_slurm(monkeypatch, sacct_after=3)
+    with pytest.raises(SlurmError, match="unknown to slurmctld and to accounting"):
+        slurm.job_info(7)
+    _fake_slurm(monkeypatch, sacct_after=10**9)  # never comes: an error once the window is over
+    monkeypatch.setattr(slurm, "accounting_settle_s", lambda: 0.0)
+    with pytest.raises(SlurmError, match="unknown to slurmctld and to accounting"):
+        slurm.wait_job(7, timeout=60)

@@ -25,9 +25,11 @@ from pathlib import Path
 import pytest
 
 from dslurm.observe.ledger import read_events
+from testkit import load_scaled
 from train_helpers import run_train, step_records, write_job
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+# Only a backstop: each start has its own deadline that follows the load as it runs (run_train).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(int(load_scaled(400, procs=8)))]
 STEPS = 5
 TOL = 1e-5
 # (name, nproc (None: one plain process), --set overrides, stop after this many steps or None)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from dslurm.observe.ledger import read_events
+from testkit import LoadDeadline
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "site-configs" / "local.yaml"
@@ -47,7 +48,11 @@ def write_job(tmp: Path, name: str, *, steps: int = 4, grad_clip: float = 0.3) -
 def run_train(nproc: int | None, job: Path, *sets: str, env: dict[str, str] | None = None,
               timeout: float = 90, entry: tuple[str, ...] = ("-m", "train")) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node N -m train` (or a plain process when nproc is None); `entry`
-    replaces `-m train` (a script that runs it, e.g. to look at the worker's modules)."""
+    replaces `-m train` (a script that runs it, e.g. to look at the worker's modules).
+
+    `timeout` is the bound on an idle machine; it stretches with the machine's load while the
+    run goes on (testkit.LoadDeadline): every process imports torch (~5-10 CPU-s), so 8 of them
+    on 2 busy cores take minutes, not a fixed 90 s, and are not hung."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                  str(nproc)] if nproc else [sys.executable])
     cmd = [*launcher, *entry, "--site", str(SITE), "--job", str(job),
@@ -55,13 +60,19 @@ def run_train(nproc: int | None, job: Path, *sets: str, env: dict[str, str] | No
     for s in sets:
         cmd += ["--set", s]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    deadline = LoadDeadline(timeout, procs=nproc or 1)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out, err = _stop(proc)
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out}\n{err}") from None
+        while True:
+            try:
+                out, err = proc.communicate(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                if deadline.expired():
+                    out, err = _stop(proc)
+                    raise AssertionError(f"timed out after {deadline.describe()}: {' '.join(cmd)}\n{out}\n{err}"
+                                         ) from None
     finally:  # also when pytest-timeout interrupts us
         if proc.poll() is None:
             _stop(proc)
