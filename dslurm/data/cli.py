@@ -1,8 +1,11 @@
-"""`dslurm data`: make and inspect HDF5 token files.
+"""`dslurm data`: make and inspect HDF5 token files and sharded tokenizations.
 
     dslurm data synth OUT --tokens N --vocab V [--seed S] [--seq-len L]
     dslurm data tokenize IN OUT [--seq-len L]      (byte level, vocab 256)
-    dslurm data info FILE
+    dslurm data tokenize INPUT... --tokenizer T --out DIR [--shards N] [--field F]
+                         [--txt-docs blank|file] [--bos TOK] [--eos TOK]
+                         [--slurm --site S [--concurrency K] [--time T] [--wait]]
+    dslurm data info FILE|MANIFEST|DIR
 
 Light to import: numpy, h5py and the format module (`dslurm.data.tokenize`, torch-free) are
 imported inside the commands.
@@ -11,12 +14,14 @@ imported inside the commands.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dslurm.errors import UserError
 
 if TYPE_CHECKING:
     from dslurm.data import tokenize as tk
+    from dslurm.data.manifest import Manifest
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,14 +43,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--seq-len", type=int, default=0, help="sequence length hint stored in the file")
     p.set_defaults(func=run)
 
-    p = cmds.add_parser("tokenize", help="byte-level tokenization of a text file (vocab 256)")
-    p.add_argument("input", metavar="IN", help="text (any bytes) file")
-    p.add_argument("out", metavar="OUT", help="HDF5 file to write")
+    p = cmds.add_parser("tokenize", help="tokenize text into token files (docs/data.md)",
+                        description="With --tokenizer: INPUT... (.txt/.jsonl/.parquet files or "
+                        "folders) into --out DIR: N shards + manifest.json, here or as a Slurm "
+                        "job array (--slurm); a re-run redoes only missing or partial shards. "
+                        "Without: the byte-level form IN OUT (vocab 256).")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="input files or folders")
+    p.add_argument("--tokenizer", help="tokenizer.json, or a folder holding one (never downloaded)")
+    p.add_argument("--out", help="output folder: shard-NNNNN.h5, manifest.json, plan.json, logs/")
+    p.add_argument("--shards", type=int, default=1, help="shards = array tasks (default 1); each "
+                   "holds a contiguous group of whole input files")
+    p.add_argument("--field", default="text", help="jsonl field / parquet column (default text)")
+    p.add_argument("--txt-docs", choices=("blank", "file"), default="blank",
+                   help=".txt documents: blank-line separated blocks (default) or one per file")
+    p.add_argument("--bos", help="token put before every document (besides the post-processor's)")
+    p.add_argument("--eos", help="token put after every document (besides the post-processor's)")
     p.add_argument("--seq-len", type=int, default=0, help="sequence length hint stored in the file")
+    p.add_argument("--slurm", action="store_true", help="run the shards as one Slurm job array")
+    p.add_argument("--site", help="with --slurm: site config (partition, setup lines, python)")
+    p.add_argument("--concurrency", type=int, default=0, help="with --slurm: at most K tasks at once "
+                   "(%%K; default 0 = no limit)")
+    p.add_argument("--time", help="with --slurm: time limit per task (default: the site's)")
+    p.add_argument("--cpus-per-task", type=int, default=1, help="with --slurm: CPUs per task")
+    p.add_argument("--wait", action="store_true", help="with --slurm: wait for the array, then "
+                   "check the shards and write the manifest")
     p.set_defaults(func=run)
 
-    p = cmds.add_parser("info", help="print a token file's header")
-    p.add_argument("file", metavar="FILE", help="HDF5 token file")
+    p = cmds.add_parser("info", help="print a token file's header or a manifest's summary")
+    p.add_argument("file", metavar="FILE", help="HDF5 token file, manifest.json or its folder")
     p.set_defaults(func=run)
 
 
@@ -61,12 +86,24 @@ def run(args: argparse.Namespace) -> int:
         if args.seq_len < 0:
             raise UserError(f"--seq-len {args.seq_len}: must be >= 0 (0 = no hint)")
         path = tk.write_synthetic(args.out, args.tokens, args.vocab, args.seed, seq_len=args.seq_len)
+    elif args.data_command == "tokenize" and args.tokenizer:
+        from dslurm.data.tokenize_cmd import tokenize
+
+        return tokenize(args)
     elif args.data_command == "tokenize":
+        if len(args.inputs) != 2 or args.out:
+            raise UserError("data tokenize: without --tokenizer it is the byte-level form IN OUT. "
+                            "Fix: give --tokenizer tokenizer.json --out DIR for real tokenization")
         if args.seq_len < 0:
             raise UserError(f"--seq-len {args.seq_len}: must be >= 0 (0 = no hint)")
-        path = tk.tokenize_text(args.input, args.out, seq_len=args.seq_len)
+        path = tk.tokenize_text(args.inputs[0], args.inputs[1], seq_len=args.seq_len)
     else:
         path = args.file
+        if Path(path).is_dir() or str(path).endswith(".json"):
+            from dslurm.data.manifest import read_manifest
+
+            print(format_manifest(read_manifest(path)))
+            return 0
     print(format_info(tk.read_info(path)))
     return 0
 
@@ -81,6 +118,26 @@ def format_info(info: tk.TokenFileInfo) -> str:
         f"source      {info.source}",
         f"created     {info.created}",
     ]
+    if info.tokenizer_hash:
+        lines.append(f"tokenizer   sha256 {info.tokenizer_hash[:16]}  bos_id {info.bos_id}  "
+                     f"eos_id {info.eos_id}")
     if info.seq_len:
         lines.append(f"samples     {info.samples(info.seq_len):,} windows of {info.seq_len}+1 tokens")
+    return "\n".join(lines)
+
+
+def format_manifest(m: Manifest) -> str:
+    """Human-readable summary of a read (and checked) manifest."""
+    t = m.tokenizer
+    lines = [
+        f"manifest    {m.path}",
+        f"tokens      {m.n_tokens:,} ({m.dtype}) in {len(m.shards)} shards, all present and complete",
+        f"vocab_size  {m.vocab_size}",
+        f"tokenizer   {t.get('path')}  sha256 {str(t.get('hash', ''))[:16]}  bos_id "
+        f"{t.get('bos_id')}  eos_id {t.get('eos_id')}",
+        f"inputs      {len(m.inputs)} files, {sum(int(f.get('size', 0)) for f in m.inputs) / 1e6:.1f} MB",
+    ]
+    lines += [f"  {s.path.name}  {s.n_tokens:,} tokens" for s in m.shards[:20]]
+    if len(m.shards) > 20:
+        lines.append(f"  ... {len(m.shards) - 20} more")
     return "\n".join(lines)

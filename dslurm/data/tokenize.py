@@ -4,7 +4,10 @@ Format (version 1): one 1-D dataset ``tokens`` holding a flat token stream, dtyp
 uint16 when the vocabulary fits in 16 bits, else uint32. Attributes on the file:
 ``format`` ("dslurm-tokens"), ``format_version`` (1), ``vocab_size``, ``seq_len`` (a
 hint, 0 = none; the model's seq_len decides), ``source`` (free text) and ``created``
-(ISO 8601, UTC).
+(ISO 8601, UTC). A file written by a real tokenizer (`dslurm.data.shards`) also has
+``tokenizer_hash`` (sha256 of its tokenizer.json), ``bos_id`` and ``eos_id`` (-1 = none)
+and ``inputs`` (JSON: the input files' paths, sizes and mtimes); files without them (byte
+level, synthetic, older files) read as before.
 
 This module is torch-free (numpy + h5py only) so the `dslurm data` CLI can use it
 without paying for `import torch`. Every write goes to a temp file in the target
@@ -18,7 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,9 @@ class TokenFileInfo:
     source: str
     created: str
     size_bytes: int
+    tokenizer_hash: str = ""
+    bos_id: int | None = None
+    eos_id: int | None = None
 
     def samples(self, seq_len: int) -> int:
         """Windows of seq_len+1 tokens, taken with stride seq_len (see train/data.py)."""
@@ -71,8 +77,9 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray], *, vocab_size: int,
-                  seq_len: int, source: str) -> Path:
-    """Stream token chunks into <path> atomically; returns the final path."""
+                  seq_len: int, source: str, attrs: Mapping[str, Any] | None = None) -> Path:
+    """Stream token chunks into <path> atomically; returns the final path. `attrs` are extra
+    file attributes (a tokenizer's hash and special ids, the inputs)."""
     import h5py  # lazy: keeps `dslurm --help` instant
 
     path = Path(path)
@@ -97,6 +104,7 @@ def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray], *, vocab_size:
                 "format": FORMAT, "format_version": FORMAT_VERSION, "vocab_size": vocab_size,
                 "seq_len": seq_len, "source": source,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                **(attrs or {}),
             })
         with open(tmp, "rb+") as fh:  # h5py's close does not fsync
             os.fsync(fh.fileno())
@@ -234,4 +242,11 @@ def read_info(path: str | Path) -> TokenFileInfo:
     return TokenFileInfo(
         path=str(path), n_tokens=n_tokens, vocab_size=int(attrs["vocab_size"]),
         seq_len=int(attrs.get("seq_len", 0)), dtype=dtype, source=str(attrs.get("source", "")),
-        created=str(attrs.get("created", "")), size_bytes=path.stat().st_size)
+        created=str(attrs.get("created", "")), size_bytes=path.stat().st_size,
+        tokenizer_hash=str(attrs.get("tokenizer_hash", "")),
+        bos_id=_special(attrs.get("bos_id")), eos_id=_special(attrs.get("eos_id")))
+
+
+def _special(value: Any) -> int | None:
+    """A special id attribute: absent or -1 means none."""
+    return None if value is None or int(value) < 0 else int(value)

@@ -1,0 +1,188 @@
+"""Sharded tokenization: the plan, one shard per task, the manifest once all are done.
+
+The submitting side (`dslurm data tokenize ... --out DIR`) groups the input files, in order,
+into N contiguous groups of about equal bytes and freezes that into DIR/plan.json. Task i
+(a Slurm array task, or a loop on this machine) tokenizes group i into DIR/shard-0000i.h5:
+a temp file, fsynced, renamed (tokenize._write_atomic), so a killed task leaves no
+finished-looking shard. Each shard carries the `key` of its group (tokenizer hash,
+separators, options, its inputs' paths, sizes and mtimes): a shard counts as done only when
+its key matches the plan's, so a re-run redoes exactly the missing, partial or stale ones.
+
+The manifest (dslurm.data.manifest) is written by whichever task finds every shard done after
+its own rename (the last one; two finishing together write the same bytes), and again by the
+submitting side after `--wait` or a re-run with nothing left to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dslurm.data import hf, manifest, sources
+from dslurm.data.sources import TxtDocs
+from dslurm.durable import atomic_write_text
+from dslurm.errors import UserError
+
+log = logging.getLogger(__name__)
+PLAN = "plan.json"
+PLAN_FORMAT = "dslurm-tokenize-plan"
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path), "size": st.st_size, "mtime": st.st_mtime}
+
+
+def group_files(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices of `sizes` cut into `n` contiguous, non-empty groups of about equal total. Pure."""
+    if not 1 <= n <= len(sizes):
+        raise UserError(f"--shards {n}: must be in 1..{len(sizes)} (one shard holds whole input "
+                        f"files, and there are {len(sizes)}). Fix: lower --shards or split the inputs")
+    total = sum(sizes) or 1
+    groups: list[list[int]] = [[] for _ in range(n)]
+    last = -1
+    for i, size in enumerate(sizes):
+        g = int((sum(sizes[:i]) + size / 2) * n / total)  # the group the file's middle falls in
+        g = max(g, last, n - (len(sizes) - i))  # in order; the files left fill the groups left
+        last = min(g, last + 1, n - 1)  # no group skipped
+        groups[last].append(i)
+    return groups
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    field: str = "text"
+    txt_docs: TxtDocs = "blank"
+    seq_len: int = 0
+
+
+def make_plan(inputs: list[Path], tok: hf.TokenizerInfo, n_shards: int, opts: Options) -> dict[str, Any]:
+    """The frozen description of a tokenization (JSON-able). Pure but for the inputs' stat."""
+    prints = [fingerprint(p) for p in inputs]
+    shards = []
+    for i, grp in enumerate(group_files([f["size"] for f in prints], n_shards)):
+        ins = [prints[k] for k in grp]
+        key_src = json.dumps([tok.hash, tok.add_bos, tok.add_eos, opts.field, opts.txt_docs,
+                              opts.seq_len, ins], sort_keys=True)
+        shards.append({"path": f"shard-{i:05d}.h5", "inputs": ins,
+                       "key": hashlib.sha256(key_src.encode()).hexdigest()[:32]})
+    return {"format": PLAN_FORMAT, "version": 1, "tokenizer": tok.to_json(),
+            "field": opts.field, "txt_docs": opts.txt_docs, "seq_len": opts.seq_len,
+            "shards": shards}
+
+
+def write_plan(out: Path, plan: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / PLAN, json.dumps(plan, indent=1, sort_keys=True) + "\n")
+
+
+def read_plan(out: Path) -> dict[str, Any]:
+    try:
+        plan: dict[str, Any] = json.loads((out / PLAN).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{out / PLAN}: unreadable ({exc}). Fix: re-run `dslurm data tokenize` "
+                        f"with --out {out}") from exc
+    return plan
+
+
+def shard_done(out: Path, shard: dict[str, Any]) -> bool:
+    """The shard file exists (so it is complete: it was renamed into place) with the plan's key."""
+    import h5py
+
+    path = out / shard["path"]
+    if not path.is_file():
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            return bool(str(f.attrs.get("plan_key", "")) == shard["key"])
+    except OSError:
+        return False
+
+
+def missing(out: Path, plan: dict[str, Any]) -> list[int]:
+    return [i for i, s in enumerate(plan["shards"]) if not shard_done(out, s)]
+
+
+def remove_temps(out: Path, plan: dict[str, Any], tasks: list[int]) -> None:
+    """Temp files a killed task left behind for the shards about to be redone."""
+    for i in tasks:
+        for tmp in out.glob(f".{plan['shards'][i]['path']}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+def _kill_knob(task: int) -> bool:
+    from dslurm import faults
+
+    return faults.tokenize_kill_task() == task
+
+
+def _chunks(tok: Any, info: hf.TokenizerInfo, plan: dict[str, Any], task: int) -> Iterator[np.ndarray]:
+    paths = [Path(f["path"]) for f in plan["shards"][task]["inputs"]]
+    kill = _kill_knob(task)
+    for batch in sources.batches(paths, field=plan["field"], txt_docs=plan["txt_docs"]):
+        yield hf.encode_batch(tok, info, batch)
+        if kill:  # the first chunk is in the temp file: die mid-shard (DSLURM_FAULT_TOKENIZE_KILL)
+            log.warning("DSLURM_FAULT_TOKENIZE_KILL: task %d kills itself mid-shard", task)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_task(out: Path, task: int) -> Path:
+    """Tokenize group `task` of the plan in `out` into its shard; then the manifest if complete."""
+    from dslurm.data.tokenize import _write_atomic
+
+    plan = read_plan(out)
+    if not 0 <= task < len(plan["shards"]):
+        raise UserError(f"task {task}: the plan in {out} has {len(plan['shards'])} shards")
+    shard = plan["shards"][task]
+    want = plan["tokenizer"]
+    tok, info = hf.load(want["path"])
+    if info.hash != want["hash"]:
+        raise UserError(f"{want['path']}: changed since the plan was made (sha256 {info.hash[:12]} "
+                        f"!= {want['hash'][:12]}). Fix: re-run `dslurm data tokenize`")
+    info = hf.TokenizerInfo(**want)
+    for f in shard["inputs"]:
+        if fingerprint(Path(f["path"])) != f:
+            raise UserError(f"{f['path']}: changed since the plan was made (size/mtime). Fix: "
+                            f"re-run `dslurm data tokenize`; it re-plans and redoes this shard")
+    attrs = {"tokenizer_hash": info.hash, "bos_id": -1 if info.bos_id is None else info.bos_id,
+             "eos_id": -1 if info.eos_id is None else info.eos_id, "plan_key": shard["key"],
+             "inputs": json.dumps(shard["inputs"])}
+    path = _write_atomic(out / shard["path"], _chunks(tok, info, plan, task),
+                         vocab_size=info.vocab_size, seq_len=plan["seq_len"],
+                         source=f"tokenizer {info.hash[:12]} over {len(shard['inputs'])} files",
+                         attrs=attrs)
+    finish(out, plan)
+    return path
+
+
+def finish(out: Path, plan: dict[str, Any]) -> Path | None:
+    """Write the manifest when every shard is done; None (nothing written) otherwise."""
+    from dslurm.data.tokenize import dtype_for, read_info
+
+    if missing(out, plan):
+        return None
+    tok = plan["tokenizer"]
+    shards = [{"path": s["path"], "n_tokens": read_info(out / s["path"]).n_tokens,
+               "inputs": s["inputs"]} for s in plan["shards"]]
+    raw = {"format": manifest.FORMAT, "version": manifest.VERSION, "vocab_size": tok["vocab_size"],
+           "dtype": str(dtype_for(tok["vocab_size"])), "n_tokens": sum(s["n_tokens"] for s in shards),
+           "tokenizer": {k: tok[k] for k in ("hash", "vocab_size", "bos_id", "eos_id", "path")},
+           "shards": shards, "inputs": [f for s in plan["shards"] for f in s["inputs"]],
+           "field": plan["field"], "txt_docs": plan["txt_docs"]}
+    return manifest.write_manifest(out, raw)
+
+
+def run_local(out: Path, tasks: list[int]) -> None:
+    """The tasks one after another in this process (no Slurm)."""
+    for t in tasks:
+        log.info("shard %d", t)
+        run_task(out, t)

@@ -1,0 +1,83 @@
+"""`dslurm data tokenize INPUT... --tokenizer T --out DIR`: plan, skip what is done, run the rest.
+
+Here (one shard after another in this process) or, with `--slurm --site S`, as one job array
+of the shards still to do. Prints what it skipped, what it runs, and the manifest at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dslurm.data import hf, shards, sources
+from dslurm.errors import UserError
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not args.out:
+        raise UserError("data tokenize --tokenizer: give --out DIR (shards and manifest.json go there)")
+    if args.seq_len < 0:
+        raise UserError(f"--seq-len {args.seq_len}: must be >= 0 (0 = no hint)")
+    if args.slurm and not args.site:
+        raise UserError("data tokenize --slurm: give --site FILE (partition, setup lines, python)")
+    if not args.slurm and (args.site or args.wait):
+        raise UserError("data tokenize: --site/--wait go with --slurm. Fix: add --slurm, or drop them")
+    if args.concurrency < 0 or args.cpus_per_task < 1:
+        raise UserError(f"--concurrency {args.concurrency} must be >= 0 and --cpus-per-task "
+                        f"{args.cpus_per_task} >= 1")
+
+
+def tokenize(args: argparse.Namespace) -> int:
+    from dslurm.data.cli import format_manifest
+    from dslurm.data.manifest import read_manifest
+
+    _check_args(args)
+    out = Path(args.out).resolve()
+    inputs = sources.find_inputs(args.inputs)
+    _, info = hf.load(args.tokenizer, bos=args.bos, eos=args.eos)
+    opts = shards.Options(field=args.field, txt_docs=args.txt_docs, seq_len=args.seq_len)
+    plan = shards.make_plan(inputs, info, args.shards, opts)
+    shards.write_plan(out, plan)
+    todo = shards.missing(out, plan)
+    done = [i for i in range(len(plan["shards"])) if i not in todo]
+    if done:
+        print(f"{len(done)} of {len(plan['shards'])} shards already done, skipped: {_ids(done)}")
+    shards.remove_temps(out, plan, todo)
+    if todo and args.slurm:
+        rc = _run_slurm(args, out, todo)
+        if rc is not None:
+            return rc
+    elif todo:
+        print(f"tokenizing shards {_ids(todo)} here")
+        shards.run_local(out, todo)
+    left = shards.missing(out, plan)
+    if left:
+        print(f"dslurm data tokenize: shards {_ids(left)} are not done (logs in {out}/logs). "
+              f"Re-run the same command: it redoes only those", file=sys.stderr)
+        return 1
+    shards.finish(out, plan)
+    print(format_manifest(read_manifest(out)))
+    return 0
+
+
+def _run_slurm(args: argparse.Namespace, out: Path, todo: list[int]) -> int | None:
+    """Submit the array; None when waited for (the caller checks the shards), else 0."""
+    from dslurm.config import load_site
+    from dslurm.data.array import ArraySpec, submit_array
+
+    site = load_site(args.site)
+    spec = ArraySpec(out=out, tasks=todo, concurrency=args.concurrency,
+                     time=args.time or site.slurm.default_time, cpus_per_task=args.cpus_per_task)
+    print(f"submitting shards {_ids(todo)} as one job array ({out}/tokenize.sbatch)", flush=True)
+    job_id, _ = submit_array(site, spec, wait=args.wait)
+    if not args.wait:
+        print(f"submitted job array {job_id}; the last task writes {out}/manifest.json. "
+              f"Check with: dslurm data info {out}")
+        return 0
+    print(f"job array {job_id} ended")
+    return None
+
+
+def _ids(ids: list[int]) -> str:
+    return ",".join(map(str, ids))
