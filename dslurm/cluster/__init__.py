@@ -36,7 +36,7 @@ from typing import Any
 
 from dslurm import slurm
 from dslurm.cluster import conf as cc
-from dslurm.cluster.daemons import check_ports_free, ensure_packages, first_job_id, start, teardown
+from dslurm.cluster.daemons import check_ports_free, ensure_packages, first_job_id, repair, start, teardown
 from dslurm.cluster.host import ETC_CONF, HOSTS
 from dslurm.cluster.proc import alive
 from dslurm.cluster.shapes import DEFAULT_SHAPE_NODES as DEFAULT_SHAPE_NODES  # `X as X`: re-exported,
@@ -46,7 +46,7 @@ from dslurm.cluster.state import RECORD as RECORD  # re-exported: tests, benches
 from dslurm.cluster.state import ClusterInfo as ClusterInfo  # use these as `cluster.X`
 from dslurm.cluster.state import is_up as is_up
 from dslurm.cluster.state import state_dir_of as state_dir_of
-from dslurm.errors import UserError
+from dslurm.errors import SlurmError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,12 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
         if os.geteuid() != 0:  # only now: a running cluster is usable without root
             raise UserError("`dslurm cluster up` needs root: it runs the Slurm daemons as "
                             f"root and edits {HOSTS} and {ETC_CONF}; run it with sudo")
+        if rec and rec.get("settings") == wanted:
+            try:  # nodes lost, controller alive: bring them back without cancelling anyone's jobs
+                if repair(spec, rec):
+                    return info_of(sdir, rec)
+            except SlurmError as exc:
+                log.warning("cluster in %s: repair failed (%s); restarting it", sdir, exc)
         if rec:
             teardown(sdir, rec)  # leftovers of a crashed or differently-configured run
         ensure_packages(accounting)

@@ -76,14 +76,46 @@ def start(spec: cc.ClusterSpec, rec: dict[str, Any]) -> None:
     _spawn(rec, sdir, "slurmctld", ["slurmctld", "-D", "-f", str(sdir / "etc" / "slurm.conf")],
            env)
     for name in cc.node_names(spec.nodes):
-        # Own UTS namespace so `hostname` inside a job is the node name; tini -s reaps the
-        # job processes slurmstepd leaves behind, which keeps step teardown fast.
-        _spawn(rec, sdir, name, ["unshare", "--uts", "sh", "-c",
-                                 f'hostname {name} && exec tini -s -- slurmd -D -N {name} '
-                                 f'-f "$SLURM_CONF"'], env)
+        _spawn(rec, sdir, name, _slurmd_argv(name), env)
     _wait_idle(spec, rec, env)
     log.info("cluster up in %.1f s: %d nodes%s, state dir %s", time.monotonic() - t0,
              spec.nodes, " + accounting" if spec.accounting else "", sdir)
+
+
+def _slurmd_argv(name: str) -> list[str]:
+    # Own UTS namespace so `hostname` inside a job is the node name; tini -s reaps the
+    # job processes slurmstepd leaves behind, which keeps step teardown fast.
+    return ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec tini -s -- slurmd -D -N {name} -f "$SLURM_CONF"']
+
+
+# Node states `repair` brings back with an explicit resume (a down node also returns by itself
+# on registration: ReturnToService=2).
+_RESUME = ("down", "drained", "draining", "drain", "fail", "failing")
+
+
+def repair(spec: cc.ClusterSpec, rec: dict[str, Any]) -> bool:
+    """Bring back what a node-loss test (or a crashed slurmd) took, leaving the controller and
+    every job alone: restart the dead slurmds, resume down or drained nodes, wait until every
+    node serves jobs again. A full restart cancels all jobs -- including those of another test
+    session sharing this cluster (seen as 'CANCELLED by 0', and as jobs that vanished before
+    accounting had them). -> False when the controller side itself is not alive (then only a
+    restart helps); raises SlurmError when the nodes do not come back."""
+    sdir = spec.state_dir
+    core = [p for p in rec.get("procs", []) if not p["name"].startswith("node")]
+    if not core or not all(alive(p) for p in core):
+        return False
+    env = {**os.environ, "SLURM_CONF": str(sdir / "etc" / "slurm.conf"),
+           "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
+    for p in [p for p in rec["procs"] if p["name"].startswith("node") and not alive(p)]:
+        log.warning("cluster: %s's slurmd is gone; starting it again", p["name"])
+        rec["procs"].remove(p)
+        _spawn(rec, sdir, p["name"], _slurmd_argv(p["name"]), env)
+        # Listening means registered with slurmctld next: until then sinfo may still show the old one.
+        port = cc.node_port(int(p["name"].removeprefix("node")))
+        wait_for(lambda: port_open(port), 30 * slurm.load_factor(), f"{p['name']}'s slurmd port",
+                 sdir / "log" / f"{p['name']}.out")
+    _wait_idle(spec, rec, env, timeout=60 * slurm.load_factor(), serving=True, resume=True)
+    return True
 
 
 def _start_accounting(spec: cc.ClusterSpec, rec: dict[str, Any], env: dict[str, str]) -> None:
@@ -123,8 +155,12 @@ def _spawn(rec: dict[str, Any], sdir: Path, name: str, argv: list[str], env: dic
 
 
 def _wait_idle(spec: cc.ClusterSpec, rec: dict[str, Any], env: dict[str, str],
-               timeout: float = 30) -> None:
+               timeout: float = 30, *, serving: bool = False, resume: bool = False) -> None:
+    """Until every node is idle (`serving`: idle or running jobs); `resume`: ask Slurm to resume
+    nodes that are down or drained, once their slurmd answers."""
     sdir = spec.state_dir
+    want = ("idle", "allocated", "mixed", "completing") if serving else ("idle",)
+    resumed: set[str] = set()
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
@@ -142,8 +178,13 @@ def _wait_idle(spec: cc.ClusterSpec, rec: dict[str, Any], env: dict[str, str],
             running = cc.running_nodes(slurm.parse_sinfo_nodes(proc.stdout), spec.nodes)
             states = {n["name"]: n["state"] for n in running}
             last = str(states)
-            if len(states) == spec.nodes and all(s == "idle" for s in states.values()):
+            if len(states) == spec.nodes and all(s in want for s in states.values()):
                 return
+            for n in running:
+                if resume and n["responding"] and n["state"] in _RESUME and n["name"] not in resumed:
+                    slurm.run_cmd(["scontrol", "update", f"NodeName={n['name']}", "State=RESUME"], check=False,
+                                  timeout=10, env={"SLURM_CONF": env["SLURM_CONF"]})
+                    resumed.add(str(n["name"]))
         else:
             last = proc.stderr.strip()
         time.sleep(0.2)
