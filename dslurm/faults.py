@@ -14,6 +14,9 @@ variable anywhere else.
   DSLURM_FAULT_NAN=STEP[:RANKS][@RESTART]    the batch that step STEP reads in an uninterrupted run is
                                              poisoned on RANKS: its loss is NaN whenever it is read,
                                              so a rollback that does not skip it meets it again
+  DSLURM_FAULT_STOP_IN_EVAL=STEP[:RANKS][@RESTART]  RANKS request a stop while the first batch of the
+                                             evaluation after step STEP runs (train/evaluate.py), as a
+                                             USR2 arriving mid-evaluation would
   DSLURM_FAULT_BITFLIP=STEP[:RANKS][@RESTART] RANKS flip one bit of one parameter element after optimizer
                                              step STEP (once per process): silent data corruption in one
                                              HSDP replica, for the replica check (train/sdc.py)
@@ -30,6 +33,9 @@ variable anywhere else.
   DSLURM_FAULT_DURABLE_MBPS=MB_PER_S         each rank's copy to the durable run dir (two tiers) and
                                              each rank's checked load from it are capped at MB_PER_S
                                              (a loaded shared file system)
+  DSLURM_FAULT_TOKENIZE_KILL=TASK           the tokenization array task TASK (SLURM_ARRAY_TASK_ID, or
+                                             the shard index when run locally) SIGKILLs itself after
+                                             its first chunk is in its temp file: a task killed mid-shard
   DSLURM_FAULT_SLOW_NODE=HOST:SECONDS[,...]  the burn-in's timed exchanges on HOST sleep SECONDS
                                              each: a slow link for the localization to find
 
@@ -52,9 +58,11 @@ log = logging.getLogger(__name__)
 
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
-KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_HANG",
-         "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP", "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_CKPT_KILL",
-         "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE)
+KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_STOP_IN_EVAL", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9",
+         "DSLURM_FAULT_HANG", "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP", "DSLURM_FAULT_EXIT_DELAY",
+         "DSLURM_FAULT_CKPT_KILL",
+         "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE,
+         "DSLURM_FAULT_TOKENIZE_KILL")
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,12 @@ def stage_delay() -> None:
 def durable_mbps() -> float:
     """The durable writer's cap in MB/s per rank (0: none)."""
     return float(os.environ.get("DSLURM_FAULT_DURABLE_MBPS") or 0)
+
+
+def tokenize_kill_task() -> int | None:
+    """The tokenization task that kills itself mid-shard (DSLURM_FAULT_TOKENIZE_KILL), or None."""
+    value = os.environ.get("DSLURM_FAULT_TOKENIZE_KILL")
+    return int(value) if value else None
 
 
 def parse_slow_nodes(value: str | None) -> dict[str, float]:
