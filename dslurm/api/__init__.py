@@ -139,19 +139,23 @@ def _job_class() -> type:
 
 
 def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
-           site_overrides: list[str] | None = None, folder: str | Path | None = None) -> submitit.Job[RunSummary]:
+           site_overrides: list[str] | None = None, folder: str | Path | None = None,
+           force: bool = False) -> submitit.Job[RunSummary]:
     """Submit `job` to Slurm through submitit; `job.result()` returns a RunSummary.
 
     The site and job are frozen into the run directory (like `dslurm submit`), so a requeue
     re-reads exactly them; `folder` (default `<run_dir>/submitit/%j`) holds submitit's
-    pickles and per-task logs.
+    pickles and per-task logs. A run directory whose run already completed at the job's
+    train.steps is not submitted again (UserError saying so) unless `force`.
     """
     import submitit
 
     from dslurm.api.job import TrainTask
-    from dslurm.submit import freeze_and_render, read_blocklist, record_submission
+    from dslurm.submit import completed_note, freeze_and_render, read_blocklist, record_submission
 
     r = load_inputs(job, site, overrides, site_overrides)
+    if not force and (note := completed_note(r)) is not None:
+        raise UserError(note.replace("use --force", "pass force=True"))
     if r.site.container is not None:  # submitit's srun starts its pickled task with this Python, on the host
         raise UserError(f"{r.site_path}: field 'container': api.submit cannot run the job in the site's "
                         f"{r.site.container.runtime} container yet (submitit starts each task outside it). "
