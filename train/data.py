@@ -21,6 +21,15 @@ Tail policy when the epoch's N samples are not a multiple of B:
   * pad:  the epoch is extended to a multiple of B by repeating its first samples;
     each repeated slot consumed adds one to `padding_repeats` (a global count, the
     same on every rank, carried in the state so restarts keep counting).
+
+Many shards, many sources (train/sources.py has the pure rules). `data.path` may name a
+token file, a manifest.json or a folder holding one (dslurm/data/manifest.py): a
+manifest's shards are read as ONE concatenated stream (`TokenSource`), sample i being the
+window at i·seq_len of that stream, so a window may straddle two shards -- the sample
+count is that of a single file holding the same tokens. `data.sources` mixes several
+such streams by weight (`MixtureSampler`). `data.val_fraction` holds samples out by a
+fixed hash of their id; `data.val` names a separate stream. `make_eval_data` gives the
+fixed evaluation batches (train/evaluate.py).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import numpy as np
 
 from dslurm.data.tokenize import TokenFile, write_synthetic
 from dslurm.errors import UserError
+from train.sources import MixtureSampler, SampleSpace, eval_indices, split_held_out
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +145,9 @@ class GlobalBatchSampler:
         A different corpus size, seed or policy makes the position meaningless, so
         they must match; a different global_batch is accepted (position is in samples).
         """
+        if state.get("kind") == "mixture":
+            raise UserError("data state: the checkpoint holds a mixture position (data.sources) but the run "
+                            "now reads one stream. Fix: restore with the data section the run was saved with")
         for key in ("num_samples", "seed", "policy"):
             if key in state and state[key] != getattr(self, key):
                 raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but "
@@ -146,48 +159,136 @@ class GlobalBatchSampler:
             self.epoch, self.position = self.epoch + 1, 0
 
 
+class TokenSource:
+    """One token stream: a token file, or a manifest's shards read end to end (one stream).
+
+    `window` may straddle a shard boundary: the stream is the shards' concatenation, in the
+    manifest's order. `where` (file and field of the job) prefixes the errors it raises.
+    """
+
+    def __init__(self, path: str | Path, *, where: str) -> None:
+        from dslurm.data.manifest import token_sources
+
+        self.path, self.where = Path(path), where
+        try:
+            # a manifest is checked here: every shard present, its token count as stated
+            self.files = [TokenFile(sh.path) for sh in token_sources(self.path)]
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from exc
+        if not self.files:
+            raise UserError(f"{where}: {self.path} names no shard. Fix: point it at a manifest with shards")
+        self.starts = np.cumsum([0] + [f.n_tokens for f in self.files]).astype(np.int64)
+        self.vocab_size = max(f.vocab_size for f in self.files)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.starts[-1])
+
+    def samples(self, seq_len: int) -> int:
+        """Windows of seq_len+1 tokens with stride seq_len (as `TokenFileInfo.samples`)."""
+        return max(0, (self.n_tokens - 1) // seq_len)
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) of the concatenated stream, as int64."""
+        if len(self.files) == 1:
+            return self.files[0].window(start, length)
+        if start < 0 or start + length > self.n_tokens:
+            raise IndexError(f"window [{start}, {start + length}) outside {self.n_tokens} tokens")
+        parts, pos, end = [], start, start + length
+        f = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while pos < end:
+            take = min(end, int(self.starts[f + 1])) - pos
+            if take > 0:
+                parts.append(self.files[f].window(pos - int(self.starts[f]), take))
+            pos += take
+            f += 1
+        return np.concatenate(parts)
+
+    def check_vocab(self, model_vocab: int) -> None:
+        """The model must embed every token id: refuse a file whose vocabulary is larger."""
+        for f in self.files:
+            if f.vocab_size > model_vocab:
+                raise UserError(f"{self.where}: {f.path} has vocab_size {f.vocab_size} > model vocab_size "
+                                f"{model_vocab}. Fix: set model.vocab_size >= {f.vocab_size}, or give tokens "
+                                "made with the model's tokenizer")
+
+
 class TokenLoader:
     """`next_batch()` -> (inputs, targets) LongTensors [local_batch, seq_len] for one step.
 
     One call per optimizer step: the rank's whole share of the global batch. The
     loop splits it into grad_accum (and pipeline) micro-batches, e.g.
     ``inputs.chunk(grad_accum)``; the split does not change which samples a step sees.
+    `tokens` is one stream (a `TokenFile` or `TokenSource`) whose sample ids the sampler
+    gives; or, with `space`, a list of streams and the sampler gives `space` indices.
     """
 
-    def __init__(self, tokens: TokenFile, sampler: GlobalBatchSampler, seq_len: int, *,
-                 device: Any = "cpu") -> None:
-        self.tokens, self.sampler, self.seq_len, self.device = tokens, sampler, seq_len, device
+    def __init__(self, tokens: Any, sampler: Any, seq_len: int, *, device: Any = "cpu",
+                 space: SampleSpace | None = None) -> None:
+        self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
+        self.tokens, self.sampler, self.seq_len, self.device = self.sources[0], sampler, seq_len, device
+        self.space = space
 
     @property
     def local_batch(self) -> int:
-        return self.sampler.local_batch
+        return int(self.sampler.local_batch)
 
     @property
     def padding_repeats(self) -> int:
-        return self.sampler.padding_repeats
+        return int(self.sampler.padding_repeats)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
-        """Windows [len(ids), seq_len+1] (int64) for the given sample ids."""
+        """Windows [len(ids), seq_len+1] (int64) for the given sample ids (space indices with `space`)."""
+        if self.space is None:
+            src, sample = np.zeros(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)
+        else:
+            src, sample = self.space.locate(ids)
         out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for row, i in enumerate(ids):
-            out[row] = self.tokens.window(int(i) * self.seq_len, self.seq_len + 1)
+        for row, (s, i) in enumerate(zip(src.tolist(), sample.tolist())):
+            out[row] = self.sources[s].window(i * self.seq_len, self.seq_len + 1)
         return out
 
-    def next_batch(self) -> tuple[Any, Any]:
+    def to_tensors(self, windows_np: np.ndarray) -> tuple[Any, Any]:
         import torch  # lazy: the data module is imported by torch-free tools too
 
-        windows = torch.from_numpy(self.read(self.sampler.next_ids()))
+        windows = torch.from_numpy(windows_np)
         # contiguous before the copy: `.to` keeps a view's strides, and kernels want dense rows
         inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if str(self.device) != "cpu":
             return inputs.to(self.device), targets.to(self.device)
         return inputs, targets
 
+    def next_batch(self) -> tuple[Any, Any]:
+        return self.to_tensors(self.read(self.sampler.next_ids()))
+
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        return dict(self.sampler.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
+
+
+@dataclass(slots=True)
+class EvalData:
+    """The evaluation batches: always the same `batches` global batches, this rank's share of each."""
+
+    loader: TokenLoader
+    """reads the eval stream (its sampler is unused)"""
+    ids: np.ndarray
+    """[batches, global_batch] indices of the eval stream"""
+    dp_rank: int
+    dp_size: int
+    label: str
+    """'val' (data.val) or 'held_out' (data.val_fraction)"""
+
+    @property
+    def batches(self) -> int:
+        return int(self.ids.shape[0])
+
+    def batch(self, b: int) -> tuple[Any, Any]:
+        """(inputs, targets) of this rank's share of eval batch b."""
+        per = self.ids.shape[1] // self.dp_size
+        return self.loader.to_tensors(self.loader.read(self.ids[b, self.dp_rank * per:(self.dp_rank + 1) * per]))
 
 
 # ------------------------------------------------------------------------- factory
@@ -221,36 +322,108 @@ def ensure_synthetic(path: Path, n_tokens: int, vocab_size: int, seed: int, *, r
     return path
 
 
+def _expand(path: str) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
+@dataclass(slots=True)
+class _Streams:
+    """The training streams of a job, opened and checked, with their held-out split."""
+
+    sources: list[TokenSource]
+    weights: list[float] | None
+    """None: one stream (`data.path`); else the mixture's weights"""
+    sizes: list[int]
+    """samples of each source"""
+    train: SampleSpace
+    held: SampleSpace
+
+
+def _streams(resolved: Any, rank: int, wait_s: float) -> _Streams:
+    job, shape = resolved.job, resolved.shape
+    if job.data.sources:
+        paths = [(_expand(s.path), f"data.sources[{i}].path") for i, s in enumerate(job.data.sources)]
+        weights: list[float] | None = [float(s.weight) for s in job.data.sources]
+    elif job.data.path is None:
+        paths = [(ensure_synthetic(
+            synthetic_path(resolved.run_dir, job.data.synthetic_tokens, shape.vocab_size, job.train.seed),
+            job.data.synthetic_tokens, shape.vocab_size, job.train.seed, rank=rank,
+            seq_len=shape.seq_len, wait_s=wait_s), "data.path")]
+        weights = None
+    else:
+        paths, weights = [(_expand(job.data.path), "data.path")], None
+    sources = [TokenSource(p, where=f"{resolved.job_path}: field '{field}' ({p})") for p, field in paths]
+    for src in sources:
+        src.check_vocab(shape.vocab_size)
+    sizes = [src.samples(shape.seq_len) for src in sources]
+    splits = [split_held_out(n, job.data.val_fraction) for n in sizes]
+    train = SampleSpace.of([k for k, _ in splits], sizes)
+    held = SampleSpace([h for _, h in splits], [len(h) for _, h in splits])
+    return _Streams(sources, weights, sizes, train, held)
+
+
 def make_loader(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu",
                 rank: int | None = None, wait_s: float = 600.0) -> TokenLoader:
     """The loader for a `dslurm.config.resolve.Resolved` job on one data-parallel rank.
 
     `rank` (global; default $RANK, else 0) only decides who writes the synthetic corpus
-    when `data.path` is null. A relative `data.path` is relative to the working
-    directory (jobs start in the submit directory).
+    when `data.path` is null. A relative path is relative to the working directory (jobs
+    start in the submit directory).
     """
-    job, shape = resolved.job, resolved.shape
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    if job.data.path is None:
-        path = ensure_synthetic(
-            synthetic_path(resolved.run_dir, job.data.synthetic_tokens, shape.vocab_size,
-                           job.train.seed),
-            job.data.synthetic_tokens, shape.vocab_size, job.train.seed, rank=rank,
-            seq_len=shape.seq_len, wait_s=wait_s)
-    else:
-        path = Path(os.path.expandvars(os.path.expanduser(job.data.path)))
-    where = f"{resolved.job_path}: field 'data.path' ({path})"
-    tokens = TokenFile(path)
-    if tokens.vocab_size > shape.vocab_size:
-        raise UserError(f"{where}: vocab_size {tokens.vocab_size} > model vocab_size "
-                        f"{shape.vocab_size}. Fix: set model.vocab_size >= {tokens.vocab_size}")
-    n = tokens.info.samples(shape.seq_len)
+    return _loader(resolved, _streams(resolved, rank, wait_s), dp_rank, dp_size, device)
+
+
+def _loader(resolved: Any, st: _Streams, dp_rank: int, dp_size: int, device: Any) -> TokenLoader:
+    job, shape = resolved.job, resolved.shape
     b = job.train.global_batch
-    if n < 1 or (job.data.policy == "drop" and n < b):
-        raise UserError(f"{where}: {tokens.n_tokens} tokens make {n} samples of seq_len "
-                        f"{shape.seq_len}+1, fewer than train.global_batch {b} under policy "
-                        f"{job.data.policy!r}. Fix: more tokens, a smaller batch or seq_len, "
-                        "or data.policy: pad")
-    sampler = GlobalBatchSampler(num_samples=n, global_batch=b, dp_rank=dp_rank,
+    held = f" (after data.val_fraction {job.data.val_fraction} held some out)" if job.data.val_fraction else ""
+    for i, (src, n) in enumerate(zip(st.sources, st.train.counts)):
+        short = n < 1 or (st.weights is None and job.data.policy == "drop" and n < b)
+        if short:
+            field_ = "data.path" if st.weights is None else f"data.sources[{i}].path"
+            raise UserError(f"{resolved.job_path}: field '{field_}' ({src.path}): {src.n_tokens} tokens make "
+                            f"{n} samples of seq_len {shape.seq_len}+1{held}, fewer than "
+                            f"train.global_batch {b} under policy {job.data.policy!r}. Fix: more tokens, "
+                            "a smaller batch or seq_len, or data.policy: pad")
+    if st.weights is not None:
+        mix = MixtureSampler(space=st.train, weights=st.weights, global_batch=b, dp_rank=dp_rank,
+                             dp_size=dp_size, seed=job.train.seed)
+        return TokenLoader(st.sources, mix, shape.seq_len, device=device, space=st.train)
+    sampler = GlobalBatchSampler(num_samples=st.train.total, global_batch=b, dp_rank=dp_rank,
                                  dp_size=dp_size, seed=job.train.seed, policy=job.data.policy)
-    return TokenLoader(tokens, sampler, shape.seq_len, device=device)
+    space = st.train if st.train.ids[0] is not None else None
+    return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space)
+
+
+def make_data(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu", rank: int | None = None,
+              wait_s: float = 600.0) -> tuple[TokenLoader, EvalData | None]:
+    """The training loader and, when `train.eval_every` > 0, the evaluation batches."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    st = _streams(resolved, rank, wait_s)
+    loader = _loader(resolved, st, dp_rank, dp_size, device)
+    job, shape = resolved.job, resolved.shape
+    if not job.train.eval_every:
+        return loader, None
+    b, n = job.train.global_batch, job.train.eval_batches * job.train.global_batch
+    if job.data.val is not None:
+        val = TokenSource(_expand(job.data.val), where=f"{resolved.job_path}: field 'data.val' ({job.data.val})")
+        val.check_vocab(shape.vocab_size)
+        size = val.samples(shape.seq_len)
+        if size < 1:
+            raise UserError(f"{val.where}: {val.n_tokens} tokens make no sample of seq_len {shape.seq_len}+1. "
+                            "Fix: give a longer validation file")
+        ids = eval_indices(SampleSpace([None], [size]), n, None, job.train.seed)
+        ev_loader, label = TokenLoader(val, None, shape.seq_len, device=device), "val"
+    elif job.data.val_fraction:
+        empty = [i for i, c in enumerate(st.held.counts) if c < 1]
+        if empty:
+            raise UserError(f"{resolved.job_path}: field 'data.val_fraction' ({job.data.val_fraction}) holds out "
+                            f"no sample of source(s) {empty}. Fix: raise data.val_fraction or set data.val")
+        ids = eval_indices(st.held, n, st.weights, job.train.seed)
+        ev_loader, label = TokenLoader(st.sources, None, shape.seq_len, device=device, space=st.held), "held_out"
+    else:
+        raise UserError(f"{resolved.job_path}: field 'train.eval_every' ({job.train.eval_every}) asks for "
+                        "evaluation but there is no evaluation data. Fix: set data.val (a token file or "
+                        "manifest) or data.val_fraction (e.g. 0.01), or train.eval_every: 0")
+    return loader, EvalData(ev_loader, ids.reshape(job.train.eval_batches, b), dp_rank, dp_size, label)

@@ -12,7 +12,8 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   2  user error (bad config or layout), raised before any process-group work
   (80: the hang watchdog ended the process; train/watchdog.py, not this function)
 Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
-log_every), Stragglers (every straggler_every), Signal, NonFinite, Sdc, Exit; the checkpoint manager
+log_every), Stragglers (every straggler_every), Eval (every eval_every; train/evaluate.py), Signal,
+NonFinite, Sdc, Exit; the checkpoint manager
 adds Ckpt*; the watchdog adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py).
 
 Silent data corruption (train/sdc.py): the HSDP replicas compare parameter fingerprints every
@@ -40,12 +41,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dslurm import exitcodes, faults, health
+from dslurm.checkpoint import init_from
 from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
 from dslurm.runtime.checkpoint import final_failure, manager_for
 from dslurm.runtime.state import train_state
 from dslurm.runtime.stop import StopFlags
-from train.data import make_loader
+from train.data import make_data
+from train.evaluate import Evaluator
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
 from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
@@ -114,7 +117,8 @@ class Trainer:
         self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.layout.pp_enabled else None
         self.clock.mark("build")
         dp_rank, dp_size = resolved.layout.dp_coords(rank)
-        self.loader = make_loader(resolved, dp_rank, dp_size, device=device, rank=rank)
+        self.loader, eval_data = make_data(resolved, dp_rank, dp_size, device=device, rank=rank)
+        self.evaluator = Evaluator(self, eval_data) if eval_data is not None else None  # train/evaluate.py
         self.clock.mark("data")
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
         shape = resolved.shape
@@ -261,6 +265,8 @@ class Trainer:
     def run(self) -> int:
         """Train to `train.steps` or until a stop is agreed; returns the exit code."""
         res = self.restore()
+        if self.resolved.job.model.init_from:  # published weights, only on a fresh start (resume wins)
+            self._event(init_from.start(self.resolved, self.built.parts, res))
         self.last_clean_step = self.step  # a generation is only saved after its step's check passed
         self.clock.mark("restore")
         self._event(events.TrainStart(step=self.step, generation=res.generation if res else None,
@@ -298,6 +304,8 @@ class Trainer:
             if self.checks.replicas_due(self.step, saving) and self._replicas_corrupt():
                 self.watch.beat(self.step)  # rolled back to a checked generation: train on from there
                 continue
+            if not result.stop and self.evaluator is not None and self.evaluator.due(self.step):
+                result = self._evaluate(result)
             if result.stop:
                 self._event(events.Signal(signal="stop_requested", step=self.step))
                 self._save_final()
@@ -316,6 +324,22 @@ class Trainer:
             self._save_final()
         self._event(events.Exit(reason="completed", step=self.step, code=EXIT_COMPLETED))
         return EXIT_COMPLETED
+
+    def _evaluate(self, result: StepResult) -> StepResult:
+        """Evaluate (train/evaluate.py); a stop agreed during it becomes this step's stop. The step
+        clock restarts after it: eval time belongs to no step (the report shows it apart)."""
+        assert self.evaluator is not None
+        out = self.evaluator.run(self.step)
+        self._event(out.event)
+        if self.rank == 0:
+            e = out.event
+            what = (f"interrupted after {e.batches}/{e.eval_batches} batch(es)" if e.interrupted
+                    else f"loss {e.loss:.4f} ppl {e.ppl or math.inf:.2f}")
+            print(f"eval step {self.step}: {what} ({e.duration_s:.2f}s)", flush=True)
+        self.metrics.start()
+        if out.stop:
+            return dataclasses.replace(result, stop=True, terminated=out.terminated)
+        return result
 
     # ------------------------------------------------------------------ non-finite steps
 

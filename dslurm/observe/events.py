@@ -410,11 +410,53 @@ class DeviceHealth(Event):
     findings: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Eval(Event):
+    """An evaluation after optimizer step `step` (train/evaluate.py): forward only over the same
+    `eval_batches` global batches each time, so losses are comparable. Rank 0 writes it."""
+    NAME = "eval"
+    step: int | None = None
+    """optimizer steps done when it ran"""
+    loss: float | None = None
+    """mean token loss over the eval batches; None when interrupted"""
+    ppl: float | None = None
+    """exp(loss)"""
+    batches: int = 0
+    """eval batches done (fewer than eval_batches when a stop interrupted it)"""
+    eval_batches: int = 0
+    tokens: int = 0
+    source: str = ""
+    """val (data.val) | held_out (data.val_fraction)"""
+    duration_s: float = 0.0
+    """wall time of the evaluation: not training time (docs/report.md)"""
+    interrupted: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class InitFrom(Event):
+    """`model.init_from` at a start (dslurm/checkpoint/init_from.py): the weights were loaded (a
+    fresh start) or not, because a generation existed (resume wins)."""
+    NAME = "init_from"
+    path: str = ""
+    action: str = ""
+    """loaded or resumed"""
+    generation: str | None = None
+    """resumed: the generation restored instead"""
+    step: int | None = None
+    """resumed: its step"""
+    tensors: int = 0
+    """loaded: parameters filled on rank 0"""
+    bytes_read: int = 0
+    """loaded: bytes rank 0 read (its own shard, not the model)"""
+    load_s: float = 0.0
+
+
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel,
-    Sdc, DeviceHealth)}
+    Sdc, DeviceHealth, Eval,
+    InitFrom)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

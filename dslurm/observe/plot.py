@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # One colour per kind of time, the same in the bands and the legend.
 COLORS = {"queue wait": "#d9d9d9", "startup": "#ffd966", "burn-in": "#f4a261",
-          "training": "#2a9d8f", "redone": "#e76f51", "save stall": "#264653"}
+          "training": "#2a9d8f", "redone": "#e76f51", "save stall": "#264653", "eval": "#9b5de5"}
 
 
 def _fmt_s(x: float | None) -> str:
@@ -51,6 +51,8 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
                                                                          key=lambda kv: -kv[1]))
                           or "none") + f" ({sm.straggler_checks} check(s))",
     ]
+    if sm.eval is not None:
+        lines.append(eval_line(sm))
     if sm.durability is not None:
         lines += durability_lines(sm.durability)
     if sm.undurable_steps:
@@ -90,6 +92,20 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
         console.print(_phase_table(phased), highlight=False)
 
 
+def eval_line(sm: Summary) -> str:
+    """`eval (held_out): loss 2.3456 ppl 10.44 at step 40 (best 2.3012); 4 eval(s), 3.2s apart
+    from training (not productive)`. Pure."""
+    e = sm.eval
+    if e is None:
+        return "eval: none"
+    what = (f"loss {e.loss:.4f} ppl {e.ppl:.2f} at step {e.last_step}" if e.loss is not None and e.ppl is not None
+            else f"loss {e.loss:.4f} at step {e.last_step}" if e.loss is not None else "no completed evaluation")
+    best = f" (best {e.best_loss:.4f})" if e.best_loss is not None and e.best_loss != e.loss else ""
+    cut = f", {e.interrupted} interrupted by a stop" if e.interrupted else ""
+    return (f"eval ({e.source or '?'}): {what}{best}; {e.count} eval(s){cut}, {_fmt_s(e.time_s)} "
+            "apart from training (not productive)")
+
+
 def _phase_table(starts: list[Start]) -> str:
     """Start-up phase by phase, one column per start, and each start's ratio to the cold one."""
     names = list(dict.fromkeys(n for s in starts for n, _ in s.phases))
@@ -126,6 +142,8 @@ def _bands(s: Start) -> list[tuple[str, float, float]]:
         out += [("training", t0, kept_w), ("redone", t0 + kept_w, w.duration_s - kept_w)]
     for save in s.all(ev.CkptSave):
         out.append(("save stall", save.t - save.stall_s, save.stall_s))
+    for e in s.all(ev.Eval):
+        out.append(("eval", e.t - e.duration_s, e.duration_s))
     return [b for b in out if b[2] > 0]
 
 
@@ -237,6 +255,9 @@ def timeline_figure(sm: Summary) -> Any:
     redone = [(x(w.t), w.loss) for s in starts for w in s.windows if w.loss is not None and w.kept == 0]
     if redone:
         bottom.plot(*zip(*redone), ls="", marker="x", color=COLORS["redone"], label="redone later")
+    if sm.eval is not None and sm.eval.points:
+        bottom.plot([x(t) for t, _, _ in sm.eval.points], [v for _, _, v in sm.eval.points], ls="--",
+                    marker="o", ms=4, color=COLORS["eval"], lw=1, label=f"eval loss ({sm.eval.source})")
     bottom.set_ylabel("loss")
     bottom.set_xlabel(f"wall time ({unit}) since {'submit' if sm.submit_t is not None else 'first start'}")
     if bottom.get_legend_handles_labels()[0]:

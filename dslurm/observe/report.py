@@ -69,6 +69,8 @@ class Start:
     productive_s: float = 0.0
     redone_s: float = 0.0
     save_stall_s: float = 0.0
+    eval_s: float = 0.0
+    """wall time of this start's evaluations (`eval` events): in no step's time, so not productive"""
     world_size: int | None = None
     tokens_per_s: float | None = None
     exit_reason: str = DIED
@@ -188,6 +190,41 @@ def health_lines(starts: list[Start]) -> list[str]:
     return out
 
 @dataclass(slots=True)
+class EvalSummary:
+    """The run's evaluations (`eval` events, train/evaluate.py): the last loss and their time."""
+
+    count: int
+    """evaluations completed"""
+    interrupted: int
+    """evaluations a stop cut short (no loss)"""
+    time_s: float
+    """wall time of all of them; not productive training time (goodput excludes it)"""
+    last_step: int | None
+    loss: float | None
+    """the last completed evaluation's mean token loss"""
+    ppl: float | None
+    best_loss: float | None
+    source: str
+    """val (data.val) | held_out (data.val_fraction)"""
+    points: list[tuple[float, int | None, float]] = field(default_factory=list)
+    """(t, step, loss) of each completed evaluation, in ledger order"""
+
+
+def eval_summary(starts: list[Start]) -> EvalSummary | None:
+    """None when the run never evaluated. Pure."""
+    evals = [e for s in starts for e in s.all(ev.Eval)]
+    if not evals:
+        return None
+    done = [e for e in evals if not e.interrupted and e.loss is not None and math.isfinite(e.loss)]
+    last = done[-1] if done else None
+    return EvalSummary(count=len(done), interrupted=sum(e.interrupted for e in evals),
+                       time_s=sum(e.duration_s for e in evals), last_step=last.step if last else None,
+                       loss=last.loss if last else None, ppl=last.ppl if last else None,
+                       best_loss=min((e.loss for e in done if e.loss is not None), default=None),
+                       source=evals[-1].source, points=[(e.t, e.step, e.loss) for e in done if e.loss is not None])
+
+
+@dataclass(slots=True)
 class Summary:
     """What `dslurm report` prints; `to_dict` is the --json form (without raw events)."""
 
@@ -222,6 +259,8 @@ class Summary:
     """hangs (with their cost), silent data corruption, device findings (`health_lines`)"""
     completion: Completion = field(default_factory=lambda: Completion(NOT_STARTED, None, None, None))
     """whether the run finished: the report's first line (`dslurm.observe.completion`)"""
+    eval: EvalSummary | None = None
+    """evaluations: last loss and perplexity, their time apart from training (`eval_summary`)"""
 
     def to_dict(self) -> dict[str, Any]:
         """The --json form: the completion's fields (status, complete, target_steps, stopped_at,
@@ -331,6 +370,7 @@ def _fill_start(s: Start) -> None:
     s.resumed_from = ts.step if ts else None
     s.world_size = ts.world_size if ts else None
     s.save_stall_s = sum(e.stall_s for e in s.all(ev.CkptSave))
+    s.eval_s = sum(e.duration_s for e in s.all(ev.Eval))
     reached = [s.resumed_from] if s.resumed_from is not None else []
     marks: list[int | None] = [e.step for e in s.all(ev.Exit)] + [e.step for e in s.all(ev.Signal)]
     reached += [m for m in marks + [e.step for e in s.all(ev.CkptSave)] if m is not None]
@@ -479,7 +519,7 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0, target_steps: int
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
         undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts),
         durability=durability([s.events for s in starts]), health=health_lines(starts),
-        completion=completion(starts, events, target_steps, run_dir))
+        completion=completion(starts, events, target_steps, run_dir), eval=eval_summary(starts))
 
 
 def load(run_dir: Path) -> tuple[list[Event], int]:

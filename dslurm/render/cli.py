@@ -19,6 +19,7 @@ EXAMPLES = (
     ("site-configs/local.yaml", "examples/jobs/tiny-spares.yaml"),
     ("site-configs/local.yaml", "examples/jobs/own-safe.yaml"),
     ("site-configs/local.yaml", "examples/jobs/own-plain.yaml"),
+    ("site-configs/local.yaml", "examples/jobs/finetune-tiny.yaml"),
     ("site-configs/h100-ib.yaml", "examples/jobs/llama8b-h100.yaml"),
     ("site-configs/h100-ib.yaml", "examples/jobs/llama70b-h100.yaml"),
     ("site-configs/a100-eth.yaml", "examples/jobs/llama1b-a100-srun.yaml"),

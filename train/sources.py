@@ -1,0 +1,250 @@
+"""Many sources: the held-out rule, the mixture schedule and its sampler, the eval samples.
+
+Pure (numpy only, no I/O); train/data.py opens the files and builds these.
+
+Index spaces. A *source* is one token stream (a token file, or the shards of a manifest
+read end to end; train/data.py). Its samples are numbered 0..n-1 as in a single file.
+A `SampleSpace` lays the *kept* samples of its sources end to end: index x in
+[0, total) names (source s, sample id) through per-source id arrays. Samplers hand out
+indices of a space; the loader reads them through it.
+
+Held out (`data.val_fraction` f). Sample i of a source is held out iff
+splitmix64(i) / 2**64 < f: a fixed pseudo-random subset, the same for every seed, layout
+and restart, and a sample stays held out when shards are appended. Held-out samples are
+never trained on; neighbouring windows share one boundary token (stride seq_len).
+
+The mixture (`data.sources`). Slot j of the endless slot stream (global batch k holds
+slots [k*B, (k+1)*B)) comes from a source fixed by (seed, j) only: the stream is cut
+into periods of MIX_PERIOD slots, each period holds exactly `counts[s]` slots of source
+s (weights rounded by largest remainder, at least 1 each), shuffled by (seed, period).
+The d-th slot of source s reads its d-th draw: epoch d // n_s of its own permutation
+(seeded by (seed, s, epoch)), entry d % n_s. So which samples step k reads is a function
+of (seed, k, B) alone: the state is the number of slots consumed, valid under any dp size
+and after a change of global batch; no sample repeats within one source's epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dslurm.errors import UserError
+
+MIX_PERIOD = 4096
+"""Slots per mixture period: the proportions are exact over each period (to 1/MIX_PERIOD)."""
+_HOLD_CHUNK = 1 << 22
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser of each uint64 (wrapping arithmetic): a cheap, good hash."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def split_held_out(n: int, fraction: float) -> tuple[np.ndarray | None, np.ndarray]:
+    """(training ids or None = all, held-out ids) of a source of n samples, both ascending."""
+    if fraction <= 0:
+        return None, np.empty(0, dtype=np.int64)
+    bound = np.uint64(int(fraction * 2.0 ** 53))
+    keep, hold = [], []
+    for lo in range(0, n, _HOLD_CHUNK):  # chunks: a corpus of 1e8 samples needs no 1e8-wide temporaries
+        ids = np.arange(lo, min(n, lo + _HOLD_CHUNK), dtype=np.int64)
+        held = (splitmix64(ids) >> np.uint64(11)) < bound
+        keep.append(ids[~held])
+        hold.append(ids[held])
+    return np.concatenate(keep), np.concatenate(hold)
+
+
+@dataclass(slots=True)
+class SampleSpace:
+    """Kept samples of several sources end to end: index -> (source, sample id)."""
+
+    ids: list[np.ndarray | None]
+    """per source: the sample ids it contributes, or None for all of them"""
+    counts: list[int]
+    offsets: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    @classmethod
+    def of(cls, ids: list[np.ndarray | None], sizes: list[int]) -> SampleSpace:
+        return cls(ids, [len(i) if i is not None else n for i, n in zip(ids, sizes)])
+
+    @property
+    def total(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, sample id) of each index."""
+        index = np.asarray(index, dtype=np.int64)
+        src = np.searchsorted(self.offsets, index, side="right") - 1
+        local = index - self.offsets[src]
+        sample = local.copy()
+        for s, ids in enumerate(self.ids):
+            if ids is not None:
+                sel = src == s
+                sample[sel] = ids[local[sel]]
+        return src, sample
+
+
+def period_counts(weights: list[float], period: int = MIX_PERIOD) -> np.ndarray:
+    """Slots per period of each source: weights x period by largest remainder, at least 1."""
+    if not weights or any(not w > 0 for w in weights):
+        raise ValueError(f"weights {weights} must be non-empty and positive")
+    if len(weights) > period:
+        raise ValueError(f"{len(weights)} sources exceed the {period} slots of a mixture period")
+    share = np.asarray(weights, dtype=np.float64) / float(np.sum(weights)) * period
+    counts = np.maximum(1, np.floor(share).astype(np.int64))
+    while counts.sum() > period:  # the minimum of 1 overshot: take from the largest
+        counts[int(np.argmax(counts))] -= 1
+    rest = np.argsort(-(share - np.floor(share)), kind="stable")
+    for i in range(int(period - counts.sum())):
+        counts[rest[i % len(rest)]] += 1
+    return counts
+
+
+@dataclass(slots=True)
+class MixtureSchedule:
+    """Which source each slot comes from and which of that source's draws it is. Pure."""
+
+    weights: list[float]
+    seed: int = 0
+    period: int = MIX_PERIOD
+    counts: np.ndarray = field(init=False)
+    _cache: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.counts = period_counts(self.weights, self.period)
+
+    def _period(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source of each slot, its rank among the period's slots of that source)."""
+        if p not in self._cache:
+            src = np.random.default_rng([self.seed, 0x4D1C, p]).permutation(
+                np.repeat(np.arange(len(self.counts)), self.counts))
+            rank = np.empty(self.period, dtype=np.int64)
+            for s in range(len(self.counts)):
+                sel = src == s
+                rank[sel] = np.arange(int(sel.sum()))
+            if len(self._cache) > 4:
+                self._cache.clear()
+            self._cache[p] = (src, rank)
+        return self._cache[p]
+
+    def slots(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw index within that source) of slots [first, first+count)."""
+        srcs, draws, j, end = [], [], first, first + count
+        while j < end:
+            p, off = divmod(j, self.period)
+            take = min(self.period - off, end - j)
+            src, rank = self._period(p)
+            s = src[off:off + take]
+            srcs.append(s)
+            draws.append(p * self.counts[s] + rank[off:off + take])
+            j += take
+        if not srcs:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(srcs), np.concatenate(draws)
+
+
+@dataclass(kw_only=True, slots=True)
+class MixtureSampler:
+    """The global-batch sampler of a mixture: indices of `space` (its sources' kept samples).
+
+    The same interface as `GlobalBatchSampler` (train/data.py); `data.policy` does not apply:
+    sources are consumed slot by slot, so no epoch has a tail to drop or pad.
+    """
+
+    space: SampleSpace
+    weights: list[float]
+    global_batch: int
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+    slot: int = 0
+    """slots consumed: where the next global batch starts (the whole state)"""
+    padding_repeats: int = 0
+    schedule: MixtureSchedule = field(init=False)
+    _perm: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} must be in [0, dp_size={self.dp_size})")
+        if self.global_batch < 1 or self.global_batch % self.dp_size:
+            raise ValueError(f"global_batch({self.global_batch}) must be a positive multiple of "
+                             f"dp_size({self.dp_size})")
+        if len(self.weights) != len(self.space.counts) or min(self.space.counts) < 1:
+            raise ValueError(f"{len(self.weights)} weights for sources of {self.space.counts} samples")
+        self.schedule = MixtureSchedule(list(self.weights), self.seed)
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dp_size
+
+    @property
+    def stream_position(self) -> int:
+        return self.slot
+
+    def _order(self, s: int, epoch: int) -> np.ndarray:
+        key = (s, epoch)
+        if key not in self._perm:
+            for old in [k for k in self._perm if k[0] == s and k[1] < epoch - 1]:
+                del self._perm[old]
+            self._perm[key] = np.random.default_rng([self.seed, s, epoch]).permutation(self.space.counts[s])
+        return self._perm[key]
+
+    def indices(self, first: int, count: int) -> np.ndarray:
+        """Space indices of slots [first, first+count): a pure function of (seed, slots)."""
+        src, draw = self.schedule.slots(first, count)
+        n = np.asarray(self.space.counts, dtype=np.int64)[src]
+        epoch, pos = draw // n, draw % n
+        out = np.empty(count, dtype=np.int64)
+        for s, e in {(int(a), int(b)) for a, b in zip(src, epoch)}:
+            sel = (src == s) & (epoch == e)
+            out[sel] = self.space.offsets[s] + self._order(s, e)[pos[sel]]
+        return out
+
+    def next_global(self) -> np.ndarray:
+        out = self.indices(self.slot, self.global_batch)
+        self.slot += self.global_batch
+        return out
+
+    def local_share(self, global_ids: np.ndarray) -> np.ndarray:
+        b = self.local_batch
+        return global_ids[self.dp_rank * b:(self.dp_rank + 1) * b]
+
+    def next_ids(self) -> np.ndarray:
+        return self.local_share(self.next_global())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),
+                "num_samples": list(self.space.counts), "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the slot count; the sources, weights and seed must be the saving run's."""
+        if state.get("kind") != "mixture":
+            raise UserError("data state: the checkpoint holds a single-stream position but data.sources is a "
+                            "mixture now. Fix: restore with the data section the run was saved with")
+        mine = {"num_samples": list(self.space.counts), "seed": self.seed, "weights": list(self.weights)}
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but {value!r} now; the "
+                                "saved position does not apply. Fix: restore with the same data.sources "
+                                "(paths, weights, val_fraction) and train.seed")
+        self.slot = int(state["slot"])
+
+
+def eval_indices(space: SampleSpace, n: int, weights: list[float] | None, seed: int) -> np.ndarray:
+    """The n space indices evaluation reads, always the same: the space in order (cycled when it
+    is shorter), or for several sources the mixture's slots 0..n-1 over each source in order."""
+    if space.total < 1:
+        raise ValueError("no evaluation samples")
+    if weights is None or len(space.counts) == 1:
+        return np.arange(n, dtype=np.int64) % space.total
+    src, draw = MixtureSchedule(list(weights), seed).slots(0, n)
+    counts = np.asarray(space.counts, dtype=np.int64)
+    return np.asarray(space.offsets[src] + draw % counts[src], dtype=np.int64)
