@@ -329,6 +329,9 @@ def _begin(evs: list[Event]) -> float:
     return min(cands)
 
 
+STRAY = "stray stop (a TERM reached the job step only)"
+
+
 def _reason_of_ending(ending: str, rc: int | None) -> str:
     """A start's exit reason, in the words of exitcodes.NAMES, from its classified ending
     (dslurm/requeue/endings.py) rather than srun's code: a burn-in rejection or a warned stop
@@ -338,7 +341,7 @@ def _reason_of_ending(ending: str, rc: int | None) -> str:
     said = {E.COMPLETED: "completed (no exit event)", E.WARNED_STOP: "requeue (no exit event)",
             E.BURNIN_REJECTED: "preflight_failed", E.USER_ERROR: "user_error", E.SAVE_FAILED: "save_failed",
             E.REFUSED: "refused", E.DIVERGED: "nonfinite", E.CANCELLED: "terminated",
-            E.PREEMPTED: "terminated", E.TIME_LIMIT: "terminated"}
+            E.PREEMPTED: "terminated", E.TIME_LIMIT: "terminated", E.STRAY_STOP: STRAY}
     return said.get(ending) or f"failed ({ending}{'' if rc is None else f', exit {rc}'})"
 
 
@@ -349,6 +352,8 @@ def _exit_reason(s: Start) -> tuple[str, str | None]:
     decision = rq_ev.decision if rq_ev else None
     if rq_ev and rq_ev.exit_code in (X.NO_PROGRESS, X.BUDGET):
         return X.NAMES[rq_ev.exit_code], decision
+    if rq_ev and rq_ev.ending == "stray_stop":  # the ranks exited 143 on it: not a cancel, say what it was
+        return STRAY, decision
     if ex:
         return ex[-1].reason, decision
     if rq_ev and rq_ev.ending:  # no exit event from the trainer: the ending classified from the facts

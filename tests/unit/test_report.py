@@ -401,3 +401,16 @@ def test_a_start_without_exit_event_takes_its_reason_from_the_classified_ending(
                                                   "completed (no exit event)"]
     (died,) = [f for f in diagnose(led.events, []) if f.symptom == "starts that died"]
     assert len(died.evidence) == 1 and "node_failure" in died.evidence[0]  # the rejection is no death
+
+
+def test_a_stray_stop_is_named_as_such_not_as_terminated():
+    led = Ledger()
+    led.ev("submit", 0.0, job_ids=[7])
+    t = led.start(10.0, 0, 0)
+    t = led.train(t, 0, 7, 0)
+    led.ev("exit", t, 0, reason="terminated", step=8, code=143)  # the ranks' own exit on the TERM
+    led.ev("ending", t + 1, 0, cls="stray_stop", reason="stray stop: a TERM reached the job step only")
+    led.ev("requeue", t + 1, 0, decision="requeue", step_rc=143, exit_code=0, reason="stray stop: requeue",
+           ending="stray_stop")
+    (start,) = summarize(led.events).starts
+    assert start.exit_reason.startswith("stray stop") and start.decision == "requeue"
