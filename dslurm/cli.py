@@ -32,7 +32,7 @@ COMMANDS = {
     "data": "dslurm.data.cli",
     "plan": "dslurm.plan.cli",
     "doctor": "dslurm.observe.doctor",
-    "report": "dslurm.observe.report",
+    "report": "dslurm.sweep.report",  # the single-run report, extended to sweep directories
     "requeue-me": "dslurm.requeue",
     "supervise": "dslurm.recover.supervise",
     "selftest": "dslurm.selftest.cli",

@@ -319,14 +319,18 @@ def _state_text(state: object) -> str:
     return str(state or "").upper()
 
 
-def parse_sacct_incarnations(stdout: str) -> list[dict[str, object]]:
-    """`sacct --json -D -j JOB` -> one record per incarnation (restart), oldest first. Pure."""
+def parse_sacct_incarnations(stdout: str, job_id: int | str | None = None) -> list[dict[str, object]]:
+    """`sacct --json -D -j JOB` -> one record per incarnation (restart), oldest first. With
+    `job_id`, only that job's records: for the array task that kept the array's own id, sacct
+    -j ID also returns every other task of the array. Pure."""
     try:
         jobs = json.loads(stdout).get("jobs", [])
     except (ValueError, AttributeError):
         return []
     out = []
     for j in jobs:
+        if job_id is not None and str(j.get("job_id")) != str(job_id):
+            continue
         t = j.get("time") if isinstance(j.get("time"), dict) else {}
         state = _state_text(j.get("state"))
         if state.startswith(RESIZING):
@@ -354,7 +358,7 @@ def parse_sinfo_down(stdout: str, hosts: Iterable[str]) -> dict[str, str]:
 
 def incarnations(job_id: int | str, env: Mapping[str, str] | None = None) -> list[dict[str, object]]:
     proc = run_cmd(["sacct", "--json", "-D", "-j", str(job_id)], check=False, env=env)
-    return parse_sacct_incarnations(proc.stdout) if proc.returncode == 0 else []
+    return parse_sacct_incarnations(proc.stdout, job_id) if proc.returncode == 0 else []
 
 
 def down_nodes(hosts: Iterable[str], env: Mapping[str, str] | None = None) -> dict[str, str]:

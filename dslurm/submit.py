@@ -168,11 +168,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--chain", type=int, default=1, help="submit K jobs linked by afterany dependencies")
     p.add_argument("--dry-run", action="store_true", help="write the script, do not submit")
     p.add_argument("--strict", action="store_true", help="refuse when the plan says the job will not fit")
+    p.add_argument("--sweep", metavar="SWEEP.yaml", default=None,
+                   help="submit a sweep (docs/sweeps.md): one job array, a run directory per task; tasks whose "
+                        "run completed are skipped, the rest resume")
     p.set_defaults(func=run_submit)
 
-    s = sub.add_parser("status", help="state, nodes, restarts and exit code of a job")
-    s.add_argument("job_id", help="Slurm job id")
+    s = sub.add_parser("status", help="state, nodes, restarts and exit code of a job (or each task of a sweep)")
+    s.add_argument("job_id", help="Slurm job id, or a sweep directory")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--sort", default=None, help="sweep directory: sort the tasks by this column")
+    s.add_argument("--desc", action="store_true", help="sweep directory: sort descending")
     s.set_defaults(func=run_status)
 
 
@@ -200,6 +205,10 @@ def inputs_of(args: argparse.Namespace) -> tuple[str, str, list[str]]:
 def run_submit(args: argparse.Namespace) -> int:
     from dslurm.config.resolve import load
 
+    if getattr(args, "sweep", None):
+        from dslurm.sweep.submit import run_submit as run_sweep
+
+        return run_sweep(args)
     site, job, overrides = inputs_of(args)
     r = load(site, job, overrides, args.site_overrides, base_dir=os.getcwd())
     if not args.dry_run and not getattr(args, "force", False):
@@ -249,6 +258,10 @@ def run_status(args: argparse.Namespace) -> int:
 
     from dslurm import slurm
 
+    if not args.job_id.isdigit() and Path(args.job_id).is_dir():
+        from dslurm.sweep.report import run_status as sweep_status
+
+        return sweep_status(args)
     info = slurm.job_info(args.job_id)
     if args.json:
         print(json.dumps(info, indent=2, default=str))

@@ -78,6 +78,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a site field (repeatable)")
     p.add_argument("-o", "--output", help="write the script here instead of stdout")
+    p.add_argument("--sweep", metavar="SWEEP.yaml", default=None,
+                   help="render a sweep's job array script(s) (docs/sweeps.md); nothing is written but -o")
     p.add_argument("--examples", choices=("check", "write"),
                    help="check or rewrite the golden scripts in sbatch/ for the shipped examples")
     p.set_defaults(func=run, configure_logging=False)  # nothing on this path logs: skip `import logging`
@@ -92,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         return 0
+    if args.sweep:
+        from dslurm.sweep.submit import run_render
+
+        return run_render(args)
     if not args.site or not args.job:
         raise UserError("render needs --site FILE and --job FILE (or --examples check|write)")
     text = render_files(args.site, args.job, args.overrides, args.site_overrides)

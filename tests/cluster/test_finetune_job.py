@@ -48,4 +48,4 @@ def test_finetune_resumes_from_its_own_generation_and_reports_eval(slurm_cluster
     assert evals and evals[-1]["step"] == 20
     rep = cli("report", str(run), env=env)
     assert rep.returncode == 0, rep.stderr
-    assert f"loss {evals[-1]['loss']:.4f} at step 20" in rep.stdout, rep.stdout
+    assert f"eval (held_out): loss {evals[-1]['loss']:.4f} ppl" in rep.stdout, rep.stdout

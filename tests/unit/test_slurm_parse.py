@@ -191,3 +191,17 @@ def test_node_addresses_come_from_scontrol_with_the_default_port_when_none_is_na
     out = ("NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=node1 Port=16821 State=IDLE\n"
            "NodeName=gpu7 NodeAddr=10.0.0.7 State=ALLOCATED\n\n")
     assert parse_node_addresses(out) == {"node1": ("127.0.0.1", 16821), "gpu7": ("10.0.0.7", SLURMD_PORT)}
+
+
+def test_the_array_task_that_kept_the_arrays_id_reads_only_its_own_incarnations():
+    # sacct -j 6048337 of a 2-task array (recorded from the local cluster): task 1 kept the
+    # array's id, task 0 got 6048338; both come back.
+    import json
+
+    recs = {"jobs": [{"job_id": 6048337, "array": {"job_id": 6048337, "task_id": 1},
+                      "state": {"current": "PREEMPTED"}, "nodes": "node3", "time": {"start": 5, "end": 9}},
+                     {"job_id": 6048338, "array": {"job_id": 6048337, "task_id": 0},
+                      "state": {"current": "COMPLETED"}, "nodes": "node3", "time": {"start": 7, "end": 12}}]}
+    incs = slurm.parse_sacct_incarnations(json.dumps(recs), 6048337)
+    assert [i["state"] for i in incs] == ["PREEMPTED"]
+    assert len(slurm.parse_sacct_incarnations(json.dumps(recs))) == 2  # no id: every record, as before
