@@ -1,6 +1,7 @@
 """The frozen-rank scenario of issue 24, on the built-in local cluster: a 2-node x 2-rank run
-whose rank 2 (on node2) is frozen with SIGSTOP at step 10. The watchdog must catch the hang,
-every start after it must train, and the run must complete. Run it N times:
+whose rank 2 (on node2) is frozen with SIGSTOP at step 12 (between saves: during a save the
+hang bound is the ceiling). The watchdog must catch the hang, every start after it must train,
+and the run must complete. Run it N times:
 
     .venv/bin/python scripts/scenarios/frozen_rank.py --runs 3 [--out /tmp/frozen]
 
@@ -71,7 +72,7 @@ def one(out: Path, n: int, dslurm: str) -> bool:
     while time.time() < deadline:
         evs = ledger(run)
         steps = [e["last"] for e in evs if e["event"] == "steps"]
-        if not frozen and steps and max(steps) >= 9 and (pid := rank_pid(run, 2)):
+        if not frozen and steps and max(steps) >= 11 and (pid := rank_pid(run, 2)):
             os.kill(pid, signal.SIGSTOP)
             frozen = True
             print(f"  run {n}: rank 2 (pid {pid}) frozen at step {max(steps) + 1}", flush=True)
