@@ -33,6 +33,8 @@ COMMANDS = {
     "plan": "dslurm.plan.cli",
     "doctor": "dslurm.observe.doctor",
     "report": "dslurm.sweep.report",  # the single-run report, extended to sweep directories
+    "watch": "dslurm.observe.watch",
+    "ctl": "dslurm.observe.ctl",
     "requeue-me": "dslurm.requeue",
     "supervise": "dslurm.recover.supervise",
     "selftest": "dslurm.selftest.cli",

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dslurm import exitcodes, faults, health
+from dslurm import exitcodes, faults, health, trackers
 from dslurm.checkpoint import init_from
-from dslurm.observe import events
+from dslurm.observe import ctl, events
 from dslurm.observe.ledger import Ledger
 from dslurm.runtime.checkpoint import final_failure, manager_for
 from dslurm.runtime.state import train_state
@@ -85,6 +85,8 @@ class StepResult:
     """the loss or grad norm was not finite on some rank: what all ranks do"""
     position: int = 0
     """the data stream position (samples) of this step's batch"""
+    save_now: bool = False
+    """an operator asked for a checkpoint (`dslurm ctl save`, taken by rank 0): all ranks agree"""
 
 
 class Trainer:
@@ -121,6 +123,9 @@ class Trainer:
         self.evaluator = Evaluator(self, eval_data) if eval_data is not None else None  # train/evaluate.py
         self.clock.mark("data")
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
+        # TensorBoard / W&B / MLflow from the ledger's own numbers (dslurm/trackers/; rank 0, job.metrics)
+        self.trackers = trackers.attach(self.ledger, resolved.run_dir, job.metrics, job.name)
+        self.ctl = ctl.Poller(resolved.run_dir) if rank == 0 else None  # `dslurm ctl save|stop` requests
         shape = resolved.shape
         self.metrics = StepMetrics(
             tokens_per_step=self.train.global_batch * shape.seq_len, flops_per_token=shape.flops_per_token(),
@@ -183,10 +188,12 @@ class Trainer:
         # Only the ranks holding the last stage contribute a loss (world/pp of them, each a
         # dp-rank mean); a non-finite norm on any rank is counted too, so all ranks agree.
         holder = self.built.has_last_stage
+        save_now = self._operator_request()  # rank 0 only: a stop sets the flags read next
         stop, term = self.stop.local(self.step + 1)  # this rank's stop flags, agreed in the same all-reduce
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
                            torch.tensor(stop, device=self.device), torch.tensor(term, device=self.device),
-                           (~torch.isfinite(norm)).float().to(self.device)])
+                           (~torch.isfinite(norm)).float().to(self.device),
+                           torch.tensor(float(save_now), device=self.device)])
         with self.watch.collective("step_agree"):
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         loss = vec[0].item() / (self.dims.world_size // self.dims.layout.pp)
@@ -203,7 +210,8 @@ class Trainer:
             for sched in self.schedulers:
                 sched.step()
         result = StepResult(step=self.step, loss=loss, grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0,
-                            terminated=vec[2].item() > 0, nonfinite=decision, position=position)
+                            terminated=vec[2].item() > 0, nonfinite=decision, position=position,
+                            save_now=vec[4].item() > 0)
         self.step += 1
         return result
 
@@ -252,6 +260,19 @@ class Trainer:
                     group["lr"] = base * fn(self.step)
         return res
 
+    def _operator_request(self) -> bool:
+        """`dslurm ctl` (dslurm/observe/ctl.py), rank 0 at a step boundary: a stop sets the flags a
+        TERM sets, on record for requeue-me first (saved, not requeued); True: save at this step."""
+        req = self.ctl.take() if self.ctl is not None else None
+        if req is None:
+            return False
+        recorded = req.action == "stop" and ctl.record_stop(req, self.resolved.run_dir)
+        self._event(events.OperatorRequest(action=req.action, request_id=req.id, user=req.user,
+                                           step=self.step + 1, recorded=recorded))
+        if req.action == "stop":
+            self.stop.stop_requested = self.stop.stop_terminated = True
+        return req.action == "save"
+
     def _event(self, ev: events.Event) -> None:
         if self.ledger is not None:
             self.ledger.append(ev)
@@ -299,7 +320,7 @@ class Trainer:
                 self._event(straggler_event(self.step, times, hosts))
             self.checks.poll_devices(self.step, self.resolved.run_dir)
             interval = self.resolved.job.checkpoint.interval
-            periodic = self.step % interval == 0 and self.step < self.train.steps
+            periodic = (self.step % interval == 0 or result.save_now) and self.step < self.train.steps
             saving = result.stop or periodic or self.step == self.train.steps  # every save is checked first
             if self.checks.replicas_due(self.step, saving) and self._replicas_corrupt():
                 self.watch.beat(self.step)  # rolled back to a checked generation: train on from there
@@ -430,6 +451,8 @@ class Trainer:
         return True
 
     def close(self) -> None:
+        if self.trackers is not None:  # closed at the exit event already, unless the start crashed
+            self.trackers.close()
         self.checks.close()
         self.watch.close()
         if self.ckpt is not None:

@@ -314,6 +314,23 @@ class RequeueSpec:
                                                    "job step); null = the site's")
 
 
+@dataclass(kw_only=True, slots=True)
+class MetricsSpec:
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(
+        factory=list, help="experiment trackers rank 0 writes from the ledger's numbers (docs/trackers.md)")
+    mlflow_uri: str | None = field(None, help="MLflow tracking URI; null = a file store in the run directory "
+                                   "(or MLFLOW_TRACKING_URI from your environment)")
+    wandb_project: str | None = field(None, help="W&B project; null = the job's name")
+    wandb_mode: Literal["offline", "online"] | None = field(
+        None, help="W&B mode; null = WANDB_MODE from your environment, else offline")
+
+    def __post_init__(self) -> None:
+        if len(set(self.trackers)) != len(self.trackers):
+            raise FieldError("trackers", f"{self.trackers} names a tracker twice", "list each tracker once")
+        if self.mlflow_uri is not None and not self.mlflow_uri.strip():
+            raise FieldError("mlflow_uri", "is empty", "remove it (a file store in the run directory) or give a URI")
+
+
 _DEPENDENCY = r"[a-z]+(:[0-9_+]+)+([,?][a-z]+(:[0-9_+]+)+)*|singleton"  # e.g. afterany:12:13,afterok:14
 
 
@@ -338,6 +355,7 @@ class JobSpec:
     preflight: PreflightSpec = field(factory=PreflightSpec, help="pre-flight burn-in")
     health: HealthSpec = field(factory=HealthSpec, help="health during the run: hang watchdog, SDC check, device poll")
     requeue: RequeueSpec = field(factory=RequeueSpec, help="requeue")
+    metrics: MetricsSpec = field(factory=MetricsSpec, help="experiment trackers (TensorBoard, W&B, MLflow)")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
     env: dict[str, str] = field(factory=dict, help="extra environment for this job")
     spares: int = field(0, help="spare whole nodes allocated beyond `nodes` (with --no-kill): a failed "

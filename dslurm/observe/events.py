@@ -451,12 +451,40 @@ class InitFrom(Event):
     load_s: float = 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrackerFailed(Event):
+    """An experiment tracker (dslurm/trackers/) raised: reported once, then that tracker is off for
+    the rest of this start; training goes on and the ledger keeps every number."""
+    NAME = "tracker_failed"
+    tracker: str = ""
+    """tensorboard | wandb | mlflow"""
+    error: str = ""
+    """the exception, one line"""
+    during: str = ""
+    """open | log | event | close"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorRequest(Event):
+    """`dslurm ctl RUN_DIR save|stop` (dslurm/observe/ctl.py), as rank 0 took it at a step
+    boundary; the ranks then save (and, for stop, end: not requeued) at that step."""
+    NAME = "operator_request"
+    action: str = ""
+    """save | stop"""
+    request_id: str = ""
+    user: str = ""
+    step: int | None = None
+    """completed steps when it was taken"""
+    recorded: bool = False
+    """stop: the request is on record for requeue-me (the start's cancel.json)"""
+
+
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel,
     Sdc, DeviceHealth, Eval,
-    InitFrom)}
+    InitFrom, TrackerFailed, OperatorRequest)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

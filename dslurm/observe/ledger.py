@@ -24,7 +24,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,10 @@ class Ledger:
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / FILENAME
+        self.listeners: list[Callable[[Event], None]] = []
+        """called with each event after it was appended (rank 0's experiment trackers,
+        dslurm/trackers/: they get the ledger's own numbers); a listener that raises is logged
+        and never fails the writer"""
 
     def append(self, ev: Event) -> Event:
         """Write one event (its envelope filled from this process where the event leaves it
@@ -107,7 +111,15 @@ class Ledger:
             log.error("ledger %s: could not record %s: %s", self.path, event, exc)
         finally:
             os.close(fd)
+        self._tell(ev)
         return ev
+
+    def _tell(self, ev: Event) -> None:
+        for listener in self.listeners:
+            try:
+                listener(ev)
+            except Exception as exc:  # a tracker bug must never cost the run its ledger or its step
+                log.error("ledger %s: listener %r failed on %s: %s", self.path, listener, ev.NAME, exc)
 
 
 def read_events(run_dir: str | Path) -> Iterator[dict[str, Any]]:

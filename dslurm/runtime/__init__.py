@@ -253,6 +253,9 @@ def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None =
         from dslurm.observe.ledger import Ledger
 
         rt.ledger = Ledger(rd)
+        from dslurm.trackers import attach  # the job's metrics.trackers, fed from the ledger (rank 0)
+
+        attach(rt.ledger, rd, job.metrics if job is not None else None, job.name if job is not None else "")
     return rt
 
 

@@ -128,7 +128,8 @@ def test_a_failing_trainer_raises_with_its_error_output(slurm_env, tmp_path):
     assert not took.expired(), took.describe()
     text = str(err.value)
     assert "TrainerFailed" in text and "the trainer exited 2" in text
-    assert "error: [rank 0] /nonexistent/tokens.h5: no such token file" in text  # the trainer's own words
+    # the trainer's own words: the job's field, then the file
+    assert re.search(r"error: \[rank 0\] .*data\.path.*: /nonexistent/tokens\.h5: no such token file", text), text
 
 
 def test_without_accounting_submit_says_how_to_fix_it(slurm_cluster, monkeypatch, tmp_path):

@@ -1,0 +1,64 @@
+"""Weights & Biases: one W&B run per dslurm run, offline unless the job or WANDB_MODE says online.
+
+The run id is ours: chosen once and written to trackers.json before `wandb.init`, so a start
+after a node failure (no callback ran) resumes the same run (`resume="allow"`). Points are
+logged with the tracker step as W&B's `step`. A start that resumed after k steps, online,
+rewinds the run to there first (`resume_from="<id>?_step=k"`, W&B's rewind), so replayed steps
+replace the old ones; where the server refuses a rewind it resumes plainly. Offline, each start
+leaves its own `offline-run-*-<id>` directory under `<run_dir>/wandb/`; `wandb sync` uploads
+them into the one run. Annotations are the text series `dslurm/event`.
+
+The API key stays in the user's environment (WANDB_API_KEY, read by wandb itself); metadata
+capture (argv, git, console, system stats) is off, so nothing from the environment is copied
+into the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import string
+from typing import Any
+
+from dslurm.trackers import Start
+
+
+def _new_id() -> str:
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(12))
+
+
+class WandbTracker:
+    def __init__(self, ctx: Start) -> None:
+        import wandb
+
+        if not isinstance(ctx.state.get("id"), str):
+            ctx.state["id"] = _new_id()
+            ctx.save()  # the id is durable before W&B hears of it
+        run_id: str = ctx.state["id"]
+        mode = ctx.spec.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+        project = ctx.spec.wandb_project or os.environ.get("WANDB_PROJECT") or ctx.job
+        settings = wandb.Settings(console="off", x_disable_stats=True, disable_git=True, save_code=False,
+                                  x_disable_meta=True, disable_job_creation=True, silent=True)
+        kw: dict[str, Any] = dict(project=project, name=ctx.job, dir=str(ctx.run_dir), mode=mode,
+                                  settings=settings, reinit="create_new")
+        self.run: Any = None
+        if mode == "online" and ctx.start > 0:
+            try:
+                self.run = wandb.init(resume_from=f"{run_id}?_step={ctx.resumed}", **kw)
+            except Exception:  # a server without rewind: resume plainly (replayed steps are appended)
+                self.run = None
+        if self.run is None:
+            self.run = wandb.init(id=run_id, resume="allow", **kw)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(dict(values), step=step)
+
+    def event(self, text: str, step: int) -> None:
+        self.run.log({"dslurm/event": text}, step=step)
+
+    def close(self, ending: str | None) -> None:
+        self.run.finish(exit_code=0 if ending in (None, "completed", "requeue", "terminated") else 1)
+
+
+def open_run(ctx: Start) -> WandbTracker:
+    return WandbTracker(ctx)

@@ -1,0 +1,54 @@
+"""`dslurm ctl save` then `dslurm ctl stop` on the trainer under torchrun (2 processes), with
+TensorBoard on: the extra save, the clean stop (exit 143: saved, not a requeue), the ledger's
+operator requests, and the tracker's curve and annotations read back from the event files."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dslurm.observe import ctl
+from dslurm.observe.ledger import read_events
+from train_helpers import run_train, write_job
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_ctl_save_then_stop_with_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = write_job(tmp_path, "op", steps=40)
+    job.write_text(job.read_text().replace("  log_every: 1\n", "  log_every: 1\n  step_sleep_s: 0.5\n")
+                   + "metrics:\n  trackers: [tensorboard]\n")
+    run = tmp_path / "op"
+    run.mkdir()
+    (run / "job.yaml").write_text(job.read_text())  # ctl wants a run directory; the trainer freezes its own
+    ctl.write_request(run, "save", user="ana")  # taken at the first step boundary
+
+    def stop_after_the_save() -> None:
+        deadline = time.time() + 240
+        while not (run / ctl.TAKEN).exists() and time.time() < deadline:
+            time.sleep(0.2)
+        ctl.write_request(run, "stop", user="ana")  # taken at a poll >= 5 s later
+
+    threading.Thread(target=stop_after_the_save, daemon=True).start()
+    proc = run_train(2, job, timeout=150)
+    assert proc.returncode == 1 and "exitcode  : 143" in proc.stderr, proc.stderr[-3000:]
+    events = list(read_events(run))
+    ops = [(e["action"], e["step"]) for e in events if e["event"] == "operator_request"]
+    assert [a for a, _ in ops] == ["save", "stop"] and ops[0][1] == 1, ops
+    stop_step = ops[1][1]
+    assert 1 < stop_step < 40
+    assert [e["step"] for e in events if e["event"] == "ckpt_save"] == [1, stop_step]
+    last = events[-1]
+    assert (last["event"], last["reason"], last["step"]) == ("exit", "terminated", stop_step)
+
+    acc = EventAccumulator(str(run / "tensorboard"), purge_orphaned_data=True)
+    acc.Reload()
+    assert [s.step for s in acc.Scalars("train/loss")] == list(range(1, stop_step + 1))
+    assert [s.step for s in acc.Scalars("ckpt/stall_s")] == [1, stop_step]
+    notes = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("dslurm/events")]
+    assert notes[0] == "start: fresh start" and notes[-1] == f"exit: terminated at step {stop_step} (code 143)"
