@@ -25,6 +25,7 @@ COMMANDS = {
     "status": "dslurm.submit",
     "cancel": "dslurm.requeue.cancel",
     "cluster": "dslurm.cluster",
+    "site": "dslurm.site.cli",
     "launch": "dslurm.launch",
     "env": "dslurm.launch",
     "burnin": "dslurm.preflight.cli",

@@ -1,0 +1,176 @@
+"""`dslurm site check`, pure: each row's decision from recorded facts, the failing cases with their fix,
+and the scripts of the check's jobs (the site's own #SBATCH lines, the probe steps, the requeue trap).
+
+"Requeue disabled in slurm.conf" is decided here from a `scontrol show config` text with JobRequeue=0:
+the shared local cluster's slurm.conf is not ours to change (tests/cluster/test_site.py runs the rest).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dslurm.config import load_site
+from dslurm.site import check as C
+from dslurm.site import facts as F
+from dslurm.site.jobs import node_script, requeue_script, resolved
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = str(ROOT / "site-configs/local.yaml")
+PARTS = F.parse_partitions(
+    "PartitionName=debug AllowAccounts=ALL Default=YES DefaultTime=NONE MaxTime=UNLIMITED Nodes=node[1-3] State=UP\n"
+    "PartitionName=gpu AllowAccounts=ALL Default=NO DefaultTime=NONE MaxTime=UNLIMITED Nodes=gpu-n[1-16] State=UP\n")
+NODES = F.parse_nodes("\n".join(
+    f"NodeName=node{k} CPUEfctv=4 CPUTot=4 Gres=gpu:2 NodeAddr=127.0.0.1 RealMemory=4096 State=IDLE "
+    "Partitions=debug" for k in (1, 2, 3)), "debug")
+ASSOC = F.Associations(accounts=("root",), qos=("normal",), default_account="root", available=True)
+
+
+def site(*overrides: str):
+    return load_site(LOCAL, list(overrides))
+
+
+def probe(node: str, role: str, **extra) -> dict:
+    rec = {"node": node, "role": role, "gpus": {"visible": 0, "nvml": None, "env": {}},
+           "software": {"python": "3.11.7", "torch": "2.13.0+cpu", "dslurm": "0.1.0", "executable": "python"}}
+    rec.update(extra)
+    return rec
+
+
+def test_existing_partition_account_and_shapes_hold():
+    s = site()
+    assert C.row_partition(s, PARTS).status == "ok"
+    assert C.row_account(s, ASSOC, PARTS[0]).status == "ok"
+    assert C.row_matches_slurm(s, NODES).status == "ok"
+    assert C.row_requeue_config(s, {"JobRequeue": "1"}).status == "ok"
+
+
+def test_wrong_partition_fails_naming_the_partitions():
+    row = C.row_partition(site("slurm.partition=nope"), PARTS)
+    assert row.status == "fail" and "'nope' does not exist" in row.detail and "debug, gpu" in row.fix
+
+
+def test_account_the_user_lacks_fails_with_the_users_accounts():
+    row = C.row_account(site("slurm.account=physics"), ASSOC, PARTS[0])
+    assert row.status == "fail" and "root" in row.fix
+    assert C.row_account(site("slurm.qos=gold"), ASSOC, PARTS[0]).status == "fail"
+    assert C.row_account(site("slurm.account=physics"), F.Associations(), PARTS[0]).status == "skip"
+
+
+def test_site_fields_contradicting_slurm_fail_with_slurms_numbers():
+    row = C.row_matches_slurm(site("node.gpus=8", "slurm.gpu_directive=gpus-per-node", "node.cpus=4"), NODES)
+    assert row.status == "fail" and "at most 2 GPU(s)" in row.detail and "node.gpus: 2" in row.fix
+    row = C.row_matches_slurm(site("node.cpus=64"), NODES)
+    assert row.status == "fail" and "node.cpus: 4" in row.fix
+    row = C.row_matches_slurm(site("node.gpus=2", "slurm.gpu_directive=gres", "slurm.gres_name=gpu:h100"), NODES)
+    assert row.status == "fail" and "gres_name" in row.detail
+
+
+def test_requeue_disabled_in_slurm_conf_fails_with_the_fix():
+    cfg = F.parse_config("Configuration data as of now\nJobRequeue              = 0\n")
+    row = C.row_requeue_config(site(), cfg)
+    assert row.status == "fail" and "JobRequeue=0" in row.detail
+    assert "requeue.enabled: false" in row.fix and "JobRequeue=1" in row.fix
+    assert C.row_requeue_config(site("requeue.enabled=false"), cfg).status == "skip"
+
+
+def test_test_only_refusal_names_the_field():
+    row = C.row_test_only(2, 1, "sbatch: error: invalid partition specified: nope\n")
+    assert row.status == "fail" and "slurm.partition" in row.fix
+    row = C.row_test_only(2, 1, "sbatch: error: Invalid account or account/partition combination specified")
+    assert "slurm.account" in row.fix
+    assert C.row_test_only(2, 0, "sbatch: Job 7 to start at now using 4 processors on nodes node[1-2]").holds
+
+
+def test_setup_lines_that_do_not_make_torch_importable_fail():
+    s = site()
+    bad = probe("node1", "write", software={"python": "3.11", "torch": None, "executable": "/usr/bin/python3",
+                                            "torch_error": "ModuleNotFoundError: No module named 'torch'"})
+    row = C.row_setup(s, [bad], ["0"], "job 1 COMPLETED")
+    assert row.status == "fail" and "No module named 'torch'" in row.detail and "setup line(s) 0 failed" in row.detail
+    assert "setup" in row.fix
+    row = C.row_setup(s, [], [], "job 1 COMPLETED")
+    assert row.status == "fail" and "dslurm is not importable" in row.detail
+    assert C.row_setup(s, [probe("node1", "write")], [], "").status == "ok"
+
+
+def test_unwritable_scratch_fails_and_shared_scratch_is_not_node_local():
+    s = site()
+    first = probe("node1", "write", scratch={"path": "/proc/x/node1", "writable": False, "error": "PermissionError"})
+    row = C.row_scratch(s, first, None)
+    assert row.status == "fail" and "not writable" in row.detail and "storage.scratch" in row.fix
+    good = probe("node1", "write", scratch={"path": "/tmp/s/node1", "writable": True, "fs": "ext4", "free_gb": 9})
+    assert C.row_scratch(s, good, None).status == "ok"  # %n: one directory per node
+    flat = site("storage.scratch=/scratch/shared")
+    seen = probe("node2", "read", scratch={"peer_marker_seen": True})
+    row = C.row_scratch(flat, {**good, "scratch": {**good["scratch"], "path": "/scratch/shared"}}, seen)
+    assert row.status == "fail" and "shared between nodes" in row.detail
+    assert C.row_scratch(flat, {**good, "scratch": {**good["scratch"], "fs": "lustre"}}, None).status == "fail"
+
+
+def test_node_local_durable_path_fails():
+    s = site()
+    first = probe("node1", "write", durable={"path": "/local/runs", "written": True, "fs": "xfs"})
+    second = probe("node2", "read", durable={"path": "/local/runs", "seen_from": None})
+    row = C.row_durable(s, first, second)
+    assert row.status == "fail" and "node-local" in row.detail and "every node mounts" in row.fix
+    second["durable"]["seen_from"] = "node1"
+    assert C.row_durable(s, first, second).status == "ok"
+    assert C.row_durable(s, first, None).status == "skip"  # one node: nothing to compare
+
+
+def test_gpu_rows_follow_visible_devices():
+    s = site("node.gpus=2", "slurm.gpu_directive=gpus-per-node", "node.procs_per_node=2")
+    rec = probe("node1", "write", gpus={"visible": 2, "nvml": None, "env": {"CUDA_VISIBLE_DEVICES": "0,1"}})
+    assert C.row_gpus(s, [rec]).status == "ok"
+    rec["gpus"] = {"visible": 1, "nvml": None, "env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    row = C.row_gpus(s, [rec])
+    assert row.status == "fail" and "node.gpus: 1" in row.fix
+    assert C.row_gpus(site(), [rec]).status == "skip"  # the CPU site asks for none
+
+
+def test_requeue_row_needs_the_signal_and_one_restart():
+    s = site()
+    out = "DSLURM-SITE-START 0\nDSLURM-SITE-SIGNAL USR2 1\nDSLURM-SITE-REQUEUE rc=0\nDSLURM-SITE-RESTARTED 1\n"
+    assert C.row_requeue(s, "COMPLETED", 1, out, 40).status == "ok"
+    row = C.row_requeue(s, "TIMEOUT", 0, "DSLURM-SITE-START 0\n", 40)
+    assert row.status == "fail" and "no USR2" in row.detail
+    row = C.row_requeue(s, "FAILED", 0, "DSLURM-SITE-SIGNAL USR2 1\nDSLURM-SITE-REQUEUE rc=1\n", 40)
+    assert row.status == "fail" and "did not start again" in row.detail
+
+
+def test_allreduce_row_reads_the_burn_ins_communication_findings():
+    report = {"backend": "gloo", "inter": {"busbw_gbps": 0.9, "ranks": 4},
+              "verdict": {"ok": False, "problems": [], "bad_nodes": {
+                  "node1": ["0 GPUs visible, expected 2", "intra-node busbw 0.1 GB/s is 4.0x below node2"]}}}
+    row = C.row_allreduce(2, report, "job 5 COMPLETED")
+    assert row.status == "ok" and "4 ranks over gloo" in row.detail and "0 GPUs visible" in row.detail
+    report["verdict"]["problems"] = ["inter-node busbw 0.90 GB/s < 100 GB/s and no node localized"]
+    row = C.row_allreduce(2, report, "")
+    assert row.status == "fail" and "SOCKET_IFNAME" in row.fix
+    report["verdict"]["problems"] = []
+    report["verdict"]["bad_nodes"] = {"node1": ["slow link to node2"], "node2": ["slow link to node1"]}
+    assert C.row_allreduce(2, report, "").status == "fail"
+    assert C.row_allreduce(2, None, "job 5 FAILED").status == "fail"
+    assert C.row_allreduce(2, {"inter": {}, "verdict": {}}, "").status == "fail"
+    assert C.row_allreduce(1, None, "").status == "skip"
+
+
+def test_verdict_and_table():
+    rows = [C.ok("a", "fine"), C.skip("b", "none"), C.fail("c", "broken", "do this")]
+    assert C.verdict(rows) == 1 and C.verdict(rows[:2]) == 0
+    assert "fix: do this" in C.table(rows)
+    assert all(r.status == "skip" for r in C.not_run(C.LIVE, "x"))
+
+
+def test_check_scripts_carry_the_sites_sbatch_lines_and_probe_steps(tmp_path):
+    s = site()
+    r = resolved(s, LOCAL, 2, "site-check-nodes")
+    text = node_script(r, str(tmp_path), "abc")
+    assert "#SBATCH --partition=debug" in text and "#SBATCH --exclusive" in text and "#SBATCH --nodes=2" in text
+    assert "#SBATCH --no-requeue" in text
+    assert 'source "$SLURM_SUBMIT_DIR/.venv/bin/activate"' in text
+    assert "--role write" in text and "--role read" in text and "/tmp/dslurm-cluster/scratch/%n" in text
+    rq = requeue_script(resolved(s, LOCAL, 1, "site-check-requeue", time="00:01:00",
+                                 requeue={"enabled": True, "signal_lead": 40}), str(tmp_path))
+    assert "#SBATCH --signal=B:USR2@40" in rq and "#SBATCH --requeue" in rq and "#SBATCH --time=00:01:00" in rq
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in rq and "trap 'got=1' USR2" in rq
