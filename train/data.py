@@ -45,7 +45,7 @@ import numpy as np
 
 from dslurm.data.tokenize import TokenFile, write_synthetic
 from dslurm.errors import UserError
-from train.sources import MixtureSampler, SampleSpace, eval_indices, split_held_out
+from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, split_held_out
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ Policy = Literal["drop", "pad"]
 
 
 @dataclass(kw_only=True, slots=True)
-class GlobalBatchSampler:
+class GlobalBatchSampler(DpShare):
     """Sample ids per step for one data-parallel rank; pure (numpy only), no I/O."""
 
     num_samples: int
@@ -78,10 +78,6 @@ class GlobalBatchSampler:
         if self.num_samples < 1 or (self.policy == "drop" and self.num_samples < self.global_batch):
             raise ValueError(f"{self.num_samples} samples cannot fill one global batch of "
                              f"{self.global_batch} under policy {self.policy!r}")
-
-    @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.dp_size
 
     @property
     def epoch_length(self) -> int:
@@ -123,15 +119,6 @@ class GlobalBatchSampler:
     def stream_position(self) -> int:
         """Samples consumed since epoch 0 began: where the next global batch starts."""
         return self.epoch * self.epoch_length + self.position
-
-    def local_share(self, global_ids: np.ndarray) -> np.ndarray:
-        """This rank's contiguous slice of a global batch."""
-        b = self.local_batch
-        return global_ids[self.dp_rank * b:(self.dp_rank + 1) * b]
-
-    def next_ids(self) -> np.ndarray:
-        """This rank's sample ids for the next step."""
-        return self.local_share(self.next_global())
 
     def state_dict(self) -> dict[str, Any]:
         """Plain ints and strings: safe for json, torch.save and DCP's non-tensor state."""

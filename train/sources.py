@@ -151,8 +151,35 @@ class MixtureSchedule:
         return np.concatenate(srcs), np.concatenate(draws)
 
 
+class DpShare:
+    """What both global-batch samplers (this module's `MixtureSampler`, train/data.py's
+    `GlobalBatchSampler`) do alike: data-parallel rank r of D takes the contiguous share
+    [r*B/D, (r+1)*B/D) of each global batch of B samples."""
+
+    __slots__ = ()
+    global_batch: int
+    dp_rank: int
+    dp_size: int
+
+    def next_global(self) -> np.ndarray:
+        raise NotImplementedError
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dp_size
+
+    def local_share(self, global_ids: np.ndarray) -> np.ndarray:
+        """This rank's contiguous slice of a global batch."""
+        b = self.local_batch
+        return global_ids[self.dp_rank * b:(self.dp_rank + 1) * b]
+
+    def next_ids(self) -> np.ndarray:
+        """This rank's sample ids for the next step."""
+        return self.local_share(self.next_global())
+
+
 @dataclass(kw_only=True, slots=True)
-class MixtureSampler:
+class MixtureSampler(DpShare):
     """The global-batch sampler of a mixture: indices of `space` (its sources' kept samples).
 
     The same interface as `GlobalBatchSampler` (train/data.py); `data.policy` does not apply:
@@ -182,10 +209,6 @@ class MixtureSampler:
         self.schedule = MixtureSchedule(list(self.weights), self.seed)
 
     @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.dp_size
-
-    @property
     def stream_position(self) -> int:
         return self.slot
 
@@ -212,13 +235,6 @@ class MixtureSampler:
         out = self.indices(self.slot, self.global_batch)
         self.slot += self.global_batch
         return out
-
-    def local_share(self, global_ids: np.ndarray) -> np.ndarray:
-        b = self.local_batch
-        return global_ids[self.dp_rank * b:(self.dp_rank + 1) * b]
-
-    def next_ids(self) -> np.ndarray:
-        return self.local_share(self.next_global())
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map
 from dslurm.sweep.spec import SLURM_MAX_ARRAY_SIZE, ArrayPart, parse_max_array_size, split_arrays
@@ -70,9 +71,8 @@ def read_map(sweep_dir: Path) -> dict[str, Any] | None:
 
 
 def write_map(sweep_dir: Path, data: dict[str, Any]) -> None:
-    from dslurm.render.cli import write_atomic
-
-    write_atomic(Path(sweep_dir) / MAP_FILE, json.dumps(data, indent=2, default=str) + "\n")
+    Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(sweep_dir) / MAP_FILE, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def _active_arrays(recorded: dict[str, Any] | None, env: Mapping[str, str] | None) -> list[str]:
@@ -120,7 +120,6 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
     import time
 
     from dslurm import slurm
-    from dslurm.render.cli import write_atomic
     from dslurm.submit import record_submission
 
     if not dry_run:
@@ -136,7 +135,8 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
     scripts = []
     for n, part in enumerate(parts, 1):
         script = sw.dir / (f"array-{n}.sbatch" if len(parts) > 1 else "array.sbatch")
-        write_atomic(script, render_array(sw, part, n, len(parts)), 0o755)
+        script.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(script, render_array(sw, part, n, len(parts)), 0o755)
         scripts.append(script)
     out = SweepSubmission(dir=sw.dir, array_ids=[], submitted=[] if dry_run else todo, skipped=skipped,
                           scripts=scripts, notes=[note] if note else [])
@@ -204,9 +204,8 @@ def run_render(args: Any) -> int:
         print(note, file=sys.stderr)
     text = "\n".join(render_array(sw, p, n, len(parts)) for n, p in enumerate(parts, 1))
     if args.output:
-        from dslurm.render.cli import write_atomic
-
-        write_atomic(Path(args.output), text, 0o755)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(args.output), text, 0o755)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
