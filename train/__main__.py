@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from dslurm.runtime.exit import Outcome, report, world_from_env
+from dslurm.runtime.exit import Outcome, leave, report, world_from_env
 
 T_START = time.time()  # process start, for the ledger's startup_s
 
@@ -162,4 +162,4 @@ def _main_reporting() -> int:
 
 
 if __name__ == "__main__":  # guard: async checkpoint processes re-import the main module
-    sys.exit(_main_reporting())
+    leave(_main_reporting())  # not sys.exit: see dslurm.runtime.exit.leave

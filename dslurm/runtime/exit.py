@@ -75,3 +75,25 @@ def report(outcome: Outcome, code: int, rank: int) -> None:
     facts.write_rank_report(facts.RankReport(rank=rank, kind=kind, code=code, step=outcome.step,
                                              error=outcome.error, t=outcome.t or time.time(), signal=signame),
                             run_dir=outcome.run_dir)
+
+
+def leave(code: int) -> None:
+    """Exit with `code` once everything is written, without the interpreter's finalization.
+
+    After a distributed run, torch's C++ threads (gloo's workers, a process group that outlived
+    `destroy_process_group` in a reference cycle) can still take or release the GIL while CPython
+    finalizes; the process then aborts ("terminate called without an active exception", SIGABRT)
+    after it finished, and torchrun tears the other ranks down mid-exit: a completed run reads as
+    a crash. Seen once in 1288 tests (tests/integration/test_two_tier_dist.py). Nothing is left
+    to finalize by the time this is called: reports are written, files closed, the process group
+    left; only the streams and logging's handlers still need their buffers flushed."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+            pass
+    os._exit(code)
