@@ -36,7 +36,15 @@ from typing import Any
 
 from dslurm import slurm
 from dslurm.cluster import conf as cc
-from dslurm.cluster.daemons import check_ports_free, ensure_packages, first_job_id, repair, start, teardown
+from dslurm.cluster.daemons import (
+    check_ports_free,
+    ensure_packages,
+    first_job_id,
+    repair,
+    restore_conf,
+    start,
+    teardown,
+)
 from dslurm.cluster.host import ETC_CONF, HOSTS
 from dslurm.cluster.proc import alive
 from dslurm.cluster.shapes import DEFAULT_SHAPE_NODES as DEFAULT_SHAPE_NODES  # `X as X`: re-exported,
@@ -66,6 +74,7 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
     # promises no less than inside it: a `down` may follow either way.
     rec = load(sdir)
     if rec and _same(rec, nodes, accounting, cpus, gpus, shapes) and healthy(sdir, rec):
+        restore_conf(sdir, rec)
         return info_of(sdir, rec)
     with machine_lock():
         rec = load(sdir)
@@ -80,6 +89,7 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
         if rec and healthy(sdir, rec):
             if rec["settings"] == wanted:
                 log.info("cluster in %s already up with %s", sdir, wanted)
+                restore_conf(sdir, rec)
                 return info_of(sdir, rec)
             log.warning("cluster in %s runs with %s; restarting with %s",
                         sdir, rec["settings"], wanted)
@@ -89,6 +99,7 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
         if rec and rec.get("settings") == wanted:
             try:  # nodes lost, controller alive: bring them back without cancelling anyone's jobs
                 if repair(spec, rec):
+                    restore_conf(sdir, rec)
                     return info_of(sdir, rec)
             except SlurmError as exc:
                 log.warning("cluster in %s: repair failed (%s); restarting it", sdir, exc)

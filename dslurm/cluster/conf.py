@@ -96,6 +96,9 @@ class ClusterSpec:
     """slurmctld's port (tests render a config for a controller that is not running)."""
     message_timeout: int = 10
     """Seconds a client waits for the controller; also how long an error takes when it is down."""
+    job_requeue: bool = True
+    """JobRequeue: batch jobs requeue by default. Not a setting: a test turns it off for a moment
+    (`scontrol reconfigure`), and `up` renders it back on (daemons.restore_conf, RUNTIME_KEYS)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 64:
@@ -236,7 +239,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "SchedulerType=sched/backfill",
         "SchedulerParameters=bf_interval=1,sched_interval=1",
         "ReturnToService=2",
-        "JobRequeue=1",
+        f"JobRequeue={int(spec.job_requeue)}",
         "KillWait=15",  # grace between TERM and KILL: time for the save-on-TERM (sites use 30-120)
         "MinJobAge=300",
         "InactiveLimit=0",
@@ -286,6 +289,24 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
     for shape in spec.shapes:
         lines += _shape_lines(shape)
     return "\n".join(lines) + "\n"
+
+
+# slurm.conf keys a running cluster may have changed for a moment and `scontrol reconfigure`d (a test of
+# `dslurm site check` turns JobRequeue off): `up` renders them back when they are all that differs.
+RUNTIME_KEYS = frozenset({"JobRequeue"})
+
+
+def changed_keys(on_disk: str, rendered: str) -> set[str]:
+    """The keys of the slurm.conf lines in which two texts differ (a node or partition line by its name)."""
+    differ = set(on_disk.splitlines()) ^ set(rendered.splitlines())
+    return {ln.split("=", 1)[0] if not ln.startswith(("NodeName=", "PartitionName=")) else ln.split()[0]
+            for ln in differ if ln.strip()}
+
+
+def first_job_id_of(text: str) -> int | None:
+    """The FirstJobId a rendered slurm.conf holds (each start picks its own: next_first_job_id)."""
+    m = re.search(r"^FirstJobId=(\d+)$", text, re.M)
+    return int(m.group(1)) if m else None
 
 
 def render_slurmdbd_conf(spec: ClusterSpec) -> str:

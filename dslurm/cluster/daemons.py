@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -115,6 +116,47 @@ def repair(spec: cc.ClusterSpec, rec: dict[str, Any]) -> bool:
         wait_for(lambda: port_open(port), 30 * slurm.load_factor(), f"{p['name']}'s slurmd port",
                  sdir / "log" / f"{p['name']}.out")
     _wait_idle(spec, rec, env, timeout=60 * slurm.load_factor(), serving=True, resume=True)
+    return True
+
+
+def running_spec(sdir: Path, rec: dict[str, Any]) -> cc.ClusterSpec:
+    """The spec the running cluster's slurm.conf was rendered from: its recorded settings, this host,
+    and the FirstJobId its start chose (read back from the file)."""
+    s = rec["settings"]
+    text = (sdir / "etc" / "slurm.conf").read_text()
+    return cc.ClusterSpec(state_dir=sdir, nodes=s["nodes"], cpus=s["cpus"], memory_mb=s["memory_mb"],
+                          accounting=s["accounting"], gpus=int(s.get("gpus", 0)),
+                          shapes=cc.shapes_from_settings(s.get("shapes")), controller_host=socket.gethostname(),
+                          first_job_id=cc.first_job_id_of(text) or 1)
+
+
+def write_conf(spec: cc.ClusterSpec) -> None:
+    """Render slurm.conf from `spec` and have the running daemons reread it (RUNTIME_KEYS only: other
+    keys need a restart)."""
+    conf = spec.state_dir / "etc" / "slurm.conf"
+    atomic_write(conf, cc.render_slurm_conf(spec).encode())
+    slurm.run_cmd(["scontrol", "reconfigure"], timeout=30, env={"SLURM_CONF": str(conf)})
+
+
+def restore_conf(sdir: Path, rec: dict[str, Any]) -> bool:
+    """Render slurm.conf again when only RUNTIME_KEYS differ from what its spec renders (a test that changed
+    one was killed before it put it back), and reconfigure. -> whether it was rewritten. Any other
+    difference (this dslurm renders a different conf than the one started) is left for a restart."""
+    try:
+        spec = running_spec(sdir, rec)
+        text = (sdir / "etc" / "slurm.conf").read_text()
+    except (OSError, KeyError, ValueError) as exc:
+        log.warning("cluster in %s: slurm.conf not checked (%s)", sdir, exc)
+        return False
+    keys = cc.changed_keys(text, cc.render_slurm_conf(spec))
+    if not keys:
+        return False
+    if not keys <= cc.RUNTIME_KEYS:
+        log.info("cluster in %s: slurm.conf differs from what this dslurm renders in %s; `dslurm cluster down` "
+                 "then `up` applies it", sdir, ", ".join(sorted(keys)))
+        return False
+    log.warning("cluster in %s: slurm.conf has %s changed; rendering it back", sdir, ", ".join(sorted(keys)))
+    write_conf(spec)
     return True
 
 

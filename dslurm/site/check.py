@@ -153,10 +153,20 @@ P_REQUEUE = "the signal lead arrives and the job requeues once"
 P_CONTAINER = "the container runtime starts the image"
 
 
+def failed_lines(site: SiteConfig, setup_failed: Sequence[str]) -> str:
+    """The setup lines that exited non-zero, each by its number (from 1) and its text."""
+    named = []
+    for i in setup_failed:
+        k = int(i) if i.isdigit() else -1
+        named.append(f"{k + 1} `{site.setup[k]}`" if 0 <= k < len(site.setup) else i)
+    return f"setup line {', '.join(named)} failed" if named else ""
+
+
 def row_setup(site: SiteConfig, records: Sequence[Mapping[str, Any]], setup_failed: Sequence[str],
               job_note: str) -> Row:
+    """Torch and dslurm import on the nodes after the setup lines; a failing line is named by its text."""
     if not records:
-        failed = f"; setup line(s) {', '.join(setup_failed)} failed" if setup_failed else ""
+        failed = f"; {failed_lines(site, setup_failed)}" if setup_failed else ""
         return fail(P_SETUP, f"`{site.python} -m dslurm.site.probe` printed nothing on a compute node{failed}: "
                     f"dslurm is not importable there ({job_note})",
                     "make the setup lines activate the environment dslurm is installed in (module load, "
@@ -164,7 +174,7 @@ def row_setup(site: SiteConfig, records: Sequence[Mapping[str, Any]], setup_fail
     broken = [r for r in records if not r.get("software", {}).get("torch")]
     if broken:
         r, sw = broken[0], broken[0].get("software", {})
-        failed = f" (setup line(s) {', '.join(setup_failed)} failed)" if setup_failed else ""
+        failed = f" ({failed_lines(site, setup_failed)})" if setup_failed else ""
         return fail(P_SETUP, f"on {r.get('node')}: import torch failed after the setup lines{failed}: "
                     f"{sw.get('torch_error', '?')} (python {sw.get('executable')})",
                     "add the lines that make torch importable on a compute node to `setup` "
@@ -241,12 +251,17 @@ def row_durable(site: SiteConfig, first: Mapping[str, Any] | None, second: Mappi
 _COMM_WORDS = ("inter-node", "slow link", "slow communication")  # the fabric between nodes, not a node's own
 
 
-def row_allreduce(nodes: int, report: Mapping[str, Any] | None, note: str) -> Row:
+def row_allreduce(nodes: int, report: Mapping[str, Any] | None, note: str, setup_holds: bool = True) -> Row:
     """From the burn-in's report: its cross-node all-reduce ran (`inter`) and no finding about
     communication (busbw floors, slow links) failed. Its other findings (GEMM, NVML) are the burn-in's
-    own verdict, named here but not this promise: `dslurm burnin` judges them."""
+    own verdict, named here but not this promise: `dslurm burnin` judges them. The burn-in runs torch
+    after the site's setup lines: while those fail (`setup_holds` false) it proves nothing about the
+    interface, and its fix would point at the wrong field, so the row is not judged."""
     if nodes < 2:
         return skip(P_ALLREDUCE, "needs 2 nodes (--nodes 2)")
+    if not setup_holds:
+        return skip(P_ALLREDUCE, f"not judged: the burn-in needs torch and dslurm after the setup lines; "
+                    f"fix the setup row first ({note})")
     if report is None:
         return fail(P_ALLREDUCE, f"the burn-in job wrote no report ({note})",
                     "read the burn-in job's logs; set env NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the "
@@ -296,7 +311,9 @@ def not_run(promises: Sequence[str], why: str) -> list[Row]:
     return [skip(p, f"not run: {why}") for p in promises]
 
 
+STATIC = (P_PARTITION, P_ACCOUNT, P_MATCH, P_REQUEUE_CONF, P_TEST_ONLY)
 LIVE = (P_SETUP, P_GPUS, P_SCRATCH, P_DURABLE, P_ALLREDUCE, P_REQUEUE, P_CONTAINER)
+PROMISES = STATIC + LIVE  # every row of the table, in its order
 
 
 def verdict(rows: Sequence[Row]) -> int:

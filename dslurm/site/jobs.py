@@ -176,9 +176,14 @@ def live_rows(site: SiteConfig, site_path: str, nodes: int, work: Path, timeout:
     second = next((x for x in recs if x.get("role") == "read"), None)
     failed = [ln.split()[1] for ln in out.splitlines() if ln.startswith(_SETUP_FAILED)]
     note = f"job {node_id} {node_state or 'not finished in time'}; log {logs}/site-check-nodes-{node_id}.out"
-    rows = [C.row_setup(site, recs, failed, note), C.row_gpus(site, recs), C.row_scratch(site, first, second),
+    setup = C.row_setup(site, recs, failed, note)
+    rows = [setup, C.row_gpus(site, recs), C.row_scratch(site, first, second),
             C.row_durable(site, first, second if nodes >= 2 else None)]
-    if burn is not None:
+    if burn is not None and not setup.holds:  # no torch after the setup lines: the burn-in cannot run
+        slurm.run_cmd(["scancel", str(burn.job_ids[0])], check=False)
+        rows.append(C.row_allreduce(nodes, None, f"job {burn.job_ids[0]} cancelled; {burn.run_dir}",
+                                    setup_holds=False))
+    elif burn is not None:
         bstate = _wait(burn.job_ids[0], deadline)
         pre = [e for e in events.of(events.read(burn.run_dir), events.Preflight) if e.report]
         report = json.loads(Path(str(pre[-1].report)).read_text()) if pre else None

@@ -5,19 +5,30 @@ sites (conftest). Discover writes the site of its default partition (probing one
 renders the #SBATCH lines of site-configs/local-gpu.yaml, the shipped site of this very cluster, and
 `site check` passes every row on it for real: --test-only, the setup lines, the GPUs, scratch, the
 shared durable path, the burn-in's 2-node all-reduce, the signal lead and one requeue. A shaped
-partition is discovered as its shape; a wrong partition fails before anything is submitted, and an
-unwritable scratch path fails on the compute node, each naming its fix.
+partition is discovered as its shape. Broken sites fail their rows, each naming its fix: a wrong
+partition before anything is submitted; one site broken three ways at once (setup lines that leave
+the system Python, without torch; a scratch path no node can write; a node-local durable path), found
+by the node job on the compute nodes; and JobRequeue=0 in the cluster's own slurm.conf, for a moment.
 The pure decisions of every row, the failing ones included, are in tests/unit/test_site_check.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import subprocess
+
 import yaml
 
-from cluster_jobs import GPUS, ROOT
+from cluster_jobs import GPUS, ROOT, SITE
+from dslurm import slurm
+from dslurm.cluster import daemons
+from dslurm.cluster.state import load
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.render import RenderRefs, render_sbatch
+from dslurm.site import check as C
+from dslurm.site.facts import parse_config
 from testkit import load_scaled
 
 
@@ -27,6 +38,21 @@ def _sbatch_lines(site) -> list[str]:
                          "preflight": {"enabled": False}})
     script = render_sbatch(resolve(site, job, base_dir=str(ROOT)), RenderRefs(site="s.yaml", job="j.yaml"))
     return [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
+
+
+def _rows(stdout: str) -> dict[str, tuple[str, str, str]]:
+    """`site check`'s table: promise -> (status, detail, fix)."""
+    rows: dict[str, tuple[str, str, str]] = {}
+    lines = stdout.splitlines()
+    for i, ln in enumerate(lines):
+        m = re.match(r"(OK|FAIL|SKIP) +(.*)", ln)
+        promise = next((p for p in C.PROMISES if m and m[2].startswith(p)), None)
+        if m and promise:
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            fix = nxt.split("fix: ", 1)[1] if nxt.startswith(" ") and "fix: " in nxt else ""
+            rows[promise] = (m[1], m[2][len(promise):].strip(), fix)
+    assert set(rows) == set(C.PROMISES), stdout
+    return rows
 
 
 def test_discovered_site_checks_out_and_bad_sites_are_named_with_fixes(slurm_cluster, cli, tmp_path):
@@ -57,10 +83,61 @@ def test_discovered_site_checks_out_and_bad_sites_are_named_with_fixes(slurm_clu
     assert "'nope' does not exist" in bad.stdout and "fix: set slurm.partition to one of: debug" in bad.stdout
     assert "nothing was submitted" in bad.stdout and not list((tmp_path / "bad").glob("*.sbatch"))
 
-    # A scratch path no node can write: found by the node job on a compute node, with the fix.
-    ro = cli("site", "check", str(out), "--site-set", "storage.scratch=/proc/dslurm-nope/%n", "--work-dir",
-             str(tmp_path / "ro"), "--timeout", "240", env=env, timeout=load_scaled(300))
-    assert ro.returncode == 1, ro.stdout + ro.stderr
-    lines = ro.stdout.splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.startswith("FAIL") and "scratch" in ln)
-    assert "is not writable" in lines[at] and "fix: set storage.scratch to a node-local directory" in lines[at + 1]
+    # One site broken three ways, one node job: the setup lines leave the system Python (a venv path that
+    # does not exist, then PATH without it; dslurm from the checkout, torch nowhere), scratch no node can
+    # write, and a durable path each node has its own copy of. The local nodes share one filesystem, so a
+    # node-local directory there is a per-node one (%n, as site-configs/local.yaml's scratch): written on
+    # the first node, absent on the last, as /local or /tmp at a site. Requeue off: no 1-minute job.
+    assert subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode != 0, \
+        "this test needs a system python3 without torch: it stands for setup lines that miss the venv"
+    broken = yaml.safe_load(out.read_text())
+    broken.update(python="python3", setup=["source /opt/no-such-venv/bin/activate",
+                                           'export PATH=/usr/bin:/bin PYTHONPATH="$SLURM_SUBMIT_DIR"'])
+    broken["storage"] = {"scratch": "/proc/dslurm-nope/%n", "durable": str(tmp_path / "node-local" / "%n")}
+    broken["requeue"]["enabled"] = False
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump(broken))
+    res = cli("site", "check", str(tmp_path / "broken.yaml"), "--work-dir", str(tmp_path / "broken"),
+              "--timeout", "240", env=env, timeout=load_scaled(300))
+    assert res.returncode == 1, res.stdout + res.stderr
+    rows = _rows(res.stdout)
+    failed = {p for p, (status, _, _) in rows.items() if status == "FAIL"}
+    assert failed == {C.P_SETUP, C.P_SCRATCH, C.P_DURABLE}, res.stdout
+    status, detail, fix = rows[C.P_SETUP]
+    assert "import torch failed" in detail and "No module named 'torch'" in detail and "/usr/bin/python3" in detail
+    assert "setup line 1 `source /opt/no-such-venv/bin/activate` failed" in detail, detail
+    assert fix.startswith("add the lines that make torch importable on a compute node to `setup`"), fix
+    status, detail, fix = rows[C.P_SCRATCH]
+    assert "is not writable" in detail and fix.startswith("set storage.scratch to a node-local directory"), detail
+    status, detail, fix = rows[C.P_DURABLE]
+    assert "it is node-local" in detail and fix.startswith("set storage.durable to a filesystem every node mounts")
+    # Held meanwhile: Slurm's rows and the GPUs (the probe ran, torch or not); the burn-in needs torch, so
+    # the all-reduce is not judged (its fix would name the interface); requeue is off in this site.
+    assert all(rows[p][0] == "OK" for p in (C.P_PARTITION, C.P_MATCH, C.P_TEST_ONLY, C.P_GPUS)), res.stdout
+    assert rows[C.P_ALLREDUCE][0] == "SKIP" and "fix the setup row first" in rows[C.P_ALLREDUCE][1]
+    assert rows[C.P_REQUEUE_CONF][0] == rows[C.P_REQUEUE][0] == "SKIP"
+
+
+def test_requeue_off_in_slurm_conf_fails_the_check_before_anything_is_submitted(slurm_cluster, cli, tmp_path):
+    """JobRequeue=0 in the cluster's slurm.conf (rendered by its own generator, reconfigured, and rendered
+    back in `finally`: the function `dslurm cluster up` runs when a killed test left it so). Tests run one
+    at a time, and dslurm's own jobs (any session's) say --requeue or --no-requeue: the second it is off
+    changes only a bare sbatch submitted in it, which takes the default."""
+    sdir = slurm_cluster.state_dir
+    rec = load(sdir)
+    assert rec is not None
+    daemons.write_conf(dataclasses.replace(daemons.running_spec(sdir, rec), job_requeue=False))
+    try:
+        res = cli("site", "check", SITE, "--work-dir", str(tmp_path), env=slurm_cluster.env(), timeout=60)
+    finally:
+        restored = daemons.restore_conf(sdir, rec)
+    config = parse_config(slurm.run_cmd(["scontrol", "show", "config"], env=slurm_cluster.env()).stdout)
+    assert restored and config["JobRequeue"] == "1", config.get("JobRequeue")
+    assert not daemons.restore_conf(sdir, rec)  # as rendered: nothing left to put back
+    assert res.returncode == 1, res.stdout + res.stderr
+    rows = _rows(res.stdout)
+    status, detail, fix = rows[C.P_REQUEUE_CONF]
+    assert status == "FAIL" and "JobRequeue=0" in detail and "does not requeue" in detail, res.stdout
+    assert fix == ("ask the admins for JobRequeue=1, or set requeue.enabled: false in the site (a run then ends "
+                   "at its time limit; resubmit it to continue)"), fix
+    assert [p for p, (status, _, _) in rows.items() if status == "FAIL"] == [C.P_REQUEUE_CONF], res.stdout
+    assert all("not run" in rows[p][1] for p in C.LIVE) and not (tmp_path / "nodes.sbatch").exists()

@@ -273,3 +273,14 @@ def test_shape_line_is_the_one_wording_of_up_and_status(capsys, monkeypatch, tmp
                               gpus_per_node=None, site_shape=None)
     assert cluster.run(args) == 0
     assert f"  --test-only {shape_line(shape)}\n" in capsys.readouterr().out
+
+
+def test_a_conf_that_differs_only_in_job_requeue_is_a_runtime_change_put_back_by_up() -> None:
+    on, off = cc.render_slurm_conf(_spec()), cc.render_slurm_conf(_spec(job_requeue=False))
+    assert "JobRequeue=1" in on and "JobRequeue=0" in off
+    assert cc.changed_keys(off, on) == {"JobRequeue"} <= cc.RUNTIME_KEYS
+    assert cc.changed_keys(on, on) == set()
+    more = cc.render_slurm_conf(_spec(nodes=3))  # another node: a restart, never a reconfigure
+    assert not cc.changed_keys(on, more) <= cc.RUNTIME_KEYS
+    assert cc.first_job_id_of(cc.render_slurm_conf(_spec(first_job_id=4242))) == 4242
+    assert cc.first_job_id_of("ClusterName=x\n") is None

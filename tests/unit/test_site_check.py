@@ -1,8 +1,9 @@
 """`dslurm site check`, pure: each row's decision from recorded facts, the failing cases with their fix,
 and the scripts of the check's jobs (the site's own #SBATCH lines, the probe steps, the requeue trap).
 
-"Requeue disabled in slurm.conf" is decided here from a `scontrol show config` text with JobRequeue=0:
-the shared local cluster's slurm.conf is not ours to change (tests/cluster/test_site.py runs the rest).
+"Requeue disabled in slurm.conf" is decided here from a `scontrol show config` text with JobRequeue=0,
+and on the cluster (tests/cluster/test_site.py) from the local cluster's own slurm.conf, turned off for
+a moment; that file runs the other failing rows for real too.
 """
 
 from __future__ import annotations
@@ -86,10 +87,12 @@ def test_setup_lines_that_do_not_make_torch_importable_fail():
     bad = probe("node1", "write", software={"python": "3.11", "torch": None, "executable": "/usr/bin/python3",
                                             "torch_error": "ModuleNotFoundError: No module named 'torch'"})
     row = C.row_setup(s, [bad], ["0"], "job 1 COMPLETED")
-    assert row.status == "fail" and "No module named 'torch'" in row.detail and "setup line(s) 0 failed" in row.detail
+    assert row.status == "fail" and "No module named 'torch'" in row.detail
+    assert 'setup line 1 `source "$SLURM_SUBMIT_DIR/.venv/bin/activate"` failed' in row.detail, row.detail
     assert "setup" in row.fix
-    row = C.row_setup(s, [], [], "job 1 COMPLETED")
-    assert row.status == "fail" and "dslurm is not importable" in row.detail
+    row = C.row_setup(s, [], ["0", "7"], "job 1 COMPLETED")  # 7: no such line (a stray marker): its number
+    assert row.status == "fail" and "dslurm is not importable" in row.detail and "failed" in row.detail
+    assert "`, 7 failed" in row.detail, row.detail
     assert C.row_setup(s, [probe("node1", "write")], [], "").status == "ok"
 
 
@@ -153,6 +156,9 @@ def test_allreduce_row_reads_the_burn_ins_communication_findings():
     assert C.row_allreduce(2, None, "job 5 FAILED").status == "fail"
     assert C.row_allreduce(2, {"inter": {}, "verdict": {}}, "").status == "fail"
     assert C.row_allreduce(1, None, "").status == "skip"
+    # Setup lines without torch: the burn-in cannot run, so the interface is not judged (nor blamed).
+    row = C.row_allreduce(2, None, "job 5 cancelled", setup_holds=False)
+    assert row.status == "skip" and "fix the setup row first" in row.detail and not row.fix
 
 
 def test_verdict_and_table():
