@@ -57,7 +57,13 @@ class WandbTracker:
         self.run.log({"dslurm/event": text}, step=step)
 
     def close(self, ending: str | None) -> None:
+        import wandb
+
         self.run.finish(exit_code=0 if ending in (None, "completed", "requeue", "terminated") else 1)
+        # finish() can return before W&B's service process has written the run's records (seen:
+        # a .wandb file holding its header alone); teardown waits for the service to end, and no
+        # atexit hook is left to do it: the trainer exits without finalization (runtime.exit.leave).
+        wandb.teardown()
 
 
 def open_run(ctx: Start) -> WandbTracker:
