@@ -12,6 +12,7 @@ again unless --force says so: the job would pay for an allocation and a start-up
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ def read_blocklist(run_dir: Path) -> list[str]:
 
 
 def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
-                      site_overrides: list[str] | None = None) -> Path:
-    """Write site.yaml, job.yaml and job.sbatch into the run directory; return the script."""
+                      site_overrides: list[str] | None = None, code_dir: Path | None = None) -> Path:
+    """Write site.yaml, job.yaml and job.sbatch into the run directory; return the script. With
+    `code_dir` (a snapshot, dslurm.remote.snapshot) the script runs the code there."""
     from dslurm.config import yaml12
     from dslurm.config.schema import to_dict
     from dslurm.render import RenderRefs, render_sbatch
@@ -63,20 +65,28 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
     # yaml12.dump quotes what the loader would otherwise retype ('1e3', '12:00:00', 'yes').
     write_atomic(site_file, yaml12.dump(to_dict(r.site)))
     write_atomic(job_file, yaml12.dump(job_data))
-    refs = RenderRefs(site=str(site_file), job=str(job_file), log_dir=str(log_dir))
+    refs = RenderRefs(site=str(site_file), job=str(job_file), log_dir=str(log_dir),
+                      code_dir=None if code_dir is None else str(code_dir))
     script = run_dir / "job.sbatch"
     write_atomic(script, render_sbatch(r, refs), 0o755)
     return script
 
 
 def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
-           env: dict[str, str] | None = None) -> Submission:
-    """Freeze, render and submit; with chain=K, K jobs linked by afterany dependencies."""
+           env: dict[str, str] | None = None, code: str | None = None) -> Submission:
+    """Freeze, render and submit; with chain=K, K jobs linked by afterany dependencies. With
+    `code` (`git` or a directory: `--code`) the job runs a snapshot of that code, copied into
+    `<run_dir>/code/<digest>`, on every start."""
     from dslurm import slurm
 
     if chain < 1:
         raise UserError(f"--chain {chain}: must be at least 1")
-    script = freeze_and_render(r)
+    code_dir = None
+    if code is not None:
+        from dslurm.remote.snapshot import materialize, take
+
+        code_dir = materialize(take(code), r.run_dir / "code")
+    script = freeze_and_render(r, code_dir=code_dir)
     log_dir = r.run_dir / "logs"
     if dry_run:
         return Submission([], script, r.run_dir, log_dir)
@@ -171,10 +181,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--sweep", metavar="SWEEP.yaml", default=None,
                    help="submit a sweep (docs/sweeps.md): one job array, a run directory per task; tasks whose "
                         "run completed are skipped, the rest resume")
+    p.add_argument("--code", metavar="git|DIR", default=None,
+                   help="run a snapshot of this code on every start (requeues too), copied into RUN_DIR/code: "
+                        "git = the git working copy you are in (HEAD + uncommitted + untracked files), or a "
+                        "directory. Default with a site that has `login:`: git (docs/remote.md)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line (for scripts)")
     p.set_defaults(func=run_submit)
 
     s = sub.add_parser("status", help="state, nodes, restarts and exit code of a job (or each task of a sweep)")
-    s.add_argument("job_id", help="Slurm job id, or a sweep directory")
+    s.add_argument("job_id", help="Slurm job id, a sweep directory, or the local handle of a remote run")
     s.add_argument("--json", action="store_true")
     s.add_argument("--sort", default=None, help="sweep directory: sort the tasks by this column")
     s.add_argument("--desc", action="store_true", help="sweep directory: sort descending")
@@ -211,10 +226,13 @@ def run_submit(args: argparse.Namespace) -> int:
         return run_sweep(args)
     site, job, overrides = inputs_of(args)
     r = load(site, job, overrides, args.site_overrides, base_dir=os.getcwd())
+    as_json = getattr(args, "json", False)
+    if r.site.login is not None:
+        return _submit_remote(r, args)
     if not args.dry_run and not getattr(args, "force", False):
         note = completed_note(r)
         if note:
-            print(note)
+            print(json.dumps({"job_ids": [], "note": note}) if as_json else note)
             return 0
     _plan_check(r, strict=args.strict)
     if not args.dry_run:
@@ -224,7 +242,10 @@ def run_submit(args: argparse.Namespace) -> int:
             print(f"warning: run directory {r.run_dir} already has job {which}. While that job holds the run "
                   "lock, this one is refused (exit 79, not retried). Fix: wait for it, cancel it, use --chain "
                   "to queue links behind it, or give this job its own checkpoint.run_dir", file=sys.stderr)
-    sub = submit(r, chain=args.chain, dry_run=args.dry_run)
+    sub = submit(r, chain=args.chain, dry_run=args.dry_run, code=getattr(args, "code", None))
+    if as_json:
+        print(json.dumps({"job_ids": sub.job_ids, "run_dir": str(sub.run_dir), "script": str(sub.script)}))
+        return 0
     if args.dry_run:
         print(f"dry run: wrote {sub.script} (not submitted)")
         return 0
@@ -233,6 +254,30 @@ def run_submit(args: argparse.Namespace) -> int:
     print(f"  script : {sub.script}")
     print(f"  run dir: {sub.run_dir}")
     print(f"  logs   : {sub.log_dir}/{r.job.name}-<jobid>.out|.err")
+    return 0
+
+
+def _submit_remote(r: Resolved, args: argparse.Namespace) -> int:
+    """A site with `login:`: ship the code snapshot and submit on the cluster (docs/remote.md)."""
+    from dslurm.remote import proxy
+    from dslurm.remote.snapshot import take
+
+    snap = take(getattr(args, "code", None) or "git")
+    got = proxy.submit(r, snap, cwd=os.getcwd(), chain=args.chain, force=getattr(args, "force", False),
+                       strict=args.strict, dry_run=args.dry_run)
+    h = got.handle
+    if getattr(args, "json", False):
+        print(json.dumps({"job_ids": list(h.job_ids), "run_dir": h.run_dir, "handle": str(h.path),
+                          "login": h.login.host, "code": h.code, "note": got.note}))
+    elif got.note:
+        print(f"{h.login.host}: {got.note}")
+    elif args.dry_run:
+        print(f"dry run on {h.login.host}: wrote {got.script} (not submitted)")
+    else:
+        print(f"submitted job {','.join(str(i) for i in h.job_ids)} on {h.login.host}")
+        print(f"  code   : {h.code} ({snap.source}, {len(snap.files)} files)")
+        print(f"  run dir: {h.run_dir} (on {h.login.host})")
+        print(f"  handle : {h.path} (dslurm status|watch|report|ctl|cancel {h.path})")
     return 0
 
 
@@ -254,10 +299,15 @@ def _plan_check(r: Resolved, strict: bool) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    import json
-
     from dslurm import slurm
+    from dslurm.remote import handle
 
+    if not args.job_id.isdigit() and (h := handle.read(args.job_id)) is not None:
+        from dslurm.remote.proxy import passthrough
+
+        if h.job_id is None:
+            raise UserError(f"{h.path}: the handle names no job. Fix: submit again")
+        return passthrough(h, ["status", str(h.job_id), *(["--json"] if args.json else [])])
     if not args.job_id.isdigit() and Path(args.job_id).is_dir():
         from dslurm.sweep.report import run_status as sweep_status
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Install the Debian packages dslurm needs: the local real Slurm (slurmctld, slurmd, client),
-# munge, tini, accounting (slurmdbd + MariaDB, for sacct/submitit) and shellcheck.
+# munge, tini, accounting (slurmdbd + MariaDB, for sacct/submitit), shellcheck, and ssh + sshd
+# (the remote tests put a real sshd on loopback in front of the local cluster: docs/remote.md).
 # Idempotent: a quick no-op when everything is installed. Needs root (or sudo).
 set -euo pipefail
 
-packages=(slurmctld slurmd slurm-client munge tini slurmdbd mariadb-server shellcheck)
+packages=(slurmctld slurmd slurm-client munge tini slurmdbd mariadb-server shellcheck openssh-server openssh-client)
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import submitit
 
     from dslurm.api.job import RunSummary
+    from dslurm.remote.proxy import RemoteRun
 
 JobLike = Union[JobSpec, dict[str, Any], str, Path]
 SiteLike = Union[SiteConfig, dict[str, Any], str, Path]
@@ -140,20 +141,36 @@ def _job_class() -> type:
 
 def submit(job: JobLike, *, site: SiteLike, overrides: list[str] | None = None,
            site_overrides: list[str] | None = None, folder: str | Path | None = None,
-           force: bool = False) -> submitit.Job[RunSummary]:
+           force: bool = False, code: str | None = None) -> submitit.Job[RunSummary] | RemoteRun:
     """Submit `job` to Slurm through submitit; `job.result()` returns a RunSummary.
 
     The site and job are frozen into the run directory (like `dslurm submit`), so a requeue
     re-reads exactly them; `folder` (default `<run_dir>/submitit/%j`) holds submitit's
     pickles and per-task logs. A run directory whose run already completed at the job's
     train.steps is not submitted again (UserError saying so) unless `force`.
+
+    A site with `login:` (docs/remote.md) submits over ssh like `dslurm submit` does: the code
+    snapshot (`code`: `git`, the default, or a directory) runs on the cluster, and the result
+    is a RemoteRun (`.status()`, `.report()`, `.run_dir`: the local handle).
     """
+    r = load_inputs(job, site, overrides, site_overrides)
+    if r.site.login is not None:
+        from dslurm.remote import proxy
+        from dslurm.remote.snapshot import take
+
+        got = proxy.submit(r, take(code or "git"), cwd=os.getcwd(), force=force)
+        if got.note:
+            raise UserError(f"{r.site.login}: {got.note.replace('use --force', 'pass force=True')}")
+        return proxy.RemoteRun(got.handle)
+    return _submit_submitit(r, folder, force)
+
+
+def _submit_submitit(r: Resolved, folder: str | Path | None, force: bool) -> submitit.Job[RunSummary]:
     import submitit
 
     from dslurm.api.job import TrainTask
     from dslurm.submit import completed_note, freeze_and_render, read_blocklist, record_submission
 
-    r = load_inputs(job, site, overrides, site_overrides)
     if not force and (note := completed_note(r)) is not None:
         raise UserError(note.replace("use --force", "pass force=True"))
     if r.site.container is not None:  # submitit's srun starts its pickled task with this Python, on the host

@@ -99,6 +99,16 @@ class BurninSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class RemoteSpec:
+    workdir: str | None = field(None, help="with `login`: absolute directory on the cluster that relative run "
+                                "directories (storage.durable, checkpoint.run_dir) resolve against there")
+    dslurm: str = field("dslurm", help="with `login`: the command that runs dslurm on the login host, after the "
+                        "site's setup lines, split like a shell: /opt/venv/bin/dslurm or python3 -m dslurm")
+    ssh_config: str | None = field(None, help="with `login`: an ssh config file to use instead of ~/.ssh/config "
+                                   "(ssh -F)")
+
+
+@dataclass(kw_only=True, slots=True)
 class SiteConfig:
     name: str = field(help="short name of the cluster")
     description: str = field("", help="free text")
@@ -114,6 +124,10 @@ class SiteConfig:
     burnin: BurninSpec = field(factory=BurninSpec, help="pre-flight thresholds")
     container: ContainerSpec | None = field(None, help="run the launcher, burn-in and training in a container "
                                             "(apptainer, singularity or pyxis); docs/containers.md")
+    login: str | None = field(None, help="drive this cluster from another machine: the ssh host alias of its "
+                              "login node (your ssh config and agent are used); docs/remote.md")
+    remote: RemoteSpec = field(factory=RemoteSpec, help="with `login`: where runs live on the cluster and how "
+                               "dslurm runs there")
 
     @property
     def procs_per_node(self) -> int:
@@ -304,6 +318,13 @@ class PreflightSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class RecoverySpec:
+    warm: bool = field(False, help="with spares: keep a preloaded worker pool on every allocated node, so an "
+                       "attempt after a failure forks its workers instead of importing torch again "
+                       "(docs/recovery.md); false = every attempt starts cold")
+
+
+@dataclass(kw_only=True, slots=True)
 class RequeueSpec:
     enabled: bool | None = field(None, help="requeue on preemption/time limit; null = the site's policy")
     signal_lead: int | Literal["auto"] | None = field(
@@ -355,6 +376,7 @@ class JobSpec:
     preflight: PreflightSpec = field(factory=PreflightSpec, help="pre-flight burn-in")
     health: HealthSpec = field(factory=HealthSpec, help="health during the run: hang watchdog, SDC check, device poll")
     requeue: RequeueSpec = field(factory=RequeueSpec, help="requeue")
+    recovery: RecoverySpec = field(factory=RecoverySpec, help="recovery inside the allocation (jobs with spares)")
     metrics: MetricsSpec = field(factory=MetricsSpec, help="experiment trackers (TensorBoard, W&B, MLflow)")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
     env: dict[str, str] = field(factory=dict, help="extra environment for this job")
@@ -462,6 +484,32 @@ def _check_site_values(site: SiteConfig, where: Where) -> None:
         raise where.child("python").fail(f"{site.python!r} names no interpreter",
                                          "give the interpreter, e.g. python3 or /opt/venv/bin/python -X dev")
     parse_time(site.slurm.default_time, _at(where, "slurm.default_time").label())
+    _check_remote(site, where)
+
+
+def _check_remote(site: SiteConfig, where: Where) -> None:
+    """`login` becomes an ssh argument and `remote.*` words of a remote shell line: one safe word each."""
+    rem = site.remote
+    if site.login is None:
+        return
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.@:%+-]*", site.login):
+        raise where.child("login").fail(f"{site.login!r} is not an ssh host alias",
+                                        "give the Host name of your ssh config, e.g. mycluster or me@login1")
+    if rem.workdir is None or not rem.workdir.startswith("/") or any(c in rem.workdir for c in "\n\r\0"):
+        raise _at(where, "remote.workdir").fail(
+            f"{'is not set' if rem.workdir is None else repr(rem.workdir) + ' is not absolute'}; with `login` "
+            "it must be an absolute path on the cluster",
+            "add remote.workdir: the directory on the cluster that holds your runs, e.g. /scratch/me/runs")
+    try:
+        words = shlex.split(rem.dslurm)
+    except ValueError as exc:
+        words = []
+        why = str(exc)
+    else:
+        why = "names no command"
+    if not words or any(c in rem.dslurm for c in "\n\r\0"):
+        raise _at(where, "remote.dslurm").fail(f"{rem.dslurm!r} {why}",
+                                               "give the command, e.g. dslurm or /opt/venv/bin/dslurm")
 
 
 def _at(where: Where, dotted: str) -> Where:

@@ -110,6 +110,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dslurm.remote import handle
+
+    if (h := handle.read(args.run_dir)) is not None:  # a run on a cluster: the request is written there
+        from dslurm.remote.proxy import passthrough
+
+        return passthrough(h, ["ctl", h.run_dir, args.action])
     req = write_request(args.run_dir, args.action)
     print(f"{args.action} requested ({req.id}); rank 0 takes it at a step boundary within ~{POLL_S:.0f}s "
           f"of training; `dslurm watch {args.run_dir}` shows when")

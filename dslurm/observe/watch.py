@@ -3,7 +3,10 @@
 Current step of train.steps, loss, tokens/s, ETA, the last save, the run's state (the same
 completion line as `dslurm report`), the last operator request and tracker failures. `view`
 is pure (events in, lines out); the command re-reads the ledger every `--interval` seconds
-under rich's Live display, or prints once (`--once`, for scripts and tests).
+under rich's Live display, or prints once (`--once`, for scripts and tests). Piped (stdout not
+a terminal: a log, ssh, a script) it prints one `line` per change instead and ends when the
+run is over, which is how a remote run's watch streams back (RUN_DIR a local handle of a run
+on a cluster: docs/remote.md).
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ import argparse
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dslurm.observe import events as ev
+
+if TYPE_CHECKING:
+    from dslurm.observe.completion import Completion
 
 
 def _last(events: Sequence[ev.Event], *kinds: type[ev.Event]) -> ev.Event | None:
@@ -76,15 +83,34 @@ def view(events: Sequence[ev.Event], *, target: int | None, state: str, now: flo
     return lines
 
 
-def snapshot(run_dir: Path, now: float | None = None) -> list[str]:
-    """The view of the run directory as it is now."""
+def line(events: Sequence[ev.Event], *, target: int | None, status: str) -> str:
+    """The view in one line, for a pipe: printed when it changes. Pure."""
+    steps, start = _last(events, ev.Steps), _last(events, ev.TrainStart)
+    done = (steps.last + 1) if isinstance(steps, ev.Steps) and steps.last is not None else (
+        start.step if isinstance(start, ev.TrainStart) else 0)
+    parts = [status, f"step {done}" + (f"/{target}" if target else "")]
+    if isinstance(steps, ev.Steps) and steps.loss is not None:
+        parts.append(f"loss {steps.loss:.4f}")
+    save = _last(events, ev.CkptSave)
+    parts.append(f"saved {save.step}" if isinstance(save, ev.CkptSave) else "saved -")
+    parts.append(f"starts {sum(isinstance(e, ev.TrainStart) for e in events)}")
+    return "  ".join(parts)
+
+
+def _state(run_dir: Path) -> tuple[list[ev.Event], int | None, Completion]:
     from dslurm.observe.completion import target_steps
-    from dslurm.observe.ctl import REQUEST, parse
     from dslurm.observe.report import load, summarize
 
     events, _ = load(run_dir)
     target = target_steps(run_dir)
-    done = summarize(events, target_steps=target, run_dir=run_dir).completion
+    return events, target, summarize(events, target_steps=target, run_dir=run_dir).completion
+
+
+def snapshot(run_dir: Path, now: float | None = None) -> list[str]:
+    """The view of the run directory as it is now."""
+    from dslurm.observe.ctl import REQUEST, parse
+
+    events, target, done = _state(run_dir)
     lines = view(events, target=target, state=done.lines()[0], now=time.time() if now is None else now)
     try:
         pending = parse((run_dir / REQUEST).read_text())
@@ -104,10 +130,48 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_run, configure_logging=False)
 
 
+def _slurm_has_job(events: Sequence[ev.Event]) -> bool:
+    """Slurm still holds a job of the run: after a preemption requeue-me leaves the requeue to
+    Slurm (decision `stop`), so the ledger reads "incomplete" until the next start begins."""
+    from dslurm import slurm
+    from dslurm.errors import SlurmError
+
+    ids = sorted({i for e in ev.of(events, ev.Submit) for i in e.job_ids})
+    try:
+        return bool(ids) and bool(slurm.squeue(job_ids=ids))  # squeue lists pending and running jobs
+    except SlurmError:  # squeue refuses ids it has forgotten: none of them is active
+        return False
+
+
+def _piped(run_dir: Path, interval: float) -> int:
+    """One line per change, until the run is over: completed, or incomplete with no job left."""
+    last = None
+    while True:
+        events, target, done = _state(run_dir)
+        text = line(events, target=target, status=done.status)
+        if text != last:
+            print(f"{time.strftime('%H:%M:%S')}  {text}", flush=True)
+            last = text
+        if done.complete or (done.complete is False and not _slurm_has_job(events)):
+            return 0
+        time.sleep(max(0.2, interval))
+
+
 def _run(args: argparse.Namespace) -> int:
+    import sys
+
+    from dslurm.remote import handle
+
+    if (h := handle.read(args.run_dir)) is not None:  # a run on a cluster: watch it there
+        from dslurm.remote.proxy import passthrough
+
+        return passthrough(h, ["watch", h.run_dir, "--interval", str(args.interval), *(["--once"] if args.once
+                                                                                         else [])])
     if args.once:
         print("\n".join(snapshot(args.run_dir)))
         return 0
+    if not sys.stdout.isatty():
+        return _piped(args.run_dir, args.interval)
     from rich.live import Live
     from rich.text import Text
 

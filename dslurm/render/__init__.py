@@ -28,6 +28,7 @@ class RenderRefs:
     site_overrides: tuple[str, ...] = ()
     log_dir: str | None = None  # default: the site's slurm.log_dir
     extra_env: dict[str, str] = field(default_factory=dict)
+    code_dir: str | None = None  # a code snapshot (dslurm.remote.snapshot) every start runs; None: the submit dir
 
 
 def _one_line(value: object) -> str:
@@ -170,6 +171,7 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "# Environment (site, then job).",
         *_env_lines(r, refs),
         "",
+        *_code_lines(refs.code_dir),
         "# This start's facts (dslurm/requeue/facts.py): how it ended is decided from them, not from rc.",
         'export DSLURM_FACTS_DIR="$DSLURM_RUN_DIR/starts/${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"',
         'mkdir -p "$DSLURM_FACTS_DIR" || true',
@@ -194,6 +196,19 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _code_lines(code_dir: str | None) -> list[str]:
+    """Run the snapshot taken at submit, on this start and every requeued one: a requeue re-runs
+    this script, so it must not pick up an edit made to the working copy since (docs/remote.md)."""
+    if code_dir is None:
+        return []
+    return [
+        "# The code snapshot taken at submit: relative paths, `python -m` and imports resolve there first.",
+        f"cd {q(code_dir)}",
+        f'export PYTHONPATH={q(code_dir)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        "",
+    ]
 
 
 _WAIT = [

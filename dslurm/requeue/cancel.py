@@ -15,7 +15,8 @@ shell, and this command sends one, after recording who asked in the start's fact
   local cluster: no launcher report, no save, and torchrun, in a session of its own, left
   training after the job had ended).
 
-A RUN_DIR cancels every job of the run that Slurm still has (a chain's pending links too).
+A RUN_DIR cancels every job of the run that Slurm still has (a chain's pending links too); the
+local handle of a run on a cluster (docs/remote.md) cancels it there, over ssh.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dslurm.remote import handle
+
+    if not args.target.isdigit() and (h := handle.read(args.target)) is not None:  # a run on a cluster
+        from dslurm.remote.proxy import passthrough
+
+        return passthrough(h, ["cancel", h.run_dir, *(["--save"] if args.save else [])])
     for line in cancel(args.target, save=args.save):
         print(line)
     return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.errors import UserError
+from dslurm.remote import handle as handle_mod
 from dslurm.sweep.build import MAP_FILE
 
 COLUMNS = ("task", "state", "restarts", "step", "train_loss", "eval_loss", "goodput")
@@ -173,6 +174,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_report(args: argparse.Namespace) -> int:
     from dslurm.observe import report
 
+    if (h := handle_mod.read(args.run_dir)) is not None:
+        return _remote_report(h, args)
     if not is_sweep_dir(args.run_dir):
         return report.run(args)
     rows = sort_rows(sweep_rows(Path(args.run_dir)), args.sort, args.desc)
@@ -182,4 +185,20 @@ def run_report(args: argparse.Namespace) -> int:
         plot_curves(rows, png)
         if not args.json:
             print(f"wrote {png}")
+    return 0
+
+
+def _remote_report(h: handle_mod.Handle, args: argparse.Namespace) -> int:
+    """A run on a cluster (docs/remote.md): made there, brought back into the local handle."""
+    import sys
+
+    from dslurm.durable import atomic_write_bytes
+    from dslurm.remote.proxy import fetch_report
+
+    got = fetch_report(h, png=not args.no_png)
+    print(got[("report.json" if args.json else "report.txt")].read_text(), end="")
+    if "report.png" in got and args.png:
+        atomic_write_bytes(args.png, got["report.png"].read_bytes())
+    where = ", ".join(str(p) for p in got.values())
+    print(f"brought back from {h.login.host}:{h.run_dir}: {where}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -1,0 +1,199 @@
+"""dslurm commands run on the cluster from another machine, over ssh (docs/remote.md).
+
+submit: the run is validated here (a bad site or job fails before anything moves), the login
+host is asked whether dslurm runs there, then ONE ssh call ships the code snapshot into
+`<run_dir>/code/<digest>` and the resolved site and job (the site without `login`, the job
+with the cluster's run dir), and runs `dslurm submit --code` there; the job's script runs that
+snapshot on every start. The local handle (dslurm.remote.handle) remembers where the run is.
+
+status, watch, ctl, cancel: the same command runs there on the run (its output streams back;
+watch without a terminal prints a line per change, so it streams too). report: the text, the
+JSON, the timeline PNG and `dslurm ckpt ls` come back as files into the local handle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dslurm.config import SiteConfig
+from dslurm.config.resolve import Resolved, run_dir_for
+from dslurm.durable import atomic_write_bytes
+from dslurm.errors import UserError
+from dslurm.remote import handle as hd
+from dslurm.remote import ssh
+from dslurm.remote.snapshot import MARKER, Snapshot, take, tar_bytes
+
+FETCHED = ("report.txt", "report.json", "report.png", "ckpt-ls.txt")
+
+
+def login_of(site: SiteConfig) -> ssh.Login:
+    if site.login is None:
+        raise UserError("this site has no `login`: its runs are on this machine")
+    return ssh.Login(host=site.login, config=site.remote.ssh_config, dslurm=tuple(shlex.split(site.remote.dslurm)),
+                     setup=tuple(site.setup))
+
+
+def places(r: Resolved, cwd: str | Path) -> tuple[str, Path]:
+    """(run dir on the cluster, local handle dir). Relative run dirs resolve against
+    remote.workdir there and against `cwd` here; an absolute one keeps its name here, under
+    `cwd/remote-runs/`, since the path is the cluster's."""
+    there = run_dir_for(r.site, r.job, r.site.remote.workdir)
+    here = run_dir_for(r.site, r.job, cwd)
+    if here.is_absolute() and Path(cwd) not in here.parents:
+        here = Path(cwd) / "remote-runs" / here.name
+    if here.resolve() == there.resolve():  # the same machine, the same directory: the handle would hide the run
+        raise UserError(f"the local handle and the cluster's run directory are both {there}. Fix: submit from "
+                        "another directory than remote.workdir, or keep run directories relative")
+    return str(there), here
+
+
+def probe(login: ssh.Login) -> str:
+    """`dslurm --version` there: the host answers and dslurm runs (else a UserError with the fix)."""
+    res = ssh.run(login, ssh.script(login, ["DSLURM --version"]), timeout=120)
+    if res.returncode != 0:
+        raise UserError(f"login host {login.host!r}: `dslurm --version` failed there (exit {res.returncode}): "
+                        f"{res.stderr.decode(errors='replace').strip()}. Fix: repair the dslurm install on the "
+                        "cluster, or point remote.dslurm at a working one")
+    return res.stdout.decode(errors="replace").strip()
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    handle: hd.Handle
+    note: str | None
+    """the cluster's reason for submitting nothing (a run already complete), else None"""
+    script: str | None
+
+
+def submit_body(run_dir: str, code: str, flags: list[str]) -> list[str]:
+    """The remote script after setup: unpack stdin (the snapshot under code/<name>, site and job
+    under submit/) into a temp dir in the run dir, move the code into place unless a complete
+    copy is there, submit from the snapshot directory, then drop the temp dir. Pure."""
+    run, name = shlex.quote(run_dir), shlex.quote(code)
+    return [
+        "set -e",
+        f"mkdir -p {run}/code",
+        f'tmp=$(mktemp -d {run}/.incoming.XXXXXX)',
+        "trap 'rm -rf \"$tmp\"' EXIT",
+        'tar -xf - -C "$tmp"',
+        f"if [ ! -f {run}/code/{name}/{MARKER} ]; then rm -rf {run}/code/{name}; "
+        f'mv "$tmp/code/{code}" {run}/code/{name}; fi',
+        f"cd {run}/code/{name}",
+        "set +e",
+        f'DSLURM submit --site "$tmp/submit/site.yaml" --job "$tmp/submit/job.yaml" --code {run}/code/{name} '
+        f"--json {ssh.quote_words(flags)}",
+    ]
+
+
+def submit(r: Resolved, snap: Snapshot | None = None, *, cwd: str | Path, chain: int = 1, force: bool = False,
+           strict: bool = False, dry_run: bool = False) -> Submitted:
+    """Ship and submit `r` on its site's cluster; write the local handle."""
+    from dslurm.config import yaml12
+    from dslurm.config.schema import to_dict
+
+    login = login_of(r.site)
+    there, here = places(r, cwd)
+    snap = snap or take("git", cwd)
+    probe(login)
+    site_data = to_dict(r.site)
+    site_data["login"] = None  # there, the site is local
+    job_data = to_dict(r.job)
+    job_data["checkpoint"]["run_dir"] = there
+    files = {"submit/site.yaml": yaml12.dump(site_data).encode(), "submit/job.yaml": yaml12.dump(job_data).encode()}
+    flags = [f"--chain={chain}", *(["--force"] if force else []), *(["--strict"] if strict else []),
+             *(["--dry-run"] if dry_run else [])]
+    body = submit_body(there, snap.name, flags)
+    res = ssh.run(login, ssh.script(login, body), input=tar_bytes(snap, files, prefix=f"code/{snap.name}/"))
+    err = res.stderr.decode(errors="replace")
+    if res.returncode != 0:
+        raise UserError(f"login host {login.host!r}: dslurm submit failed there (exit {res.returncode}); nothing "
+                        f"was submitted:\n{err.strip()}")
+    sys.stderr.write(err)  # the cluster's warnings (a busy run dir, the plan)
+    try:
+        out = json.loads(res.stdout.decode(errors="replace").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        said = res.stdout.decode(errors="replace")
+        raise UserError(f"login host {login.host!r}: dslurm submit there printed no result: {said!r}. "
+                        "Fix: install the same dslurm version there") from None
+    h = hd.Handle(path=here, login=login, run_dir=there, job_ids=tuple(int(i) for i in out.get("job_ids") or []),
+                  code=snap.name, source=snap.source)
+    if h.job_ids:
+        hd.write(h)
+    return Submitted(h, out.get("note"), out.get("script"))
+
+
+def passthrough(h: hd.Handle, argv: list[str]) -> int:
+    """Run `dslurm ARGV` there; its output streams here. Returns its exit code."""
+    res = ssh.run(h.login, ssh.script(h.login, ["exec DSLURM " + ssh.quote_words(argv)]), capture=False)
+    return res.returncode
+
+
+def fetch_body(run_dir: str, png: bool) -> list[str]:
+    """Report text, JSON (and the PNG), `ckpt ls`, into a temp dir; the dir as a tar on stdout. Pure."""
+    run = shlex.quote(run_dir)
+    draw = '--png "$out/report.png"' if png else "--no-png"
+    return [
+        'out=$(mktemp -d)',
+        "trap 'rm -rf \"$out\"' EXIT",
+        f'DSLURM report {run} --no-png > "$out/report.txt" 2> "$out/errors.txt"',
+        f'DSLURM report {run} --json {draw} > "$out/report.json" 2>> "$out/errors.txt"',
+        f'DSLURM ckpt ls {run} > "$out/ckpt-ls.txt" 2>> "$out/errors.txt"',
+        'tar -cf - -C "$out" .',
+    ]
+
+
+def fetch_report(h: hd.Handle, png: bool = True) -> dict[str, Path]:
+    """Bring the run's report back into the handle directory; name -> local path."""
+    res = ssh.run(h.login, ssh.script(h.login, fetch_body(h.run_dir, png)), timeout=600)
+    if res.returncode != 0:
+        raise UserError(f"login host {h.login.host!r}: the report could not be made there (exit {res.returncode}): "
+                        f"{res.stderr.decode(errors='replace').strip()}")
+    got: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(res.stdout), mode="r:") as tar:
+        for m in tar.getmembers():
+            name = Path(m.name).name
+            if m.isfile() and name in (*FETCHED, "errors.txt"):
+                f = tar.extractfile(m)
+                got[name] = f.read() if f is not None else b""
+    if not got.get("report.txt", b"").strip():
+        raise UserError(f"{h.run_dir} on {h.login.host}: no report: "
+                        f"{got.get('errors.txt', b'').decode(errors='replace').strip() or 'nothing said'}")
+    out = {}
+    for name in FETCHED:
+        if name in got:
+            atomic_write_bytes(h.path / name, got[name])
+            out[name] = h.path / name
+    return out
+
+
+class RemoteRun:
+    """What `dslurm.api.submit` returns for a site with `login:` (a notebook's handle)."""
+
+    def __init__(self, handle: hd.Handle) -> None:
+        self.handle = handle
+        self.job_id = handle.job_id
+        self.run_dir = handle.path  # the local handle; the run itself is handle.run_dir on the cluster
+
+    def __repr__(self) -> str:
+        return f"RemoteRun(job {self.job_id} on {self.handle.login.host}: {self.handle.run_dir})"
+
+    def status(self) -> dict[str, object]:
+        """`dslurm status JOB --json`, asked there."""
+        h = self.handle
+        res = ssh.run(h.login, ssh.script(h.login, [f"exec DSLURM status {h.job_id} --json"]), timeout=120)
+        if res.returncode != 0:
+            raise UserError(f"{h.login.host}: dslurm status {h.job_id} failed: {res.stderr.decode(errors='replace')}")
+        data: dict[str, object] = json.loads(res.stdout)
+        return data
+
+    def report(self, png: bool = True) -> dict[str, object]:
+        """The run's report (`dslurm report --json`), brought back into the handle with the PNG."""
+        got = fetch_report(self.handle, png=png)
+        data: dict[str, object] = json.loads(got["report.json"].read_text())
+        return data

@@ -1,0 +1,86 @@
+"""The one way dslurm talks to a login host: the `ssh` client, as the user runs it.
+
+Thin on purpose: the user's ssh config (Host aliases, ProxyJump, ControlMaster) and agent do
+the work. dslurm adds BatchMode (never a password prompt a script would hang on), a connect
+timeout, and keep-alives. Every remote command is one bash script handed over as a single
+quoted word (`bash -c SCRIPT`): the remote login shell, whatever it is, only unquotes it.
+`script` builds those scripts (pure); `run` runs one and turns ssh's own failures (exit 255:
+the host was not reached) and a missing remote dslurm (exit 127) into errors with their fix.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dslurm.errors import UserError
+
+OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=15", "-o", "ServerAliveInterval=15",
+           "-o", "ServerAliveCountMax=4")
+UNREACHABLE = 255  # ssh's own exit code: the connection or the authentication failed
+NOT_FOUND = 127  # the shell's: the command does not exist
+
+
+@dataclass(frozen=True, slots=True)
+class Login:
+    host: str
+    """an ssh host alias (validated by dslurm.config: no leading '-')"""
+    config: str | None = None
+    """an ssh config file (ssh -F); None: ~/.ssh/config"""
+    dslurm: tuple[str, ...] = ("dslurm",)
+    """the words that run dslurm there"""
+    setup: tuple[str, ...] = ()
+    """the site's setup lines, run before dslurm (module load, venv activate)"""
+
+    def argv(self, script_text: str) -> list[str]:
+        cfg = ["-F", self.config] if self.config else []
+        return ["ssh", *OPTIONS, *cfg, self.host, "bash -c " + shlex.quote(script_text)]
+
+
+def quote_words(words: Sequence[str]) -> str:
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def script(login: Login, body: Sequence[str]) -> str:
+    """The site's setup lines, a check that dslurm is there, then `body`. `DSLURM` in the body
+    is the quoted command that runs dslurm. Setup lines may fail on a login node (a module
+    only compute nodes have): their messages reach stderr and the script goes on. Pure."""
+    dslurm = quote_words(login.dslurm)
+    check = f"command -v {shlex.quote(login.dslurm[0])} >/dev/null 2>&1 || exit {NOT_FOUND}"
+    return "\n".join([*login.setup, check, *(line.replace("DSLURM", dslurm) for line in body), ""])
+
+
+def unreachable(login: Login, stderr: str) -> UserError:
+    said = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
+    how = f"ssh -F {login.config} {login.host} true" if login.config else f"ssh {login.host} true"
+    return UserError(f"login host {login.host!r} (site field 'login') cannot be reached over ssh ({said}); "
+                     f"nothing was done on the cluster. Fix: make `{how}` work from this shell without a "
+                     "prompt (a Host entry in your ssh config or remote.ssh_config, your key in ssh-agent); "
+                     "dslurm runs ssh with BatchMode=yes, so it never asks for a password")
+
+
+def missing_dslurm(login: Login) -> UserError:
+    return UserError(f"login host {login.host!r}: `{quote_words(login.dslurm)}` is not a command there (after the "
+                     "site's setup lines); nothing was submitted. Fix: set remote.dslurm in the site to the "
+                     "command that runs dslurm on the cluster (e.g. /path/to/venv/bin/dslurm), or make the "
+                     "site's setup lines put it on PATH")
+
+
+def run(login: Login, script_text: str, *, input: bytes | None = None, capture: bool = True,
+        timeout: float | None = None) -> subprocess.CompletedProcess[bytes]:
+    """Run one remote script. capture=False streams its output to ours (watch, status)."""
+    try:
+        res = subprocess.run(login.argv(script_text), input=input, timeout=timeout,
+                             stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None)
+    except FileNotFoundError:
+        raise UserError("`ssh` is not installed here. Fix: install the OpenSSH client") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"login host {login.host!r}: no answer within {timeout:.0f} s. Fix: check the "
+                        "connection, then run the command again") from None
+    if res.returncode == UNREACHABLE:
+        raise unreachable(login, (res.stderr or b"").decode(errors="replace"))
+    if res.returncode == NOT_FOUND:
+        raise missing_dslurm(login)
+    return res
