@@ -24,6 +24,12 @@ import time
 from dslurm.runtime.exit import Outcome, leave, report, world_from_env
 
 T_START = time.time()  # process start, for the ledger's startup_s
+# What a warm pool (dslurm/launch/warm.py) imports once for the workers it forks: what `main`
+# imports, the parallel wrappers every tiny-to-large layout uses, the checkpoint. Importing them
+# starts no thread and no CUDA context (the pool checks).
+WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.preflight.in_job", "dslurm.requeue.facts",
+                "train.startup", "train.loop", "train.watchdog", "train.parallel.build", "train.parallel.fsdp",
+                "train.parallel.tp", "dslurm.checkpoint.dcp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,5 +167,21 @@ def _main_reporting() -> int:
     return code
 
 
+def _entry() -> None:
+    """Run and leave, also after an exception (already reported): a crashed rank that went through
+    the interpreter's finalization kept its peers waiting for its sockets to close, and a warm
+    worker (dslurm/launch/warm.py) ends the same way."""
+    try:
+        code = _main_reporting()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    leave(code)  # not sys.exit: see dslurm.runtime.exit.leave
+
+
 if __name__ == "__main__":  # guard: async checkpoint processes re-import the main module
-    leave(_main_reporting())  # not sys.exit: see dslurm.runtime.exit.leave
+    _entry()

@@ -28,11 +28,15 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dslurm import exitcodes
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 from dslurm.launch.slurm_env import LaunchInfo, derive
+
+if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it as __main__
+    from dslurm.launch import warm
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +151,7 @@ class _Forwarder:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
+        self.attempt: warm.Attempt | None = None  # workers forked by this node's warm pool
         self.status_dir: str | None = None
 
     def install(self) -> None:
@@ -158,6 +163,8 @@ class _Forwarder:
         SIGNALS.append((name, time.time()))
         log.warning("dslurm launch: got %s, forwarding to the training processes", name)
         _note_stop(name, self.status_dir)  # before the kill: see _note_stop
+        if self.attempt is not None:
+            self.attempt.signal_all(signum)
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
@@ -191,6 +198,47 @@ def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
     return 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N, like a shell
 
 
+TEARDOWN_GRACE_S = 5.0  # a failed worker's peers: TERM, then KILL after this (as torchrun does)
+
+
+def _run_warm(path: Path, info: LaunchInfo, cmd: Sequence[str], env: dict[str, str]) -> int | None:
+    """The workers from this node's warm pool (dslurm/launch/warm.py) instead of torchrun; their
+    codes as torchrun would fold them (0 all fine, else 1). None: the pool could not start them
+    (nothing was started)."""
+    import threading
+
+    from dslurm.launch import warm
+
+    FORWARDER.install()
+    FORWARDER.status_dir = env.get(STATUS_DIR_ENV)
+    if STOP_SIGNAL:
+        _note_stop(STOP_SIGNAL, FORWARDER.status_dir)
+    envs = warm.worker_envs(env, info.nproc_per_node, info.node_rank, info.world_size)
+    try:
+        attempt = warm.Attempt(path, cmd, envs, os.getcwd())
+    except warm.PoolUnavailable as exc:
+        log.error("dslurm launch: warm pool unavailable (%s)", exc)
+        return None
+    log.warning("dslurm launch: warm start: workers %s forked by the pool (%d task(s) in it)",
+                attempt.pids, attempt.tasks)
+    FORWARDER.attempt = attempt
+
+    timer = threading.Timer(TEARDOWN_GRACE_S, attempt.signal_all, (signal.SIGKILL,))
+    timer.daemon = True  # never keeps the launcher from exiting
+
+    def teardown(local_rank: int) -> None:
+        log.warning("dslurm launch: local rank %d failed; stopping the others", local_rank)
+        attempt.signal_all(signal.SIGTERM)
+        timer.start()
+
+    try:
+        codes = attempt.wait(teardown)
+    finally:
+        timer.cancel()
+        FORWARDER.attempt = None
+    return 0 if all(c == 0 for c in codes.values()) else 1
+
+
 def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | None = None,
            rdzv: str = "c10d", env: dict[str, str] | None = None) -> int:
     """Launch `cmd` for this node/task. Returns the exit code to report to Slurm."""
@@ -201,6 +249,11 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
     info = derive(base_env, nproc_per_node=nproc_per_node, mode=mode)  # type: ignore[arg-type]
     child_env = {**base_env, **info.worker_env()}
     log.info("dslurm launch: %s", json.dumps(info.as_dict()))
+    # `dslurm supervise` offers a step its nodes' warm pools (recovery.warm: true, after a failure).
+    from dslurm.launch import warm
+
+    warm_path = (warm.socket_path(info.job_id, info.hostname)
+                 if mode == "torchrun" and base_env.get(warm.WARM_ENV) == "1" else None)
     if info.node_rank == 0 and (mode != "srun" or info.rank == 0) and base_env.get("DSLURM_RUN_DIR"):
         from dslurm.observe import events
         from dslurm.observe.ledger import Ledger
@@ -208,14 +261,24 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
         # The start's first event, before any worker imports torch: `dslurm report` measures
         # start-up from here.
         Ledger(base_env["DSLURM_RUN_DIR"]).append(events.JobStart(
-            job_id=info.job_id, restart=info.restart_count, hosts=list(info.hosts), mode=mode,
-            nproc_per_node=info.nproc_per_node))
+            job_id=info.job_id, restart=info.restart_count, hosts=list(info.hosts),
+            mode="warm" if warm_path is not None else mode, nproc_per_node=info.nproc_per_node))
     # The local ranks this launcher starts: its own task (srun mode) or torchrun's workers.
     local = [child_env.get("LOCAL_RANK", "0")] if mode == "srun" else [str(i) for i in range(info.nproc_per_node)]
     with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
         child_env[STATUS_DIR_ENV] = status_dir
         argv = list(cmd) if mode == "srun" else torchrun_argv(info, cmd, rdzv)
-        rc = _run_forwarding(argv, child_env)
+        rc = _run_warm(warm_path, info, cmd, child_env) if warm_path is not None else None
+        if rc is None and warm_path is not None and info.nnodes > 1:
+            # The other nodes' workers are warm: a torchrun here would wait for a rendezvous nobody
+            # hosts. Fail the step now; supervise runs the next one cold.
+            log.error("dslurm launch: no warm workers on %s; failing this step (the next one starts cold)",
+                      info.hostname)
+            rc = 1
+        elif rc is None:
+            if warm_path is not None:
+                log.warning("dslurm launch: starting cold (torchrun) instead")
+            rc = _run_forwarding(argv, child_env)
         codes = read_worker_code_map(Path(status_dir))
         code = agreed_exit_code(rc, list(codes.values()))
         if code == exitcodes.TERMINATED and STOP_SIGNAL != "SIGTERM":

@@ -33,6 +33,8 @@ class StartTable:
     generation: str | None
     """what it restored (None: cold, nothing loaded)"""
     rows: list[tuple[str, float]] = field(default_factory=list)
+    warm: bool = False
+    """its workers were forked by a warm pool (the launcher's job_start says mode "warm")"""
 
     @property
     def cold(self) -> bool:
@@ -50,13 +52,17 @@ def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
-def _spawn(e: ev.StartPhases, launches: list[ev.JobStart]) -> float | None:
-    """job_start -> this worker's birth, from the last launch of the same start before it."""
+def _launch(e: ev.StartPhases, launches: list[ev.JobStart]) -> ev.JobStart | None:
+    """The last launch of the same start before this worker's birth."""
     same = [j for j in launches if (j.job_id, j.restart) == (e.job_id, e.restart)
             and j.t <= e.t0 + SPAWN_SLACK_S]
-    if not same or not e.t0:
-        return None
-    return round(max(0.0, e.t0 - same[-1].t), 4)
+    return same[-1] if same and e.t0 else None
+
+
+def _spawn(e: ev.StartPhases, launches: list[ev.JobStart]) -> float | None:
+    """job_start -> this worker's birth."""
+    j = _launch(e, launches)
+    return None if j is None else round(max(0.0, e.t0 - j.t), 4)
 
 
 def table(e: ev.StartPhases, launches: Iterable[ev.JobStart] = ()) -> StartTable:
@@ -64,10 +70,12 @@ def table(e: ev.StartPhases, launches: Iterable[ev.JobStart] = ()) -> StartTable
     phases = {k: float(v) for k, v in e.phases.items() if _number(v)}
     rows = [(n, round(phases[n], 4)) for n in PHASES if n in phases]
     rows += [(n, round(s, 4)) for n, s in phases.items() if n not in PHASES]
-    spawn = _spawn(e, list(launches))
+    launches = list(launches)
+    spawn, j = _spawn(e, launches), _launch(e, launches)
     if spawn is not None:
         rows.insert(0, ("spawn", spawn))
-    return StartTable(job_id=e.job_id, restart=e.restart, step=e.step, generation=e.generation, rows=rows)
+    return StartTable(job_id=e.job_id, restart=e.restart, step=e.step, generation=e.generation, rows=rows,
+                      warm=j is not None and j.mode == "warm")
 
 
 def tables(run_events: Iterable[ev.Event]) -> list[StartTable]:
@@ -99,7 +107,7 @@ def format_table(starts: list[StartTable]) -> str:
     names = [n for n in ORDER if any(s.seconds(n) is not None for s in starts)]
     names += [n for s in starts for n, _ in s.rows if n not in names and n not in ORDER]
     heads = [f"start {s.restart if s.restart is not None else '?'}{' (cold)' if s.cold else ''}"
-             for s in starts]
+             f"{' (warm)' if s.warm else ''}" for s in starts]
     lines = [f"{'phase':<17}" + "".join(f"{h:>16}" for h in heads)]
     for n in names:
         cells = [s.seconds(n) for s in starts]

@@ -54,6 +54,17 @@ class Step:
     facts_dir: Path
     grad_accum: int | None = None
     """set after a shrink: the trainer gets `--set train.grad_accum=N`"""
+    warm: bool = False
+    """the launchers ask their nodes' warm pools for the workers (dslurm/launch/warm.py)"""
+
+
+class Pools(Protocol):
+    """The warm pools of the allocation's nodes (recovery.warm)."""
+
+    def ready(self, hosts: Sequence[str]) -> bool: ...
+    def tick(self, step_over: bool) -> None:
+        """Called about once a second while a step runs, and once when it ended (`step_over`)."""
+        ...
 
 
 class Runner(Protocol):
@@ -72,8 +83,9 @@ class Runner(Protocol):
 
 
 class Supervisor:
-    def __init__(self, r: Resolved, runner: Runner, env: Mapping[str, str], alloc: Sequence[str]) -> None:
-        self.r, self.runner, self.env = r, runner, dict(env)
+    def __init__(self, r: Resolved, runner: Runner, env: Mapping[str, str], alloc: Sequence[str],
+                 pools: Pools | None = None) -> None:
+        self.r, self.runner, self.env, self.pools = r, runner, dict(env), pools
         self.run_dir = r.run_dir
         self.job_id = env.get("SLURM_JOB_ID", "")
         self.restart = int(env.get("SLURM_RESTART_COUNT") or 0)
@@ -116,13 +128,19 @@ class Supervisor:
 
         acct = _Accounting(self.env)
         nodes = initial_nodes(self.alloc, self.r.nnodes, read_blocklist(self.run_dir))
-        index, accum = 0, None
+        index, accum, warm = 0, None, False
         while True:
             d = self.facts_dir = self.step_dir(index)
-            log.info("dslurm supervise: step %d on %s", index, ",".join(nodes.training))
-            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum),
-                                 self._abandon_when_lost(d, nodes.training))
+            # Warm only after a failure (the first step is the cold start), never twice in a row after
+            # a failed warm step (a failure during a warm restart falls back to the cold path), and
+            # only when every training node's pool serves.
+            warm = self.pools is not None and index > 0 and not warm and self.pools.ready(nodes.training)
+            log.info("dslurm supervise: step %d on %s%s", index, ",".join(nodes.training), " (warm)" if warm else "")
+            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum, warm=warm),
+                                 self._ticking(self._abandon_when_lost(d, nodes.training)))
             t_end = time.time()
+            if self.pools is not None:
+                self.pools.tick(step_over=True)
             view = self._view_after(d, nodes.training)
             ending = E.classify(read_start(d), view, rc)
             if self.stopping or ending.cls not in E.FAILURES:
@@ -136,6 +154,14 @@ class Supervisor:
             accum = shrunk if shrunk is not None else accum
             self._record(d, ending, rc, plan, nodes, index + 1, accum, failed_at(read_start(d), t_end))
             nodes, index = plan.nodes, index + 1
+
+    def _ticking(self, abandon: Callable[[], bool]) -> Callable[[], bool]:
+        """`abandon`, which also lets the warm pools act once a second while a step runs."""
+        def tick() -> bool:
+            if self.pools is not None:
+                self.pools.tick(step_over=False)
+            return abandon()
+        return tick
 
     def _abandon_when_lost(self, d: Path, hosts: Sequence[str]) -> Callable[[], bool]:
         """The `abandon` of one step: true once a launcher reported a failure `grace_s` ago, some
@@ -203,7 +229,9 @@ class Supervisor:
 
         down = (*view.down_nodes, *sorted(self.unanswered))  # the view the ending was read from
         bad = nodes_at_fault(ending, nodes.training, down=down, blocklist=read_blocklist(self.run_dir))
-        spares_down = self.runner.view(nodes.spares).down_nodes if nodes.spares else ()
+        # Only a swap needs the spares' state (sacct + sinfo: ~0.4 s here, on every recovery's path);
+        # a down spare stays listed until then, and is skipped then.
+        spares_down = self.runner.view(nodes.spares).down_nodes if nodes.spares and bad else ()
         plan = plan_recovery(nodes, bad, wanted=self.r.nnodes, on_exhausted=self.r.job.on_spares_exhausted,
                              spares_down=spares_down)
         if bad:
@@ -286,9 +314,11 @@ class SrunRunner:
 
     def run(self, step: Step, abandon: Callable[[], bool]) -> int:
         from dslurm.launch.slurm_env import STEP_INDEX_ENV
+        from dslurm.launch.warm import WARM_ENV
         from dslurm.requeue.facts import ENV
 
-        env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index)}
+        env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index),
+               WARM_ENV: "1" if step.warm else "0"}
         self.proc = proc = subprocess.Popen(self.argv(step), env=env)
         try:
             while True:
@@ -378,6 +408,76 @@ def _listens(addr: str, port: int, timeout_s: float) -> bool:
 PROBE_ARGV = ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--quiet", "true")
 
 
+class WarmPools:
+    """One warm pool per allocated node (training nodes and spares), each a background job step
+    (`srun --overlap -N1 -w HOST python -m dslurm.launch.warm`) for the rest of the job. A pool
+    counts as serving while its srun runs and its ready file exists (it writes it once it listens).
+
+    The pools start once the first job step has trained its first step (rank 0's start_phases
+    event), or when that step ends: their imports (~5 CPU-s each) would otherwise compete with the
+    cold start's own (seen here: the cold start 6.3 s -> 9.3 s with two pools importing beside it)."""
+
+    def __init__(self, r: Resolved, cmd: Sequence[str], env: Mapping[str, str], alloc: Sequence[str]) -> None:
+        from dslurm.launch.warm import entry_module
+
+        self.r, self.env, self.alloc = r, dict(env), list(alloc)
+        self.job_id = self.env.get("SLURM_JOB_ID", "")
+        self.train_cmd = list(cmd)[len(cmd) - list(reversed(cmd)).index("--"):] if "--" in cmd else []
+        self.module = entry_module(self.train_cmd)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.started = False
+
+    def tick(self, step_over: bool) -> None:
+        if self.started:
+            return
+        if step_over or any(isinstance(e, ev.StartPhases) for e in ev.read(self.r.run_dir)):
+            self.start()
+
+    def argv(self, host: str) -> list[str]:
+        """The pool step on `host`. Pure."""
+        from dslurm.launch.warm import ready_path
+
+        return ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--quiet",
+                self.train_cmd[0], "-m", "dslurm.launch.warm", "--job", self.job_id, "--host", host,
+                "--module", str(self.module), "--ready", str(ready_path(self.r.run_dir, self.job_id, host))]
+
+    def start(self) -> None:
+        from dslurm.render.container import srun_container_flags
+
+        self.started = True
+        if self.module is None:
+            log.error("dslurm supervise: recovery.warm needs a `python -m MODULE` entry (got %s); every step "
+                      "starts cold", self.train_cmd[:3])
+            return
+        if srun_container_flags(self.r):  # each step its own container: the socket may not be shared
+            log.error("dslurm supervise: recovery.warm is not supported with a container runtime yet; every "
+                      "step starts cold")
+            return
+        env = {k: v for k, v in self.env.items() if not k.startswith("SLURM_STEP")}
+        for host in self.alloc:
+            self.procs[host] = subprocess.Popen(self.argv(host), env=env, stdin=subprocess.DEVNULL)
+
+    def ready(self, hosts: Sequence[str]) -> bool:
+        from dslurm.launch.warm import ready_path
+
+        missing = [h for h in hosts if h not in self.procs or self.procs[h].poll() is not None
+                   or not ready_path(self.r.run_dir, self.job_id, h).exists()]
+        if missing:
+            log.warning("dslurm supervise: no warm pool serving on %s: this step starts cold", ",".join(missing))
+        return not missing
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     """Inside the batch script: the frozen config of the run, the allocation's nodes, the loop."""
     from dslurm.config.resolve import load
@@ -390,7 +490,8 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     r = load(run_dir / "site.yaml", run_dir / "job.yaml")
     alloc = expand_hosts(env.get("SLURM_JOB_NODELIST", ""))
     runner = SrunRunner(r, cmd, env)
-    sup = Supervisor(r, runner, env, alloc)
+    pools = WarmPools(r, cmd, env, alloc) if r.job.recovery.warm else None
+    sup = Supervisor(r, runner, env, alloc, pools)
 
     def handler(signum: int, _frame: object) -> None:
         sup.on_signal(signal.Signals(signum).name.removeprefix("SIG"))
@@ -398,7 +499,11 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
 
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, handler)
-    return sup.loop()
+    try:
+        return sup.loop()
+    finally:
+        if pools is not None:
+            pools.stop()
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,105 @@
+"""The warm pool (dslurm/launch/warm.py) for real, without torch: a pool process that preloads
+nothing forks stand-in workers (a tiny `python -m` module). Each worker is a fresh process with one
+thread, its own session, the rank's environment and the launcher's stdout; the pool reports each
+exit code; and when the launcher's connection closes, workers that ignore TERM or are stopped
+are SIGKILLed and reaped before the pool starts the next attempt's workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dslurm.launch import warm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORKER = """\
+import json, os, signal, sys, time
+out = os.environ["OUT"]
+rank = int(os.environ["RANK"])
+mode = sys.argv[1]
+rec = dict(pid=os.getpid(), rank=rank, local=os.environ["LOCAL_RANK"], world=os.environ["WORLD_SIZE"],
+           tasks=len(os.listdir("/proc/self/task")), sid=os.getsid(0), argv=sys.argv[1:], born=time.time())
+with open(f"{out}/{mode}.{rank}.json", "w") as fh:
+    json.dump(rec, fh)
+print(f"hello from rank {rank}", flush=True)
+if mode == "hang":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+sys.exit(3 if rank == 1 else 0)
+"""
+
+
+@pytest.fixture
+def pool(tmp_path):
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "warm_stub.py").write_text(WORKER)
+    sock, ready = tmp_path / "pool.sock", tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'mods'}:{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-m", "dslurm.launch.warm", "--job", "1", "--host", "h",
+                             "--socket", str(sock), "--base", "", "--ready", str(ready)], env=env, cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the pool did not come up"
+        time.sleep(0.05)
+    yield sock
+    proc.terminate()
+    proc.wait(10)
+
+
+def _envs(out: Path, n: int = 2) -> list[dict[str, str]]:
+    return warm.worker_envs({"OUT": str(out), "PATH": os.environ["PATH"]}, n, node_rank=0, world=n)
+
+
+def test_warm_pool_forks_fresh_workers_and_reports_their_codes(pool, tmp_path, capfd):
+    att = warm.Attempt(pool, [sys.executable, "-m", "warm_stub", "ok"], _envs(tmp_path), str(tmp_path))
+    assert att.tasks >= 1 and len(att.pids) == 2
+    codes = att.wait(lambda lr: None)
+    assert codes == {0: 0, 1: 3}
+    recs = [json.loads((tmp_path / f"ok.{r}.json").read_text()) for r in (0, 1)]
+    assert [r["pid"] for r in recs] == att.pids
+    assert all(r["tasks"] == 1 and r["sid"] == r["pid"] for r in recs)  # one thread, own session
+    assert [(r["rank"], r["local"], r["world"], r["argv"]) for r in recs] == [
+        (0, "0", "2", ["ok"]), (1, "1", "2", ["ok"])]
+    assert "hello from rank 1" in capfd.readouterr().out  # the launcher's stdout, passed by SCM_RIGHTS
+
+
+def test_warm_pool_kills_a_hung_attempt_before_the_next_starts(pool, tmp_path):
+    """Rank 0 ignores TERM, rank 1 is stopped (SIGSTOP): the launcher goes away (its connection
+    closes, as when srun kills it -9); the pool SIGKILLs and reaps both before the next
+    attempt's workers are born."""
+    old = warm.Attempt(pool, [sys.executable, "-m", "warm_stub", "hang"], _envs(tmp_path), str(tmp_path))
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f"hang.{r}.json").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(old.pids[0], signal.SIGTERM)  # ignored
+    os.kill(old.pids[1], signal.SIGSTOP)
+    time.sleep(0.3)
+    assert all(Path(f"/proc/{p}").exists() for p in old.pids)
+    old.sock.close()  # the launcher is gone
+    new = warm.Attempt(pool, [sys.executable, "-m", "warm_stub", "ok"], _envs(tmp_path), str(tmp_path))
+    assert not any(Path(f"/proc/{p}").exists() for p in old.pids)  # killed and reaped, not zombies
+    assert new.wait(lambda lr: None) == {0: 0, 1: 3}
+
+
+def test_warm_pool_unavailable_is_reported_not_raised_elsewhere(tmp_path):
+    with pytest.raises(warm.PoolUnavailable):
+        warm.Attempt(tmp_path / "missing.sock", [sys.executable, "-m", "x"], _envs(tmp_path), str(tmp_path))
+
+
+def test_warm_worker_envs_number_ranks_like_torchrun():
+    envs = warm.worker_envs({"A": "1"}, 2, node_rank=1, world=6)
+    assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("2", "0", "1", "6", "2"), ("3", "1", "1", "6", "2")]
+    assert warm.entry_module(["python", "-m", "train", "--site", "s"]) == "train"
+    assert warm.entry_module(["my_train.py"]) is None
+    assert len(str(warm.socket_path("123456789", "node-with-a-long-name-0001", "/tmp"))) < 100

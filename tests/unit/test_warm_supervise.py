@@ -1,0 +1,86 @@
+"""Which steps `dslurm supervise` offers the warm pools (recovery.warm): never the first (the cold
+start), every step after a failure whose nodes' pools all serve, and never the step right after a
+failed warm step (a failure during a warm restart falls back to the cold path). Without pools,
+nothing changes. The loop is the real one against test_supervise's fake cluster."""
+
+from __future__ import annotations
+
+import test_supervise as ts
+
+from dslurm import exitcodes as X
+from dslurm.recover.supervise import SrunRunner, Step
+
+make = ts.make  # the fixture: a Supervisor over the fake cluster
+crashes, completes = ts.crashes, ts.completes
+
+
+class FakePools:
+    def __init__(self, serving: set[str]) -> None:
+        self.serving = serving
+
+        self.ticks: list[bool] = []
+
+    def ready(self, hosts) -> bool:
+        return all(h in self.serving for h in hosts)
+
+    def tick(self, step_over: bool) -> None:
+        self.ticks.append(step_over)
+
+
+def test_warm_steps_follow_failures_and_a_failed_warm_step_falls_back_cold(make):
+    sup, c, _run = make([crashes, crashes, crashes, completes])
+    sup.pools = FakePools({"node1", "node2", "node3"})
+    assert sup.loop() == X.OK
+    assert [s.warm for s in c.steps] == [False, True, False, True]
+    assert sup.pools.ticks == [True] * 4  # once after each step (the fake's steps take no time)
+
+
+def test_warm_needs_every_training_node_serving(make):
+    sup, c, _run = make([crashes, completes])
+    sup.pools = FakePools({"node1"})
+    assert sup.loop() == X.OK
+    assert [s.warm for s in c.steps] == [False, False]
+
+
+def test_without_pools_every_step_is_cold(make):
+    sup, c, _run = make([crashes, completes])
+    assert sup.pools is None and sup.loop() == X.OK
+    assert [s.warm for s in c.steps] == [False, False]
+
+
+def test_warm_step_env_tells_the_launchers(make, tmp_path, monkeypatch):
+    sup, _c, _run = make([completes])
+    seen = []
+
+    class Proc:
+        def __init__(self, argv, env):
+            seen.append(env["DSLURM_WARM"])
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr("subprocess.Popen", Proc)
+    runner = SrunRunner(sup.r, ["dslurm", "launch"], {})
+    for warm in (True, False):
+        runner.run(Step(index=1, hosts=("node1",), facts_dir=tmp_path, warm=warm), lambda: False)
+    assert seen == ["1", "0"]
+
+
+def test_warm_pools_start_after_the_first_step_and_run_on_every_allocated_node(make, monkeypatch):
+    from dslurm.observe import events as ev
+    from dslurm.observe.ledger import Ledger
+    from dslurm.recover.supervise import WarmPools
+
+    sup, _c, run = make([completes])
+    cmd = ["python", "-m", "dslurm", "launch", "--", "python", "-m", "train", "--site", "s"]
+    pools = WarmPools(sup.r, cmd, {"SLURM_JOB_ID": "4242"}, ["node1", "node2", "node3"])
+    started = []
+    monkeypatch.setattr("subprocess.Popen", lambda argv, **kw: started.append(argv))
+    pools.tick(step_over=False)
+    assert started == []  # the cold start has not trained yet: its imports keep the CPUs
+    Ledger(run).append(ev.StartPhases(t0=1.0, phases={"imports": 1.0}, total_s=1.0))
+    pools.tick(step_over=False)
+    assert [a[a.index("--host") + 1] for a in started] == ["node1", "node2", "node3"]
+    assert all(a[:2] == ["srun", "--overlap"] and a[a.index("--module") + 1] == "train" for a in started)
+    pools.tick(step_over=True)
+    assert len(started) == 3
