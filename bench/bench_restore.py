@@ -22,14 +22,12 @@ Ratios are taken per repetition, then the median: restore / raw (goal: near 1), 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -37,42 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dslurm import checkpoint as ck  # noqa: E402
 from dslurm.checkpoint.dcp import CheckpointManager  # noqa: E402
 
-_CHUNK = 8 << 20
-
-
-def make_model(mb: int) -> nn.Module:
-    width = 4096
-    layers = max(1, round(mb * 1e6 / (width * width * 4)))
-    with torch.no_grad():
-        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-        for p in model.parameters():  # random bytes: nothing compresses, nothing is all zeros
-            p.normal_()
-    return model
-
-
-def files_of(gen: Path) -> list[Path]:
-    return sorted(p for p in gen.rglob("*") if p.is_file())
-
-
-def evict(gen: Path) -> None:
-    """Drop the generation's pages from the page cache (clean pages only: hence os.sync first)."""
-    os.sync()
-    for p in files_of(gen):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def raw_read(gen: Path) -> float:
-    buf = bytearray(_CHUNK)
-    t = time.perf_counter()
-    for p in files_of(gen):
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-    return time.perf_counter() - t
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_checkpoint import evict, files_of, make_model, raw_read  # noqa: E402
 
 
 def mgr_restore(run: Path, model: nn.Module, mode: str) -> float:

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -152,22 +152,43 @@ class _Comm:
         return out
 
 
-def nonfinite_keys(sd: Any, prefix: str = "") -> list[str]:
+def floating_tensors(sd: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(key, this rank's part) of every floating tensor in a (nested) state dict; DTensors by
+    their local shard."""
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out += floating_tensors(v, f"{prefix}{k}.")
+    elif isinstance(sd, (list, tuple)):
+        for i, v in enumerate(sd):
+            out += floating_tensors(v, f"{prefix}{i}.")
+    elif isinstance(sd, torch.Tensor) and sd.is_floating_point():
+        local = sd.to_local() if hasattr(sd, "to_local") else sd
+        if local.numel():
+            out.append((prefix.rstrip("."), local))
+    return out
+
+
+def nonfinite_keys(sd: Any) -> list[str]:
     """Keys of floating tensors in a (nested) state dict holding NaN/inf in this rank's part.
     A generation with non-finite parameters or optimizer state is never committed: resuming
     from it would only reproduce the divergence, and retention would delete the good ones."""
-    out: list[str] = []
-    if isinstance(sd, dict):
-        for k, v in sd.items():
-            out += nonfinite_keys(v, f"{prefix}{k}.")
-    elif isinstance(sd, (list, tuple)):
-        for i, v in enumerate(sd):
-            out += nonfinite_keys(v, f"{prefix}{i}.")
-    elif isinstance(sd, torch.Tensor) and sd.is_floating_point():
-        local = sd.to_local() if hasattr(sd, "to_local") else sd
-        if local.numel() and not bool(torch.isfinite(local).all()):
-            out.append(prefix.rstrip("."))
-    return out
+    return [key for key, t in floating_tensors(sd) if not _all_finite(t)]
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite. A finite sum proves it (a NaN or an inf anywhere makes the
+    sum NaN or inf) in one pass that allocates nothing, ~6x faster than `isfinite(t).all()` on a
+    stop save's critical path; only a non-finite sum, which large finite values can also give by
+    overflowing, is settled element by element. 16-bit types sum in fp32 (no overflow at any
+    realistic size)."""
+    try:
+        total = t.sum(dtype=torch.float32 if t.element_size() < 4 else t.dtype)
+        if bool(torch.isfinite(total)):
+            return True
+    except (RuntimeError, TypeError):  # a dtype sum does not support (fp8): the exact check
+        pass
+    return bool(torch.isfinite(t).all())
 
 
 def failure_hint(reason: str, run_dir: Path) -> str:
@@ -195,23 +216,60 @@ def _write_reason(exc: BaseException, path: Path) -> str:
     return f"{full}; {reason}" if full and "No space left" not in reason else reason
 
 
+_SIDE: list[ThreadPoolExecutor] = []
+
+
 def prepare_generation(gen: Path, job: _Job, sd: dict[str, Any], rank: int, world: int, *,
-                       leader: bool) -> str | None:
-    """A rank's part of a generation before the shards: its RNG record, the metadata (leader),
-    and the refusal of non-finite state. -> the error, or None. Shared by both tiers."""
+                       leader: bool) -> tuple[str | None, Future[str | None]]:
+    """A rank's part of a generation besides its shards: the directory now; its rank file (RNG,
+    per-rank state), the metadata (leader) and the refusal of non-finite state on a helper thread,
+    *while* DCP writes the shards: the finiteness check is a pass over the whole state and the
+    small files are each fsync'd, and neither need delay the shards of a stop's save. Nothing
+    commits before the future's result, an error or None, is in. -> (error now, the rest).
+    Shared by both tiers; callers wait for the future whatever happens (no thread left writing
+    into a generation being removed)."""
     try:
         (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
         faults.ckpt_kill("before_write", rank, job.nth)
+        tensors = floating_tensors(sd)  # listed here: DCP may rebuild the dicts meanwhile
+    except Exception as exc:
+        failed: Future[str | None] = Future()
+        failed.set_result(_write_reason(exc, gen))
+        return failed.result(), failed
+    if not _SIDE:
+        _SIDE.append(ThreadPoolExecutor(2, thread_name_prefix="dslurm-ckpt-prep"))
+    return None, _SIDE[0].submit(_prepare_rest, gen, job, tensors, rank, world, leader)
+
+
+def _prepare_rest(gen: Path, job: _Job, tensors: list[tuple[str, torch.Tensor]], rank: int, world: int,
+                  leader: bool) -> str | None:
+    try:
         ck.atomic_write_json(gen / ck.RANKS / f"rank-{rank:05d}.json",
                              {"rank": rank, "world_size": world, "rng": job.rng, "state": job.state})
         if leader:
             ck.atomic_write_json(gen / ck.META, job.meta)
-        bad = nonfinite_keys(sd)
+        bad = [key for key, t in tensors if not _all_finite(t)]
         if bad:
             return f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
     except Exception as exc:
         return _write_reason(exc, gen)
     return None
+
+
+def _own_sums(gen: Path, rank: int, streamed: dict[str, Any]) -> dict[str, Any]:
+    """This rank's files of a generation with size and crc32: its shards' as streamed; anything
+    not streamed (its small JSON, a file DCP wrote another way) read back."""
+    own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{rank}_")]
+    sums = {n: streamed[n] for n in own if n in streamed}
+    sums.update(ck.checksum_files(gen, [n for n in own if n not in streamed] + [f"{ck.RANKS}/rank-{rank:05d}.json"]))
+    return sums
+
+
+def _reap(run_dir: Path) -> None:
+    """Delete the trash of run_dir on a thread of its own. Unlinking a generation's shards takes
+    ~0.2 s per GB here, after the pointer moved: nothing a stop's save need wait for. A process
+    that exits first leaves the trash to the next collection (collect_garbage empties it)."""
+    threading.Thread(target=ck.empty_trash, args=(run_dir,), name="dslurm-ckpt-reap", daemon=True).start()
 
 
 def _to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
@@ -512,7 +570,7 @@ class CheckpointManager:
     def _write(self, job: _Job, sd: dict[str, Any], comm: _Comm) -> SaveOutcome:
         gen, r = self.gdir / job.name, comm.rank
         # local preparation; gathered before DCP so that no rank waits in a collective alone
-        err = prepare_generation(gen, job, sd, r, comm.world, leader=r == 0)
+        err, rest = prepare_generation(gen, job, sd, r, comm.world, leader=r == 0)
         sums: dict[str, Any] = {}
         job.phases["prep"] = time.perf_counter() - job.t0
         if not any(comm.gather(err)):
@@ -521,15 +579,14 @@ class CheckpointManager:
                 dcp.save(sd, storage_writer=writer, process_group=comm.group,
                          no_dist=comm.group is None)
                 job.phases["dcp"] = time.perf_counter() - job.t0
-                faults.ckpt_kill("after_write", r, job.nth)
-                own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
-                sums = {n: streamed[n] for n in own if n in streamed}
-                # Anything not streamed (small JSON, a file DCP wrote another way) is read back.
-                sums.update(ck.checksum_files(gen, [n for n in own if n not in streamed]
-                                              + [f"{ck.RANKS}/rank-{r:05d}.json"]))
-                job.phases["crc32"] = time.perf_counter() - job.t0
+                err = rest.result()
+                if err is None:
+                    faults.ckpt_kill("after_write", r, job.nth)
+                    sums = _own_sums(gen, r, streamed)
+                    job.phases["crc32"] = time.perf_counter() - job.t0
             except (Exception, CheckpointException) as exc:  # the latter is a BaseException
                 err = _write_reason(exc, gen)
+        err = err or rest.result()
         results = comm.gather((err, sums))
         verdict = self._commit(gen, job, results) if r == 0 else None
         ok, reason, nbytes = comm.bcast(verdict)
@@ -548,9 +605,9 @@ class CheckpointManager:
             rest = [str(p.relative_to(gen)) for p in gen.rglob("*")
                     if p.is_file() and str(p.relative_to(gen)) not in files]
             files.update(ck.checksum_files(gen, rest))
-            ck.write_manifest(gen, job.step, files)
-            for d in (gen / ck.RANKS, gen, self.gdir):
-                ck.fsync_dir(d)
+            ck.fsync_dir(gen / ck.RANKS)  # the rank files' names (copied ones too) before the manifest
+            ck.write_manifest(gen, job.step, files)  # atomic: its fsync of gen covers every name in gen
+            ck.fsync_dir(self.gdir)
             job.phases["manifest"] = time.perf_counter() - job.t0
             problems = ck.verify_generation(gen, full=False) + restore_test(gen, files, _reason)
             job.phases["verify"] = time.perf_counter() - job.t0
@@ -563,8 +620,9 @@ class CheckpointManager:
             if gen.exists():  # every rank is past its writes: free the space (ENOSPC) now
                 ck.remove_generation(self.run_dir, job.name)
             return False, _reason(exc), 0
-        try:
-            ck.collect_garbage(self.run_dir, self.keep, self.keep_every, in_flight={job.name})
+        try:  # the old generations leave at once; their bytes are deleted off the save's path
+            ck.collect_garbage(self.run_dir, self.keep, self.keep_every, in_flight={job.name}, reap=False)
+            _reap(self.run_dir)
         except Exception as exc:  # pruning must never turn a committed save into a failure
             log.warning("checkpoint gc in %s failed: %s", self.run_dir, _reason(exc))
         return True, "", sum(f["size"] for f in files.values())

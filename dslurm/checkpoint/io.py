@@ -10,11 +10,15 @@ manifest exists. A torn or short file (a write that did not land whole) is caugh
 the size check against the manifest (`verify_generation(full=False)`); altered bytes on the
 medium (bit rot, a lost write) are caught at restore, where the crc32 is computed over the bytes
 DCP reads anyway (`CrcReader`, `dslurm.checkpoint.coverage`), and by `dslurm ckpt verify`.
+
+Both sums ride on the I/O: a large write or read is summed on a helper thread while the kernel
+copies it (zlib releases the GIL), and a restore reads each stored tensor's bytes straight into
+the tensor being restored (`CrcReader`), so a save and a restore cost about what the disk costs
+(docs/checkpoint.md, "Benchmark").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import threading
@@ -24,13 +28,42 @@ from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from dslurm.checkpoint.coverage import RangeSums
+
+_BIG = 1 << 20  # writes and items at least this large are summed on a helper thread (items: read
+#                 straight into the tensor, not via bytes)
+_PIECE = 8 << 20  # read size of a large item's pieces, each summed while the next is read
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    if not _POOL:  # helper threads for crc32, made on first use (saves and restores)
+        _POOL.append(ThreadPoolExecutor(2, thread_name_prefix="dslurm-crc32"))
+    return _POOL[0]
+
+
+@contextmanager
+def _no_zip_crc32() -> Generator[None, None, None]:
+    """torch.save computes a crc32 of every zip record it writes, a second pass over the same bytes
+    (torch.save of a 67 MB tensor here: 0.044 s with it, 0.030 s without). The manifest's crc32
+    already covers every byte of the file and torch.load never checks the zip's, so dslurm's write
+    streams turn it off while they are open.
+    torch keeps the setting per thread (torch 2.13 `_config_module`: ContextVar), and DCP opens
+    each stream on the thread that writes it, so nothing else in the process is affected."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 class _CrcStream(io.RawIOBase):
@@ -47,10 +80,17 @@ class _CrcStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        n = self.raw.write(view)
+        # A tensor's bytes (one large write) are summed on a helper thread while the kernel copies
+        # them into the file: zlib and the write both release the GIL, so the sum costs no time
+        # on the save's path. The buffer is the caller's: the sum is done before returning.
+        summing = _crc_pool().submit(zlib.crc32, view, self.crc) if len(view) >= _BIG else None
+        try:
+            n = self.raw.write(view)
+        finally:
+            crc = summing.result() if summing is not None else zlib.crc32(view, self.crc)
         if n != len(view):  # BufferedWriter writes all or raises; anything else is a torn write
             raise OSError(f"short write to {self.raw.name}: {n} of {len(view)} bytes")
-        self.crc = zlib.crc32(view, self.crc)  # zlib releases the GIL on large buffers
+        self.crc = crc
         self.size += n
         return n
 
@@ -87,7 +127,8 @@ class CrcFileSystem(FileSystem):
         path = Path(path)
         stream = _CrcStream(path.open("wb"))
         try:
-            yield stream
+            with _no_zip_crc32():
+                yield stream
         finally:
             stream.close()
         # Recorded only after the body finished without raising: a file whose write failed
@@ -108,17 +149,6 @@ def crc_writer(gen: Path, io_threads: int) -> tuple[dcp.FileSystemWriter, dict[s
     fs = CrcFileSystem()
     writer.fs = fs  # write_data/finish go through self.fs (torch 2.13 filesystem.py)
     return writer, fs.sums
-
-
-_BIG = 1 << 20  # items at least this large are read straight into the tensor, not via bytes
-_PIECE = 4 << 20  # read size of a large item's pieces, each summed while the next is read
-_POOL: list[ThreadPoolExecutor] = []
-
-
-def _crc_pool() -> ThreadPoolExecutor:
-    if not _POOL:  # one helper thread per process, made on first use (restore only)
-        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="dslurm-crc32"))
-    return _POOL[0]
 
 
 class Pace:
@@ -221,67 +251,145 @@ class _CrcView(io.RawIOBase):
         self.sums.record(self.name, self.start, self.end, self.crc)
 
 
-class _FinishingFS(FileSystem):
-    """DCP's local FileSystem whose read streams, before closing, let the reader finish the
-    last item read from them (its crc32 needs the bytes after torch's last read)."""
-
-    def __init__(self, reader: CrcReader) -> None:
-        super().__init__()
-        self.reader = reader
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-        with super().create_stream(path, mode) as stream:
-            yield stream
-            self.reader.finish_pending()  # not reached when the body raised: a gap, read later
-
-
 class CrcReader(dcp.FileSystemReader):
     """A FileSystemReader that checksums what it reads, into `sums` (per file, runs of
-    contiguous items; dslurm.checkpoint.coverage). Items are read in file order, so a rank that
-    reads a whole file ends with one run whose crc32 is the file's. Small items are read whole
-    into memory (one read, summed, served from there); large ones through _CrcView, straight
-    into the tensor. Which files and items get read stays DCP's decision (its load plan); the
-    manager rebuilds whole-file crc32s from every rank's runs and reads only what nobody read.
+    contiguous items; dslurm.checkpoint.coverage), and reads each stored tensor's bytes straight
+    into the tensor being restored. Items are read in file order, so a rank that reads a whole
+    file ends with one run whose crc32 is the file's. Small items are read whole into memory
+    (one read, summed, served from there); large ones through _CrcView. Which files and items
+    get read stays DCP's decision (its load plan); the manager rebuilds whole-file crc32s from
+    every rank's runs and reads only what nobody read.
 
-    Hooks torch 2.13's `FileSystemReader._slice_file` and `.fs` (filesystem.py). Were a torch
-    version to stop calling them, nothing would be recorded, every shard would be a gap, and the
-    manager would read it once more: slower, never unchecked (tests/integration/
-    test_checkpoint_local.py `test_restore_reads_each_shard_file_once` would fail)."""
+    Why its own `read_data`: DCP's (torch 2.13 filesystem.py) unpickles every item into a new
+    storage and copies that into the model, so each restored byte was faulted into fresh memory,
+    then copied: CPU-bound at a fraction of the disk's speed (docs/checkpoint.md). Here a large
+    item's zip records are parsed first (`torch.load(map_location="meta")`: shape, dtype and the
+    data's offset, no data) and, when the request takes the whole stored tensor into a contiguous
+    CPU tensor of the same dtype, its bytes are read into that tensor's memory and summed there;
+    anything else (another layout's slice, a GPU or other-dtype destination, a torch version
+    without the offset) goes the way DCP goes, through the same checksummed view. Were a torch
+    version to stop calling `read_data`, nothing would be recorded, every shard would be a gap,
+    and the manager would read it once more: slower, never unchecked
+    (tests/integration/test_checkpoint_local.py `test_restore_reads_each_shard_file_once`)."""
 
     def __init__(self, path: str | os.PathLike[str], mbps: float = 0.0) -> None:
         super().__init__(path)
         self.sums = RangeSums()
         self.pace = Pace(mbps)
-        self.fs = _FinishingFS(self)
-        self._pending: _CrcView | None = None
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        # DCP groups a plan's items by file, in plan order; sorting by offset makes each file's
-        # reads sequential (its own "TODO sort by offset") and lets the crc32 run on.
+    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
+        # Sorted by file, then offset: each file's reads are sequential (DCP's own "TODO sort by
+        # offset") and its crc32 runs on from one item to the next.
         where = self.storage_data
-        items = sorted(plan.items, key=lambda it: (where[it.storage_index].relative_path,
-                                                   where[it.storage_index].offset))
-        return super().read_data(dataclasses.replace(plan, items=items), planner)
+        per_file: dict[str, list[Any]] = {}
+        for req in sorted(plan.items, key=lambda it: (where[it.storage_index].relative_path,
+                                                      where[it.storage_index].offset)):
+            per_file.setdefault(where[req.storage_index].relative_path, []).append(req)
+        for name, reqs in per_file.items():
+            with open(self.fs.concat_path(self.path, name), "rb") as f:
+                for req in reqs:
+                    _prefetch_records(f, where[req.storage_index].offset, where[req.storage_index].length)
+                for req in reqs:
+                    self._read_item(f, req, planner)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
 
-    def finish_pending(self) -> None:
-        view, self._pending = self._pending, None
-        if view is not None:
-            view.finish()
-
-    def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        self.finish_pending()  # the previous item of this file: torch is done with it
+    def _read_item(self, f: Any, req: Any, planner: Any) -> None:
+        """One request: checksummed; finished (the rest of its bytes summed) only when it was
+        read without error, else its bytes stay a gap that the manager reads again."""
+        sinfo = self.storage_data[req.storage_index]
         name, start, length = sinfo.relative_path, sinfo.offset, sinfo.length
         if self.sums.covered(name, start, start + length) or length < _BIG:
-            file.seek(start)
-            data = file.read(length)
-            self.pace.took(len(data))
-            if len(data) != length:
-                raise OSError(f"{file.name}: {len(data)} bytes at {start}, expected {length} (truncated?)")
-            self.sums.add(name, start, data)
-            return io.BytesIO(data)
-        self._pending = _CrcView(file, name, start, length, self.sums, self.pace)
-        return self._pending
+            self._serve(self._small(f, name, start, length), req, planner, sinfo)
+            return
+        view = _CrcView(f, name, start, length, self.sums, self.pace)
+        plain = not sinfo.transform_descriptors and req.type != LoadItemType.BYTE_IO
+        if not (plain and _read_direct(view, req, planner)):
+            view.seek(0)
+            self._serve(view, req, planner, sinfo)
+        view.finish()
+
+    def _small(self, f: Any, name: str, start: int, length: int) -> io.BytesIO:
+        f.seek(start)
+        data = f.read(length)
+        self.pace.took(len(data))
+        if len(data) != length:
+            raise OSError(f"{f.name}: {len(data)} bytes at {start}, expected {length} (truncated?)")
+        self.sums.add(name, start, data)
+        return io.BytesIO(data)
+
+    def _serve(self, stream: Any, req: Any, planner: Any, sinfo: Any) -> None:
+        """DCP's own handling of one item (FileSystemReader.read_data, torch 2.13)."""
+        stream = self.transforms.transform_load_stream(req, sinfo.transform_descriptors or (), stream)
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            return
+        if not stream.seekable():
+            stream = io.BytesIO(stream.read(-1))
+        tensor = narrow_tensor_by_index(torch.load(stream, map_location="cpu", weights_only=True),
+                                        req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+
+def _prefetch_records(f: Any, start: int, length: int) -> None:
+    """Ask for a large item's first and last 64 kB (its zip records: torch.load reads the central
+    directory at the end first) before anything is read, for every item of a file at once. Read
+    cold as they come, each jump to an item's end and back cost a device round trip and a
+    readahead window at the far end (~10 ms per item of a 0.08 s cold restore here); asked for
+    up front, they arrive while the data streams."""
+    edge = 64 << 10
+    if length < _BIG:
+        return
+    try:
+        os.posix_fadvise(f.fileno(), start + max(0, length - edge), min(edge, length), os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(f.fileno(), start, min(edge, length), os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):  # no fadvise here: the reads go as they come
+        pass
+
+
+def _read_direct(view: _CrcView, req: Any, planner: Any) -> bool:
+    """Read a stored tensor's data record straight into its destination (summed on the way).
+    False, having read only zip records, when the request is not the whole stored tensor in
+    storage order or torch does not say where the data lies."""
+    try:
+        stored = torch.load(cast(IO[bytes], view), map_location="meta", weights_only=True)
+        offset = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
+    except Exception:  # a torch that cannot, or bytes that do not parse: DCP's way decides
+        return False
+    wanted = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    whole = (wanted.is_contiguous() and wanted.storage_offset() == 0
+             and wanted.nbytes == stored.untyped_storage().nbytes())
+    if offset is None or not whole or target.size() != wanted.size():
+        return False
+    dest = target if target.dtype == stored.dtype else None
+    into = _writable_bytes(dest) if dest is not None else None
+    if into is None:  # a GPU, strided or other-dtype destination: a host tensor in between
+        dest = torch.empty(wanted.size(), dtype=stored.dtype)
+        into = _writable_bytes(dest)
+        assert into is not None  # a new contiguous CPU tensor
+    view.seek(int(offset))
+    if view.readinto(into) != len(into):
+        raise OSError(f"{view.f.name}: item at {view.start} ends before its data ({len(into)} bytes)")
+    if dest is not target:
+        target.copy_(dest)
+    planner.commit_tensor(req, target)
+    return True
+
+
+def _writable_bytes(t: torch.Tensor) -> memoryview | None:
+    """The bytes of a contiguous CPU tensor, writable in place; None for anything else."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or not t.numel():
+        return None
+    try:
+        return t.reshape(-1).view(torch.uint8).numpy().data
+    except (RuntimeError, TypeError, ValueError):  # a dtype numpy cannot view
+        return None
 
 
 def restore_test(gen: Path, files: dict[str, Any], reason: Any) -> list[str]:

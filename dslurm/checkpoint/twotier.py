@@ -251,16 +251,20 @@ class TwoTier:
         from dslurm.checkpoint.dcp import _reason, _write_reason, prepare_generation
         gen, r, mgr = self.lgdir / job.name, comm.rank, self.mgr
         writer = None
-        err = prepare_generation(gen, job, sd, r, comm.world, leader=self.leader) or ""
+        now, rest = prepare_generation(gen, job, sd, r, comm.world, leader=self.leader)
+        err = now or ""
         if not any(comm.gather(err)):
             try:
                 writer = NodeWriter(gen, self.groups, mgr.io_threads)
                 dcp.save(sd, storage_writer=writer, planner=NodeDedupPlanner(self.groups),
                          process_group=comm.group, no_dist=comm.group is None)
                 job.phases["dcp"] = time.perf_counter() - job.t0
-                faults.ckpt_kill("after_write", r, job.nth)
+                err = rest.result() or ""
+                if not err:
+                    faults.ckpt_kill("after_write", r, job.nth)
             except (Exception, CheckpointException) as exc:
                 err = _write_reason(exc, gen)
+        err = err or rest.result() or ""  # the side work is over before anything is decided
         errors = [e for e in comm.gather(err) if e]
         if errors:
             return None, errors[0]
