@@ -84,6 +84,9 @@ class Start:
     """when the first step was done (the start_phases event), to place the phases in time"""
     startup_ratio: float | None = None
     """this start's start-up / the cold start's (same phases compared)"""
+    startup: str = "cold"
+    """how its workers started: "warm" (forked by a node's preloaded pool: the launcher's job_start
+    says mode "warm", docs/recovery.md) or "cold" (a fresh interpreter: torchrun or srun)"""
     outcome: str | None = None
     """what happened next, in words (`outcome`): requeued by dslurm, requeued by Slurm, stopped, ended"""
     windows: list[Window] = field(default_factory=list)
@@ -111,6 +114,8 @@ class Recovered:
     resumed_s: float | None
     """the failure (`failed_t`) -> the next start's first step done (its train_start when it logged
     no step); None when no later start trained"""
+    startup: str | None = None
+    """the next start's `Start.startup`: "warm" or "cold"; None when there is no next start"""
 
 
 def _recoveries(starts: list[Start]) -> list[Recovered]:
@@ -123,7 +128,8 @@ def _recoveries(starts: list[Start]) -> list[Recovered]:
             failed = rec.failed_t or rec.t
             out.append(Recovered(start=s.index, cause=rec.cause, mode=rec.mode, removed=list(rec.removed),
                                  added=list(rec.added), to_nodes=rec.to_nodes, grad_accum=rec.grad_accum,
-                                 resumed_s=None if back is None else round(back - failed, 3)))
+                                 resumed_s=None if back is None else round(back - failed, 3),
+                                 startup=nxt.startup if nxt else None))
     return out
 
 
@@ -370,6 +376,8 @@ def _exit_reason(s: Start) -> tuple[str, str | None]:
 def _fill_start(s: Start) -> None:
     """Per-start facts that need only the start's own events."""
     ts = s.first(ev.TrainStart)
+    launch = s.first(ev.JobStart)
+    s.startup = "warm" if launch is not None and launch.mode == "warm" else "cold"
     s.burnin_s = sum(e.duration_s for e in s.all(ev.Preflight))
     s.overhead_s = (ts.t - s.begin) if ts else (s.end - s.begin)
     s.resumed_from = ts.step if ts else None
@@ -474,11 +482,13 @@ def _phases(starts: list[Start], events: list[Event]) -> None:
     from dslurm.observe import phases
 
     ratios = phases.restart_overhead(phases.tables(events))
+    # Matched by the event itself, not by (job_id, restart): the starts of one allocation
+    # (recoveries inside it: same nodes, spare, warm) all share them.
+    by_event = {id(e): tr for e, tr in zip(ev.of(events, ev.StartPhases), ratios)}
     for s in starts:
-        mine = [(t, r) for t, r in ratios if (t.job_id, t.restart or 0) == (s.job_id, s.restart)]
-        marks = s.all(ev.StartPhases)
-        if mine and marks:
-            (t, r), = mine[-1:]
+        marks = [m for m in s.all(ev.StartPhases) if id(m) in by_event]
+        if marks:
+            t, r = by_event[id(marks[-1])]
             s.phases, s.phases_end, s.startup_ratio = list(t.rows), marks[-1].t, r
 
 

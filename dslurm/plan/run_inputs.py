@@ -5,16 +5,27 @@ Reads only typed ledger events (`dslurm.observe.events`) and the report's readin
 start-up phase tables), so a number here is the number `dslurm report` prints for the run.
 Each input is the median over the run's occurrences (a run has few; the median keeps one
 slow first save or start from setting the value) and says where it came from.
+
+Warm and cold starts are kept apart (`recovery.warm`, docs/recovery.md: a warm start's workers
+are forked by a node's preloaded pool, its job_start says mode "warm"). A requeue always starts
+cold, so `restart_s` (the requeue's restore + restart) is measured on cold restarts only. The
+in-allocation costs `relaunch_s` / `swap_s` are measured on the recoveries whose next start was
+warm when the run has any (a run with warm restarts recovers warm), else on the cold ones; a warm
+measurement of them wins over a cold one from an earlier run (`from_runs`).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dslurm.observe import events as ev
+
+if TYPE_CHECKING:
+    from dslurm.observe.report import Recovered
 
 REQUEUED = ("requeued by dslurm", "requeued by Slurm")  # report.outcome's words for a queue round trip
 
@@ -26,6 +37,8 @@ class Measured:
     value: float
     count: int
     how: str
+    warm: bool = False
+    """measured on warm starts (workers forked by a preloaded pool)"""
 
     def source(self, run_dir: str) -> str:
         return f"{run_dir}: median of {self.count} {self.how}"
@@ -36,31 +49,44 @@ def _median(values: Iterable[float | None], how: str) -> Measured | None:
     return Measured(round(statistics.median(vals), 4), len(vals), how) if vals else None
 
 
+def _in_allocation(rec: list[Recovered], modes: tuple[str, ...], what: str,
+                   warm_startup_s: float | None) -> Measured | None:
+    """Failure -> first step of the recoveries of `modes`: the warm ones when there are any."""
+    warm = _median([r.resumed_s for r in rec if r.mode in modes and r.startup == "warm"],
+                   f"warm {what} (report: failure -> first step of a start forked by a warm pool"
+                   + (f"; of it, the warm starts' own start-up, job start -> first step, median {warm_startup_s:g} s)"
+                      if warm_startup_s is not None else ")"))
+    if warm is not None:
+        return replace(warm, warm=True)
+    return _median([r.resumed_s for r in rec if r.mode in modes and r.startup != "warm"],
+                   f"cold {what} (report: failure -> first step)")
+
+
 def measure(events: list[ev.Event]) -> dict[str, Measured]:
     """SimConfig field -> its measured value, for the inputs the run's events give (pure)."""
     from dslurm.observe import phases, report
 
     summary = report.summarize(events)
     starts = summary.starts
-    warm = [t.startup_s() for t in phases.tables(events) if not t.cold]
-    restart = _median(warm, "warm starts' start-up (start_phases: spawn -> first step done)")
+    resumed = [t for t in phases.tables(events) if not t.cold]
+    restart = _median([t.startup_s() for t in resumed if not t.warm],
+                      "cold restarts' start-up (start_phases: job start -> first step done)")
     if restart is None:  # older ledgers: no start_phases; the report's begin -> train_start
-        restart = _median([s.overhead_s for s in starts if s.resumed_from],
-                          "resumed starts' overhead (report: start -> train_start)")
+        restart = _median([s.overhead_s for s in starts if s.resumed_from and s.startup == "cold"],
+                          "cold resumed starts' overhead (report: start -> train_start)")
+    warm_startup = _median([t.startup_s() for t in resumed if t.warm], "")
     queue = [s.queue_wait_s for prev, s in zip(starts, starts[1:]) if prev.outcome in REQUEUED]
     rec = summary.recoveries
+    warm_s = warm_startup.value if warm_startup else None
     saves = list(ev.of(events, ev.CkptSave))
     durable = [e for e in saves if e.tier == "durable"]
     two = [e for e in saves if e.tier == "two_tier"]
     found = {
         "restart_s": restart,
         "requeue_s": _median(queue, "queue waits after a requeue (report: previous start's end -> start)"),
-        "relaunch_s": _median([r.resumed_s for r in rec if r.mode == "same_nodes"],
-                              "same-node recoveries (report: failure -> first step)"),
-        "swap_s": (_median([r.resumed_s for r in rec if r.mode == "spare"],
-                           "spare swaps (report: failure -> first step)")
-                   or _median([r.resumed_s for r in rec if r.mode == "shrink"],
-                              "shrinks (report: failure -> first step)")),
+        "relaunch_s": _in_allocation(rec, ("same_nodes",), "same-node recoveries", warm_s),
+        "swap_s": (_in_allocation(rec, ("spare",), "spare swaps", warm_s)
+                   or _in_allocation(rec, ("shrink",), "shrinks", warm_s)),
         "save_s": _median([e.total_s for e in durable], "durable saves' total_s (ckpt_save)"),
         # A sync save stalls for all of it; a save that stalled less was an async one.
         "async_stall_s": _median([e.stall_s for e in durable if e.stall_s < e.total_s],
@@ -72,13 +98,15 @@ def measure(events: list[ev.Event]) -> dict[str, Measured]:
 
 
 def from_runs(run_dirs: list[str]) -> dict[str, tuple[float, str]]:
-    """Field -> (value, source) from the runs; an input comes from the first run that has it.
-    A run dir without a readable ledger is a UserError naming it (report.load's)."""
+    """Field -> (value, source) from the runs; an input comes from the first run that has it,
+    except that a warm measurement (relaunch_s, swap_s of warm recoveries) wins over a cold one
+    of an earlier run. A run dir without a readable ledger is a UserError naming it (report.load's)."""
     from dslurm.observe.report import load
 
-    out: dict[str, tuple[float, str]] = {}
+    got: dict[str, tuple[Measured, str]] = {}
     for run_dir in run_dirs:
         events, _ = load(Path(run_dir))
         for name, m in measure(events).items():
-            out.setdefault(name, (m.value, m.source(run_dir)))
-    return out
+            if name not in got or (m.warm and not got[name][0].warm):
+                got[name] = (m, run_dir)
+    return {name: (m.value, m.source(run_dir)) for name, (m, run_dir) in got.items()}

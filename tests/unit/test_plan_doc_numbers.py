@@ -314,3 +314,63 @@ def test_the_d_prose(d_runs, abc_runs):
     a = abc_runs["A"]
     assert find(r"\(table A: ([+−][\d.]+) points\)", D)[1] == points(result(a, "requeue", "async"),
                                                                      result(a, "spare", "async"))
+
+
+# --- With warm restarts (E) -------------------------------------------------------------------
+
+E = section("With warm restarts")
+
+
+@pytest.fixture(scope="module")
+def e_runs(simulate) -> dict[str, Out]:
+    """The output of the E command (D's runs plus the warm ledgers), by its `F` placeholder."""
+    return {c.binding["F"]: simulate(c) for c in commands(E)}
+
+
+def test_e_is_d_with_the_warm_runs_appended():
+    for d_cmd, e_cmd in zip(commands(D), commands(E), strict=True):
+        words = list(e_cmd.argv)
+        warm = [words[i + 1] for i, w in enumerate(words) if w == "--from-run" and "warm" in words[i + 1]]
+        for run_dir in warm:
+            i = words.index(run_dir)
+            del words[i - 1:i + 1]
+        assert len(warm) == 2 and words == list(d_cmd.argv) and e_cmd.binding == d_cmd.binding
+
+
+def test_the_e_table(e_runs):
+    rows = table(E, "node-loss share")
+    assert {r["node-loss share"] for r in rows} == set(e_runs) and len(rows) == 8
+    for row in rows:
+        r = result(e_runs[row["node-loss share"]], row["mechanism"], row["save"])
+        assert row["spares"] == str(r["spares"])
+        check(row["mean goodput (p5–p95)"], *goodput(r))
+        check(row["best interval"], minutes(r["best_interval_s"]))
+
+
+def test_the_e_inputs_warm_in_the_allocation_cold_for_the_requeue(e_runs, d_runs):
+    m = find(r"relaunch_s \*\*([\d.]+) s\*\* warm \(D: ([\d.]+) s cold\), swap_s \*\*([\d.]+) s\*\* warm "
+             r"\(D: ([\d.]+) s cold\), restart_s ([\d.]+) s and requeue_s ([\d.]+) s cold as in D", E)
+    for out, d in zip(e_runs.values(), d_runs.values()):
+        e_in, d_in = out["inputs"], d["inputs"]
+        check(" ".join(m.groups()), e_in["relaunch_s"]["value"], d_in["relaunch_s"]["value"],
+              e_in["swap_s"]["value"], d_in["swap_s"]["value"], e_in["restart_s"]["value"], e_in["requeue_s"]["value"])
+        assert ": median of 1 warm same-node recoveries" in e_in["relaunch_s"]["source"]
+        assert ": median of 1 warm spare swaps" in e_in["swap_s"]["source"]
+        assert "cold same-node" in d_in["relaunch_s"]["source"] and "cold spare swaps" in d_in["swap_s"]["source"]
+        for name in ("restart_s", "requeue_s"):  # the requeue's costs: D's, cold
+            assert e_in[name] == d_in[name], name
+        assert "cold restarts" in e_in["restart_s"]["source"]
+
+
+def test_the_e_prose(e_runs, d_runs):
+    for out in e_runs.values():
+        for save in ("async", "two_tier"):
+            assert same_as_shown(result(out, "shrink", save), result(out, "spare", save))
+    d, e = result(d_runs["1"], "spare", "async"), result(e_runs["1"], "spare", "async")
+    assert find(r"Warm restarts add \*\*([+−][\d.]+) points\*\*", E)[1] == points(d, e)
+    m = find(r"share 1: D ([\d.]+)%, E ([\d.]+)%", E)
+    check(f"{m[1]} {m[2]}", 100 * d["goodput_mean"], 100 * e["goodput_mean"])
+    m = find(r"(\d+) failures × ([\d.]+) s saved per node loss is ([\d.]+)% of the month", E)
+    saved = d_runs["1"]["inputs"]["swap_s"]["value"] - e_runs["1"]["inputs"]["swap_s"]["value"]
+    check(f"{m[1]} {m[2]}", e["failures_per_run"], saved)
+    check(m[3], 100 * e["failures_per_run"] * saved / (3600 * e["horizon_h"]))
