@@ -43,6 +43,8 @@ RANKS is a comma list of global ranks (default 0); @RESTART limits the knob to o
 (SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue;
 @RESTART.STEP to one job step of that start (DSLURM_STEP_INDEX: the steps an in-allocation
 recovery launches, dslurm/recover/supervise.py), e.g. @0.0 fires in the first step only.
+A scoped knob may list several `;`-separated values, the first that aims at this process applies:
+DSLURM_FAULT_CRASH='9:1@0.0;13:1@0.2' crashes rank 1 in job steps 0 and 2 (at different steps).
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ def parse_scoped(raw: str) -> ScopedKnob:
 def _scoped(name: str, env: Mapping[str, str] | None) -> str | None:
     """The knob's value when it is set and aims at this process (rank, start), else None."""
     env = os.environ if env is None else env
-    raw = env.get(name)
-    knob = parse_scoped(raw) if raw else None
-    return knob.value if knob is not None and knob.applies(env) else None
+    for raw in (env.get(name) or "").split(";"):
+        knob = parse_scoped(raw) if raw.strip() else None
+        if knob is not None and knob.applies(env):
+            return knob.value
+    return None
 
 
 def step_fault(name: str, env: Mapping[str, str] | None = None) -> int | None:

@@ -99,7 +99,10 @@ class Supervisor:
         # srun waits for a lost node's tasks until Slurm marks the node down (~25 s here): once a
         # launcher reported a failure and a node stayed silent for `grace_s`, the silent nodes are
         # probed, and a step whose silent nodes are all gone is abandoned instead of waited for.
-        self.grace_s = 2.0
+        # A probe of a node that was only slow to report costs one `srun true` beside the step
+        # (its slurmd listens, so it is asked) and abandons nothing; 2 s here was ~1/3 of a warm
+        # spare swap (bench/bench_warm_spare.py), 0.5 s covers a launcher's report after its peer's.
+        self.grace_s = 0.5
         self.unanswered: set[str] = set()  # nodes that failed a probe: down for the plan too
 
     def on_signal(self, name: str) -> None:
@@ -207,8 +210,9 @@ class Supervisor:
                 *(self.runner.probe(unknown, self.probe_s) if unknown else ()))
         self.unanswered.update(dead)
         if dead:
+            # Not Slurm's view again (a sacct, ~0.4 s on the recovery's path): it marks the node
+            # down only after SlurmdTimeout, and the probe has settled it.
             log.warning("dslurm supervise: %s: no report and no answer to a probe: lost", ",".join(dead))
-            view = self.runner.view(hosts)
             extra = [h for h in dead if h not in view.down_nodes]
             return E.SlurmView(state=view.state, down_nodes=(*view.down_nodes, *extra), node_states=(
                 *view.node_states, *(f"{h}: no answer to a probe step within {self.probe_s:.0f} s (Slurm had not "
@@ -229,8 +233,8 @@ class Supervisor:
 
         down = (*view.down_nodes, *sorted(self.unanswered))  # the view the ending was read from
         bad = nodes_at_fault(ending, nodes.training, down=down, blocklist=read_blocklist(self.run_dir))
-        # Only a swap needs the spares' state (sacct + sinfo: ~0.4 s here, on every recovery's path);
-        # a down spare stays listed until then, and is skipped then.
+        # Only a swap needs the spares' state (sinfo; the job's sacct state is the one just read), on
+        # every recovery's path; a down spare stays listed until then, and is skipped then.
         spares_down = self.runner.view(nodes.spares).down_nodes if nodes.spares and bad else ()
         plan = plan_recovery(nodes, bad, wanted=self.r.nnodes, on_exhausted=self.r.job.on_spares_exhausted,
                              spares_down=spares_down)
@@ -289,10 +293,18 @@ def failed_at(facts: StartFacts, t_end: float) -> float:
 class SrunRunner:
     """Job steps through srun on an explicit node list; Slurm's view through dslurm.slurm."""
 
+    # How often a running step's `abandon` (and the warm pools' tick) is asked: a lost node's
+    # step is abandoned within this of its probe's answer.
+    POLL_S = 0.25
+    # Slurm's job state (sacct: ~0.4 s here, its slurmdbd behind MySQL) is read once per step's
+    # end: a view asked again within this (the spares' down nodes for a swap) reuses it.
+    STATE_TTL_S = 5.0
+
     def __init__(self, r: Resolved, cmd: Sequence[str], env: Mapping[str, str]) -> None:
         self.r, self.cmd, self.env = r, list(cmd), dict(env)
         self.cwd = os.getcwd()  # the batch shell's: the submit dir a pyxis container works in
         self.proc: subprocess.Popen[bytes] | None = None
+        self._state: tuple[float, str | None] | None = None  # (monotonic time, sacct's state)
 
     def argv(self, step: Step) -> list[str]:
         """`srun ... --nodelist=HOSTS CMD [--set train.grad_accum=N]`. Pure."""
@@ -323,7 +335,7 @@ class SrunRunner:
         try:
             while True:
                 try:
-                    rc = proc.wait(timeout=1.0)
+                    rc = proc.wait(timeout=self.POLL_S)
                     break
                 except subprocess.TimeoutExpired:
                     if abandon():
@@ -334,6 +346,7 @@ class SrunRunner:
                         break
         finally:
             self.proc = None
+            self._state = None  # the step's end: Slurm's state is read afresh
         return 128 - rc if rc < 0 else rc
 
     def signal(self, signum: int) -> None:
@@ -347,9 +360,12 @@ class SrunRunner:
     def view(self, hosts: Sequence[str]) -> E.SlurmView:
         from dslurm import slurm
 
-        incs = slurm.incarnations(self.env.get("SLURM_JOB_ID", ""), env=self.env)
+        now = time.monotonic()
+        if self._state is None or now - self._state[0] > self.STATE_TTL_S:
+            incs = slurm.incarnations(self.env.get("SLURM_JOB_ID", ""), env=self.env)
+            self._state = (now, str(incs[-1]["state"]) if incs else None)
         down = slurm.down_nodes(hosts, env=self.env) if hosts else {}
-        return E.SlurmView(state=str(incs[-1]["state"]) if incs else None, down_nodes=tuple(down),
+        return E.SlurmView(state=self._state[1], down_nodes=tuple(down),
                            node_states=tuple(f"{k}: {v}" for k, v in down.items()))
 
     def act(self, dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path, chain: list[int]) -> None:

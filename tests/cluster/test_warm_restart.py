@@ -1,45 +1,76 @@
 """Warm restarts inside the allocation on the real local Slurm (dslurm/launch/warm.py): a 1+1 job
-with `recovery.warm: true`. Step 0 starts cold and rank 1 crashes; step 1's workers are forked by
-the node's preloaded pool (the ledger labels it warm) and rank 1 is killed -9 there; step 2 falls
-back to the cold path (torchrun) and the job completes: one job, no requeue. The failure -> first
-step of the warm attempt is compared with the cold start's job start -> first step of the same run."""
+with `recovery.warm: true` and three crashes in a row within one allocation. Step 0 starts cold
+and rank 1 is killed -9; step 1's workers are forked by the node's preloaded pool (the ledger
+labels it warm) and rank 1 raises there; step 2 falls back to the cold path (torchrun) and rank 1
+is killed -9 again; step 3 is warm again and the job completes: one job, no requeue. Every loss
+the job logged (the redone steps' too) equals, bit for bit, an uninterrupted run's of the same
+job and layout (torchrun on this machine, no faults). The failure -> first step of the warm
+attempt is compared with the cold start's job start -> first step of the same run."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from cluster_jobs import events, job_spec, logs, submit
+from cluster_jobs import ROOT, SITE, events, job_spec, logs, submit
 from dslurm import slurm
 from dslurm.observe import events as ev
 from dslurm.observe.phases import tables
 from dslurm.observe.report import summarize
 
-# The goal is 0.35 (docs/recovery.md has the measured spread: 0.27-0.41 on this 2-core machine,
-# lower the busier it is, since a cold start's imports suffer most); the test holds a bound that
-# a quiet machine meets too, so it does not flake, and prints the ratio.
-RATIO_BOUND = 0.5
+# The goal, warm restart <= 0.35x a cold start, is a ratio for bench/bench_warm_restart.py
+# (docs/recovery.md: 0.27-0.45 here, moving with the load). Timed bounds in a test flake, so the
+# test holds what does not move: the warm attempts imported nothing, and each warm recovery beat
+# both the cold start and the cold recovery of the same job; it prints the ratio.
+STEPS = 18
+
+
+def _losses(run) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for e in events(run, "steps"):
+        assert e["first"] == e["last"], e  # log_every 1: one step per window, its own loss
+        out.setdefault(e["last"], []).append(e["loss"])
+    return out
 
 
 @pytest.mark.timeout(600)
-def test_warm_restart_after_a_crash_then_a_crash_in_it_falls_back_cold(slurm_cluster, cli, tmp_path):
+def test_three_crashes_in_a_row_warm_cold_warm_end_bit_identical(slurm_cluster, cli, tmp_path):
     env = slurm_cluster.env()
     run = tmp_path / "warm"
-    spec = job_spec(tmp_path, "warm", steps=18, nodes=1, interval=2, sleep=0.2, spares=1,
+    spec = job_spec(tmp_path, "warm", steps=STEPS, nodes=1, interval=2, sleep=0.2, spares=1,
                     recovery={"warm": True}, requeue={"max_restarts": 4, "no_progress_limit": 0},
-                    env={"DSLURM_FAULT_KILL9": "9:1@0.0", "DSLURM_FAULT_CRASH": "13:1@0.1"})
+                    env={"DSLURM_FAULT_KILL9": "9:1@0.0;15:1@0.2", "DSLURM_FAULT_CRASH": "13:1@0.1"})
     job = submit(cli, env, spec)
     assert slurm.wait_job(job, timeout=400, env=env) == "COMPLETED", logs(run)
     assert slurm.job_info(job, env=env)["restarts"] == 0
-    assert [e["cls"] for e in events(run, "ending")] == ["crash", "crash", "completed"], logs(run)
-    assert [e["mode"] for e in events(run, "job_start")] == ["torchrun", "warm", "torchrun"]
-    assert [e["mode"] for e in events(run, "recovery")] == ["same_nodes", "same_nodes"]
-    assert [s["step"] for s in events(run, "train_start")] == [0, 8, 12]
+    assert [e["cls"] for e in events(run, "ending")] == ["crash", "crash", "crash", "completed"], logs(run)
+    assert [e["mode"] for e in events(run, "job_start")] == ["torchrun", "warm", "torchrun", "warm"], logs(run)
+    assert [e["mode"] for e in events(run, "recovery")] == ["same_nodes"] * 3
+    assert [s["step"] for s in events(run, "train_start")] == [0, 8, 12, 14]
     evs = ev.read(run)
-    cold, warm, again = tables(evs)
-    assert warm.warm and not cold.warm and not again.warm
+    cold, warm, again, warm2 = tables(evs)
+    assert warm.warm and warm2.warm and not cold.warm and not again.warm
     assert (warm.seconds("imports") or 0) < 0.2 < (cold.seconds("imports") or 0), (cold.rows, warm.rows)
     to_training = [r.resumed_s for r in summarize(evs).recoveries]
     ratio = to_training[0] / cold.startup_s()
     print(f"cold job start -> first step {cold.startup_s():.1f} s; failure -> first step: warm "
-          f"{to_training[0]:.1f} s ({ratio:.2f}x), cold {to_training[1]:.1f} s")
-    assert ratio <= RATIO_BOUND, (to_training, cold.rows, warm.rows)
+          f"{to_training[0]:.1f} s ({ratio:.2f}x), cold {to_training[1]:.1f} s, warm again {to_training[2]:.1f} s")
+    assert max(to_training[0], to_training[2]) < min(to_training[1], cold.startup_s()), (to_training, cold.rows)
+
+    # The reference: the same job and layout (1 node x 2 processes, tp 2), uninterrupted, no faults,
+    # no step sleep (a sleep only), through torchrun on this machine after the job ended.
+    ref = tmp_path / "ref"
+    ref_spec = job_spec(tmp_path, "ref", steps=STEPS, nodes=1, interval=2, sleep=0.0)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "train", "--site", SITE, "--job", ref_spec], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = {step: losses[0] for step, losses in _losses(ref).items()}
+    assert sorted(want) == list(range(STEPS))
+    got = _losses(run)
+    assert sorted(got) == list(range(STEPS))
+    # Every step's loss, each time it was logged, bit for bit.
+    assert {step: set(losses) for step, losses in got.items()} == {step: {want[step]} for step in want}, got

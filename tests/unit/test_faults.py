@@ -52,3 +52,12 @@ def test_a_knob_can_aim_at_one_job_step_of_a_start():
     assert knob.applies({"RANK": "1"}) and knob.applies({"RANK": "1", "DSLURM_STEP_INDEX": "0"})
     assert not knob.applies({"RANK": "1", "DSLURM_STEP_INDEX": "1"})
     assert parse_scoped("16:1@0").applies({"RANK": "1", "DSLURM_STEP_INDEX": "3"})  # any step of start 0
+
+
+def test_several_values_aim_at_several_job_steps_the_first_that_applies_wins():
+    knob = "9:1@0.0;15:1@0.2"
+    at = [faults.step_fault("DSLURM_FAULT_KILL9", {"DSLURM_FAULT_KILL9": knob, "RANK": "1", "DSLURM_STEP_INDEX": str(s),
+                                                   "SLURM_RESTART_COUNT": "0"}) for s in range(4)]
+    assert at == [9, None, 15, None]
+    assert faults.step_fault("DSLURM_FAULT_KILL9", {"DSLURM_FAULT_KILL9": knob, "RANK": "0",
+                                                    "DSLURM_STEP_INDEX": "0"}) is None  # another rank
