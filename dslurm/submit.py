@@ -14,12 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+
+if TYPE_CHECKING:
+    from dslurm.remote.handle import Handle
+    from dslurm.remote.proxy import Submitted
+    from dslurm.sbatch_errors import Origin
 
 
 @dataclass(frozen=True)
@@ -69,23 +76,74 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
                       code_dir=None if code_dir is None else str(code_dir))
     script = run_dir / "job.sbatch"
     write_atomic(script, render_sbatch(r, refs), 0o755)
+    if code_dir is not None and code_dir.parent == run_dir / "code":
+        write_atomic(run_dir / "code" / CODE_CURRENT, code_dir.name + "\n")
     return script
 
 
+FROZEN = ("site.yaml", "job.yaml", "job.sbatch")
+CODE_CURRENT = "CURRENT"
+"""`<run_dir>/code/CURRENT`: the snapshot directory name the run's script runs (`--code`)"""
+
+
+def current_code(run_dir: Path) -> Path | None:
+    """The snapshot the run was last submitted with (`--code`), for `submit --run-dir` to reuse;
+    None when the run runs the submit directory's code."""
+    from dslurm.remote.snapshot import MARKER
+
+    try:
+        name = (run_dir / "code" / CODE_CURRENT).read_text().strip()
+    except FileNotFoundError:
+        return None
+    d = run_dir / "code" / name
+    return d if name and (d / MARKER).is_file() else None
+
+
+def _frozen_before(run_dir: Path) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for name in (*FROZEN, f"code/{CODE_CURRENT}"):
+        try:
+            out[name] = (run_dir / name).read_bytes()
+        except FileNotFoundError:
+            out[name] = None
+    return out
+
+
+def _restore_frozen(run_dir: Path, before: dict[str, bytes | None]) -> None:
+    """Put the run directory's frozen files back as they were before a submit sbatch refused:
+    a fresh run dir keeps no site.yaml/job.yaml (nothing for `--run-dir` to mistake for a run),
+    an existing run keeps the config its queued or requeued jobs run."""
+    from dslurm.durable import atomic_write_bytes
+
+    for name, data in before.items():
+        path = run_dir / name
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            atomic_write_bytes(path, data, 0o755 if name == "job.sbatch" else 0o644)
+
+
 def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
-           env: dict[str, str] | None = None, code: str | None = None) -> Submission:
+           env: dict[str, str] | None = None, code: str | None = None, origin: Origin | None = None) -> Submission:
     """Freeze, render and submit; with chain=K, K jobs linked by afterany dependencies. With
     `code` (`git` or a directory: `--code`) the job runs a snapshot of that code, copied into
-    `<run_dir>/code/<digest>`, on every start."""
+    `<run_dir>/code/<digest>`, on every start; without it, the snapshot the run was last
+    submitted with (`current_code`), if any. When sbatch refuses, nothing is left submitted:
+    the frozen files are put back, links already queued are cancelled, no submit event is
+    written, and the UserError names the field and its fix (dslurm.sbatch_errors)."""
     from dslurm import slurm
+    from dslurm.errors import SlurmError
 
     if chain < 1:
         raise UserError(f"--chain {chain}: must be at least 1")
+    before = _frozen_before(r.run_dir)
     code_dir = None
     if code is not None:
         from dslurm.remote.snapshot import materialize, take
 
         code_dir = materialize(take(code), r.run_dir / "code")
+    else:
+        code_dir = current_code(r.run_dir)
     script = freeze_and_render(r, code_dir=code_dir)
     log_dir = r.run_dir / "logs"
     if dry_run:
@@ -95,11 +153,35 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
     if blocked:
         extra.append(f"--exclude={','.join(blocked)}")
     ids: list[int] = []
-    for _ in range(chain):
-        dep = [f"--dependency=afterany:{ids[-1]}"] if ids else []
-        ids.append(slurm.sbatch(script, [*extra, *dep], cwd=os.getcwd(), env=env))
+    try:
+        for _ in range(chain):
+            dep = [f"--dependency=afterany:{ids[-1]}"] if ids else []
+            ids.append(slurm.sbatch(script, [*extra, *dep], cwd=os.getcwd(), env=env))
+    except SlurmError as exc:
+        for i in ids:  # earlier links of a chain: cancelled, so that nothing is left submitted
+            try:
+                slurm.cancel(i, env=env)
+            except SlurmError:
+                pass
+        _restore_frozen(r.run_dir, before)
+        raise refused(exc, r, origin, env) from None
     record_submission(r, ids)
     return Submission(ids, script, r.run_dir, log_dir)
+
+
+def refused(exc: Exception, r: Resolved, origin: Origin | None, env: dict[str, str] | None) -> UserError:
+    """sbatch's refusal as a field and its fix (dslurm.sbatch_errors), else sbatch's own words."""
+    from dslurm.errors import SlurmError
+    from dslurm.sbatch_errors import Origin, cluster_facts, explain
+
+    text = str(exc)
+    origin = origin or Origin(site_file=r.site_path, job_file=r.job_path)
+    said = re.search(r"`sbatch[^`]*` failed \(exit -?\d+\): (.*)", text, re.S)
+    if said:  # sbatch answered: a refusal, not a missing client or a controller that did not answer
+        msg = explain(said.group(1), r, origin, cluster_facts(r.site.slurm.partition, env))
+        if msg is not None:
+            return UserError(msg)
+    return SlurmError(f"{text}\n  nothing was submitted (site {origin.site_file}, job {origin.job_file})")
 
 
 def completed_note(r: Resolved) -> str | None:
@@ -169,8 +251,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--job", help="job spec YAML (with --site; or use --run-dir)")
     p.add_argument("--run-dir", type=Path, default=None, metavar="RUN_DIR",
                    help="submit an existing run again from its frozen site.yaml and job.yaml (--set applies "
-                        "on top); it resumes from the checkpoint pointer. Run it from the directory of the "
-                        "first submit: relative paths in the job resolve there")
+                        "on top); it resumes from the checkpoint pointer and runs the code snapshot it was "
+                        "submitted with (unless --code). Run it from the directory of the first submit: relative "
+                        "paths in the job resolve there. The local handle of a remote run works too")
     p.add_argument("--force", action="store_true",
                    help="submit even when the run directory's run already completed at train.steps")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -186,6 +269,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "git = the git working copy you are in (HEAD + uncommitted + untracked files), or a "
                         "directory. Default with a site that has `login:`: git (docs/remote.md)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line (for scripts)")
+    p.add_argument("--origin", default=None, help=argparse.SUPPRESS)  # JSON file: the laptop's names (remote)
     p.set_defaults(func=run_submit)
 
     s = sub.add_parser("status", help="state, nodes, restarts and exit code of a job (or each task of a sweep)")
@@ -217,18 +301,44 @@ def inputs_of(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     return str(site), str(job), [f"checkpoint.run_dir={Path(run_dir).resolve()}", *args.overrides]
 
 
+def origin_of(args: argparse.Namespace, site: str, job: str) -> Origin:
+    """Where the fields came from: the files and overrides given here, or (`--origin`, a remote
+    submit) the names on the machine the user typed them on."""
+    from dslurm.sbatch_errors import Origin
+
+    given = getattr(args, "origin", None)
+    if given:
+        try:
+            d = json.loads(Path(given).read_text())
+            return Origin(site_file=str(d["site"]), job_file=str(d["job"]),
+                          site_sets=tuple(d.get("site_sets") or ()), sets=tuple(d.get("sets") or ()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # the names here are still right, if less helpful
+    sets = [o for o in getattr(args, "overrides", []) or []]
+    return Origin(site_file=site, job_file=job, site_sets=tuple(getattr(args, "site_overrides", []) or []),
+                  sets=tuple(sets))
+
+
 def run_submit(args: argparse.Namespace) -> int:
     from dslurm.config.resolve import load
+    from dslurm.remote import handle
 
     if getattr(args, "sweep", None):
         from dslurm.sweep.submit import run_submit as run_sweep
 
         return run_sweep(args)
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is not None and (h := handle.read(run_dir)) is not None:  # a run on a cluster: submit it there
+        if args.site or args.job:
+            raise UserError(f"dslurm submit --run-dir {run_dir}: --site/--job cannot go with it (the run's frozen "
+                            "site.yaml and job.yaml on the cluster are used). Fix: drop them, and change a field "
+                            "with --set or --site-set")
+        return _resubmit_remote(h, args)
     site, job, overrides = inputs_of(args)
     r = load(site, job, overrides, args.site_overrides, base_dir=os.getcwd())
     as_json = getattr(args, "json", False)
     if r.site.login is not None:
-        return _submit_remote(r, args)
+        return _submit_remote(r, args, site, job)
     if not args.dry_run and not getattr(args, "force", False):
         note = completed_note(r)
         if note:
@@ -242,7 +352,8 @@ def run_submit(args: argparse.Namespace) -> int:
             print(f"warning: run directory {r.run_dir} already has job {which}. While that job holds the run "
                   "lock, this one is refused (exit 79, not retried). Fix: wait for it, cancel it, use --chain "
                   "to queue links behind it, or give this job its own checkpoint.run_dir", file=sys.stderr)
-    sub = submit(r, chain=args.chain, dry_run=args.dry_run, code=getattr(args, "code", None))
+    sub = submit(r, chain=args.chain, dry_run=args.dry_run, code=getattr(args, "code", None),
+                 origin=origin_of(args, site, job))
     if as_json:
         print(json.dumps({"job_ids": sub.job_ids, "run_dir": str(sub.run_dir), "script": str(sub.script)}))
         return 0
@@ -257,27 +368,47 @@ def run_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _submit_remote(r: Resolved, args: argparse.Namespace) -> int:
+def _submit_remote(r: Resolved, args: argparse.Namespace, site: str = "", job: str = "") -> int:
     """A site with `login:`: ship the code snapshot and submit on the cluster (docs/remote.md)."""
     from dslurm.remote import proxy
     from dslurm.remote.snapshot import take
 
     snap = take(getattr(args, "code", None) or "git")
+    o = origin_of(args, site or r.site_path, job or r.job_path)
+    origin = {"site": o.site_file, "job": o.job_file, "site_sets": list(o.site_sets), "sets": list(o.sets)}
     got = proxy.submit(r, snap, cwd=os.getcwd(), chain=args.chain, force=getattr(args, "force", False),
-                       strict=args.strict, dry_run=args.dry_run)
+                       strict=args.strict, dry_run=args.dry_run, origin=origin)
+    return _print_remote(got, args, snap.source, len(snap.files))
+
+
+def _resubmit_remote(h: Handle, args: argparse.Namespace) -> int:
+    """`dslurm submit --run-dir HANDLE`: continue the run on its cluster, from its frozen config there."""
+    from dslurm.remote import proxy
+    from dslurm.remote.snapshot import take
+
+    code = getattr(args, "code", None)
+    snap = take(code) if code else None
+    got = proxy.resubmit(h, snap, chain=args.chain, force=getattr(args, "force", False), strict=args.strict,
+                         dry_run=args.dry_run, overrides=list(args.overrides), site_overrides=list(args.site_overrides))
+    return _print_remote(got, args, snap.source if snap else f"the run's snapshot {got.handle.code}",
+                         len(snap.files) if snap else None)
+
+
+def _print_remote(got: Submitted, args: argparse.Namespace, source: str, nfiles: int | None) -> int:
     h = got.handle
     if getattr(args, "json", False):
-        print(json.dumps({"job_ids": list(h.job_ids), "run_dir": h.run_dir, "handle": str(h.path),
+        print(json.dumps({"job_ids": list(got.job_ids), "run_dir": h.run_dir, "handle": str(h.path),
                           "login": h.login.host, "code": h.code, "note": got.note}))
     elif got.note:
         print(f"{h.login.host}: {got.note}")
     elif args.dry_run:
         print(f"dry run on {h.login.host}: wrote {got.script} (not submitted)")
     else:
-        print(f"submitted job {','.join(str(i) for i in h.job_ids)} on {h.login.host}")
-        print(f"  code   : {h.code} ({snap.source}, {len(snap.files)} files)")
+        files = f", {nfiles} files" if nfiles is not None else ""
+        print(f"submitted job {','.join(str(i) for i in got.job_ids)} on {h.login.host}")
+        print(f"  code   : {h.code} ({source}{files})")
         print(f"  run dir: {h.run_dir} (on {h.login.host})")
-        print(f"  handle : {h.path} (dslurm status|watch|report|ctl|cancel {h.path})")
+        print(f"  handle : {h.path} (dslurm status|watch|report|doctor|ctl|cancel {h.path})")
     return 0
 
 

@@ -395,7 +395,8 @@ def read_logs(run_dir: Path) -> list[LogLine]:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="symptoms of a run, with evidence, cause and fix (exit 1 if any)",
                        description="Diagnose a run from its ledger and job logs (see docs/report.md).")
-    p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl and logs/")
+    p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl and logs/, or the local handle "
+                                              "of a remote run (docs/remote.md: the doctor runs there)")
     p.set_defaults(func=run)
 
 
@@ -405,7 +406,12 @@ def run(args: argparse.Namespace) -> int:
 
     from dslurm.observe.completion import COMPLETED, target_steps
     from dslurm.observe.report import load
+    from dslurm.remote import handle
 
+    if (h := handle.read(args.run_dir)) is not None:  # a run on a cluster: the doctor reads its ledger and logs there
+        from dslurm.remote.proxy import passthrough
+
+        return passthrough(h, ["doctor", h.run_dir])
     events, _ = load(args.run_dir)
     done = summarize(events, target_steps=target_steps(args.run_dir), run_dir=args.run_dir).completion
     findings = diagnose(events, read_logs(args.run_dir))

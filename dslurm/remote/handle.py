@@ -2,8 +2,8 @@
 
 `dslurm submit` with a `login:` site writes `<local run dir>/remote.json`: the login (host,
 ssh config, the dslurm command and setup lines the site had at submit), the run directory on
-the cluster, the job ids and the code snapshot. `status`, `watch`, `report`, `ctl` and
-`cancel` given that local directory run on the cluster through it; `report` also leaves what
+the cluster, the job ids and the code snapshot. `status`, `watch`, `report`, `doctor`, `ctl`,
+`cancel` and `submit --run-dir` given that local directory run on the cluster through it; `report` also leaves what
 it brought back (report.txt, report.json, report.png, ckpt-ls.txt) next to it. Torch-free and
 cheap: every one of those commands asks `read` first.
 """

@@ -6,7 +6,11 @@ host is asked whether dslurm runs there, then ONE ssh call ships the code snapsh
 with the cluster's run dir), and runs `dslurm submit --code` there; the job's script runs that
 snapshot on every start. The local handle (dslurm.remote.handle) remembers where the run is.
 
-status, watch, ctl, cancel: the same command runs there on the run (its output streams back;
+A refusal there (sbatch's, said as a field and its fix by dslurm.sbatch_errors, naming the files
+as given here: `submit/origin.json`) comes back as the cluster said it (`failed_there`).
+`submit --run-dir HANDLE` (`resubmit`) continues the run there from its frozen config and snapshot.
+
+status, watch, doctor, ctl, cancel: the same command runs there on the run (its output streams back;
 watch without a terminal prints a line per change, so it streams too). report: the text, the
 JSON, the timeline PNG and `dslurm ckpt ls` come back as files into the local handle.
 """
@@ -16,10 +20,12 @@ from __future__ import annotations
 import io
 import json
 import shlex
+import subprocess
 import sys
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from dslurm.config import SiteConfig
 from dslurm.config.resolve import Resolved, run_dir_for
@@ -69,6 +75,8 @@ class Submitted:
     note: str | None
     """the cluster's reason for submitting nothing (a run already complete), else None"""
     script: str | None
+    job_ids: tuple[int, ...] = ()
+    """the jobs this submit queued (the handle lists the run's jobs so far)"""
 
 
 def submit_body(run_dir: str, code: str, flags: list[str]) -> list[str]:
@@ -87,13 +95,74 @@ def submit_body(run_dir: str, code: str, flags: list[str]) -> list[str]:
         f"cd {run}/code/{name}",
         "set +e",
         f'DSLURM submit --site "$tmp/submit/site.yaml" --job "$tmp/submit/job.yaml" --code {run}/code/{name} '
-        f"--json {ssh.quote_words(flags)}",
+        f'--origin "$tmp/submit/origin.json" --json {ssh.quote_words(flags)}',
     ]
 
 
+def resubmit_body(run_dir: str, code: str | None, flags: list[str]) -> list[str]:
+    """The remote script of `submit --run-dir HANDLE`: the run must be there; with `code` (a new
+    snapshot on stdin, under code/<name>) it is moved into place as on a first submit, else the
+    snapshot the run was last submitted with (code/CURRENT) is named again; submit from that
+    snapshot's directory. Pure."""
+    run = shlex.quote(run_dir)
+    missing = shlex.quote(f"dslurm submit: error: {run_dir}: no job.yaml there, so no run dslurm submitted. "
+                          "Fix: check the handle's run_dir (remote.json), or submit with --site and --job")
+    lines = ["set -e", f"if [ ! -f {run}/job.yaml ]; then echo {missing} >&2; exit 2; fi"]
+    if code is not None:
+        name = shlex.quote(code)
+        lines += [
+            f'tmp=$(mktemp -d {run}/.incoming.XXXXXX)',
+            "trap 'rm -rf \"$tmp\"' EXIT",
+            'tar -xf - -C "$tmp"',
+            f"mkdir -p {run}/code",
+            f"if [ ! -f {run}/code/{name}/{MARKER} ]; then rm -rf {run}/code/{name}; "
+            f'mv "$tmp/code/{code}" {run}/code/{name}; fi',
+            f"snap={name}",
+        ]
+    else:
+        lines += [f'snap=$(cat {run}/code/CURRENT 2>/dev/null || true)']
+    lines += [
+        'if [ -n "$snap" ] && [ -d ' + f'{run}/code/"$snap" ]; then cd {run}/code/"$snap"; '
+        f'code=(--code {run}/code/"$snap"); else cd {run}; code=(); fi',
+        "set +e",
+        f'DSLURM submit --run-dir {run} "${{code[@]}}" --json {ssh.quote_words(flags)}',
+    ]
+    return lines
+
+
+def failed_there(login: ssh.Login, returncode: int, stderr: bytes) -> UserError:
+    """The cluster's `dslurm submit` refused: its message as it said it (the site field and the fix,
+    dslurm.sbatch_errors), with the host named; what it said before (warnings) goes to stderr."""
+    from dslurm.errors import SlurmError
+
+    err = stderr.decode(errors="replace")
+    mark = "dslurm submit: error: "
+    at = err.rfind(mark)
+    if at < 0:
+        return UserError(f"login host {login.host!r}: dslurm submit failed there (exit {returncode}); nothing "
+                         f"was submitted:\n{err.strip()}")
+    sys.stderr.write(err[:at])
+    kind = SlurmError if returncode == SlurmError.exit_code else UserError
+    return kind(f"on login host {login.host!r}: {err[at + len(mark):].strip()}")
+
+
+def _result(login: ssh.Login, res: subprocess.CompletedProcess[bytes]) -> dict[str, Any]:
+    if res.returncode != 0:
+        raise failed_there(login, res.returncode, res.stderr or b"")
+    sys.stderr.write((res.stderr or b"").decode(errors="replace"))  # the cluster's warnings (a busy run dir, the plan)
+    try:
+        out: dict[str, Any] = json.loads(res.stdout.decode(errors="replace").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        said = res.stdout.decode(errors="replace")
+        raise UserError(f"login host {login.host!r}: dslurm submit there printed no result: {said!r}. "
+                        "Fix: install the same dslurm version there") from None
+    return out
+
+
 def submit(r: Resolved, snap: Snapshot | None = None, *, cwd: str | Path, chain: int = 1, force: bool = False,
-           strict: bool = False, dry_run: bool = False) -> Submitted:
-    """Ship and submit `r` on its site's cluster; write the local handle."""
+           strict: bool = False, dry_run: bool = False, origin: dict[str, Any] | None = None) -> Submitted:
+    """Ship and submit `r` on its site's cluster; write the local handle. `origin`: the site and
+    job files and overrides as named here, so that a refusal there names what the user edits."""
     from dslurm.config import yaml12
     from dslurm.config.schema import to_dict
 
@@ -109,23 +178,35 @@ def submit(r: Resolved, snap: Snapshot | None = None, *, cwd: str | Path, chain:
     flags = [f"--chain={chain}", *(["--force"] if force else []), *(["--strict"] if strict else []),
              *(["--dry-run"] if dry_run else [])]
     body = submit_body(there, snap.name, flags)
+    files["submit/origin.json"] = json.dumps(origin or {"site": r.site_path, "job": r.job_path}).encode()
     res = ssh.run(login, ssh.script(login, body), input=tar_bytes(snap, files, prefix=f"code/{snap.name}/"))
-    err = res.stderr.decode(errors="replace")
-    if res.returncode != 0:
-        raise UserError(f"login host {login.host!r}: dslurm submit failed there (exit {res.returncode}); nothing "
-                        f"was submitted:\n{err.strip()}")
-    sys.stderr.write(err)  # the cluster's warnings (a busy run dir, the plan)
-    try:
-        out = json.loads(res.stdout.decode(errors="replace").strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        said = res.stdout.decode(errors="replace")
-        raise UserError(f"login host {login.host!r}: dslurm submit there printed no result: {said!r}. "
-                        "Fix: install the same dslurm version there") from None
-    h = hd.Handle(path=here, login=login, run_dir=there, job_ids=tuple(int(i) for i in out.get("job_ids") or []),
-                  code=snap.name, source=snap.source)
+    out = _result(login, res)
+    ids = tuple(int(i) for i in out.get("job_ids") or [])
+    h = hd.Handle(path=here, login=login, run_dir=there, job_ids=ids, code=snap.name, source=snap.source)
     if h.job_ids:
         hd.write(h)
-    return Submitted(h, out.get("note"), out.get("script"))
+    return Submitted(h, out.get("note"), out.get("script"), ids)
+
+
+def resubmit(h: hd.Handle, snap: Snapshot | None = None, *, chain: int = 1, force: bool = False,
+             strict: bool = False, dry_run: bool = False, overrides: list[str] | None = None,
+             site_overrides: list[str] | None = None) -> Submitted:
+    """`dslurm submit --run-dir HANDLE`: continue the run on its cluster from its frozen config there
+    (a completed run is refused there unless `force`); with `snap` the job runs that code from
+    now on, else the snapshot it ran. The handle gains the new job ids."""
+    flags = [f"--chain={chain}", *(["--force"] if force else []), *(["--strict"] if strict else []),
+             *(["--dry-run"] if dry_run else []), *(f"--set={o}" for o in overrides or ()),
+             *(f"--site-set={o}" for o in site_overrides or ())]
+    probe(h.login)
+    body = resubmit_body(h.run_dir, snap.name if snap else None, flags)
+    data = tar_bytes(snap, prefix=f"code/{snap.name}/") if snap else None
+    out = _result(h.login, ssh.run(h.login, ssh.script(h.login, body), input=data))
+    ids = tuple(int(i) for i in out.get("job_ids") or [])
+    new = replace(h, job_ids=(*h.job_ids, *ids), code=snap.name if snap else h.code,
+                  source=snap.source if snap else h.source)
+    if ids:
+        hd.write(new)
+    return Submitted(new, out.get("note"), out.get("script"), ids)
 
 
 def passthrough(h: hd.Handle, argv: list[str]) -> int:

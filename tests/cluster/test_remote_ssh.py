@@ -178,6 +178,8 @@ def test_remote_submit_watch_preempt_report_over_real_ssh(slurm_cluster, cli, ss
     assert summary["restarts"] == 1 and summary["final_step"] == 14, summary
     assert (handle / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert "step" in (handle / "ckpt-ls.txt").read_text()
+    doctor, here = cli("doctor", str(handle), cwd=wc), cli("doctor", str(run))
+    assert doctor.returncode == here.returncode and doctor.stdout == here.stdout != "", doctor.stdout + doctor.stderr
 
 
 def test_remote_submit_names_missing_dslurm_and_submits_nothing(slurm_cluster, cli, sshd, tmp_path):
@@ -200,3 +202,24 @@ def test_remote_unreachable_login_names_host_and_fix(cli, tmp_path):
     assert res.returncode != 0 and time.monotonic() - t0 < 60
     assert f"login host '{ALIAS}'" in res.stderr and "cannot be reached" in res.stderr and "Fix:" in res.stderr
     assert not (wc / "checkpoints" / "remote-demo").exists()
+
+
+def test_remote_bad_partition_is_named_with_its_fix_nothing_submitted(slurm_cluster, cli, sshd, tmp_path):
+    """sbatch (the real one, there) refuses a partition: the laptop user reads the site file, the field, the
+    cluster's partitions and the fix; no job, no handle, no frozen run; the fixed site then submits."""
+    site = remote_site(tmp_path, sshd, slurm_cluster.env()["SLURM_CONF"])
+    wc = working_copy(tmp_path)
+    job = demo_job(wc)
+    bad = tmp_path / "bad-site.yaml"
+    bad.write_text(site.read_text().replace("partition: debug", "partition: nosuchpart"))
+    res = cli("submit", "--site", str(bad), "--job", str(job), cwd=wc)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert (f"on login host '{ALIAS}': {bad}: field 'slurm.partition': partition 'nosuchpart' does not exist"
+            in res.stderr), res.stderr
+    assert "debug (default)" in res.stderr and f"Fix: set slurm.partition: debug in {bad}" in res.stderr
+    run = tmp_path / "cluster-side" / "checkpoints" / "remote-demo"
+    assert not (wc / "checkpoints" / "remote-demo").exists()  # no handle
+    assert not [p.name for p in run.iterdir() if p.name not in ("code", "logs")], list(run.iterdir())
+    res = cli("submit", "--site", str(site), "--job", str(job), "--dry-run", cwd=wc)  # fixed: it goes through
+    assert res.returncode == 0 and "dry run on" in res.stdout, res.stdout + res.stderr
+    assert (run / "job.sbatch").is_file()

@@ -62,7 +62,8 @@ def test_remote_script_runs_in_bash_as_ssh_would_run_it(tmp_path):
                          input=buf.getvalue(), capture_output=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = res.stdout.decode()
-    assert f"--code {run}/code/abc --json --chain=1" in out and "m.py" in out
+    assert f"--code {run}/code/abc --origin {run}/.incoming." in out and "/submit/origin.json --json --chain=1" in out
+    assert "m.py" in out
     assert (run / "code" / "abc" / "m.py").read_text() == "X=1\n"
     assert not list(run.glob(".incoming.*"))  # the temp dir is gone
 
