@@ -20,6 +20,10 @@ variable anywhere else.
   DSLURM_FAULT_BITFLIP=STEP[:RANKS][@RESTART] RANKS flip one bit of one parameter element after optimizer
                                              step STEP (once per process): silent data corruption in one
                                              HSDP replica, for the replica check (train/sdc.py)
+  DSLURM_FAULT_AWAIT=GLOB:COUNT[:TIMEOUT_S]  a rank about to fire its CRASH or KILL9 first waits until
+                                             COUNT files match GLOB (at most TIMEOUT_S, default 90: below
+                                             the hang watchdog's 120 s floor), logging it: e.g. until
+                                             every node's warm pool is ready (RUN/warm/*.ready)
   DSLURM_FAULT_EXIT_DELAY=SECONDS[:RANKS][@RESTART]  RANKS wait SECONDS after their exit report,
                                              before exiting: forces which node's processes exit first
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
@@ -62,6 +66,7 @@ SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_STOP_IN_EVAL", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9",
          "DSLURM_FAULT_HANG", "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP", "DSLURM_FAULT_EXIT_DELAY",
+         "DSLURM_FAULT_AWAIT",
          "DSLURM_FAULT_CKPT_KILL",
          "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE,
          "DSLURM_FAULT_TOKENIZE_KILL")
@@ -108,8 +113,48 @@ def step_fault(name: str, env: Mapping[str, str] | None = None) -> int | None:
     return int(value) if value is not None else None
 
 
+AWAIT_DEFAULT_S = 90.0
+
+
+def parse_await(raw: str) -> tuple[str, int, float]:
+    """`GLOB:COUNT[:TIMEOUT_S]` -> (glob, count, timeout_s). Pure."""
+    head, _, last = raw.rpartition(":")
+    try:
+        glob2, _, count2 = head.rpartition(":")
+        if glob2 and count2.isdigit():
+            return glob2, int(count2), float(last)
+        if head and last.isdigit():
+            return head, int(last), AWAIT_DEFAULT_S
+    except ValueError:
+        pass
+    from dslurm.errors import UserError
+
+    raise UserError(f"DSLURM_FAULT_AWAIT={raw!r}: must be GLOB:COUNT[:TIMEOUT_S], e.g. /run/warm/*.ready:2")
+
+
+def await_files(env: Mapping[str, str] | None = None, sleep_s: float = 0.2) -> bool:
+    """DSLURM_FAULT_AWAIT: wait (bounded) until COUNT files match GLOB. True: they do (or no knob)."""
+    import glob
+
+    raw = (os.environ if env is None else env).get("DSLURM_FAULT_AWAIT")
+    if not raw:
+        return True
+    pattern, count, timeout_s = parse_await(raw)
+    t0 = time.monotonic()
+    while len(glob.glob(pattern)) < count:
+        if time.monotonic() - t0 > timeout_s:
+            log.warning("DSLURM_FAULT_AWAIT: %d of %d files match %s after %.0f s; firing anyway",
+                        len(glob.glob(pattern)), count, pattern, timeout_s)
+            return False
+        time.sleep(sleep_s)
+    log.warning("DSLURM_FAULT_AWAIT: %d files match %s after %.1f s", count, pattern, time.monotonic() - t0)
+    return True
+
+
 def before_step(next_step: int, crash_at: int | None, kill_at: int | None, hang_at: int | None = None) -> None:
     """Called by the trainer before optimizer step `next_step` (1-based)."""
+    if (kill_at is not None and next_step >= kill_at) or (crash_at is not None and next_step >= crash_at):
+        await_files()
     if hang_at is not None and next_step == hang_at:
         log.warning("DSLURM_FAULT_HANG: hanging before step %d", next_step)
         while True:  # outside any collective, interpreter free: the watchdog thread still runs

@@ -152,6 +152,7 @@ class _Forwarder:
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         self.attempt: warm.Attempt | None = None  # workers forked by this node's warm pool
+        self.sent = 0  # SIGNALS[:sent] reached the current attempt's workers (or came before it)
         self.status_dir: str | None = None
 
     def install(self) -> None:
@@ -165,6 +166,7 @@ class _Forwarder:
         _note_stop(name, self.status_dir)  # before the kill: see _note_stop
         if self.attempt is not None:
             self.attempt.signal_all(signum)
+            self.sent = len(SIGNALS)
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
@@ -198,7 +200,9 @@ def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
     return 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N, like a shell
 
 
-TEARDOWN_GRACE_S = 5.0  # a failed worker's peers: TERM, then KILL after this (as torchrun does)
+# A failed worker's peers: TERM, then KILL after this. torchrun's agent waits 30 s too; the first
+# nonzero code may be a stop's own 75/143, and its peers are then saving.
+TEARDOWN_GRACE_S = 30.0
 
 
 def _run_warm(path: Path, info: LaunchInfo, cmd: Sequence[str], env: dict[str, str]) -> int | None:
@@ -214,6 +218,7 @@ def _run_warm(path: Path, info: LaunchInfo, cmd: Sequence[str], env: dict[str, s
     if STOP_SIGNAL:
         _note_stop(STOP_SIGNAL, FORWARDER.status_dir)
     envs = warm.worker_envs(env, info.nproc_per_node, info.node_rank, info.world_size)
+    FORWARDER.sent = len(SIGNALS)  # every signal from here on must reach the workers
     try:
         attempt = warm.Attempt(path, cmd, envs, os.getcwd())
     except warm.PoolUnavailable as exc:
@@ -222,6 +227,12 @@ def _run_warm(path: Path, info: LaunchInfo, cmd: Sequence[str], env: dict[str, s
     log.warning("dslurm launch: warm start: workers %s forked by the pool (%d task(s) in it)",
                 attempt.pids, attempt.tasks)
     FORWARDER.attempt = attempt
+    # Signals that came while the pool forked (before the pids were known): recorded, not yet
+    # forwarded. One statement each, the handler's own forwarding in between is never repeated.
+    missed, FORWARDER.sent = SIGNALS[FORWARDER.sent:], len(SIGNALS)
+    for name, _t in missed:
+        log.warning("dslurm launch: forwarding %s, which came while the pool forked the workers", name)
+        attempt.signal_all(signal.Signals[name])
 
     timer = threading.Timer(TEARDOWN_GRACE_S, attempt.signal_all, (signal.SIGKILL,))
     timer.daemon = True  # never keeps the launcher from exiting

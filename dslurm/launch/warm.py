@@ -19,8 +19,11 @@ The pool serves one attempt at a time. When the launcher's connection closes (th
 was killed -9, or the step was torn down), every worker of that attempt still alive is SIGKILLed
 (its whole process group: a worker stopped or ignoring TERM included) and reaped before the pool
 reads the next request: a new attempt's workers never start while an old one's exist. A worker
-also dies with the pool (PR_SET_PDEATHSIG). The pool reports each worker's exit status on the
-connection; the launcher turns them into torchrun-like codes.
+also dies with the pool (PR_SET_PDEATHSIG). So the pool outlives its workers' stop: it ignores
+USR2, and on TERM (sent by Slurm to every step: time limit, preemption, scancel) it takes no new
+attempt but watches the current one's workers -- saving on that same TERM -- to their end, then
+exits. Workers start with USR2 ignored, as torchrun's do (the trainer installs its handler).
+The pool reports each worker's exit status on the connection; the launcher turns them into torchrun-like codes.
 
 Protocol (one connection = one attempt): the launcher sends an 8-byte length with two fds
 (its stdout, stderr: SCM_RIGHTS), then that many bytes of JSON {argv, cwd, envs: [per local
@@ -78,8 +81,10 @@ def entry_module(cmd: Sequence[str]) -> str | None:
 
 
 def worker_envs(base: Mapping[str, str], nproc: int, node_rank: int, world: int) -> list[dict[str, str]]:
-    """Each local rank's environment, as torchrun would set it (ranks by node, then local). Pure."""
-    return [{**base, "RANK": str(node_rank * nproc + lr), "LOCAL_RANK": str(lr), "WORLD_SIZE": str(world),
+    """Each local rank's environment, as torchrun would set it (ranks by node, then local; and
+    OMP_NUM_THREADS=1 when several workers share the node and it is unset). Pure."""
+    omp = {"OMP_NUM_THREADS": "1"} if nproc > 1 and "OMP_NUM_THREADS" not in base else {}
+    return [{**base, **omp, "RANK": str(node_rank * nproc + lr), "LOCAL_RANK": str(lr), "WORLD_SIZE": str(world),
              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node_rank), "ROLE_RANK": str(node_rank * nproc + lr),
              "ROLE_WORLD_SIZE": str(world)} for lr in range(nproc)]
 
@@ -132,14 +137,31 @@ def serve(path: Path, *, module: str | None, base: Sequence[str] = BASE_PRELOAD,
 
         ready.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(ready, json.dumps({"pid": os.getpid(), "socket": str(path), "t": time.time()}))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Slurm signals every process of every step (time limit, preemption, `scancel --signal`,
+    # `dslurm cancel --save`): USR2 is the workers' business, never the pool's; TERM stops the pool
+    # from taking new attempts, but the current attempt's workers (saving on that same TERM) are
+    # watched and reaped to the end first: the pool's death would SIGKILL them (PDEATHSIG).
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    state = {"busy": False, "stopping": False}
+
+    def on_term(_signum: int, _frame: object) -> None:
+        state["stopping"] = True
+        path.unlink(missing_ok=True)  # no new connection finds the pool
+        if not state["busy"]:
+            raise SystemExit(0)
+        log.warning("warm pool: SIGTERM; waiting for the current attempt's workers, then exiting")
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
-        while True:
+        while not state["stopping"]:
             conn, _ = listener.accept()
+            state["busy"] = True
             with conn:
-                _attempt(conn, listener)
+                _attempt(conn, listener, stopping=lambda: state["stopping"])
+            state["busy"] = False
             if once:
                 return 0
+        return 0
     finally:
         path.unlink(missing_ok=True)
         if ready is not None:
@@ -167,26 +189,41 @@ def _send(conn: socket.socket, obj: Mapping[str, object]) -> None:
         pass
 
 
-def _attempt(conn: socket.socket, listener: socket.socket) -> None:
+# Blocked around fork: a signal between the fork and the child's own dispositions must not run
+# the pool's handlers in a worker (it stays pending until the worker has reset them).
+_FORK_BLOCKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGCHLD}
+
+
+def _attempt(conn: socket.socket, listener: socket.socket, stopping: Callable[[], bool] = lambda: False) -> None:
     """One attempt: fork the workers, report each exit; kill them all when the launcher leaves."""
     try:
         req, fds = _recv_request(conn)
     except (OSError, ValueError) as exc:
         log.error("warm pool: bad request: %s", exc)
         return
+    pids: list[int] = []
     try:
-        envs = req["envs"]
-        if len(fds) != 2 or not isinstance(envs, list) or not envs:
-            _send(conn, {"error": f"want 2 fds and a list of envs, got {len(fds)} fds"})
+        envs = req.get("envs") if isinstance(req, dict) else None
+        argv = req.get("argv") if isinstance(req, dict) else None
+        if len(fds) != 2 or not isinstance(envs, list) or not envs or not isinstance(argv, list):
+            log.error("warm pool: bad request: %d fds, envs %s, argv %s", len(fds), type(envs).__name__,
+                      type(argv).__name__)
+            _send(conn, {"error": f"want 2 fds, argv and a list of envs, got {len(fds)} fds"})
             return
-        pids: list[int] = []
+        if stopping():
+            _send(conn, {"error": "the pool is stopping (SIGTERM)"})
+            return
         sys.stdout.flush()
         sys.stderr.flush()
         try:
             for env in envs:
-                pid = os.fork()
-                if pid == 0:
-                    _worker(req, env, fds, (conn, listener))  # never returns
+                old = signal.pthread_sigmask(signal.SIG_BLOCK, _FORK_BLOCKED)
+                try:
+                    pid = os.fork()
+                    if pid == 0:
+                        _worker(req, env, fds, (conn, listener), old)  # never returns
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)  # the pool's (the child never gets here)
                 pids.append(pid)
         except OSError as exc:  # out of memory or pids: none of this attempt may run
             for pid in pids:
@@ -209,12 +246,12 @@ def _watch(conn: socket.socket, pids: list[int]) -> None:
         for pid in sorted(alive):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
+                code = os.waitstatus_to_exitcode(status) if done else 0
+            except ChildProcessError:  # reaped elsewhere: its status is lost, never a success
+                done, code = pid, 1
             if done:
                 alive.discard(pid)
-                _send(conn, {"local_rank": pids.index(pid), "pid": pid, "code": os.waitstatus_to_exitcode(status),
-                             "t": time.time()})
+                _send(conn, {"local_rank": pids.index(pid), "pid": pid, "code": code, "t": time.time()})
         if not alive:
             break
         if killed:
@@ -255,10 +292,19 @@ def _pdeathsig() -> None:
         pass
 
 
-def _worker(req: Mapping[str, object], env: Mapping[str, str], fds: list[int], close: Sequence[socket.socket]) -> None:
-    """In the forked child: become a fresh worker and run the entry; never returns."""
+def _worker(req: Mapping[str, object], env: Mapping[str, str], fds: list[int], close: Sequence[socket.socket],
+            mask: set[int | signal.Signals] | None = None) -> None:
+    """In the forked child (signals blocked): become a fresh worker and run the entry; never returns."""
     code = 1
     try:
+        # First the dispositions, then the pool's mask back: a signal that came meanwhile acts as it
+        # would on a fresh worker. USR2 ignored as on the cold path (torchrun's workers inherit it
+        # ignored from the launcher): the trainer installs its own handler explicitly.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask if mask is not None else set())
         os.setsid()
         _pdeathsig()
         for s in close:
@@ -267,8 +313,6 @@ def _worker(req: Mapping[str, object], env: Mapping[str, str], fds: list[int], c
         os.dup2(fds[1], 2)
         for fd in fds:
             os.close(fd)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
         logging.root.handlers.clear()  # the entry configures its own (basicConfig is a no-op otherwise)
         logging.root.setLevel(logging.WARNING)
         os.environ.clear()
@@ -299,6 +343,9 @@ def run_entry(argv: Sequence[str]) -> int:
     if module is None:
         raise ValueError(f"warm worker: not a `python -m MODULE` command: {list(argv)[:3]}")
     sys.argv = [str(argv[0]), *argv[3:]]
+    # The pool preloaded `MODULE.__main__` (its WARM_PRELOAD): runpy would warn that it is already
+    # imported, and run it afresh as `__main__` anyway.
+    sys.modules.pop(f"{module}.__main__", None)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 

@@ -61,3 +61,22 @@ def test_several_values_aim_at_several_job_steps_the_first_that_applies_wins():
     assert at == [9, None, 15, None]
     assert faults.step_fault("DSLURM_FAULT_KILL9", {"DSLURM_FAULT_KILL9": knob, "RANK": "0",
                                                     "DSLURM_STEP_INDEX": "0"}) is None  # another rank
+
+
+def test_await_waits_for_the_files_bounded(tmp_path):
+    import threading
+
+    import pytest
+
+    from dslurm.errors import UserError
+
+    assert faults.parse_await(f"{tmp_path}/*.ready:2") == (f"{tmp_path}/*.ready", 2, faults.AWAIT_DEFAULT_S)
+    assert faults.parse_await("/a:b/*.ready:3:7.5") == ("/a:b/*.ready", 3, 7.5)
+    with pytest.raises(UserError):
+        faults.parse_await("/x/*.ready")
+    assert faults.await_files({})  # no knob: nothing to wait for
+    env = {"DSLURM_FAULT_AWAIT": f"{tmp_path}/*.ready:2:20"}
+    (tmp_path / "a.ready").write_text("")
+    threading.Timer(0.3, (tmp_path / "b.ready").write_text, ("",)).start()
+    assert faults.await_files(env, sleep_s=0.02) and (tmp_path / "b.ready").exists()
+    assert not faults.await_files({"DSLURM_FAULT_AWAIT": f"{tmp_path}/*.ready:3:0.1"}, sleep_s=0.02)

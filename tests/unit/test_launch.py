@@ -135,3 +135,38 @@ def test_env_cli_user_mistakes_exit_2_naming_variable_and_fix(cli):
         assert "Traceback" not in res.stderr
     res = cli("env", "--json", env={**base, "SLURM_GPUS_PER_NODE": "a100:2,v100:2"})
     assert res.returncode == 0 and '"nproc_per_node": 4' in res.stdout, res.stderr
+
+
+def test_a_signal_while_the_pool_forks_reaches_the_warm_workers_once(monkeypatch, tmp_path):
+    """TERM comes after the pool forked but before the pids arrived: recorded then, forwarded once
+    the attempt is known; a TERM after that is forwarded by the handler only (never twice)."""
+    import signal as sg
+
+    import dslurm.launch as L
+    from dslurm.launch import warm
+
+    sent: list[int] = []
+
+    class FakeAttempt:
+        def __init__(self, path, argv, envs, cwd):
+            self.pids, self.tasks = [1234], 1
+            L.FORWARDER._on_signal(sg.SIGTERM, None)  # while the pool forks: no attempt known yet
+
+        def signal_all(self, signum):
+            sent.append(signum)
+
+        def wait(self, on_failure):
+            L.FORWARDER._on_signal(sg.SIGTERM, None)  # after: the handler forwards it itself
+            return {0: 0}
+
+    monkeypatch.setattr(warm, "Attempt", FakeAttempt)
+    monkeypatch.setattr(L.FORWARDER, "install", lambda: None)
+    L.reset_stop()
+    try:
+        info = derive({**ENV, "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1"},
+                      nproc_per_node=1)
+        assert L._run_warm(tmp_path / "s.sock", info, ["python", "-m", "x"], {}) == 0
+        assert sent == [sg.SIGTERM, sg.SIGTERM]
+    finally:
+        L.reset_stop()
+        L.FORWARDER.attempt = None

@@ -67,20 +67,51 @@ def test_warm_step_env_tells_the_launchers(make, tmp_path, monkeypatch):
 
 
 def test_warm_pools_start_after_the_first_step_and_run_on_every_allocated_node(make, monkeypatch):
+    from dslurm.launch.warm import ready_path
     from dslurm.observe import events as ev
     from dslurm.observe.ledger import Ledger
     from dslurm.recover.supervise import WarmPools
 
     sup, _c, run = make([completes])
+    # An earlier start's first step (before a requeue; a resubmission's job id differs too): the
+    # ledger holds it before this supervise begins, and it must not start the pools.
+    Ledger(run).append(ev.StartPhases(t0=1.0, phases={"imports": 1.0}, total_s=1.0, job_id="4242", restart=0))
+    Ledger(run).append(ev.StartPhases(t0=1.0, phases={"imports": 1.0}, total_s=1.0, job_id="4000", restart=0))
+    stale = ready_path(run, "4242", "node2")  # a pool of the earlier start, killed -9
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("{}")
     cmd = ["python", "-m", "dslurm", "launch", "--", "python", "-m", "train", "--site", "s"]
-    pools = WarmPools(sup.r, cmd, {"SLURM_JOB_ID": "4242"}, ["node1", "node2", "node3"])
+    pools = WarmPools(sup.r, cmd, {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"}, ["node1", "node2", "node3"])
     started = []
     monkeypatch.setattr("subprocess.Popen", lambda argv, **kw: started.append(argv))
     pools.tick(step_over=False)
     assert started == []  # the cold start has not trained yet: its imports keep the CPUs
-    Ledger(run).append(ev.StartPhases(t0=1.0, phases={"imports": 1.0}, total_s=1.0))
+    # Appended now, but of another job or another start: still not this cold start's first step.
+    Ledger(run).append(ev.StartPhases(t0=1.0, phases={"imports": 1.0}, total_s=1.0, job_id="4000", restart=1))
+    Ledger(run).append(ev.StartPhases(t0=1.0, phases={"imports": 1.0}, total_s=1.0, job_id="4242", restart=0))
     pools.tick(step_over=False)
+    assert started == []
+    Ledger(run).append(ev.StartPhases(t0=1.0, phases={"imports": 1.0}, total_s=1.0, job_id="4242", restart=1))
+    pools.tick(step_over=False)
+    assert not stale.exists()
     assert [a[a.index("--host") + 1] for a in started] == ["node1", "node2", "node3"]
     assert all(a[:2] == ["srun", "--overlap"] and a[a.index("--module") + 1] == "train" for a in started)
     pools.tick(step_over=True)
     assert len(started) == 3
+
+
+def test_warm_pool_step_gets_the_training_steps_share_of_its_node(make):
+    """Forked workers inherit the pool step's cgroup and affinity: it must hold the node's CPUs the
+    training step holds, the node's memory, and no CPU binding."""
+    from dslurm.recover.supervise import WarmPools, pool_shape_flags
+    from dslurm.render import cpus_per_task, tasks_per_node
+
+    sup, _c, _run = make([completes])
+    flags = pool_shape_flags(sup.r)
+    assert flags == [f"--cpus-per-task={cpus_per_task(sup.r) * tasks_per_node(sup.r)}", "--mem=0", "--cpu-bind=none"]
+    assert cpus_per_task(sup.r) * tasks_per_node(sup.r) == max(1, sup.r.site.node.cpus)
+    pools = WarmPools(sup.r, ["l", "--", "python", "-m", "train"], {"SLURM_JOB_ID": "1"}, ["node1"])
+    argv = pools.argv("node1")
+    assert argv[argv.index("--quiet") + 1:argv.index("python")] == flags
+    training = SrunRunner(sup.r, ["dslurm", "launch"], {}).argv(Step(index=0, hosts=("node1",), facts_dir=_run))
+    assert flags[0] in training or tasks_per_node(sup.r) > 1
