@@ -265,13 +265,6 @@ def _own_sums(gen: Path, rank: int, streamed: dict[str, Any]) -> dict[str, Any]:
     return sums
 
 
-def _reap(run_dir: Path) -> None:
-    """Delete the trash of run_dir on a thread of its own. Unlinking a generation's shards takes
-    ~0.2 s per GB here, after the pointer moved: nothing a stop's save need wait for. A process
-    that exits first leaves the trash to the next collection (collect_garbage empties it)."""
-    threading.Thread(target=ck.empty_trash, args=(run_dir,), name="dslurm-ckpt-reap", daemon=True).start()
-
-
 def _to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
@@ -312,6 +305,11 @@ class CheckpointManager:
                 err = str(exc)
         if err := self._ctl.bcast(err):
             raise ck.RunLocked(err)
+        # Threads deleting trash (old generations' bytes), joined by close(): the trainer leaves
+        # through os._exit right after close(), which would kill a daemon thread mid-delete.
+        self._reapers: list[threading.Thread] = []
+        if self.rank == 0:  # what a killed process left (its reaper died with it); we own the run now
+            self._reap(self.run_dir)
         self._stager: HostStager | None = None
         self._thread: threading.Thread | None = None
         self._outcome: SaveOutcome | None = None
@@ -528,13 +526,28 @@ class CheckpointManager:
         return self._stager.take_blocked() if self._stager is not None else 0.0
 
     def close(self) -> None:
+        """Finish the in-flight save, then the trash deletion: unbounded, since unlinking runs at
+        ~0.2 s per GB, and trash left behind would hold a generation's bytes for good (or, after
+        a requeue, during the next start's first save: ENOSPC with a quota sized for keep+1)."""
         try:
             self.wait()
         finally:
             if self._stager is not None:
                 self._stager.close()
+            for t in self._reapers:
+                t.join()
+            self._reapers.clear()
             if self.rank == 0:
                 self._lock.release()
+
+    def _reap(self, run_dir: Path) -> None:
+        """Delete the trash of run_dir on a thread of its own: unlinking a generation's shards
+        takes ~0.2 s per GB, after the pointer moved, nothing a stop's save need wait for.
+        close() joins it."""
+        self._reapers = [t for t in self._reapers if t.is_alive()]
+        t = threading.Thread(target=ck.empty_trash, args=(run_dir,), name="dslurm-ckpt-reap", daemon=True)
+        t.start()
+        self._reapers.append(t)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -622,7 +635,7 @@ class CheckpointManager:
             return False, _reason(exc), 0
         try:  # the old generations leave at once; their bytes are deleted off the save's path
             ck.collect_garbage(self.run_dir, self.keep, self.keep_every, in_flight={job.name}, reap=False)
-            _reap(self.run_dir)
+            self._reap(self.run_dir)
         except Exception as exc:  # pruning must never turn a committed save into a failure
             log.warning("checkpoint gc in %s failed: %s", self.run_dir, _reason(exc))
         return True, "", sum(f["size"] for f in files.values())

@@ -113,6 +113,8 @@ class TwoTier:
         self.groups = tiers.node_groups(mgr._ctl.gather(str(self.local_dir)))
         self.node = next(i for i, g in enumerate(self.groups) if mgr.rank in g)
         self.leader = mgr.rank == self.groups[self.node][0]
+        if self.leader:  # local retention deletes in place, but a kill mid-delete leaves trash
+            mgr._reap(self.local_dir)
         on = mgr._ctl.group is not None
         self._comms = [_Comm(dist.new_group(backend="gloo") if on else None) for _ in range(2)]
         self._flights: list[_Flight] = []

@@ -61,7 +61,7 @@ def places(r: Resolved, cwd: str | Path) -> tuple[str, Path]:
 
 def probe(login: ssh.Login) -> str:
     """`dslurm --version` there: the host answers and dslurm runs (else a UserError with the fix)."""
-    res = ssh.run(login, ssh.script(login, ["DSLURM --version"]), timeout=120)
+    res = ssh.run(login, ssh.script(login, [f"{ssh.DSLURM} --version"]), timeout=120)
     if res.returncode != 0:
         raise UserError(f"login host {login.host!r}: `dslurm --version` failed there (exit {res.returncode}): "
                         f"{res.stderr.decode(errors='replace').strip()}. Fix: repair the dslurm install on the "
@@ -94,7 +94,7 @@ def submit_body(run_dir: str, code: str, flags: list[str]) -> list[str]:
         f'mv "$tmp/code/{code}" {run}/code/{name}; fi',
         f"cd {run}/code/{name}",
         "set +e",
-        f'DSLURM submit --site "$tmp/submit/site.yaml" --job "$tmp/submit/job.yaml" --code {run}/code/{name} '
+        f'{ssh.DSLURM} submit --site "$tmp/submit/site.yaml" --job "$tmp/submit/job.yaml" --code {run}/code/{name} '
         f'--origin "$tmp/submit/origin.json" --json {ssh.quote_words(flags)}',
     ]
 
@@ -125,7 +125,7 @@ def resubmit_body(run_dir: str, code: str | None, flags: list[str]) -> list[str]
         'if [ -n "$snap" ] && [ -d ' + f'{run}/code/"$snap" ]; then cd {run}/code/"$snap"; '
         f'code=(--code {run}/code/"$snap"); else cd {run}; code=(); fi',
         "set +e",
-        f'DSLURM submit --run-dir {run} "${{code[@]}}" --json {ssh.quote_words(flags)}',
+        f'{ssh.DSLURM} submit --run-dir {run} "${{code[@]}}" --json {ssh.quote_words(flags)}',
     ]
     return lines
 
@@ -211,7 +211,7 @@ def resubmit(h: hd.Handle, snap: Snapshot | None = None, *, chain: int = 1, forc
 
 def passthrough(h: hd.Handle, argv: list[str]) -> int:
     """Run `dslurm ARGV` there; its output streams here. Returns its exit code."""
-    res = ssh.run(h.login, ssh.script(h.login, ["exec DSLURM " + ssh.quote_words(argv)]), capture=False)
+    res = ssh.run(h.login, ssh.script(h.login, [f"exec {ssh.DSLURM} " + ssh.quote_words(argv)]), capture=False)
     return res.returncode
 
 
@@ -222,9 +222,9 @@ def fetch_body(run_dir: str, png: bool) -> list[str]:
     return [
         'out=$(mktemp -d)',
         "trap 'rm -rf \"$out\"' EXIT",
-        f'DSLURM report {run} --no-png > "$out/report.txt" 2> "$out/errors.txt"',
-        f'DSLURM report {run} --json {draw} > "$out/report.json" 2>> "$out/errors.txt"',
-        f'DSLURM ckpt ls {run} > "$out/ckpt-ls.txt" 2>> "$out/errors.txt"',
+        f'{ssh.DSLURM} report {run} --no-png > "$out/report.txt" 2> "$out/errors.txt"',
+        f'{ssh.DSLURM} report {run} --json {draw} > "$out/report.json" 2>> "$out/errors.txt"',
+        f'{ssh.DSLURM} ckpt ls {run} > "$out/ckpt-ls.txt" 2>> "$out/errors.txt"',
         'tar -cf - -C "$out" .',
     ]
 
@@ -267,7 +267,7 @@ class RemoteRun:
     def status(self) -> dict[str, object]:
         """`dslurm status JOB --json`, asked there."""
         h = self.handle
-        res = ssh.run(h.login, ssh.script(h.login, [f"exec DSLURM status {h.job_id} --json"]), timeout=120)
+        res = ssh.run(h.login, ssh.script(h.login, [f"exec {ssh.DSLURM} status {h.job_id} --json"]), timeout=120)
         if res.returncode != 0:
             raise UserError(f"{h.login.host}: dslurm status {h.job_id} failed: {res.stderr.decode(errors='replace')}")
         data: dict[str, object] = json.loads(res.stdout)

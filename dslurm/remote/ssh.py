@@ -43,13 +43,20 @@ def quote_words(words: Sequence[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+# What body lines write to run dslurm there: the words of the site's command, kept in a bash
+# array that `script` defines once. A textual substitution would also rewrite the word inside
+# values the body already quoted (a run dir, a --set value, passthrough argv named DSLURM...).
+DSLURM = '"${dslurm_cmd[@]}"'
+
+
 def script(login: Login, body: Sequence[str]) -> str:
-    """The site's setup lines, a check that dslurm is there, then `body`. `DSLURM` in the body
-    is the quoted command that runs dslurm. Setup lines may fail on a login node (a module
-    only compute nodes have): their messages reach stderr and the script goes on. Pure."""
-    dslurm = quote_words(login.dslurm)
-    check = f"command -v {shlex.quote(login.dslurm[0])} >/dev/null 2>&1 || exit {NOT_FOUND}"
-    return "\n".join([*login.setup, check, *(line.replace("DSLURM", dslurm) for line in body), ""])
+    """The site's setup lines, the command that runs dslurm (the bash array `dslurm_cmd`, used
+    as `DSLURM` in body lines), a check that it is there, then `body` unchanged. Setup lines
+    may fail on a login node (a module only compute nodes have): their messages reach stderr
+    and the script goes on. Pure."""
+    define = f"dslurm_cmd=({quote_words(login.dslurm)})"  # after setup: no setup line can change it
+    check = f'command -v "${{dslurm_cmd[0]}}" >/dev/null 2>&1 || exit {NOT_FOUND}'
+    return "\n".join([*login.setup, define, check, *body, ""])
 
 
 def unreachable(login: Login, stderr: str) -> UserError:

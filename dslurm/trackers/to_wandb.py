@@ -18,9 +18,15 @@ from __future__ import annotations
 import os
 import secrets
 import string
+import threading
 from typing import Any
 
 from dslurm.trackers import Start
+
+# Seconds close() waits for W&B to finish: it runs before the rank report, inside Slurm's
+# KillWait on a stop (15 s on the test cluster, 30-120 s at sites), after the stop's save.
+# Offline, finish + teardown take ~1 s here.
+CLOSE_TIMEOUT_S = 10.0
 
 
 def _new_id() -> str:
@@ -59,11 +65,36 @@ class WandbTracker:
     def close(self, ending: str | None) -> None:
         import wandb
 
-        self.run.finish(exit_code=0 if ending in (None, "completed", "requeue", "terminated") else 1)
-        # finish() can return before W&B's service process has written the run's records (seen:
-        # a .wandb file holding its header alone); teardown waits for the service to end, and no
-        # atexit hook is left to do it: the trainer exits without finalization (runtime.exit.leave).
-        wandb.teardown()
+        code = 0 if ending in (None, "completed", "requeue", "terminated") else 1
+
+        def finalize() -> None:
+            self.run.finish(exit_code=code)
+            # finish() can return before W&B's service process has written the run's records
+            # (seen: a .wandb file holding its header alone); teardown waits for the service to
+            # end, and no atexit hook is left to do it: the trainer exits without finalization
+            # (runtime.exit.leave).
+            wandb.teardown()
+
+        # Both wait on W&B's service (online: on its uploads). This runs before the rank report,
+        # so a slow or hung service must not hold the report past Slurm's KillWait: bounded, and
+        # a timeout is a tracker failure like any other (reported once, training unaffected).
+        done, errors = threading.Event(), list[BaseException]()
+
+        def run() -> None:
+            try:
+                finalize()
+            except BaseException as exc:  # re-raised below, where the tracker guard reports it
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="dslurm-wandb-close", daemon=True).start()
+        if not done.wait(CLOSE_TIMEOUT_S):
+            raise TimeoutError(f"W&B did not finish within {CLOSE_TIMEOUT_S:g} s (its service is slow or "
+                               "hung); left unfinished so the exit is not delayed: offline, the run's "
+                               "last records may be missing; online, `wandb sync` the run directory")
+        if errors:
+            raise errors[0]
 
 
 def open_run(ctx: Start) -> WandbTracker:

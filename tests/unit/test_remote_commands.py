@@ -27,11 +27,40 @@ def test_login_argv_batch_mode_config_and_one_quoted_script():
 
 def test_script_runs_setup_then_checks_and_quotes_dslurm():
     login = ssh.Login(host="h", dslurm=("/opt/my venv/bin/dslurm",), setup=("module load x",))
-    text = ssh.script(login, ["exec DSLURM status 5"])
+    text = ssh.script(login, [f"exec {ssh.DSLURM} status 5"])
     lines = text.splitlines()
     assert lines[0] == "module load x"
-    assert lines[1] == "command -v '/opt/my venv/bin/dslurm' >/dev/null 2>&1 || exit 127"
-    assert lines[2] == "exec '/opt/my venv/bin/dslurm' status 5"
+    assert lines[1] == "dslurm_cmd=('/opt/my venv/bin/dslurm')"
+    assert lines[2] == 'command -v "${dslurm_cmd[0]}" >/dev/null 2>&1 || exit 127'
+    assert lines[3] == 'exec "${dslurm_cmd[@]}" status 5'
+
+
+def _echo_dslurm(tmp_path):
+    """A stand-in dslurm (in a directory with a space, run with an extra word) that prints its
+    arguments one per line, then its working directory."""
+    fake = tmp_path / "my bin" / "dslurm"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"; echo "PWD $PWD"\n')
+    fake.chmod(0o755)
+    return ssh.Login(host="h", dslurm=(str(fake), "--quiet word"))
+
+
+def test_dslurm_inside_quoted_values_reaches_the_remote_command_unchanged(tmp_path):
+    login = _echo_dslurm(tmp_path)
+    run = tmp_path / "runs DSLURM" / "it's DSLURM"
+    run.mkdir(parents=True)
+    (run / "job.yaml").write_text("{}")
+    flags = ["--set=env.DSLURM_X=a DSLURM b", "--chain=1"]
+    res = subprocess.run(["bash", "-c", ssh.script(login, proxy.resubmit_body(str(run), None, flags))],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["--quiet word", "submit", "--run-dir", str(run), "--json", *flags,
+                                       f"PWD {run}"]
+    argv = ["report", str(run), "--set=DSLURM=DSLURM", "DSLURM"]  # passthrough argv
+    res = subprocess.run(["bash", "-c", ssh.script(login, [f"exec {ssh.DSLURM} " + ssh.quote_words(argv)])],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[:-1] == ["--quiet word", *argv]
 
 
 def test_submit_body_quotes_the_run_dir_and_passes_flags():
@@ -43,7 +72,7 @@ def test_submit_body_quotes_the_run_dir_and_passes_flags():
 
 
 def test_remote_script_runs_in_bash_as_ssh_would_run_it(tmp_path):
-    """The script as the login host's shell gets it: stdin carries a tar, DSLURM is a stand-in."""
+    """The script as the login host's shell gets it: stdin carries a tar, dslurm is a stand-in."""
     fake = tmp_path / "dslurm"
     fake.write_text("#!/bin/sh\necho \"ARGS $*\"; ls \"$PWD\"\n")
     fake.chmod(0o755)
@@ -70,7 +99,7 @@ def test_remote_script_runs_in_bash_as_ssh_would_run_it(tmp_path):
 
 def test_missing_remote_dslurm_is_127_and_named(tmp_path):
     login = ssh.Login(host="h", dslurm=("/nonexistent/dslurm",))
-    res = subprocess.run(["bash", "-c", ssh.script(login, ["exec DSLURM --version"])])
+    res = subprocess.run(["bash", "-c", ssh.script(login, [f"exec {ssh.DSLURM} --version"])])
     assert res.returncode == ssh.NOT_FOUND
     assert "remote.dslurm" in str(ssh.missing_dslurm(login))
 
@@ -128,7 +157,8 @@ def test_handle_round_trip_and_a_plain_run_dir_has_none(tmp_path):
 
 def test_fetch_body_makes_text_json_png_and_ckpt_ls():
     text = "\n".join(proxy.fetch_body("/r x", png=True))
-    assert "DSLURM report '/r x' --json --png \"$out/report.png\"" in text and "DSLURM ckpt ls '/r x'" in text
+    assert f"{ssh.DSLURM} report '/r x' --json --png \"$out/report.png\"" in text
+    assert f"{ssh.DSLURM} ckpt ls '/r x'" in text
     assert "--no-png > \"$out/report.txt\"" in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 

@@ -176,6 +176,43 @@ def test_wandb_offline_reuses_the_run_id(offline):
         assert b"train/loss" in data and run_id.encode() in data
 
 
+@pytest.mark.skipif(not _have("wandb"), reason="wandb not installed")
+def test_a_hung_wandb_close_is_bounded_and_reported_once(offline, monkeypatch):
+    import threading
+    import time
+
+    import wandb
+
+    from dslurm.trackers import to_wandb
+
+    release, real = threading.Event(), wandb.teardown
+
+    def hung_teardown(*a, **kw):
+        release.wait(60)  # a W&B service that does not answer
+        real(*a, **kw)
+
+    monkeypatch.setattr(wandb, "teardown", hung_teardown)
+    monkeypatch.setattr(to_wandb, "CLOSE_TIMEOUT_S", 0.5)
+    led = Ledger(offline)
+    t = attach(led, offline, MetricsSpec(trackers=["wandb"]), "tiny")  # type: ignore[list-item]
+    assert t is not None
+    led.append(ev.TrainStart(step=0))
+    led.append(_steps(0, 1.0))
+    t0 = time.monotonic()
+    try:
+        led.append(ev.Exit(reason="completed", step=1, code=0))
+        waited = time.monotonic() - t0
+    finally:
+        release.set()  # let the real teardown end W&B's service before the next test
+        for th in threading.enumerate():
+            if th.name == "dslurm-wandb-close":
+                th.join(30)
+    assert waited < 20
+    failed = [e for e in ev.read(offline) if isinstance(e, ev.TrackerFailed)]
+    assert [(e.tracker, e.during) for e in failed] == [("wandb", "close")]
+    assert "did not finish within 0.5 s" in failed[0].error
+
+
 @needs_all
 def test_all_three_together_and_no_credentials_in_the_run_dir(offline):
     two_starts(offline, ALL)
