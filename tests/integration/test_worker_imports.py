@@ -25,10 +25,16 @@ from train_helpers import run_train, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
+# The trainer leaves without the interpreter's finalization (dslurm.runtime.exit.leave: no atexit),
+# so the dump rides on `leave` itself: the modules as they are when the worker exits.
 WRAPPER = """\
-import atexit, json, os, runpy, sys
-out = sys.argv[1]
-atexit.register(lambda: open(out % os.environ.get("RANK", "0"), "w").write(json.dumps(sorted(sys.modules))))
+import json, os, runpy, sys
+import dslurm.runtime.exit as ex
+out, real = sys.argv[1], ex.leave
+def leave(code):
+    open(out % os.environ.get("RANK", "0"), "w").write(json.dumps(sorted(sys.modules)))
+    real(code)
+ex.leave = leave
 sys.argv = ["train", *sys.argv[2:]]
 runpy.run_module("train", run_name="__main__", alter_sys=True)
 """
