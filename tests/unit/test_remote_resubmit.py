@@ -4,7 +4,6 @@ dslurm runs "there", and a stand-in `sbatch` answers (or refuses, with Slurm's r
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -14,13 +13,12 @@ import pytest
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
-from dslurm.observe.ledger import Ledger
 from dslurm.remote import handle, proxy, ssh
 from dslurm.submit import submit
+from testkit import one_start_ended
 
 ROOT = Path(__file__).resolve().parents[2]
 DSLURM = str(Path(sys.executable).parent / "dslurm")
-GEN = "step-{:08d}-20240101T000000Z-abcdef"
 FAKE_SSH = '#!/bin/bash\neval "${@: -1}"\n'  # the last word is `bash -c SCRIPT`: run it here
 FAKE_SBATCH = '''#!/bin/bash
 echo "$@" >> "$(dirname "$0")/sbatch.calls"
@@ -56,14 +54,7 @@ def _remote_run(tmp_path: Path, steps: int, done: int, ending: str) -> tuple[Pat
     r = load(ROOT / "site-configs/local.yaml", ROOT / "examples/jobs/tiny-2node.yaml",
              overrides=[f"checkpoint.run_dir={run}", f"train.steps={steps}"])
     sub = submit(r, dry_run=True, code=str(code))
-    led = Ledger(run)
-    led.append(ev.Submit(job_ids=[4241]))
-    led.append(ev.TrainStart(step=0, job_id="4241", restart=0))
-    led.append(ev.Exit(reason="completed" if ending == "completed" else "terminated", step=done, job_id="4241"))
-    led.append(ev.Ending(cls=ending, reason=ending, step=done, job_id="4241", restart=0))
-    led.append(ev.Requeue(decision="end" if ending == "completed" else "stop", ending=ending, job_id="4241",
-                          restart=0))
-    (run / "LATEST").write_text(json.dumps({"generation": GEN.format(done), "step": done}))
+    one_start_ended(run, ending, done)
     name = sub.script.read_text().split("/code/")[1].split()[0].strip("'\"")
     h = handle.Handle(path=tmp_path / "laptop" / "run", login=ssh.Login(host="clusterA", dslurm=(DSLURM,)),
                       run_dir=str(run), job_ids=(4241,), code=name, source="git wc")

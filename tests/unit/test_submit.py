@@ -14,6 +14,7 @@ from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.submit import submit
+from testkit import GEN, one_start_ended
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +44,6 @@ def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):
 
 # ------------------------------------------------ submitting a run again (--run-dir, a completed run)
 
-GEN = "step-{:08d}-20240101T000000Z-abcdef"
 
 
 @pytest.fixture
@@ -71,14 +71,7 @@ def _run(tmp_path: Path, steps: int, done: int, ending: str = "completed") -> Pa
     run = tmp_path / "run"
     submit(load(ROOT / "site-configs/local.yaml", ROOT / "examples/jobs/tiny-2node.yaml",
                 overrides=[f"checkpoint.run_dir={run}", f"train.steps={steps}"]), dry_run=True)
-    led = Ledger(run)
-    led.append(ev.Submit(job_ids=[4241]))
-    led.append(ev.TrainStart(step=0, job_id="4241", restart=0))
-    led.append(ev.Exit(reason="completed" if ending == "completed" else "terminated", step=done, job_id="4241"))
-    led.append(ev.Ending(cls=ending, reason=ending, step=done, job_id="4241", restart=0))
-    led.append(ev.Requeue(decision="end" if ending == "completed" else "stop", ending=ending, job_id="4241",
-                          restart=0))
-    (run / "LATEST").write_text(json.dumps({"generation": GEN.format(done), "step": done}))
+    one_start_ended(run, ending, done)
     return run
 
 
