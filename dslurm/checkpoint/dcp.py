@@ -17,6 +17,7 @@ the small plan objects whatever the device.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -216,7 +217,10 @@ def _write_reason(exc: BaseException, path: Path) -> str:
     return f"{full}; {reason}" if full and "No space left" not in reason else reason
 
 
-_SIDE: list[ThreadPoolExecutor] = []
+@functools.cache
+def _side_pool() -> ThreadPoolExecutor:
+    """The helper threads of `prepare_generation`, made on the first save of the process."""
+    return ThreadPoolExecutor(2, thread_name_prefix="dslurm-ckpt-prep")
 
 
 def prepare_generation(gen: Path, job: _Job, sd: dict[str, Any], rank: int, world: int, *,
@@ -236,9 +240,7 @@ def prepare_generation(gen: Path, job: _Job, sd: dict[str, Any], rank: int, worl
         failed: Future[str | None] = Future()
         failed.set_result(_write_reason(exc, gen))
         return failed.result(), failed
-    if not _SIDE:
-        _SIDE.append(ThreadPoolExecutor(2, thread_name_prefix="dslurm-ckpt-prep"))
-    return None, _SIDE[0].submit(_prepare_rest, gen, job, tensors, rank, world, leader)
+    return None, _side_pool().submit(_prepare_rest, gen, job, tensors, rank, world, leader)
 
 
 def _prepare_rest(gen: Path, job: _Job, tensors: list[tuple[str, torch.Tensor]], rank: int, world: int,

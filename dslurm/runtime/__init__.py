@@ -54,7 +54,7 @@ from typing import Any
 from dslurm import exitcodes
 from dslurm.runtime.checkpoint import Checkpoint as _Checkpoint
 from dslurm.runtime.checkpoint import per_rank, shared
-from dslurm.runtime.exit import Outcome, report, world_from_env
+from dslurm.runtime.exit import Outcome, leave, report, world_from_env
 from dslurm.runtime.stop import StopFlags, StopRequest
 
 __all__ = ["Checkpoint", "Runtime", "current", "exit_for_requeue", "finish", "init", "log_metrics", "per_rank",
@@ -211,8 +211,7 @@ def _excepthook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
         # The process's real stderr: init_process_group wraps this hook in one that swaps
         # sys.stderr for a buffer and prints it after we return -- which os._exit never does.
         print(f"error: [rank {rt.rank if rt else '?'}] {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(code)
+        leave(code)
     sys.__excepthook__(tp, exc, tb)
 
 
