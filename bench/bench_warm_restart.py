@@ -69,12 +69,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--fault", choices=sorted(KNOB), default="kill9")
+    p.add_argument("--keep", type=Path, help="keep the runs under this directory (rep N in DIR/N)")
     args = p.parse_args()
     env = {**os.environ, **cluster.up(nodes=3, accounting=True).env()}
     print(f"{'rep':>3} {'cold start s':>13} {'warm restart s':>15} {'cold restart s':>15} {'warm/cold start':>16} "
           f"{'warm/cold restart':>18}  load")
     for i in range(args.reps):
-        with tempfile.TemporaryDirectory(prefix="bench-warm-") as d:
+        with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
+            d = args.keep / str(i) if args.keep else Path(tmp)
+            d.mkdir(parents=True, exist_ok=True)
             t0 = time.time()
             warm_starts, (warm,) = one(Path(d), args.fault, True, env)
             cold_starts, (again,) = one(Path(d), args.fault, False, env)

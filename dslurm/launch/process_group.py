@@ -8,6 +8,9 @@ without torchrun (no MASTER_ADDR) gets an in-memory store, so it needs no port.
 from __future__ import annotations
 
 import os
+import socket
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from dslurm.errors import UserError
@@ -39,6 +42,7 @@ def init_process_group(backend: str | None = None, *, require_cuda: bool = False
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    await_store(os.environ)
     if store_prefix is not None:
         store, rank, world = next(dist.rendezvous("env://"))
         dist.init_process_group(backend, store=dist.PrefixStore(store_prefix, store), rank=rank,
@@ -48,3 +52,24 @@ def init_process_group(backend: str | None = None, *, require_cuda: bool = False
     else:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return device
+
+
+def await_store(env: Mapping[str, str], timeout_s: float = 60.0, poll_s: float = 0.01) -> bool:
+    """A worker that is not rank 0, whose store rank 0 hosts (a warm attempt's workers: no
+    torchrun agent holds it), waits here until the store's port accepts. torch's client, started
+    before rank 0 listened, backs off for ~0.6 s (measured: a server 50 ms late cost 0.62 s), a
+    third of a warm restart. A plain connection, closed at once, costs the store nothing. False:
+    nothing to wait for, or `timeout_s` passed (init_process_group then says what is wrong)."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or env.get("RANK", "0") == "0":
+        return False
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            time.sleep(poll_s)
+    return False

@@ -112,8 +112,8 @@ class Recovered:
     to_nodes: int
     grad_accum: int | None
     resumed_s: float | None
-    """the failure (`failed_t`) -> the next start's first step done (its train_start when it logged
-    no step); None when no later start trained"""
+    """the failure (`failed_t`) -> the next start's first step done (`_first_step_done`); None
+    when no later start trained"""
     startup: str | None = None
     """the next start's `Start.startup`: "warm" or "cold"; None when there is no next start"""
 
@@ -123,14 +123,23 @@ def _recoveries(starts: list[Start]) -> list[Recovered]:
     for i, s in enumerate(starts):
         for rec in s.all(ev.Recovery):
             nxt = starts[i + 1] if i + 1 < len(starts) else None
-            ts = nxt.first(ev.TrainStart) if nxt else None
-            back = nxt.windows[0].t if nxt and nxt.windows else (ts.t if ts else None)
+            back = _first_step_done(nxt) if nxt else None
             failed = rec.failed_t or rec.t
             out.append(Recovered(start=s.index, cause=rec.cause, mode=rec.mode, removed=list(rec.removed),
                                  added=list(rec.added), to_nodes=rec.to_nodes, grad_accum=rec.grad_accum,
                                  resumed_s=None if back is None else round(back - failed, 3),
                                  startup=nxt.startup if nxt else None))
     return out
+
+
+def _first_step_done(s: Start) -> float | None:
+    """When a start's first step was done: its phase table (rank 0 writes it right after that
+    step, the moment a cold start's own table ends at) or its first logged window (written after
+    the step's `train.step_sleep_s` and the log interval), whichever came first; its train_start
+    when it logged neither."""
+    done = [w.t for w in s.windows[:1]] + [p.t for p in s.all(ev.StartPhases)[:1]]
+    ts = s.first(ev.TrainStart)
+    return min(done) if done else (ts.t if ts else None)
 
 
 def _after(s: Start, starts: list[Start], t: float) -> float | None:

@@ -297,8 +297,8 @@ class SrunRunner:
     # How often a running step's `abandon` (and the warm pools' tick) is asked: a lost node's
     # step is abandoned within this of its probe's answer.
     POLL_S = 0.25
-    # Slurm's job state (sacct: ~0.4 s here, its slurmdbd behind MySQL) is read once per step's
-    # end: a view asked again within this (the spares' down nodes for a swap) reuses it.
+    # Slurm's job state (`_job_state`) is read once per step's end: a view asked again within
+    # this (the spares' down nodes for a swap) reuses it.
     STATE_TTL_S = 5.0
 
     def __init__(self, r: Resolved, cmd: Sequence[str], env: Mapping[str, str]) -> None:
@@ -363,11 +363,27 @@ class SrunRunner:
 
         now = time.monotonic()
         if self._state is None or now - self._state[0] > self.STATE_TTL_S:
-            incs = slurm.incarnations(self.env.get("SLURM_JOB_ID", ""), env=self.env)
-            self._state = (now, str(incs[-1]["state"]) if incs else None)
+            self._state = (now, self._job_state())
         down = slurm.down_nodes(hosts, env=self.env) if hosts else {}
         return E.SlurmView(state=self._state[1], down_nodes=tuple(down),
                            node_states=tuple(f"{k}: {v}" for k, v in down.items()))
+
+    def _job_state(self) -> str | None:
+        """This incarnation's state. slurmctld's answer when it says RUNNING (scontrol, ~10 ms: the
+        state of every recovery inside the allocation, on its path): accounting only lags behind it
+        (slurmctld hands it its records through a queue), so it could say nothing newer. Anything
+        else (a stop under way: COMPLETING hides TIMEOUT or PREEMPTED there) is accounting's word
+        (sacct, ~0.4 s here, its slurmdbd behind MySQL), as everywhere else."""
+        from dslurm import slurm
+
+        job = self.env.get("SLURM_JOB_ID", "")
+        try:
+            if slurm.job_info(job, env=self.env).get("state") == "RUNNING":
+                return "RUNNING"
+        except slurm.SlurmError as exc:
+            log.info("dslurm supervise: scontrol could not say job %s's state (%s): asking sacct", job, exc)
+        incs = slurm.incarnations(job, env=self.env)
+        return str(incs[-1]["state"]) if incs else None
 
     def act(self, dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path, chain: list[int]) -> None:
         from dslurm.requeue import act_on

@@ -142,3 +142,22 @@ def test_a_warm_measurement_wins_over_a_cold_one_of_an_earlier_run_the_rest_stay
     assert got["restart_s"][1].startswith(f"{SPARESWAP}: median of 1 cold restarts")  # the requeue stays cold
     cold_only = from_runs([SPARESWAP, SPARES])
     assert cold_only["swap_s"][1].startswith(SPARESWAP) and "cold spare swaps" in cold_only["swap_s"][1]
+
+
+def test_a_recovery_ends_when_the_next_starts_first_step_was_done_not_when_its_window_was_logged():
+    """The window of the first step is written after `train.step_sleep_s` (0.2 s here): the phase
+    table, written right after the step (where a cold start's start-up ends too), dates it. Without
+    a phase table the window does, and without either the train_start."""
+    out: list[dict] = []
+    last = _start(out, 100.0, "torchrun", 6.0, 0, 10, imports=4.0)
+    _recovery(out, last + 1.0, last + 0.5, "same_nodes", 10)
+    _start(out, last + 1.5, "warm", 2.0, 10, 14, imports=0.0)
+    cut = next(i for i, e in enumerate(out) if e["event"] == "recovery")  # the warm start follows it
+    for e in out[cut:]:
+        if e["event"] == "steps":
+            e["t"] += 0.2
+    assert [r.resumed_s for r in summarize(ev.decode_all(out)).recoveries] == [3.0]
+    no_table = [e for i, e in enumerate(out) if not (e["event"] == "start_phases" and i > cut)]
+    assert [r.resumed_s for r in summarize(ev.decode_all(no_table)).recoveries] == [3.2]
+    bare = [e for i, e in enumerate(no_table) if not (e["event"] == "steps" and i > cut)]
+    assert [r.resumed_s for r in summarize(ev.decode_all(bare)).recoveries] == [2.5]

@@ -394,3 +394,28 @@ def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp
         live.close()
         closed.close()
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("ctld, sacct, want", [
+    ("RUNNING", "CANCELLED", "RUNNING"),        # slurmctld's RUNNING: accounting is not asked
+    ("COMPLETING", "TIMEOUT", "TIMEOUT"),       # a stop under way: accounting names it
+    (None, "PREEMPTED", "PREEMPTED"),           # scontrol failed: accounting
+])
+def test_the_runners_job_state_is_slurmctlds_running_else_accountings(make, tmp_path, monkeypatch, ctld, sacct, want):
+    """Stand-in scontrol and sacct on PATH (sacct's answer differs from scontrol's on purpose, so
+    the test sees which was used); sacct records that it was asked."""
+    sup, _, _ = make([completes])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    show = (f'echo "JobId=4242 JobName=x JobState={ctld} Reason=None NodeList=node1"' if ctld
+            else 'echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1')
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\n{show}\n")
+    rec = {"jobs": [{"job_id": 4242, "state": {"current": [sacct]}, "nodes": "node1", "time": {"start": 1, "end": 0}}]}
+    (bin_dir / "sacct").write_text(f"#!/bin/bash\ntouch {tmp_path}/sacct-asked\necho '{json.dumps(rec)}'\n")
+    (bin_dir / "sinfo").write_text('#!/bin/bash\necho \'{"nodes": []}\'\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    runner = SrunRunner(sup.r, ["launch"], {**__import__("os").environ, "SLURM_JOB_ID": "4242"})
+    assert runner.view(["node1"]).state == want
+    assert (tmp_path / "sacct-asked").exists() == (want != "RUNNING")
