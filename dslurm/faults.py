@@ -11,6 +11,9 @@ variable anywhere else.
   DSLURM_FAULT_KILL9=STEP[:RANKS][@RESTART]  RANKS SIGKILL themselves before step STEP (no report)
   DSLURM_FAULT_HANG=STEP[:RANKS][@RESTART]   RANKS hang (sleep in Python, outside any collective)
                                              before step STEP: for the hang watchdog
+  DSLURM_FAULT_FREEZE=STEP[:RANKS][@RESTART] RANKS ignore TERM and stop themselves (SIGSTOP) before step
+                                             STEP: frozen where neither their own watchdog nor a TERM can
+                                             end them (a process stuck in a driver call); only SIGKILL does
   DSLURM_FAULT_NAN=STEP[:RANKS][@RESTART]    the batch that step STEP reads in an uninterrupted run is
                                              poisoned on RANKS: its loss is NaN whenever it is read,
                                              so a rollback that does not skip it meets it again
@@ -20,10 +23,12 @@ variable anywhere else.
   DSLURM_FAULT_BITFLIP=STEP[:RANKS][@RESTART] RANKS flip one bit of one parameter element after optimizer
                                              step STEP (once per process): silent data corruption in one
                                              HSDP replica, for the replica check (train/sdc.py)
-  DSLURM_FAULT_AWAIT=GLOB:COUNT[:TIMEOUT_S]  a rank about to fire its CRASH or KILL9 first waits until
-                                             COUNT files match GLOB (at most TIMEOUT_S, default 90: below
-                                             the hang watchdog's 120 s floor), logging it: e.g. until
-                                             every node's warm pool is ready (RUN/warm/*.ready)
+  DSLURM_FAULT_AWAIT=GLOB:COUNT[:TIMEOUT_S]  before the first step at which a CRASH, KILL9 or FREEZE of this
+                                             job step fires (on any rank), every rank waits until COUNT
+                                             files match GLOB (at most TIMEOUT_S, default 90), logging it,
+                                             outside any collective and with the hang bound at its ceiling
+                                             for that step: e.g. until every node's warm pool is ready
+                                             (RUN/warm/*.ready)
   DSLURM_FAULT_EXIT_DELAY=SECONDS[:RANKS][@RESTART]  RANKS wait SECONDS after their exit report,
                                              before exiting: forces which node's processes exit first
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
@@ -65,7 +70,7 @@ log = logging.getLogger(__name__)
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_STOP_IN_EVAL", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9",
-         "DSLURM_FAULT_HANG", "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP", "DSLURM_FAULT_EXIT_DELAY",
+         "DSLURM_FAULT_HANG", "DSLURM_FAULT_FREEZE", "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP", "DSLURM_FAULT_EXIT_DELAY",
          "DSLURM_FAULT_AWAIT",
          "DSLURM_FAULT_CKPT_KILL",
          "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE,
@@ -81,11 +86,11 @@ class ScopedKnob:
     restart: int | None
     step: int | None = None
 
-    def applies(self, env: Mapping[str, str]) -> bool:
+    def applies(self, env: Mapping[str, str], *, any_rank: bool = False) -> bool:
         rank = int(env.get("RANK", "0") or 0)
         restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
         step = int(env.get("DSLURM_STEP_INDEX", "0") or 0)
-        return rank in self.ranks and self.restart in (None, restart) and self.step in (None, step)
+        return (any_rank or rank in self.ranks) and self.restart in (None, restart) and self.step in (None, step)
 
 
 def parse_scoped(raw: str) -> ScopedKnob:
@@ -114,6 +119,19 @@ def step_fault(name: str, env: Mapping[str, str] | None = None) -> int | None:
 
 
 AWAIT_DEFAULT_S = 90.0
+AWAITED = ("DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9", "DSLURM_FAULT_FREEZE")
+
+
+def await_step(env: Mapping[str, str] | None = None) -> int | None:
+    """With DSLURM_FAULT_AWAIT set: the first step at which a CRASH, KILL9 or FREEZE of this start
+    and job step fires on any rank (every rank waits before it: one waiting alone would leave its
+    peers in a collective, where their hang watchdogs see no progress); else None."""
+    env = os.environ if env is None else env
+    if not env.get("DSLURM_FAULT_AWAIT"):
+        return None
+    steps = [int(k.value) for name in AWAITED for raw in (env.get(name) or "").split(";") if raw.strip()
+             for k in [parse_scoped(raw)] if k.applies(env, any_rank=True)]
+    return min(steps, default=None)
 
 
 def parse_await(raw: str) -> tuple[str, int, float]:
@@ -151,10 +169,17 @@ def await_files(env: Mapping[str, str] | None = None, sleep_s: float = 0.2) -> b
     return True
 
 
-def before_step(next_step: int, crash_at: int | None, kill_at: int | None, hang_at: int | None = None) -> None:
-    """Called by the trainer before optimizer step `next_step` (1-based)."""
-    if (kill_at is not None and next_step >= kill_at) or (crash_at is not None and next_step >= crash_at):
-        await_files()
+def before_step(next_step: int, crash_at: int | None, kill_at: int | None, hang_at: int | None = None,
+                freeze_at: int | None = None) -> None:
+    """Called by the trainer before optimizer step `next_step` (1-based), after `await_files` at
+    `await_step`."""
+    if freeze_at is not None and next_step >= freeze_at:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log.warning("DSLURM_FAULT_FREEZE: pid %d ignores TERM and stops itself before step %d", os.getpid(),
+                    next_step)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        while True:  # a SIGCONT changes nothing: still hung, still deaf to TERM
+            time.sleep(3600)
     if hang_at is not None and next_step == hang_at:
         log.warning("DSLURM_FAULT_HANG: hanging before step %d", next_step)
         while True:  # outside any collective, interpreter free: the watchdog thread still runs

@@ -104,6 +104,8 @@ class Trainer:
         self._fault_crash = faults.step_fault("DSLURM_FAULT_CRASH")  # test knobs: dslurm/faults.py
         self._fault_kill9 = faults.step_fault("DSLURM_FAULT_KILL9")
         self._fault_hang = faults.step_fault("DSLURM_FAULT_HANG")
+        self._fault_freeze = faults.step_fault("DSLURM_FAULT_FREEZE")
+        self._fault_await = faults.await_step()
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
@@ -174,7 +176,12 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step. Before the optimizer acts, one all-reduce agrees on the logged loss,
         the stop flag and whether the step is finite (dslurm/health.py decides what to do then)."""
-        faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9, self._fault_hang)
+        if self.step + 1 == self._fault_await:  # every rank, outside any collective
+            self.watch.expect_long()  # the wait is no step time, and no hang
+            faults.await_files()
+            self.watch.beat(self.step)  # the step after it has the usual bound
+        faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9, self._fault_hang,
+                           self._fault_freeze)
         with self.metrics.phase("data"):
             while self._position() in self.skip_positions:  # a batch a rollback left behind
                 self.loader.sampler.next_global()

@@ -80,3 +80,16 @@ def test_await_waits_for_the_files_bounded(tmp_path):
     threading.Timer(0.3, (tmp_path / "b.ready").write_text, ("",)).start()
     assert faults.await_files(env, sleep_s=0.02) and (tmp_path / "b.ready").exists()
     assert not faults.await_files({"DSLURM_FAULT_AWAIT": f"{tmp_path}/*.ready:3:0.1"}, sleep_s=0.02)
+
+
+def test_every_rank_awaits_before_the_first_fault_of_its_job_step_whoever_fires_it():
+    knobs = {"DSLURM_FAULT_AWAIT": "/x/*.ready:2", "DSLURM_FAULT_FREEZE": "9:1@0.0",
+             "DSLURM_FAULT_KILL9": "11:1@0.1;15:1@0.3", "DSLURM_FAULT_CRASH": "13:1@0.2"}
+    for rank in ("0", "1"):  # rank 0 fires nothing, and waits all the same
+        assert faults.await_step({**knobs, "RANK": rank, "DSLURM_STEP_INDEX": "0"}) == 9
+        assert faults.await_step({**knobs, "RANK": rank, "DSLURM_STEP_INDEX": "3"}) == 15
+        assert faults.await_step({**knobs, "RANK": rank, "DSLURM_STEP_INDEX": "4"}) is None
+    assert faults.await_step({**knobs, "RANK": "0", "SLURM_RESTART_COUNT": "1"}) is None  # another start
+    assert faults.await_step({k: v for k, v in knobs.items() if k != "DSLURM_FAULT_AWAIT"}) is None
+    both = {"DSLURM_FAULT_AWAIT": "/x/*.ready:2", "DSLURM_FAULT_KILL9": "12", "DSLURM_FAULT_CRASH": "7:3"}
+    assert faults.await_step(both) == 7
