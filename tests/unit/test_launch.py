@@ -20,7 +20,7 @@ ENV = {"SLURM_JOB_ID": "99", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": 
 def test_torchrun_argv_c10d():
     info = derive(ENV, nproc_per_node=2)
     argv = torchrun_argv(info, ["python", "-m", "train"], python="py")
-    assert argv[:3] == ["py", "-m", "torch.distributed.run"]
+    assert argv[:3] == ["py", "-m", "dslurm.launch.torchrun"]
     assert "--nnodes=2" in argv and "--nproc-per-node=2" in argv and "--node-rank=1" in argv
     assert f"--rdzv-endpoint=node1:{info.master_port}" in argv
     assert "--rdzv-conf=is_host=false" in argv and "--local-addr=node2" in argv
