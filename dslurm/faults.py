@@ -129,8 +129,14 @@ def await_step(env: Mapping[str, str] | None = None) -> int | None:
     env = os.environ if env is None else env
     if not env.get("DSLURM_FAULT_AWAIT"):
         return None
-    steps = [int(k.value) for name in AWAITED for raw in (env.get(name) or "").split(";") if raw.strip()
-             for k in [parse_scoped(raw)] if k.applies(env, any_rank=True)]
+    steps = []
+    for name in AWAITED:
+        claimed: set[int] = set()  # a rank takes the first value aimed at it (`_scoped`), so only that one fires
+        for raw in (env.get(name) or "").split(";"):
+            knob = parse_scoped(raw) if raw.strip() else None
+            if knob is not None and knob.applies(env, any_rank=True) and not knob.ranks <= claimed:
+                steps.append(int(knob.value))
+                claimed |= knob.ranks
     return min(steps, default=None)
 
 
@@ -177,9 +183,8 @@ def before_step(next_step: int, crash_at: int | None, kill_at: int | None, hang_
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.warning("DSLURM_FAULT_FREEZE: pid %d ignores TERM and stops itself before step %d", os.getpid(),
                     next_step)
-        os.kill(os.getpid(), signal.SIGSTOP)
-        while True:  # a SIGCONT changes nothing: still hung, still deaf to TERM
-            time.sleep(3600)
+        while True:  # a SIGCONT (slurmstepd's teardown sends one) only stops it again, before its
+            os.kill(os.getpid(), signal.SIGSTOP)  # watchdog could end it: still frozen, still deaf to TERM
     if hang_at is not None and next_step == hang_at:
         log.warning("DSLURM_FAULT_HANG: hanging before step %d", next_step)
         while True:  # outside any collective, interpreter free: the watchdog thread still runs

@@ -207,6 +207,24 @@ def sbatch(script_path: str | os.PathLike[str] | None, extra_args: Iterable[str]
     return parse_parsable_job_id(run_cmd(args, env=env).stdout)
 
 
+def parse_job_state(stdout: str, job_id: int | str) -> str | None:
+    """JobState of job `job_id`'s own record in `scontrol -o show job ID`, None when it has none.
+    For the array task that kept the array's id, scontrol lists every task of the array: the
+    others' records are not this job's. Pure."""
+    for rec in parse_scontrol_records(stdout):
+        if rec.get("JobId") == str(job_id):
+            return rec.get("JobState")
+    return None
+
+
+def ctld_job_state(job_id: int | str, env: Mapping[str, str] | None = None) -> str | None:
+    """slurmctld's state of one job (~10 ms: no accounting); None when it cannot say."""
+    if not str(job_id):
+        return None  # `scontrol show job ""` would list every job
+    proc = run_cmd(["scontrol", "-o", "show", "job", str(job_id)], check=False, env=env)
+    return parse_job_state(proc.stdout, job_id) if proc.returncode == 0 else None
+
+
 def job_info(job_id: int | str, env: Mapping[str, str] | None = None,
              settle_s: float = 0.0) -> dict[str, object]:
     """State, nodes, restarts, exit code, reason of a job (scontrol, else sacct).

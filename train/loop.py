@@ -176,10 +176,10 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step. Before the optimizer acts, one all-reduce agrees on the logged loss,
         the stop flag and whether the step is finite (dslurm/health.py decides what to do then)."""
-        if self.step + 1 == self._fault_await:  # every rank, outside any collective
-            self.watch.expect_long()  # the wait is no step time, and no hang
-            faults.await_files()
-            self.watch.beat(self.step)  # the step after it has the usual bound
+        if self._fault_await is not None and self.step + 1 >= self._fault_await:  # every rank, once,
+            self._fault_await = None                                                # outside any collective
+            with self.watch.paused():  # the wait is no step time, and no hang
+                faults.await_files()
         faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9, self._fault_hang,
                            self._fault_freeze)
         with self.metrics.phase("data"):

@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,19 @@ class Watchdog:
         self._long = True
 
     _long = True  # until the first beat: the ceiling
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A wait that is neither a step nor a hang (a test's DSLURM_FAULT_AWAIT): the ceiling
+        applies during it; afterwards the clock restarts where it was, in the state it had (the
+        next interval is recorded as a step time only if it would have been)."""
+        record, long_ = self._record_next, self._long
+        self._long = True
+        try:
+            yield
+        finally:
+            self._last, self._last_wall = time.monotonic(), time.time()
+            self._record_next, self._long = record, long_
 
     def bound(self) -> float:
         if self._long:
@@ -215,6 +228,9 @@ class _NoWatchdog:
 
     def expect_long(self) -> None:
         pass
+
+    def paused(self) -> contextlib.nullcontext[None]:
+        return self._null
 
     def start(self) -> _NoWatchdog:
         return self

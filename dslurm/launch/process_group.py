@@ -58,18 +58,26 @@ def await_store(env: Mapping[str, str], timeout_s: float = 60.0, poll_s: float =
     """A worker that is not rank 0, whose store rank 0 hosts (a warm attempt's workers: no
     torchrun agent holds it), waits here until the store's port accepts. torch's client, started
     before rank 0 listened, backs off for ~0.6 s (measured: a server 50 ms late cost 0.62 s), a
-    third of a warm restart. A plain connection, closed at once, costs the store nothing. False:
-    nothing to wait for, or `timeout_s` passed (init_process_group then says what is wrong)."""
+    third of a warm restart. A plain connection, closed at once, costs the store nothing. The
+    name is resolved once and the polls back off to 0.1 s (thousands of ranks poll one host).
+    False: nothing to wait for, or `timeout_s` passed (init_process_group then says what is wrong)."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or env.get("RANK", "0") == "0":
         return False
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     if not addr or not port.isdigit():
         return False
     deadline = time.monotonic() + timeout_s
+    where: tuple[Any, ...] | None = None
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((addr, int(port)), timeout=1.0):
+            if where is None:
+                family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)[0]
+                where = (family, kind, proto, sockaddr)
+            with socket.socket(*where[:3]) as sock:
+                sock.settimeout(1.0)
+                sock.connect(where[3])
                 return True
         except OSError:
             time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.1)
     return False

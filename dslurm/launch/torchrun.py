@@ -26,6 +26,9 @@ def main() -> None:
         else:
             print(exc.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # as Python's own exit on an unhandled SIGINT reads to a shell
+        traceback.print_exc()
+        code = 128 + 2
     except BaseException:  # ChildFailedError, a signal torchrun turned into an exception
         traceback.print_exc()
         code = 1

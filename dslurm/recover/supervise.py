@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from dslurm.config.resolve import Resolved
-from dslurm.errors import SlurmError, UserError
+from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import FILENAME as LEDGER_FILE
 from dslurm.recover import Nodes, Plan, initial_nodes, nodes_at_fault, plan_recovery, shrink_grad_accum
@@ -377,11 +377,8 @@ class SrunRunner:
         from dslurm import slurm
 
         job = self.env.get("SLURM_JOB_ID", "")
-        try:
-            if slurm.job_info(job, env=self.env).get("state") == "RUNNING":
-                return "RUNNING"
-        except SlurmError as exc:
-            log.info("dslurm supervise: scontrol could not say job %s's state (%s): asking sacct", job, exc)
+        if slurm.ctld_job_state(job, env=self.env) == "RUNNING":
+            return "RUNNING"
         incs = slurm.incarnations(job, env=self.env)
         return str(incs[-1]["state"]) if incs else None
 

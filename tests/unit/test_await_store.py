@@ -26,8 +26,8 @@ def test_a_non_zero_rank_returns_once_the_store_listens_not_before():
         time.sleep(0.3)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("127.0.0.1", port))
+        listening.append(time.monotonic())  # before listen(): a connection can only come after it
         srv.listen()
-        listening.append(time.monotonic())
     threading.Thread(target=late, daemon=True).start()
     try:
         assert await_store({"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, timeout_s=10)

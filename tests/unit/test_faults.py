@@ -93,3 +93,12 @@ def test_every_rank_awaits_before_the_first_fault_of_its_job_step_whoever_fires_
     assert faults.await_step({k: v for k, v in knobs.items() if k != "DSLURM_FAULT_AWAIT"}) is None
     both = {"DSLURM_FAULT_AWAIT": "/x/*.ready:2", "DSLURM_FAULT_KILL9": "12", "DSLURM_FAULT_CRASH": "7:3"}
     assert faults.await_step(both) == 7
+
+
+def test_await_step_follows_the_value_each_rank_takes_not_a_later_one():
+    """`_scoped` gives a rank the first value aimed at it: '15:1;11:1' fires at 15 on rank 1, so
+    that is where everyone waits (11 never fires)."""
+    env = {"DSLURM_FAULT_AWAIT": "/x/*.ready:2", "DSLURM_FAULT_KILL9": "15:1;11:1", "RANK": "1"}
+    assert faults.step_fault("DSLURM_FAULT_KILL9", env) == 15
+    assert faults.await_step(env) == 15
+    assert faults.await_step({**env, "DSLURM_FAULT_KILL9": "15:1;11:0,1"}) == 11  # rank 0 takes 11

@@ -171,3 +171,22 @@ def test_a_save_raises_the_bound_to_the_ceiling():
     assert wd.bound() == 0.6
     wd.beat(3)  # the interval holding the save is not a step time
     assert len(wd.times) == 1 and wd.bound() == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_a_paused_wait_is_neither_a_step_time_nor_a_hang_and_leaves_the_state_as_it_was(first):
+    """DSLURM_FAULT_AWAIT's wait: the ceiling while it lasts; after it the step's own interval is
+    recorded (or not, before the first beat) and the bound is what it was."""
+    from train.watchdog import Watchdog
+
+    wd = Watchdog(Spec, rank=0, world=1, start_dir=None, run_dir=".", on_hang=lambda v: None)
+    if not first:
+        wd.beat(1)
+        wd.beat(2)
+    before, n = wd.bound(), len(wd.times)
+    with wd.paused():
+        assert wd.bound() == 0.6
+        time.sleep(0.2)
+    assert wd.bound() == before and len(wd.times) == n
+    wd.beat(3)  # the step after the wait: recorded only if the state said so, never the wait's 0.2 s
+    assert len(wd.times) == n + (0 if first else 1) and all(t < 0.1 for t in wd.times)

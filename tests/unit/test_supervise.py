@@ -397,9 +397,11 @@ def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp
 
 
 @pytest.mark.parametrize("ctld, sacct, want", [
-    ("RUNNING", "CANCELLED", "RUNNING"),        # slurmctld's RUNNING: accounting is not asked
-    ("COMPLETING", "TIMEOUT", "TIMEOUT"),       # a stop under way: accounting names it
-    (None, "PREEMPTED", "PREEMPTED"),           # scontrol failed: accounting
+    (["4242 RUNNING"], "CANCELLED", "RUNNING"),            # slurmctld's RUNNING: accounting is not asked
+    (["4242 COMPLETING"], "TIMEOUT", "TIMEOUT"),           # a stop under way: accounting names it
+    (None, "PREEMPTED", "PREEMPTED"),                      # scontrol failed: accounting
+    # the array task that kept the array's id: scontrol lists its siblings too, RUNNING ones first
+    (["4243 RUNNING", "4242 COMPLETING"], "TIMEOUT", "TIMEOUT"),
 ])
 def test_the_runners_job_state_is_slurmctlds_running_else_accountings(make, tmp_path, monkeypatch, ctld, sacct, want):
     """Stand-in scontrol and sacct on PATH (sacct's answer differs from scontrol's on purpose, so
@@ -407,7 +409,8 @@ def test_the_runners_job_state_is_slurmctlds_running_else_accountings(make, tmp_
     sup, _, _ = make([completes])
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    show = (f'echo "JobId=4242 JobName=x JobState={ctld} Reason=None NodeList=node1"' if ctld
+    show = ("\n".join(f'echo "JobId={r.split()[0]} JobName=x JobState={r.split()[1]} Reason=None NodeList=node1"'
+                      for r in ctld) if ctld
             else 'echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1')
     (bin_dir / "scontrol").write_text(f"#!/bin/bash\n{show}\n")
     rec = {"jobs": [{"job_id": 4242, "state": {"current": [sacct]}, "nodes": "node1", "time": {"start": 1, "end": 0}}]}
