@@ -79,8 +79,8 @@ def main() -> None:
             d = args.keep / str(i) if args.keep else Path(tmp)
             d.mkdir(parents=True, exist_ok=True)
             t0 = time.time()
-            warm_starts, (warm,) = one(Path(d), args.fault, True, env)
-            cold_starts, (again,) = one(Path(d), args.fault, False, env)
+            warm_starts, (warm,) = one(d, args.fault, True, env)
+            cold_starts, (again,) = one(d, args.fault, False, env)
             cold = warm_starts[0].startup_s()
             print(f"{i:>3} {cold:>13.2f} {warm:>15.2f} {again:>15.2f} {warm / cold:>16.2f} {warm / again:>18.2f}  "
                   f"{os.getloadavg()[0]:.1f} ({time.time() - t0:.0f} s)", flush=True)

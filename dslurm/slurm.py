@@ -207,14 +207,17 @@ def sbatch(script_path: str | os.PathLike[str] | None, extra_args: Iterable[str]
     return parse_parsable_job_id(run_cmd(args, env=env).stdout)
 
 
+def own_record(stdout: str, job_id: int | str) -> dict[str, str] | None:
+    """Job `job_id`'s own record in `scontrol -o show job ID`, None when it has none. For the
+    array task that kept the array's id, scontrol lists every task of the array: the others'
+    records are not this job's. Pure."""
+    return next((rec for rec in parse_scontrol_records(stdout) if rec.get("JobId") == str(job_id)), None)
+
+
 def parse_job_state(stdout: str, job_id: int | str) -> str | None:
-    """JobState of job `job_id`'s own record in `scontrol -o show job ID`, None when it has none.
-    For the array task that kept the array's id, scontrol lists every task of the array: the
-    others' records are not this job's. Pure."""
-    for rec in parse_scontrol_records(stdout):
-        if rec.get("JobId") == str(job_id):
-            return rec.get("JobState")
-    return None
+    """JobState of job `job_id`'s own record (`own_record`). Pure."""
+    rec = own_record(stdout, job_id)
+    return rec.get("JobState") if rec else None
 
 
 def ctld_job_state(job_id: int | str, env: Mapping[str, str] | None = None) -> str | None:
@@ -236,8 +239,9 @@ def job_info(job_id: int | str, env: Mapping[str, str] | None = None,
     proc = run_cmd(["scontrol", "-o", "show", "job", str(job_id)], check=False, env=env)
     if proc.returncode == 0:
         recs = parse_scontrol_records(proc.stdout)
-        if recs:
-            return job_info_from_scontrol(recs[0])
+        rec = own_record(proc.stdout, job_id) or (recs[0] if recs else None)  # an ID_TASK form names no JobId
+        if rec is not None:
+            return job_info_from_scontrol(rec)
     elif "Invalid job id" not in proc.stderr:
         raise SlurmError(failure_message(["scontrol", "show", "job", str(job_id)],
                                          proc.returncode, proc.stderr))

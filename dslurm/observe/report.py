@@ -137,16 +137,22 @@ def _first_step_done(s: Start) -> float | None:
     step, the moment a cold start's own table ends at) or its first logged window (written after
     the step's `train.step_sleep_s` and the log interval), whichever came first; its train_start
     when it logged neither."""
-    done = [w.t for w in s.windows[:1]] + [p.t for p in s.all(ev.StartPhases)[:1]]
+    done = _steps_done(s)
     ts = s.first(ev.TrainStart)
     return min(done) if done else (ts.t if ts else None)
+
+
+def _steps_done(s: Start, after: float = float("-inf")) -> list[float]:
+    """When steps of a start were done, after `after`: its logged windows and the phase table rank
+    0 writes right after its first step."""
+    return [w.t for w in s.windows if w.t > after] + [p.t for p in s.all(ev.StartPhases) if p.t > after]
 
 
 def _after(s: Start, starts: list[Start], t: float) -> float | None:
     """The first step done after time t: in this start, else in the next one that trained (its
     first logged window, or the phase table rank 0 writes right after its first step)."""
     for st in starts[s.index:]:
-        done = [w.t for w in st.windows if w.t > t] + [p.t for p in st.all(ev.StartPhases) if p.t > t]
+        done = _steps_done(st, t)
         if done:
             return min(done)
     return None

@@ -205,3 +205,14 @@ def test_the_array_task_that_kept_the_arrays_id_reads_only_its_own_incarnations(
     incs = slurm.parse_sacct_incarnations(json.dumps(recs), 6048337)
     assert [i["state"] for i in incs] == ["PREEMPTED"]
     assert len(slurm.parse_sacct_incarnations(json.dumps(recs))) == 2  # no id: every record, as before
+
+
+def test_the_own_record_of_an_array_id_is_its_own_not_a_siblings() -> None:
+    """`scontrol -o show job 77` for the array task that kept the array's id lists its siblings
+    too, RUNNING ones first: job_info and supervise's state read job 77's record."""
+    out = ("JobId=78 ArrayJobId=77 ArrayTaskId=1 JobName=s JobState=RUNNING Reason=None NodeList=node2\n"
+           "JobId=77 ArrayJobId=77 ArrayTaskId=0 JobName=s JobState=COMPLETING Reason=None NodeList=node1\n")
+    rec = slurm.own_record(out, 77)
+    assert rec is not None and rec["NodeList"] == "node1"
+    assert slurm.parse_job_state(out, "77") == "COMPLETING" and slurm.parse_job_state(out, 79) is None
+    assert slurm.own_record("", 77) is None
