@@ -57,9 +57,10 @@ def init_process_group(backend: str | None = None, *, require_cuda: bool = False
 def await_store(env: Mapping[str, str], timeout_s: float = 60.0, poll_s: float = 0.01) -> bool:
     """A worker that is not rank 0, whose store rank 0 hosts (a warm attempt's workers: no
     torchrun agent holds it), waits here until the store's port accepts. torch's client, started
-    before rank 0 listened, backs off for ~0.6 s (measured: a server 50 ms late cost 0.62 s), a
-    third of a warm restart. A plain connection, closed at once, costs the store nothing. The
-    name is resolved once and the polls back off to 0.1 s (thousands of ranks poll one host).
+    before rank 0 listened, backs off (a server 50 ms late: connected after 0.40 s, 0.085 s with
+    this wait first; bench/bench_launch_exit.py), a third of a warm restart. A plain connection,
+    closed at once, costs the store nothing. The name is resolved once and the polls back off to
+    0.1 s (thousands of ranks poll one host).
     False: nothing to wait for, or `timeout_s` passed (init_process_group then says what is wrong)."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or env.get("RANK", "0") == "0":
         return False

@@ -1,9 +1,10 @@
 """`python -m dslurm.launch.torchrun ARGS`: torchrun (`torch.distributed.run`), leaving through
 `runtime.exit.leave` instead of the interpreter's finalization.
 
-torchrun imports torch, and finalizing that took ~0.55 s here after its workers had ended
-(failure noticed -> process gone: 0.60 s as `-m torch.distributed.run`, 0.04 s through this
-module): on every job step's end, so on every in-allocation recovery's path. What torchrun prints
+torchrun imports torch, and finalizing that took ~0.45 s here after its workers had ended
+(a worker's failure -> the process gone: 0.59 s as `-m torch.distributed.run`, 0.14 s through
+this module; bench/bench_launch_exit.py): on every job step's end, so on every in-allocation
+recovery's path. What torchrun prints
 is unchanged (its error summary; an exception it raised is printed as Python would)."""
 
 from __future__ import annotations
