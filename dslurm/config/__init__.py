@@ -344,8 +344,17 @@ class MetricsSpec:
     wandb_project: str | None = field(None, help="W&B project; null = the job's name")
     wandb_mode: Literal["offline", "online"] | None = field(
         None, help="W&B mode; null = WANDB_MODE from your environment, else offline")
+    tracker_timeout_s: float = field(
+        30.0, help="seconds a tracker's open, log or annotation may go unanswered; then it is a tracker_failed "
+        "and off for the rest of the start (training never waits for it)")
+    tracker_close_s: float = field(
+        10.0, help="seconds the end of a start waits for the trackers to send what is queued and close "
+        "(keep it inside the site's KillWait)")
 
     def __post_init__(self) -> None:
+        for name in ("tracker_timeout_s", "tracker_close_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise FieldError(name, f"{getattr(self, name)} is not in (0, 3600] seconds", "give a positive bound")
         if len(set(self.trackers)) != len(self.trackers):
             raise FieldError("trackers", f"{self.trackers} names a tracker twice", "list each tracker once")
         if self.mlflow_uri is not None and not self.mlflow_uri.strip():

@@ -465,6 +465,19 @@ class TrackerFailed(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrackerDropped(Event):
+    """At a start's end: what one tracker was handed but never sent (its bounded queue was full,
+    or it was off after a `tracker_failed`). The ledger itself has every number."""
+    NAME = "tracker_dropped"
+    tracker: str = ""
+    items: int = 0
+    """items not sent (a `steps` window's values are one item, an annotation another)"""
+    delivered: int = 0
+    """items the tracker took in this start"""
+    why: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class OperatorRequest(Event):
     """`dslurm ctl RUN_DIR save|stop` (dslurm/observe/ctl.py), as rank 0 took it at a step
     boundary; the ranks then save (and, for stop, end: not requeued) at that step."""
@@ -484,7 +497,7 @@ CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel,
     Sdc, DeviceHealth, Eval,
-    InitFrom, TrackerFailed, OperatorRequest)}
+    InitFrom, TrackerFailed, TrackerDropped, OperatorRequest)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

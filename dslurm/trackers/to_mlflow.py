@@ -56,12 +56,17 @@ class MlflowTracker:
         run_id = ctx.state.get("run_id")
         if isinstance(run_id, str):
             self.run_id = run_id
+            ctx.note(f"get_run {run_id}")
             run = self.client.get_run(run_id)  # raises when the store lost it: reported, not guessed
+            ctx.note("update_run RUNNING")
             self.client.update_run(run_id, status="RUNNING")
             self._purge(run.info.experiment_id, ctx.purge_from)
         else:
+            ctx.note(f"get_experiment_by_name {ctx.job!r}")
             exp = self.client.get_experiment_by_name(ctx.job)
+            ctx.note("create_experiment")
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(ctx.job)
+            ctx.note("create_run")
             self.run_id = self.client.create_run(exp_id, run_name=ctx.job).info.run_id
             ctx.state["run_id"] = self.run_id
             ctx.save()
@@ -86,6 +91,11 @@ class MlflowTracker:
 
     def close(self, ending: str | None) -> None:
         self.client.set_terminated(self.run_id, status=_STATUS.get(ending, "FAILED"))
+
+
+def describe(ctx: Start) -> str:
+    uri = tracking_uri(ctx)
+    return f"the MLflow file store {uri}" if uri.startswith("file:") else f"the MLflow tracking server {uri}"
 
 
 def open_run(ctx: Start) -> MlflowTracker:

@@ -50,5 +50,9 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def describe(ctx: Start) -> str:
+    return f"TensorBoard's event files in {ctx.run_dir / SUBDIR}"
+
+
 def open_run(ctx: Start) -> TensorBoardTracker:
     return TensorBoardTracker(ctx)

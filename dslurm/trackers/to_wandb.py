@@ -18,15 +18,9 @@ from __future__ import annotations
 import os
 import secrets
 import string
-import threading
 from typing import Any
 
 from dslurm.trackers import Start
-
-# Seconds close() waits for W&B to finish: it runs before the rank report, inside Slurm's
-# KillWait on a stop (15 s on the test cluster, 30-120 s at sites), after the stop's save.
-# Offline, finish + teardown take ~1 s here.
-CLOSE_TIMEOUT_S = 10.0
 
 
 def _new_id() -> str:
@@ -41,19 +35,23 @@ class WandbTracker:
             ctx.state["id"] = _new_id()
             ctx.save()  # the id is durable before W&B hears of it
         run_id: str = ctx.state["id"]
-        mode = ctx.spec.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+        mode = _mode(ctx)
         project = ctx.spec.wandb_project or os.environ.get("WANDB_PROJECT") or ctx.job
         settings = wandb.Settings(console="off", x_disable_stats=True, disable_git=True, save_code=False,
-                                  x_disable_meta=True, disable_job_creation=True, silent=True)
+                                  x_disable_meta=True, disable_job_creation=True, silent=True,
+                                  # W&B gives up itself at the lane's bound (dslurm/trackers/lane.py)
+                                  init_timeout=ctx.spec.tracker_timeout_s)
         kw: dict[str, Any] = dict(project=project, name=ctx.job, dir=str(ctx.run_dir), mode=mode,
                                   settings=settings, reinit="create_new")
         self.run: Any = None
         if mode == "online" and ctx.start > 0:
+            ctx.note("wandb.init (rewind)")
             try:
                 self.run = wandb.init(resume_from=f"{run_id}?_step={ctx.resumed}", **kw)
             except Exception:  # a server without rewind: resume plainly (replayed steps are appended)
                 self.run = None
         if self.run is None:
+            ctx.note(f"wandb.init ({mode})")
             self.run = wandb.init(id=run_id, resume="allow", **kw)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -66,35 +64,24 @@ class WandbTracker:
         import wandb
 
         code = 0 if ending in (None, "completed", "requeue", "terminated") else 1
+        self.run.finish(exit_code=code)
+        # finish() can return before W&B's service process has written the run's records (seen: a
+        # .wandb file holding its header alone); teardown waits for the service to end, and no
+        # atexit hook is left to do it: the trainer exits without finalization (runtime.exit.leave).
+        # Both wait on W&B's service (online: on its uploads): the lane bounds them
+        # (metrics.tracker_close_s); a slower service is a tracker_failed at close, the run left
+        # unfinished (offline, its last records may be missing; online, `wandb sync` the run dir).
+        wandb.teardown()
 
-        def finalize() -> None:
-            self.run.finish(exit_code=code)
-            # finish() can return before W&B's service process has written the run's records
-            # (seen: a .wandb file holding its header alone); teardown waits for the service to
-            # end, and no atexit hook is left to do it: the trainer exits without finalization
-            # (runtime.exit.leave).
-            wandb.teardown()
 
-        # Both wait on W&B's service (online: on its uploads). This runs before the rank report,
-        # so a slow or hung service must not hold the report past Slurm's KillWait: bounded, and
-        # a timeout is a tracker failure like any other (reported once, training unaffected).
-        done, errors = threading.Event(), list[BaseException]()
+def _mode(ctx: Start) -> str:
+    return ctx.spec.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
 
-        def run() -> None:
-            try:
-                finalize()
-            except BaseException as exc:  # re-raised below, where the tracker guard reports it
-                errors.append(exc)
-            finally:
-                done.set()
 
-        threading.Thread(target=run, name="dslurm-wandb-close", daemon=True).start()
-        if not done.wait(CLOSE_TIMEOUT_S):
-            raise TimeoutError(f"W&B did not finish within {CLOSE_TIMEOUT_S:g} s (its service is slow or "
-                               "hung); left unfinished so the exit is not delayed: offline, the run's "
-                               "last records may be missing; online, `wandb sync` the run directory")
-        if errors:
-            raise errors[0]
+def describe(ctx: Start) -> str:
+    if _mode(ctx) == "offline":
+        return f"W&B offline ({ctx.run_dir / 'wandb'})"
+    return f"W&B online at {os.environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai'}"
 
 
 def open_run(ctx: Start) -> WandbTracker:
