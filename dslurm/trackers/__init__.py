@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dslurm.durable import atomic_write_text
 from dslurm.observe import events
+from dslurm.trackers import lane as lanes
 from dslurm.trackers.feed import feed, purge_from, resumed_step
-from dslurm.trackers.lane import QUEUE_MAX, Item, Lane
+from dslurm.trackers.lane import Item, Lane
 
 if TYPE_CHECKING:
     from dslurm.config import MetricsSpec
@@ -209,9 +210,12 @@ class Trackers:
         for lane in self.lanes.values():
             lane.give_up(self.spec.tracker_close_s)
             if lane.dropped:
-                why = (f"off after tracker_failed during {self.failed_during.get(lane.name, '?')}"
-                       if lane.off else f"its queue was full ({QUEUE_MAX} waiting)")
-                log.warning("tracker %s: %d item(s) not sent (%s); the ledger has every number",
+                why = "; ".join(filter(None, [
+                    f"{lane.dropped_full} while its queue was full ({lanes.QUEUE_MAX} waiting)"
+                    if lane.dropped_full else "",
+                    f"{lane.dropped_off} once it was off (tracker_failed during "
+                    f"{self.failed_during.get(lane.name, '?')})" if lane.dropped_off else ""]))
+                log.warning("tracker %s: %d item(s) not sent: %s; the ledger has every number",
                             lane.name, lane.dropped, why)
                 self._report(events.TrackerDropped(tracker=lane.name, items=lane.dropped,
                                                    delivered=lane.delivered, why=why))

@@ -89,7 +89,8 @@ class Lane:
         self.doing = "open"
         """the call in progress (open, log, event, close) and, where the backend says, its part"""
         self.since = time.monotonic()
-        self.dropped = self.delivered = 0
+        self.dropped_full = self.dropped_off = self.delivered = 0
+        """items dropped while the queue was full, items dropped once the lane was off, items sent"""
         self.off = False
         self.opened = threading.Event()
         """set once the backend's open answered"""
@@ -101,10 +102,17 @@ class Lane:
 
     # ------------------------------------------------------------ the training thread's side
 
+    @property
+    def dropped(self) -> int:
+        return self.dropped_full + self.dropped_off
+
     def offer(self, item: Item) -> None:
         """Queue `item`; never blocks. Dropped (and counted) when the lane is off or full."""
-        if item.kind != "close" and (self.off or self._q.qsize() >= QUEUE_MAX):
-            self.dropped += 1
+        if item.kind != "close" and self.off:
+            self.dropped_off += 1
+            return
+        if item.kind != "close" and self._q.qsize() >= QUEUE_MAX:
+            self.dropped_full += 1
             return
         self._q.put(item)
 
@@ -115,7 +123,9 @@ class Lane:
     def give_up(self, waited_s: float) -> None:
         """The start's close could not wait longer: fail the lane if it has not finished."""
         if not self.finished.is_set():
-            self._fail(self.doing, NoAnswer(self._no_answer(time.monotonic() - self.since, waited_s)))
+            self._fail(self.doing, NoAnswer(
+                f"not done within the start's close bound ({waited_s:g} s) with {self.what} ({self.doing} "
+                f"waiting {time.monotonic() - self.since:.1f} s, {self._q.qsize()} item(s) queued): left unfinished"))
 
     # ------------------------------------------------------------ the lane's threads
 
@@ -132,7 +142,7 @@ class Lane:
                         self._call("close", lambda: tracker.close(item.ending), self.close_s)
                     return
                 if tracker is None or self.off:
-                    self.dropped += 1
+                    self.dropped_off += 1
                     continue
                 if item.kind == "log":
                     call: Callable[[], Any] = lambda: tracker.log(item.step, item.values or {})  # noqa: E731
@@ -151,7 +161,7 @@ class Lane:
         self.doing, self.since = during, time.monotonic()
         box = self._caller.run(fn, bound_s)
         if not box.done.is_set():
-            self._fail(self.doing, NoAnswer(self._no_answer(bound_s, bound_s)))
+            self._fail(self.doing, NoAnswer(self._no_answer(bound_s)))
             return False
         if box.error is not None:
             self._fail(during, box.error)
@@ -159,9 +169,8 @@ class Lane:
         self._result = box.value
         return not self.off
 
-    def _no_answer(self, waited_s: float, bound_s: float) -> str:
-        return (f"no answer within {bound_s:g} s from {self.what} ({self.doing}; waited {waited_s:.1f} s): "
-                "off for the rest of this start")
+    def _no_answer(self, bound_s: float) -> str:
+        return f"no answer within {bound_s:g} s from {self.what} ({self.doing}): off for the rest of this start"
 
     def _fail(self, during: str, exc: BaseException) -> None:
         with self._lock:
@@ -176,5 +185,5 @@ class Lane:
             if item.kind == "close":
                 self._q.put(item)  # the worker still ends on it
                 break
-            self.dropped += 1
+            self.dropped_off += 1
         self._fail_cb(self, during.split(":")[0], exc)
