@@ -14,6 +14,9 @@ variable anywhere else.
   DSLURM_FAULT_FREEZE=STEP[:RANKS][@RESTART] RANKS ignore TERM and stop themselves (SIGSTOP) before step
                                              STEP: frozen where neither their own watchdog nor a TERM can
                                              end them (a process stuck in a driver call); only SIGKILL does
+  DSLURM_FAULT_DATA_STALL=STEP[:RANKS][@RESTART]  RANKS stall reading the batch of step STEP (1-based)
+                                             for an hour: a hung file system under the loader; only a
+                                             stop (or the hang watchdog) ends the wait (train/loop.py)
   DSLURM_FAULT_NAN=STEP[:RANKS][@RESTART]    the batch that step STEP reads in an uninterrupted run is
                                              poisoned on RANKS: its loss is NaN whenever it is read,
                                              so a rollback that does not skip it meets it again
@@ -71,6 +74,7 @@ SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_STOP_IN_EVAL", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9",
          "DSLURM_FAULT_HANG", "DSLURM_FAULT_FREEZE", "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP",
+         "DSLURM_FAULT_DATA_STALL",
          "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_AWAIT",
          "DSLURM_FAULT_CKPT_KILL",
          "DSLURM_FAULT_SAVE_SLEEP", "DSLURM_FAULT_STAGE_DELAY", "DSLURM_FAULT_DURABLE_MBPS", SLOW_NODE,
@@ -194,6 +198,12 @@ def before_step(next_step: int, crash_at: int | None, kill_at: int | None, hang_
         os.kill(os.getpid(), signal.SIGKILL)
     if crash_at is not None and next_step >= crash_at:
         raise RuntimeError(f"injected crash before step {next_step} (DSLURM_FAULT_CRASH)")
+
+
+def data_stall() -> None:
+    """DSLURM_FAULT_DATA_STALL: the batch read (in the trainer's reader thread) stalls for an hour."""
+    log.warning("DSLURM_FAULT_DATA_STALL: the batch read stalls")
+    time.sleep(3600)
 
 
 def poisoned(position: int, global_batch: int, nan_at: int | None) -> bool:

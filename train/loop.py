@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import queue
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -87,6 +89,44 @@ class StepResult:
     """the data stream position (samples) of this step's batch"""
     save_now: bool = False
     """an operator asked for a checkpoint (`dslurm ctl save`, taken by rank 0): all ranks agree"""
+    taken: bool = True
+    """False: a stop came while some rank waited for its batch (a data stall): no rank took this
+    step (no optimizer or scheduler step, every loader back where the step began)"""
+
+
+class BatchReader:
+    """A daemon thread that reads one batch at a time (`submit`), so the training thread can wait
+    for it and still see a stop (train/loop.py `_next_batch`). A reader stuck in a stalled read is
+    abandoned, never joined: the process ends after the stop's save."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Any, bool, _Box]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="dslurm-batch-reader", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, stall, box = self._calls.get()
+            try:
+                if stall:
+                    faults.data_stall()
+                box.value = fn()
+            except BaseException as exc:  # raised again in the training thread
+                box.error = exc
+            box.done.set()
+
+    def submit(self, fn: Any, *, stall: bool = False) -> _Box:
+        box = _Box()
+        self._calls.put((fn, stall, box))
+        return box
+
+
+class _Box:
+    __slots__ = ("done", "value", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
 
 
 class Trainer:
@@ -107,6 +147,8 @@ class Trainer:
         self._fault_freeze = faults.step_fault("DSLURM_FAULT_FREEZE")
         self._fault_await = faults.await_step()
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
+        self._fault_stall = faults.step_fault("DSLURM_FAULT_DATA_STALL")
+        self._reader = BatchReader()  # the batch is read there while this thread watches for a stop
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
         self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
@@ -187,7 +229,10 @@ class Trainer:
                 self.loader.sampler.next_global()
             position = self._position()
             self._poison = faults.poisoned(position, self.train.global_batch, self._fault_nan)
-            inputs, targets = self.loader.next_batch()
+            snapshot = self.loader.state_dict()
+            batch = self._next_batch()
+            abandoned = batch is None
+            inputs, targets = batch if batch is not None else self._stand_in()
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
@@ -200,10 +245,13 @@ class Trainer:
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
                            torch.tensor(stop, device=self.device), torch.tensor(term, device=self.device),
                            (~torch.isfinite(norm)).float().to(self.device),
-                           torch.tensor(float(save_now), device=self.device)])
+                           torch.tensor(float(save_now), device=self.device),
+                           torch.tensor(float(abandoned), device=self.device)])
         with self.watch.collective("step_agree"):
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         loss = vec[0].item() / (self.dims.world_size // self.dims.layout.pp)
+        if vec[5].item() > 0:  # a stop during some rank's data stall: nobody takes this step
+            return self._untaken(snapshot, position, terminated=vec[2].item() > 0, save_now=vec[4].item() > 0)
         decision = None
         if vec[3].item() > 0 or not math.isfinite(loss):
             decision = health.nonfinite_action(self.train.nonfinite, self.nonfinite_handled,
@@ -221,6 +269,47 @@ class Trainer:
                             save_now=vec[4].item() > 0)
         self.step += 1
         return result
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's batch, read in the reader thread while this thread watches the stop flags:
+        a read that stalls (a hung file system, DSLURM_FAULT_DATA_STALL) cannot hold a stop signal
+        back. None: a stop came first (the stalled reader is left behind, a new one takes over)."""
+        stall = self._fault_stall is not None and self.step + 1 == self._fault_stall
+        box = self._reader.submit(self.loader.next_batch, stall=stall)
+        while not box.done.wait(0.05):
+            if self.stop.stop_requested:
+                log.warning("[rank %d] a stop arrived while the batch of step %d was still being read: the "
+                            "step is not taken, the run saves at step %d", self.rank, self.step + 1, self.step)
+                self._reader = BatchReader()
+                return None
+        if box.error is not None:
+            raise box.error
+        return box.value  # type: ignore[no-any-return]
+
+    def _stand_in(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids of a batch's shape: this rank still takes part in the step's collectives (its
+        peers may be inside them), whose result no rank applies."""
+        z = torch.zeros((self.loader.local_batch, self.resolved.shape.seq_len), dtype=torch.long,
+                        device=self.device)
+        return z, z
+
+    def _untaken(self, snapshot: dict[str, Any], position: int, *, terminated: bool, save_now: bool) -> StepResult:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.loader.load_state_dict(snapshot)  # every rank: the batch is read again on resume
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        return StepResult(step=self.step - 1, loss=math.nan, grad_norm=math.nan, lr=lr, stop=True,
+                          terminated=terminated, position=position, save_now=save_now, taken=False)
+
+    def _stop_before_first_step(self) -> bool:
+        """A stop that came during start-up (build, restore): agreed before the first step, so no
+        rank starts the first step's compile and warm-up after it. One small collective per start."""
+        vec = torch.tensor([float(self.stop.stop_requested), float(self.stop.stop_terminated)], device=self.device)
+        with self.watch.collective("start_agree"):
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+        if vec[0].item() > 0:
+            self.stop.stop_requested, self.stop.stop_terminated = True, vec[1].item() > 0
+        return vec[0].item() > 0
 
     # ------------------------------------------------------------------ the run
 
@@ -304,8 +393,12 @@ class Trainer:
         self.metrics.start()
         self.watch.start()
         result = None
+        if self.step < self.train.steps and self._stop_before_first_step():
+            return self._stop_exit(self.stop.stop_terminated)
         while self.step < self.train.steps:
             result = self.train_step()
+            if not result.taken:  # a stop during a data stall: save what the last step left
+                return self._stop_exit(result.terminated)
             self.checks.maybe_flip(self.step, self.params)  # DSLURM_FAULT_BITFLIP
             if not self.clock.finished:
                 self.clock.mark("first_step")
@@ -335,16 +428,7 @@ class Trainer:
             if not result.stop and self.evaluator is not None and self.evaluator.due(self.step):
                 result = self._evaluate(result)
             if result.stop:
-                self._event(events.Signal(signal="stop_requested", step=self.step))
-                self._save_final()
-                self.settled = (time.time(), "")  # the stop's save committed: the ending is decided
-                code = EXIT_TERMINATED if result.terminated else EXIT_REQUEUE
-                self._event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))
-                # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
-                # before rank 0 has written the exit event (the save itself is collective).
-                with self.watch.collective("exit_barrier"):
-                    dist.barrier()
-                return code
+                return self._stop_exit(result.terminated)
             if periodic:
                 self._save(blocking=False)
             self.watch.beat(self.step)
@@ -352,6 +436,19 @@ class Trainer:
             self._save_final()
         self._event(events.Exit(reason="completed", step=self.step, code=EXIT_COMPLETED))
         return EXIT_COMPLETED
+
+    def _stop_exit(self, terminated: bool) -> int:
+        """The agreed stop: save at this step, the exit event, leave together."""
+        self._event(events.Signal(signal="stop_requested", step=self.step))
+        self._save_final()
+        self.settled = (time.time(), "")  # the stop's save committed: the ending is decided
+        code = EXIT_TERMINATED if terminated else EXIT_REQUEUE
+        self._event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))
+        # torchrun kills the other workers as soon as one exits non-zero: nobody leaves
+        # before rank 0 has written the exit event (the save itself is collective).
+        with self.watch.collective("exit_barrier"):
+            dist.barrier()
+        return code
 
     def _evaluate(self, result: StepResult) -> StepResult:
         """Evaluate (train/evaluate.py); a stop agreed during it becomes this step's stop. The step

@@ -1,0 +1,140 @@
+"""What a tracker outage costs each training step (goal: at most 1% of the step time).
+
+Three 1-process trainers in this process (same model, batch, data), each step logged to its own
+ledger as the loop logs it (log_every 1: `Steps` appended, the trackers fed from it):
+
+- none:    no trackers;
+- outage:  MLflow and W&B online (the real clients) at a server on 127.0.0.1 that accepts and
+           never answers (tests/outage_servers.py): both are stuck in their open all run long;
+- slow:    MLflow at a server that answers every request after 0.2 s (its lane is always busy).
+
+Blocks of steps alternate between them; each block is timed in process CPU seconds (all threads:
+the trackers' lanes' work counts, the neighbours' on 2 shared cores does not) and in wall seconds.
+The ratios are medians over the blocks, measured side by side in this one run. The phases are
+checked in order: the outage's trackers must still be in their open when the measure ends, the
+slow one must have delivered points.
+
+    .venv/bin/python bench/bench_trackers.py [--preset small] [--steps 3] [--blocks 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+
+
+def build(preset: str, name: str, tmp: Path, metrics: dict[str, object] | None):
+    import torch
+
+    from dslurm.config import MetricsSpec
+    from dslurm.config.resolve import load
+    from dslurm.observe.ledger import Ledger
+    from dslurm.trackers import attach
+    from train.loop import Trainer
+    from train_helpers import SITE, write_job
+
+    job = write_job(tmp, name, steps=100_000, grad_clip=1.0)
+    resolved = load(SITE, job, ["procs_per_node=1", f"model.preset={preset}", "data.synthetic_tokens=1048576"],
+                    ["node.nvlink_domain=8"])
+    t = Trainer(resolved, device=torch.device("cpu"), rank=0, world_size=1, fsdp=False, checkpoint=False)
+    t.ledger = Ledger(tmp / name)
+    t.trackers = attach(t.ledger, tmp / name, MetricsSpec(**metrics), name) if metrics else None  # type: ignore[arg-type]
+    t.metrics.start()
+
+    def step() -> None:
+        r = t.train_step()
+        t.metrics.end_step(r.step, r.loss)
+        t._log_window(r)  # the loop's own logging: Steps into the ledger, the trackers fed
+
+    return t, step
+
+
+def block(fn, n: int) -> tuple[float, float]:
+    c0, w0 = time.process_time(), time.monotonic()
+    for _ in range(n):
+        fn()
+    return (time.process_time() - c0) / n, (time.monotonic() - w0) / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--steps", type=int, default=3, help="steps per timing block")
+    p.add_argument("--blocks", type=int, default=8, help="alternating blocks per side")
+    args = p.parse_args()
+
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    from outage_servers import logged_steps, silent_server, slow_mlflow_server
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-trackers-"))
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        os.environ[var] = str(tmp / "home" / var.lower())
+    os.environ.update(WANDB_SILENT="true", WANDB_API_KEY="x" * 40)
+    os.environ.pop("WANDB_MODE", None)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with silent_server() as url, slow_mlflow_server(0.2) as slow, contextlib.redirect_stdout(io.StringIO()):
+        os.environ["WANDB_BASE_URL"] = url
+        sides = {
+            "none": build(args.preset, "none", tmp, None),
+            "outage": build(args.preset, "outage", tmp, {"trackers": ["mlflow", "wandb"], "mlflow_uri": url,
+                                                          "wandb_mode": "online", "tracker_timeout_s": 3600}),
+            "slow": build(args.preset, "slow", tmp, {"trackers": ["mlflow"], "mlflow_uri": slow.url,
+                                                      "tracker_timeout_s": 3600}),
+        }
+        print("built", file=sys.stderr, flush=True)
+        for _, step in sides.values():  # warm-up: allocations, optimizer state, the lanes' imports
+            for _ in range(args.steps):
+                step()
+        time.sleep(5)  # the lanes' package imports (wandb, mlflow) are start-up, not step cost
+        cpu: dict[str, list[float]] = {k: [] for k in sides}
+        wall: dict[str, list[float]] = {k: [] for k in sides}
+        for _ in range(args.blocks):
+            for name, (_, step) in sides.items():
+                c, w = block(step, args.steps)
+                cpu[name].append(c)
+                wall[name].append(w)
+            print("block", {k: v[-1] for k, v in cpu.items()}, file=sys.stderr, flush=True)
+        outage_lanes = sides["outage"][0].trackers.lanes
+        stuck = {n: lane.doing for n, lane in outage_lanes.items()}
+        delivered = logged_steps(slow.calls)
+        for t, _ in sides.values():
+            if t.trackers is not None:
+                t.trackers.spec.tracker_close_s = 2.0
+                t.trackers.close()
+    dist.destroy_process_group()
+    if not all(d.startswith("open") for d in stuck.values()):
+        raise SystemExit(f"phase check: the outage's trackers left their open during the measure: {stuck}")
+    if not delivered:
+        raise SystemExit("phase check: the slow server received no point")
+    med = {k: (statistics.median(cpu[k]), statistics.median(wall[k])) for k in sides}
+    base_c, base_w = med["none"]
+    print(f"\n| {args.preset} model, 1 process, {args.blocks} blocks x {args.steps} steps | CPU s/step | "
+          "vs none | wall s/step | vs none |")
+    print("|---|---|---|---|---|")
+    for k, label in (("none", "no trackers"), ("outage", "MLflow + W&B online, server never answers"),
+                     ("slow", "MLflow, server answers after 0.2 s")):
+        c, w = med[k]
+        print(f"| {label} | {c:.4f} | {c / base_c:.3f} | {w:.4f} | {w / base_w:.3f} |")
+    print(f"\noutage lanes still waiting at the end: {stuck}; slow server got {len(delivered)} step(s) of points")
+    sys.stdout.flush()
+    # As the trainer leaves (dslurm.runtime.exit.leave): W&B's atexit teardown would wait on its
+    # service, which still waits on the silent server.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
