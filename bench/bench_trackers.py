@@ -48,6 +48,16 @@ def build(preset: str, name: str, tmp: Path, metrics: dict[str, object] | None):
     t.ledger = Ledger(tmp / name)
     t.trackers = attach(t.ledger, tmp / name, MetricsSpec(**metrics), name) if metrics else None  # type: ignore[arg-type]
     t.metrics.start()
+    t.listener_s = 0.0  # time the training thread spent inside the trackers' listener (queueing)
+    if t.trackers is not None:
+        on_event = t.trackers.on_event
+
+        def timed(ev) -> None:
+            t0 = time.perf_counter()
+            on_event(ev)
+            t.listener_s += time.perf_counter() - t0
+
+        t.ledger.listeners[:] = [timed]
 
     def step() -> None:
         r = t.train_step()
@@ -100,6 +110,8 @@ def main() -> None:
             for _ in range(args.steps):
                 step()
         time.sleep(5)  # the lanes' package imports (wandb, mlflow) are start-up, not step cost
+        for t, _ in sides.values():
+            t.listener_s = 0.0
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         wall: dict[str, list[float]] = {k: [] for k in sides}
         for _ in range(args.blocks):
@@ -108,6 +120,8 @@ def main() -> None:
                 cpu[name].append(c)
                 wall[name].append(w)
             print("block", {k: v[-1] for k, v in cpu.items()}, file=sys.stderr, flush=True)
+        measured = args.blocks * args.steps
+        listener = {k: t.listener_s / measured for k, (t, _) in sides.items()}
         outage_lanes = sides["outage"][0].trackers.lanes
         stuck = {n: lane.doing for n, lane in outage_lanes.items()}
         delivered = logged_steps(slow.calls)
@@ -123,12 +137,13 @@ def main() -> None:
     med = {k: (statistics.median(cpu[k]), statistics.median(wall[k])) for k in sides}
     base_c, base_w = med["none"]
     print(f"\n| {args.preset} model, 1 process, {args.blocks} blocks x {args.steps} steps | CPU s/step | "
-          "vs none | wall s/step | vs none |")
-    print("|---|---|---|---|---|")
+          "vs none | wall s/step | vs none | training thread in the trackers, s/step (share of the step) |")
+    print("|---|---|---|---|---|---|")
     for k, label in (("none", "no trackers"), ("outage", "MLflow + W&B online, server never answers"),
                      ("slow", "MLflow, server answers after 0.2 s")):
         c, w = med[k]
-        print(f"| {label} | {c:.4f} | {c / base_c:.3f} | {w:.4f} | {w / base_w:.3f} |")
+        print(f"| {label} | {c:.4f} | {c / base_c:.3f} | {w:.4f} | {w / base_w:.3f} | "
+              f"{listener[k]:.6f} ({listener[k] / w:.3%}) |")
     print(f"\noutage lanes still waiting at the end: {stuck}; slow server got {len(delivered)} step(s) of points")
     sys.stdout.flush()
     # As the trainer leaves (dslurm.runtime.exit.leave): W&B's atexit teardown would wait on its
