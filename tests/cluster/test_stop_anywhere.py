@@ -5,8 +5,9 @@
 - start 0: rank 1's read of step 4 stalls (DSLURM_FAULT_DATA_STALL=4:1@0, a hung file system)
   while rank 0 waits in the step's collectives; USR2 to the batch shell: saved at step 3 (no
   rank took step 4), requeued;
-- start 1: TERM to the batch shell a few steps in, with the tracker still waiting: saved at the
-  step agreed, requeued;
+- start 1: TERM to the batch shell while the periodic async save of step 5 is in flight (the knob
+  holds it open 8 s) and the tracker still waits: the stop's save waits for it, then saves at the
+  step agreed; requeued;
 - start 2 completes. Every step is trained exactly once: 0 lost.
 """
 
@@ -39,8 +40,9 @@ def test_usr2_in_a_data_stall_then_term_in_a_tracker_wait_save_requeue_and_lose_
     env = slurm_cluster.env()
     run = tmp_path / "anywhere"
     with silent_server() as url:
-        spec = job_spec(tmp_path, "anywhere", nodes=1, tp=2, steps=14, interval=100, sleep=0.3,
-                        env={"DSLURM_FAULT_DATA_STALL": "4:1@0"},
+        spec = job_spec(tmp_path, "anywhere", nodes=1, tp=2, steps=14, interval=5, sleep=0.3,
+                        checkpoint={"async_save": True},
+                        env={"DSLURM_FAULT_DATA_STALL": "4:1@0", "DSLURM_FAULT_SAVE_SLEEP": "8"},
                         metrics={"trackers": ["mlflow"], "mlflow_uri": url, "tracker_timeout_s": 600})
         job = submit(cli, env, spec)
         wait_for(lambda: _steps(run, 0) >= 2, 240, "start 0 at its stall")
@@ -48,7 +50,8 @@ def test_usr2_in_a_data_stall_then_term_in_a_tracker_wait_save_requeue_and_lose_
         assert _steps(run, 0) == 2
         _signal_batch("USR2", job, env)
         wait_for(lambda: [e for e in events(run, "train_start") if e["restart"] == 1], 240, "start 1")
-        wait_for(lambda: _steps(run, 1) >= 5, 240, "start 1 trains")
+        wait_for(lambda: _steps(run, 1) >= 5, 240, "start 1 past its async save of step 5")
+        assert 5 not in [e["step"] for e in events(run, "ckpt_save")]  # still in flight
         _signal_batch("TERM", job, env)
         wait_for(lambda: [e for e in events(run, "train_start") if e["restart"] == 2], 240, "start 2")
         assert slurm.wait_job(job, timeout=300, env=env) == "COMPLETED", logs(run)
@@ -56,7 +59,8 @@ def test_usr2_in_a_data_stall_then_term_in_a_tracker_wait_save_requeue_and_lose_
     assert [e["reason"] for e in exits] == ["requeue", "terminated", "completed"], exits
     assert exits[0]["step"] == 3, exits[0]
     saves = [(e["restart"], e["step"]) for e in events(run, "ckpt_save")]
-    assert (0, 3) in saves and (1, exits[1]["step"]) in saves, saves
+    assert (0, 3) in saves and (1, 5) in saves and exits[1]["step"] > 5, (saves, exits)
+    assert (1, exits[1]["step"]) in saves, saves  # the stop's own save, after the one in flight
     starts = [e["step"] for e in events(run, "train_start")]
     assert starts == [0, 3, exits[1]["step"]], starts
     assert trained_steps(run) == {s: 1 for s in range(14)}, trained_steps(run)  # 0 lost, 0 repeated
