@@ -202,13 +202,14 @@ class Trackers:
             if self.closed:
                 return
             self.closed = True
-        deadline = time.monotonic() + self.spec.tracker_close_s
+        now = time.monotonic()
+        deadline = now + self.spec.tracker_close_s
         for lane in self.lanes.values():
             lane.offer(Item("close", ending=ending))
         for lane in self.lanes.values():
             lane.finished.wait(max(0.0, deadline - time.monotonic()))
         for lane in self.lanes.values():
-            lane.give_up(self.spec.tracker_close_s)
+            lane.give_up(time.monotonic() - now)
             if lane.dropped:
                 why = "; ".join(filter(None, [
                     f"{lane.dropped_full} while its queue was full ({lanes.QUEUE_MAX} waiting)"

@@ -124,7 +124,7 @@ class Lane:
         """The start's close could not wait longer: fail the lane if it has not finished."""
         if not self.finished.is_set():
             self._fail(self.doing, NoAnswer(
-                f"not done within the start's close bound ({waited_s:g} s) with {self.what} ({self.doing} "
+                f"not done when the start ended (its close waited {waited_s:.1f} s) with {self.what} ({self.doing} "
                 f"waiting {time.monotonic() - self.since:.1f} s, {self._q.qsize()} item(s) queued): left unfinished"))
 
     # ------------------------------------------------------------ the lane's threads

@@ -1,13 +1,13 @@
-"""A stop signal from the batch shell is honoured whatever the training processes are doing
+"""A stop signal is honoured whatever the training processes are doing
 (issue 34 item 2), on the local cluster, one job for the scenarios (cheap): MLflow at a server on
 127.0.0.1 that never answers waits in its open for the whole run (the tracker call), and
 
 - start 0: rank 1's read of step 4 stalls (DSLURM_FAULT_DATA_STALL=4:1@0, a hung file system)
   while rank 0 waits in the step's collectives; USR2 to the batch shell: saved at step 3 (no
   rank took step 4), requeued;
-- start 1: TERM to the batch shell while the periodic async save of step 5 is in flight (the knob
-  holds it open 8 s) and the tracker still waits: the stop's save waits for it, then saves at the
-  step agreed; requeued;
+- start 1: TERM (an external `scontrol requeue`: Slurm's preemption) while the periodic async save
+  of step 5 is in flight (the knob holds it open 8 s) and the tracker still waits: the stop's save
+  waits for it, then saves at the step agreed; requeued;
 - start 2 completes. Every step is trained exactly once: 0 lost.
 """
 
@@ -52,7 +52,7 @@ def test_usr2_in_a_data_stall_then_term_in_a_tracker_wait_save_requeue_and_lose_
         wait_for(lambda: [e for e in events(run, "train_start") if e["restart"] == 1], 240, "start 1")
         wait_for(lambda: _steps(run, 1) >= 5, 240, "start 1 past its async save of step 5")
         assert 5 not in [e["step"] for e in events(run, "ckpt_save")]  # still in flight
-        _signal_batch("TERM", job, env)
+        slurm.run_cmd(["scontrol", "requeue", str(job)], env=env)
         wait_for(lambda: [e for e in events(run, "train_start") if e["restart"] == 2], 240, "start 2")
         assert slurm.wait_job(job, timeout=300, env=env) == "COMPLETED", logs(run)
     exits = events(run, "exit")

@@ -82,7 +82,7 @@ def test_a_silent_server_never_holds_a_step_and_is_named_within_the_bound(run, m
         led.append(ev.Exit(reason="completed", step=12, code=0))
         closed_s = time.monotonic() - t0
     assert worst < 0.25, worst  # the ledger's fsync, never a tracker's wait
-    assert closed_s < 2.0 + 1.0, closed_s  # close waits for TensorBoard only, within tracker_close_s
+    assert closed_s < 2.0 + 1.0, closed_s  # close waits within tracker_close_s
     assert set(mid) == {"mlflow", "wandb"}, mid
     port = url.rsplit(":", 1)[1]
     for name in ("mlflow", "wandb"):
@@ -106,8 +106,10 @@ def test_a_slow_mlflow_server_gets_every_point_and_the_step_never_waits(run):
     with slow_mlflow_server(0.15) as srv:
         spec = MetricsSpec(trackers=["mlflow"], mlflow_uri=srv.url, tracker_timeout_s=5.0, tracker_close_s=10.0)
         led = Ledger(run)
-        attach(led, run, spec, "tiny")
+        trk = attach(led, run, spec, "tiny")
+        assert trk is not None
         worst = feed_start(led)
+        assert trk.lanes["mlflow"].opened.wait(20)  # a run lasts longer than a slow open
         t0 = time.monotonic()
         led.append(ev.Exit(reason="completed", step=12, code=0))
         closed_s = time.monotonic() - t0
