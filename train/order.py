@@ -39,12 +39,19 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def _splitmix_int(x: int) -> int:
+    """splitmix64 of one Python int (what `splitmix64` does to each uint64)."""
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
 def mix_key(*parts: int) -> int:
     """One 64-bit key from a tuple of ints (seed, epoch, source, ...); any sign, any size."""
     h = 0x243F6A8885A308D3
     for p in parts:
-        h = int(splitmix64(np.array([(h ^ (p & M64)) & M64], dtype=np.uint64))[0])
-        h ^= (p >> 64) & M64  # ints beyond 64 bits still change the key
+        h = _splitmix_int(h ^ (p & M64)) ^ ((p >> 64) & M64)  # ints beyond 64 bits still change the key
     return h
 
 
