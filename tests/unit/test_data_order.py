@@ -103,7 +103,8 @@ def test_a_rank_starts_on_a_trillion_token_store_in_constant_memory(tmp_path):
         elapsed = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        assert isinstance(inputs, torch.Tensor) and inputs.shape == (1, 4096) and int(inputs.sum()) == 0  # unallocated chunks read as 0
+        assert isinstance(inputs, torch.Tensor) and inputs.shape == (1, 4096)
+        assert int(inputs.sum()) == 0  # unallocated chunks read as the fill value
         print(f"trillion-token store {data}: first batch after {elapsed:.2f}s, peak {peak / 2**20:.1f} MB")
         assert elapsed < 10.0, f"{data}: {elapsed:.1f}s to the first batch"
         assert peak < 64 << 20, f"{data}: {peak / 2**20:.1f} MB of index memory"
