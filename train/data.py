@@ -47,8 +47,8 @@ import numpy as np
 
 from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
-from train.order import Permutation, mix_key
-from train.reader import Prefetcher, default_fields, read_windows
+from train.order import ORDER, Permutation, mix_key, warn_order
+from train.reader import Prefetcher, read_windows, staging_dtype
 from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, held_out_split
 
 log = logging.getLogger(__name__)
@@ -105,22 +105,37 @@ class GlobalBatchSampler(DpShare):
         """The whole epoch's order, listed (tests and small corpora: epoch_length int64)."""
         return self.order(epoch, 0, self.epoch_length)
 
-    def next_global(self) -> np.ndarray:
-        """The next global batch (B sample ids) and advance the state.
+    def _advance(self) -> list[tuple[int, int, int]]:
+        """Advance the state by one global batch; its (epoch, start, count) pieces of epoch order.
 
         A batch may straddle an epoch boundary only if global_batch changed on restore.
         """
-        out, need = [], self.global_batch
+        pieces, need = [], self.global_batch
         while need:
             take = min(need, self.epoch_length - self.position)
             start = self.position
-            out.append(self.order(self.epoch, start, take))
+            pieces.append((self.epoch, start, take))
             # Slots at or past num_samples are the pad repeats.
             self.padding_repeats += max(0, start + take - max(start, self.num_samples))
             self.position += take
             need -= take
             if self.position >= self.epoch_length:
                 self.epoch, self.position = self.epoch + 1, 0
+        return pieces
+
+    def next_global(self) -> np.ndarray:
+        """The next global batch (B sample ids) and advance the state."""
+        return np.concatenate([self.order(e, s, n) for e, s, n in self._advance()])
+
+    def next_ids(self) -> np.ndarray:
+        """This rank's share of the next global batch, computing only its B/D entries."""
+        lo, hi = self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch
+        out, at = [], 0
+        for e, s, n in self._advance():
+            a, b = max(lo, at), min(hi, at + n)  # the share's overlap with this piece
+            if a < b:
+                out.append(self.order(e, s + a - at, b - a))
+            at += n
         return np.concatenate(out)
 
     @property
@@ -132,7 +147,7 @@ class GlobalBatchSampler(DpShare):
         """Plain ints and strings: safe for json, torch.save and DCP's non-tensor state."""
         return {"epoch": self.epoch, "position": self.position,
                 "padding_repeats": self.padding_repeats, "num_samples": self.num_samples,
-                "seed": self.seed, "policy": self.policy, "global_batch": self.global_batch}
+                "seed": self.seed, "policy": self.policy, "global_batch": self.global_batch, "order": ORDER}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore (epoch, position); dp_rank/dp_size may differ from the saving run.
@@ -148,6 +163,7 @@ class GlobalBatchSampler(DpShare):
                 raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but "
                                 f"{getattr(self, key)!r} now; the saved position does not apply. "
                                 "Fix: restore with the same data file, train.seed and data.policy")
+        warn_order(state)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.padding_repeats = int(state.get("padding_repeats", 0))
         if self.position >= self.epoch_length:  # global_batch changed and the tail moved
@@ -173,6 +189,7 @@ class TokenSource:
         if not self.files:
             raise UserError(f"{where}: {self.path} names no shard. Fix: point it at a manifest with shards")
         self.starts = np.cumsum([0] + [f.n_tokens for f in self.files]).astype(np.int64)
+        self._dtypes: dict[str, np.dtype] = {}
         self.vocab_size = max(f.vocab_size for f in self.files)
 
     @property
@@ -185,9 +202,9 @@ class TokenSource:
 
     def dtype_of(self, name: str = DATASET) -> np.dtype:
         """The on-disk dtype of per-token dataset `name` (the widest over the shards)."""
-        if name == DATASET:
-            return np.result_type(*[f.dtype for f in self.files])
-        return np.result_type(*[f.dtype_of(name) for f in self.files])
+        if name not in self._dtypes:
+            self._dtypes[name] = np.result_type(*[f.dtype_of(name) for f in self.files])
+        return self._dtypes[name]
 
     def read_into(self, start: int, out: np.ndarray, name: str = DATASET) -> None:
         """Elements [start, start+len(out)) of the concatenated stream's dataset `name` into `out`."""
@@ -233,8 +250,9 @@ class TokenLoader:
     With `prefetch` = k > 0 a background reader (train/reader.py) keeps k batches ready (in
     pinned host memory on a GPU), so the step's `data` time is a wait on a ready batch; the
     sampler here stays the step's own and its state is what a checkpoint saves. `fields`
-    names the per-token arrays a batch reads ({dataset name: dtype}, default the tokens as
-    int64): `read_arrays` returns them all, row for row over the same windows.
+    names the per-token arrays a batch reads ({dataset name: dtype}; default the tokens in
+    `staging_dtype`, widened to int64 in `to_tensors` after the move to the device):
+    `read_arrays` returns them all, row for row over the same windows.
     """
 
     def __init__(self, tokens: Any, sampler: Any, seq_len: int, *, device: Any = "cpu",
@@ -244,7 +262,7 @@ class TokenLoader:
         self.tokens, self.sampler, self.seq_len, self.device = self.sources[0], sampler, seq_len, device
         self.space = space
         self.prefetch = prefetch
-        self.fields = {k: np.dtype(v) for k, v in (fields or default_fields()).items()}
+        self.fields = {k: np.dtype(v) for k, v in (fields or {DATASET: staging_dtype(self.sources)}).items()}
         self._pre: Prefetcher | None = None
 
     @property
@@ -255,35 +273,46 @@ class TokenLoader:
     def padding_repeats(self) -> int:
         return int(self.sampler.padding_repeats)
 
-    def read_arrays(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+    def read_arrays(self, ids: np.ndarray, alloc: Any = None) -> dict[str, np.ndarray]:
         """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
         if self.space is None:
             src, sample = np.zeros(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)
         else:
             src, sample = self.space.locate(ids)
-        return read_windows(self.sources, src, sample, self.seq_len, self.fields)
+        if alloc is None:
+            return read_windows(self.sources, src, sample, self.seq_len, self.fields)
+        return read_windows(self.sources, src, sample, self.seq_len, self.fields, alloc)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Token windows [len(ids), seq_len+1] (int64) for the given ids."""
-        return self.read_arrays(ids)[DATASET]
+        return self.read_arrays(ids)[DATASET].astype(np.int64, copy=False)
 
     def _stage(self, ids: np.ndarray) -> Any:
-        """One batch read, in pinned host memory when it goes to a GPU (the reader thread's work)."""
-        windows = self.read(ids)
+        """One batch's token windows (the reader thread's work): numpy for a CPU step, else a
+        tensor in pinned host memory, read straight into it (no second copy to pin it)."""
         if str(self.device) == "cpu":
-            return windows
+            return self.read_arrays(ids)[DATASET]
         import torch
 
-        return torch.from_numpy(windows).pin_memory()
+        pinned: dict[str, Any] = {}
+
+        def alloc(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            t = torch.empty(shape, dtype=getattr(torch, dtype.name), pin_memory=True)  # torch names numpy's
+            pinned[name] = t  # the tensor owns the pinned block; the array is a view of it
+            return np.asarray(t.numpy())
+
+        self.read_arrays(ids, alloc)
+        return pinned[DATASET]
 
     def to_tensors(self, windows_np: Any) -> tuple[Any, Any]:
+        """(inputs, targets) int64 [n, seq_len] from windows [n, seq_len+1] of any integer dtype."""
         import torch  # lazy: the data module is imported by torch-free tools too
 
         windows = torch.from_numpy(windows_np) if isinstance(windows_np, np.ndarray) else windows_np
-        if str(self.device) != "cpu":  # one copy of the windows (from pinned memory: async), cut there
+        if str(self.device) != "cpu":  # one copy of the compact windows (from pinned memory: async)
             windows = windows.to(self.device, non_blocking=windows.is_pinned())
-        # contiguous: kernels want dense rows
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        # widened while cut: one pass each, dense rows (kernels want them)
+        return windows[:, :-1].long().contiguous(), windows[:, 1:].long().contiguous()
 
     def next_batch(self) -> tuple[Any, Any]:
         if self.prefetch and self._pre is None:

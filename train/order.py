@@ -22,8 +22,16 @@ milliseconds) and, per lookup, one Q_b evaluation.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+log = logging.getLogger(__name__)
+
+ORDER = "feistel-1"
+"""Names the sample orders in a saved data state: a state without it (or with another) was
+saved on another order, and resuming it is warned about (its position is kept, its epoch
+order is not the one it was saved on)."""
 M64 = (1 << 64) - 1
 ROUNDS = 6
 BLOCK = 1024
@@ -37,6 +45,15 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def warn_order(state: dict[str, object]) -> None:
+    """A saved data state from another order: say what resuming it means (once per restore)."""
+    if state.get("order") != ORDER:
+        log.warning("data state: saved on sample order %r, this dslurm uses %r; the run resumes at the "
+                    "saved position on the new order, so the current epoch may repeat or skip samples "
+                    "(from the next epoch on nothing is lost)", state.get("order", "listed (numpy) permutation"),
+                    ORDER)
 
 
 def _splitmix_int(x: int) -> int:
@@ -58,7 +75,7 @@ def mix_key(*parts: int) -> int:
 class Permutation:
     """A seeded bijection of [0, n): `perm[positions]` -> the sample at each position."""
 
-    __slots__ = ("n", "half", "mask", "keys")
+    __slots__ = ("n", "half", "mask", "keys", "int_keys")
 
     def __init__(self, n: int, key: int) -> None:
         if n < 1:
@@ -66,7 +83,20 @@ class Permutation:
         self.n = n
         self.half = max(1, (max(1, (n - 1).bit_length()) + 1) // 2)
         self.mask = np.uint64((1 << self.half) - 1)
-        self.keys = [np.uint64(mix_key(key, r)) for r in range(ROUNDS)]
+        self.int_keys = [mix_key(key, r) for r in range(ROUNDS)]
+        self.keys = [np.uint64(k) for k in self.int_keys]
+
+    def _one(self, x: int) -> int:
+        """The same bijection on one Python int: a step's few ids cost microseconds, not the ~50 us
+        of numpy calls on tiny arrays."""
+        h, mask = self.half, (1 << self.half) - 1
+        while True:
+            left, right = x >> h, x & mask
+            for k in self.int_keys:
+                left, right = right, left ^ (_splitmix_int(right ^ k) & mask)
+            x = (left << h) | right
+            if x < self.n:
+                return x
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         h = np.uint64(self.half)
@@ -80,10 +110,16 @@ class Permutation:
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= self.n):
             raise IndexError(f"positions outside [0, {self.n})")
+        if pos.size <= 16:
+            return np.array([self._one(int(p)) for p in pos.ravel()], dtype=np.int64).reshape(pos.shape)
         y = self._feistel(pos.astype(np.uint64))
         n = np.uint64(self.n)
         out = y >= n
         while out.any():  # cycle walking: the domain is < 4n, so a few rounds at most on average
+            if int(out.sum()) <= 16:  # the last few walk on in Python (numpy's per-call cost dominates)
+                idx = np.flatnonzero(out)
+                y[idx] = [self._one(int(v)) for v in y[idx]]
+                break
             y[out] = self._feistel(y[out])
             out[out] = y[out] >= n
         return y.astype(np.int64)

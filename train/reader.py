@@ -29,36 +29,63 @@ import numpy as np
 
 from dslurm.data.tokenize import DATASET
 
+Alloc = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]
+
+
+def _empty(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
 
 def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
-                 fields: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
+                 fields: Mapping[str, np.dtype], alloc: Alloc = _empty) -> dict[str, np.ndarray]:
     """{field: [n, seq_len+1] array of dtype fields[field]} for samples (source src[k], id sample[k]).
 
-    `sources` hold `read_into(start, out, name)` and `dtype_of(name)` (TokenFile, TokenSource).
+    `sources` hold `read_into(start, out, name)` and `dtype_of(name)` (TokenFile, TokenSource);
+    `alloc(field, shape, dtype)` gives each output array (pinned host memory for a GPU). A lone
+    window of the output's own dtype is read straight into its row (no copy).
     """
     n, width = len(sample), seq_len + 1
-    out = {name: np.empty((n, width), dtype=dt) for name, dt in fields.items()}
+    out = {name: alloc(name, (n, width), np.dtype(dt)) for name, dt in fields.items()}
     if n == 0:
         return out
-    starts = np.asarray(sample, dtype=np.int64) * seq_len
-    order = np.lexsort((starts, src))
-    s_sorted, st_sorted = src[order], starts[order]
-    # a run breaks where the source changes or the next window does not start seq_len later
-    brk = np.flatnonzero((np.diff(s_sorted) != 0) | (np.diff(st_sorted) != seq_len)) + 1
-    bounds = np.concatenate([[0], brk, [n]]).tolist()
+    s_sorted, st_sorted, order, bounds = _runs(np.asarray(src, dtype=np.int64),
+                                               np.asarray(sample, dtype=np.int64) * seq_len, seq_len)
     for name, dt in fields.items():
         dst = out[name]
         for a, b in zip(bounds[:-1], bounds[1:]):
-            source = sources[int(s_sorted[a])]
+            source = sources[s_sorted[a]]
             m = b - a
-            flat = np.empty(m * seq_len + 1, dtype=source.dtype_of(name))
-            source.read_into(int(st_sorted[a]), flat, name)
+            disk = source.dtype_of(name)
+            if m == 1 and disk == dst.dtype:
+                source.read_into(st_sorted[a], dst[order[a]], name)
+                continue
+            flat = np.empty(m * seq_len + 1, dtype=disk)
+            source.read_into(st_sorted[a], flat, name)
             if m == 1:
                 dst[order[a]] = flat
             else:  # m overlapping windows of one run, stride seq_len
                 step = flat.strides[0]
                 dst[order[a:b]] = np.lib.stride_tricks.as_strided(flat, (m, width), (seq_len * step, step))
     return out
+
+
+def _runs(src: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[list[int], list[int], Any, list[int]]:
+    """Windows sorted by (source, start) and cut into runs of adjacent ones: (sources, starts,
+    order, run bounds), lists. A step's few windows are sorted in Python (numpy's per-call cost
+    is the larger one below a few hundred); a big batch in numpy."""
+    n = len(starts)
+    if n <= 256:
+        sr, st = src.tolist(), starts.tolist()
+        order_l = sorted(range(n), key=lambda k: (sr[k], st[k]))
+        s_sorted, st_sorted = [sr[k] for k in order_l], [st[k] for k in order_l]
+        bounds = [0] + [k for k in range(1, n) if s_sorted[k] != s_sorted[k - 1]
+                        or st_sorted[k] != st_sorted[k - 1] + seq_len] + [n]
+        return s_sorted, st_sorted, np.asarray(order_l, dtype=np.int64), bounds
+    order = np.lexsort((starts, src))
+    s_np, st_np = src[order], starts[order]
+    # a run breaks where the source changes or the next window does not start seq_len later
+    brk = np.flatnonzero((np.diff(s_np) != 0) | (np.diff(st_np) != seq_len)) + 1
+    return s_np.tolist(), st_np.tolist(), order, np.concatenate([[0], brk, [n]]).tolist()
 
 
 _DONE = object()
@@ -125,6 +152,11 @@ class Prefetcher:
         atexit.unregister(self.close)
 
 
-def default_fields() -> dict[str, np.dtype]:
-    """The fields a training batch reads: the tokens, as int64 (the model's ids)."""
-    return {DATASET: np.dtype(np.int64)}
+def staging_dtype(sources: list[Any]) -> np.dtype:
+    """The dtype a batch's tokens are read and moved in: the files' own uint16 when all are, else
+    int32 (ids < 2**31), else int64. The step widens them to int64 after the move (on the GPU),
+    so the host reads, pins and copies 2 or 4 bytes per token, not 8."""
+    disk = np.result_type(*[s.dtype_of(DATASET) for s in sources])
+    if disk == np.uint16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32) if max(int(s.vocab_size) for s in sources) <= 1 << 31 else np.dtype(np.int64)

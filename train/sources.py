@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from dslurm.errors import UserError
-from train.order import HashSplit, Permutation, mix_key
+from train.order import ORDER, HashSplit, Permutation, mix_key, warn_order
 
 MIX_PERIOD = 4096
 """Slots per mixture period: the proportions are exact over each period (to 1/MIX_PERIOD)."""
@@ -238,9 +238,15 @@ class MixtureSampler(DpShare):
         self.slot += self.global_batch
         return out
 
+    def next_ids(self) -> np.ndarray:
+        """This rank's share only: slots are a pure function of their number."""
+        out = self.indices(self.slot + self.dp_rank * self.local_batch, self.local_batch)
+        self.slot += self.global_batch
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),
-                "num_samples": list(self.space.counts), "global_batch": self.global_batch}
+                "num_samples": list(self.space.counts), "global_batch": self.global_batch, "order": ORDER}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the slot count; the sources, weights and seed must be the saving run's."""
@@ -253,6 +259,7 @@ class MixtureSampler(DpShare):
                 raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but {value!r} now; the "
                                 "saved position does not apply. Fix: restore with the same data.sources "
                                 "(paths, weights, val_fraction) and train.seed")
+        warn_order(state)
         self.slot = int(state["slot"])
 
 

@@ -235,8 +235,9 @@ class TokenFile:
         self._file: Any = None
         self._fd = -1
         self._pid = -1
-        self._layouts: dict[str, _Layout | None] = {}
+        self._open: dict[str, tuple[Any, _Layout | None, np.dtype]] = {}
         self.info = read_info(self.path)
+        self._dtype = np.dtype(self.info.dtype)
 
     @property
     def n_tokens(self) -> int:
@@ -248,11 +249,11 @@ class TokenFile:
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(self.info.dtype)
+        return self._dtype
 
     def dtype_of(self, name: str = DATASET) -> np.dtype:
         """The dtype of 1-D dataset `name` (the tokens, or a per-token array beside them)."""
-        return self.dtype if name == DATASET else np.dtype(self._dataset(name).dtype)
+        return self.dtype if name == DATASET else self._layout(name)[2]
 
     def _dataset(self, name: str = DATASET) -> Any:  # an h5py Dataset (h5py has no type information)
         if self._file is None or self._pid != os.getpid():
@@ -261,22 +262,25 @@ class TokenFile:
             self._file = h5py.File(self.path, "r")
             self._fd = os.open(self.path, os.O_RDONLY)
             self._pid = os.getpid()
-            self._layouts = {}
+            self._open = {}
         return self._file[name]
 
-    def _layout(self, name: str) -> tuple[Any, _Layout | None]:
-        ds = self._dataset(name)
-        if name not in self._layouts:
-            self._layouts[name] = _Layout(ds) if _Layout.usable(ds) else None
-        return ds, self._layouts[name]
+    def _layout(self, name: str) -> tuple[Any, _Layout | None, np.dtype]:
+        """(dataset, its layout or None, its dtype), looked up once per process: an h5py
+        lookup costs about a millisecond, a window's read microseconds."""
+        got = self._open.get(name) if self._pid == os.getpid() else None
+        if got is None:
+            ds = self._dataset(name)
+            got = self._open[name] = (ds, _Layout(ds) if _Layout.usable(ds) else None, np.dtype(ds.dtype))
+        return got
 
     def read_into(self, start: int, out: np.ndarray, name: str = DATASET) -> None:
         """Elements [start, start+len(out)) of dataset `name` into `out` (its dtype, contiguous)."""
         n = len(out)
         if start < 0 or start + n > self.n_tokens:
             raise IndexError(f"window [{start}, {start + n}) outside {self.n_tokens} tokens")
-        ds, lay = self._layout(name)
-        if lay is None or out.dtype != ds.dtype:
+        ds, lay, dtype = self._layout(name)
+        if lay is None or out.dtype != dtype:
             out[:] = ds[start:start + n]
             return
         size = lay.itemsize
@@ -308,7 +312,7 @@ class TokenFile:
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
             os.close(self._fd)
-        self._file, self._fd = None, -1
+        self._file, self._fd, self._open = None, -1, {}
 
 
 def _pread(fd: int, out: np.ndarray, offset: int) -> None:
