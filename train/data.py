@@ -287,11 +287,11 @@ class TokenLoader:
         """Token windows [len(ids), seq_len+1] (int64) for the given ids."""
         return self.read_arrays(ids)[DATASET].astype(np.int64, copy=False)
 
-    def _stage(self, ids: np.ndarray) -> Any:
-        """One batch's token windows (the reader thread's work): numpy for a CPU step, else a
-        tensor in pinned host memory, read straight into it (no second copy to pin it)."""
+    def _stage(self, ids: np.ndarray) -> dict[str, Any]:
+        """One batch, {field: [n, seq_len+1]} (the reader thread's work): numpy arrays for a CPU
+        step, else tensors in pinned host memory, read straight into them (no copy to pin)."""
         if str(self.device) == "cpu":
-            return self.read_arrays(ids)[DATASET]
+            return self.read_arrays(ids)
         import torch
 
         pinned: dict[str, Any] = {}
@@ -302,7 +302,7 @@ class TokenLoader:
             return np.asarray(t.numpy())
 
         self.read_arrays(ids, alloc)
-        return pinned[DATASET]
+        return pinned
 
     def to_tensors(self, windows_np: Any) -> tuple[Any, Any]:
         """(inputs, targets) int64 [n, seq_len] from windows [n, seq_len+1] of any integer dtype."""
@@ -328,7 +328,8 @@ class TokenLoader:
                     self.close()
             if staged is None:
                 self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
-        return self.to_tensors(staged if staged is not None else self._stage(ids))
+        batch = staged if staged is not None else self._stage(ids)
+        return self.to_tensors(batch[DATASET])
 
     def close(self) -> None:
         """Stop the background reader (if any); the next batch starts it again."""

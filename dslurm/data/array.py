@@ -66,6 +66,14 @@ def render_array(site: SiteConfig, spec: ArraySpec) -> str:
     return "\n".join(lines) + "\n"
 
 
+def array_parts(spec: ArraySpec, max_array_size: int) -> list[ArraySpec]:
+    """The array jobs of `spec.tasks` (shard numbers) under MaxArraySize: each part's ids and
+    offset (shard = offset + id), as sweeps split theirs. Pure."""
+    from dslurm.sweep.spec import split_arrays
+
+    return [replace(spec, tasks=list(p.ids), offset=p.offset) for p in split_arrays(spec.tasks, max_array_size)]
+
+
 def submit_array(site: SiteConfig, spec: ArraySpec, *, wait: bool,
                  env: Mapping[str, str] | None = None) -> tuple[list[int], int]:
     """Write the script(s) into OUT (durably) and sbatch them; (job ids, the last sbatch's code).
@@ -78,19 +86,16 @@ def submit_array(site: SiteConfig, spec: ArraySpec, *, wait: bool,
     from dslurm import slurm
     from dslurm.durable import atomic_write_text
     from dslurm.errors import SlurmError
-    from dslurm.sweep.spec import split_arrays
     from dslurm.sweep.submit import max_array_size
 
     (spec.out / "logs").mkdir(parents=True, exist_ok=True)
-    size, _ = max_array_size(env)
-    parts = split_arrays(spec.tasks, size)
+    parts = array_parts(spec, max_array_size(env)[0])
     ids: list[int] = []
     rc = 0
     for n, part in enumerate(parts):
         name = "tokenize.sbatch" if len(parts) == 1 else f"tokenize-{n + 1}.sbatch"
         script = spec.out / name
-        atomic_write_text(script, render_array(site, replace(spec, tasks=list(part.ids), offset=part.offset)),
-                          mode=0o755)
+        atomic_write_text(script, render_array(site, part), mode=0o755)
         last = n == len(parts) - 1
         cmd = ["sbatch", "--parsable", *(["--wait"] if wait and last else []),
                *([f"--dependency=afterany:{ids[-1]}"] if ids else []), str(script)]

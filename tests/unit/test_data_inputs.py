@@ -20,7 +20,7 @@ from test_data_real_tokenizer import _all_tokens, _cli, _train
 
 from dslurm.config import load_site
 from dslurm.data import shards, sources
-from dslurm.data.array import ArraySpec, render_array
+from dslurm.data.array import ArraySpec, array_parts, render_array
 from dslurm.errors import UserError
 
 SITE = Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml"
@@ -122,6 +122,12 @@ def test_array_script_runs_encode_threads_and_offsets_a_split_array():
     assert "#SBATCH --cpus-per-task=8" in text and "export RAYON_NUM_THREADS=8" in text
     assert "#SBATCH --array=0-2%2" in text
     assert text.rstrip().endswith("\"$SLURM_ARRAY_TASK_ID\" 2002") and "'/o ut'" in text
+    spec = ArraySpec(out=Path("/o"), tasks=list(range(2500)), concurrency=8, time="1:00:00")
+    parts = array_parts(spec, 1001)  # Slurm's default MaxArraySize: ids 0..1000
+    assert [(p.offset, p.tasks[0], p.tasks[-1]) for p in parts] == [(0, 0, 1000), (1001, 0, 1000), (2002, 0, 497)]
+    redo = array_parts(ArraySpec(out=Path("/o"), tasks=[5, 1500], concurrency=8, time="1:00:00"), 1001)
+    assert [(p.offset, p.tasks) for p in redo] == [(0, [5]), (1001, [499])]
+    assert "#SBATCH --array=499%8" in render_array(site, redo[1])
 
 
 def test_data_info_shows_progress_per_task_before_the_manifest(tmp_path, tok_dir, capsys):
