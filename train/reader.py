@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -109,13 +110,10 @@ class Prefetcher:
         self._thread.start()
 
     def _put(self, item: tuple[int, Any, Any]) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)  # the timeout only bounds how late a stop is seen
-                return True
-            except queue.Full:
-                continue
-        return False
+        """Block until there is room (no polling: an idle reader sleeps); `close` sets the stop
+        flag first and then empties the queue, which wakes a blocked put."""
+        self._queue.put(item)
+        return not self._stop.is_set()
 
     def _run(self, stage: Callable[[np.ndarray], Any], sampler: Any) -> None:
         try:
@@ -142,13 +140,15 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the thread and drop what it read ahead; idempotent."""
         self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
+        deadline = time.monotonic() + 30  # a read stuck in the file system: leave the daemon thread
+        while (self._thread.is_alive() and self._thread is not threading.current_thread()
+               and time.monotonic() < deadline):
+            try:  # emptying the queue wakes a blocked put; the thread then sees the flag
+                while True:
+                    self._queue.get_nowait()
             except queue.Empty:
-                break
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+                pass
+            self._thread.join(timeout=0.05)
         atexit.unregister(self.close)
 
 
