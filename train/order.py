@@ -23,6 +23,7 @@ milliseconds) and, per lookup, one Q_b evaluation.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -110,13 +111,13 @@ class Permutation:
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= self.n):
             raise IndexError(f"positions outside [0, {self.n})")
-        if pos.size <= 16:
+        if pos.size <= _SMALL:
             return np.array([self._one(int(p)) for p in pos.ravel()], dtype=np.int64).reshape(pos.shape)
         y = self._feistel(pos.astype(np.uint64))
         n = np.uint64(self.n)
         out = y >= n
         while out.any():  # cycle walking: the domain is < 4n, so a few rounds at most on average
-            if int(out.sum()) <= 16:  # the last few walk on in Python (numpy's per-call cost dominates)
+            if int(out.sum()) <= _SMALL:  # the last few walk on in Python (numpy's per-call cost dominates)
                 idx = np.flatnonzero(out)
                 y[idx] = [self._one(int(v)) for v in y[idx]]
                 break
@@ -128,9 +129,28 @@ class Permutation:
         return self.n
 
 
+_SMALL = 16
+"""Up to this many lookups run on Python ints: numpy's per-call cost dominates a step's few."""
+
+
+def _block_perm_one(b: int, r: int, inverse: bool) -> int:
+    keys = [_splitmix_int((((b * ROUNDS) & M64) + rnd) & M64 ^ 0x5EED_B10C) for rnd in range(ROUNDS)]
+    left, right = r >> 5, r & 31
+    if not inverse:
+        for k in keys:
+            left, right = right, left ^ (_splitmix_int(right ^ k) & 31)
+    else:
+        for k in reversed(keys):
+            left, right = right ^ (_splitmix_int(left ^ k) & 31), left
+    return (left << 5) | right
+
+
 def _block_perm(block: np.ndarray, r: np.ndarray, inverse: bool = False) -> np.ndarray:
     """Q_b(r) (or its inverse) for each (block, r): a Feistel network on BLOCK = 2**10 values,
     keyed per block (no cycle walk: the domain is exactly the block)."""
+    if block.size <= _SMALL:
+        return np.array([_block_perm_one(int(b), int(x), inverse) for b, x in zip(block.ravel(), r.ravel())],
+                        dtype=np.int64).reshape(block.shape)
     h, mask = np.uint64(5), np.uint64(31)
     b = block.astype(np.uint64)
     keys = [splitmix64(b * np.uint64(ROUNDS) + np.uint64(rnd) ^ np.uint64(0x5EED_B10C)) for rnd in range(ROUNDS)]
@@ -148,6 +168,9 @@ def _block_perm(block: np.ndarray, r: np.ndarray, inverse: bool = False) -> np.n
 
 def _held_counts(blocks: np.ndarray, fraction: float) -> np.ndarray:
     """m_b: how many of block b's BLOCK ids are held out."""
+    if blocks.size <= _SMALL:
+        return np.array([math.floor(fraction * BLOCK + (_splitmix_int(int(b) ^ 0xC0FFEE) >> 11) / 2.0 ** 53)
+                         for b in blocks.ravel()], dtype=np.int64).reshape(blocks.shape)
     u = (splitmix64(blocks.astype(np.uint64) ^ np.uint64(0xC0FFEE)) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
     m: np.ndarray = np.floor(fraction * BLOCK + u).astype(np.int64)
     return m
