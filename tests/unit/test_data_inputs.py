@@ -73,10 +73,12 @@ def test_byte_ranges_hold_each_line_once_in_order_and_row_groups_too(tmp_path):
     assert sources.split_points(d / "a.jsonl.gz", 4) is None  # a stream: read whole
 
 
-def test_more_shards_than_files_equal_the_single_process_tokenization(tmp_path, tok_dir):
+def test_more_shards_than_files_equal_the_single_process_tokenization(tmp_path, tok_dir, monkeypatch):
     d = _mixed(tmp_path / "in")
     base = ["data", "tokenize", str(d), "--tokenizer", str(tok_dir)]
     assert _cli([*base, "--out", str(tmp_path / "one")]) == 0
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")  # as in a task of --cpus-per-task 2: parsing reads ahead
+    assert shards.encode_threads() == 2
     assert _cli([*base, "--out", str(tmp_path / "many"), "--shards", "9"]) == 0
     plan = shards.read_plan(tmp_path / "many")
     assert len(plan["shards"]) == 9 > len(sources.find_inputs([d]))
