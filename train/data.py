@@ -4,10 +4,11 @@ Samples. Sample i of a token file is the window of seq_len+1 tokens starting at
 i·seq_len (stride seq_len, so consecutive windows share one token and every token
 after the first is a target exactly once). inputs = window[:-1], targets = window[1:].
 
-The global sequence. Epoch e visits the samples in a permutation seeded by
-(seed, e). The *global batch* of B samples is the unit: step k of the run takes the
-next B entries of the endless stream epoch 0, epoch 1, ... and data-parallel rank r
-of D gets the contiguous share [r·B/D, (r+1)·B/D) of it. Nothing in the stream
+The global sequence. Epoch e visits the samples in a permutation keyed by (seed, e),
+computed per index (train/order.py), never listed: constant memory at any corpus size.
+The *global batch* of B samples is the unit: step k of the run takes the next B entries
+of the endless stream epoch 0, epoch 1, ... and data-parallel rank r of D gets the
+contiguous share [r·B/D, (r+1)·B/D) of it. Nothing in the stream
 depends on D, so:
   * every parallel layout sees the same global batch as a single-process run
     (the parity tests rely on it);
@@ -34,6 +35,7 @@ fixed evaluation batches (train/evaluate.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -43,9 +45,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dslurm.data.tokenize import TokenFile, write_synthetic
+from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
-from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, split_held_out
+from train.order import ORDER, Permutation, mix_key, warn_order
+from train.reader import Prefetcher, read_windows, staging_dtype
+from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, held_out_split
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ class GlobalBatchSampler(DpShare):
     epoch: int = 0
     position: int = 0
     padding_repeats: int = 0
-    _order_cache: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+    _perm: tuple[int, Permutation] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
@@ -89,30 +93,49 @@ class GlobalBatchSampler(DpShare):
     def steps_per_epoch(self) -> int:
         return self.epoch_length // self.global_batch
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The epoch's sample ids after the tail policy (cached for the current epoch)."""
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            # np.resize repeats cyclically: the pad slots are the epoch's first samples.
-            self._order_cache = (epoch, np.resize(perm, self.epoch_length))
-        return self._order_cache[1]
+    def order(self, epoch: int, start: int, count: int) -> np.ndarray:
+        """Entries [start, start+count) of the epoch's order after the tail policy, computed per
+        index (train/order.py: O(count) time, no n-sized array). Pad slots (at or past
+        num_samples) repeat the epoch's first samples, in order."""
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, Permutation(self.num_samples, mix_key(self.seed, epoch, 0x6C0B)))
+        return self._perm[1][np.arange(start, start + count, dtype=np.int64) % self.num_samples]
 
-    def next_global(self) -> np.ndarray:
-        """The next global batch (B sample ids) and advance the state.
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The whole epoch's order, listed (tests and small corpora: epoch_length int64)."""
+        return self.order(epoch, 0, self.epoch_length)
+
+    def _advance(self) -> list[tuple[int, int, int]]:
+        """Advance the state by one global batch; its (epoch, start, count) pieces of epoch order.
 
         A batch may straddle an epoch boundary only if global_batch changed on restore.
         """
-        out, need = [], self.global_batch
+        pieces, need = [], self.global_batch
         while need:
             take = min(need, self.epoch_length - self.position)
             start = self.position
-            out.append(self.epoch_order(self.epoch)[start:start + take])
+            pieces.append((self.epoch, start, take))
             # Slots at or past num_samples are the pad repeats.
             self.padding_repeats += max(0, start + take - max(start, self.num_samples))
             self.position += take
             need -= take
             if self.position >= self.epoch_length:
                 self.epoch, self.position = self.epoch + 1, 0
+        return pieces
+
+    def next_global(self) -> np.ndarray:
+        """The next global batch (B sample ids) and advance the state."""
+        return np.concatenate([self.order(e, s, n) for e, s, n in self._advance()])
+
+    def next_ids(self) -> np.ndarray:
+        """This rank's share of the next global batch, computing only its B/D entries."""
+        lo, hi = self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch
+        out, at = [], 0
+        for e, s, n in self._advance():
+            a, b = max(lo, at), min(hi, at + n)  # the share's overlap with this piece
+            if a < b:
+                out.append(self.order(e, s + a - at, b - a))
+            at += n
         return np.concatenate(out)
 
     @property
@@ -124,7 +147,7 @@ class GlobalBatchSampler(DpShare):
         """Plain ints and strings: safe for json, torch.save and DCP's non-tensor state."""
         return {"epoch": self.epoch, "position": self.position,
                 "padding_repeats": self.padding_repeats, "num_samples": self.num_samples,
-                "seed": self.seed, "policy": self.policy, "global_batch": self.global_batch}
+                "seed": self.seed, "policy": self.policy, "global_batch": self.global_batch, "order": ORDER}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore (epoch, position); dp_rank/dp_size may differ from the saving run.
@@ -140,6 +163,7 @@ class GlobalBatchSampler(DpShare):
                 raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but "
                                 f"{getattr(self, key)!r} now; the saved position does not apply. "
                                 "Fix: restore with the same data file, train.seed and data.policy")
+        warn_order(state)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.padding_repeats = int(state.get("padding_repeats", 0))
         if self.position >= self.epoch_length:  # global_batch changed and the tail moved
@@ -165,6 +189,7 @@ class TokenSource:
         if not self.files:
             raise UserError(f"{where}: {self.path} names no shard. Fix: point it at a manifest with shards")
         self.starts = np.cumsum([0] + [f.n_tokens for f in self.files]).astype(np.int64)
+        self._dtypes: dict[str, np.dtype] = {}
         self.vocab_size = max(f.vocab_size for f in self.files)
 
     @property
@@ -175,21 +200,34 @@ class TokenSource:
         """Windows of seq_len+1 tokens with stride seq_len (as `TokenFileInfo.samples`)."""
         return max(0, (self.n_tokens - 1) // seq_len)
 
-    def window(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start+length) of the concatenated stream, as int64."""
+    def dtype_of(self, name: str = DATASET) -> np.dtype:
+        """The on-disk dtype of per-token dataset `name` (the widest over the shards)."""
+        if name not in self._dtypes:
+            self._dtypes[name] = np.result_type(*[f.dtype_of(name) for f in self.files])
+        return self._dtypes[name]
+
+    def read_into(self, start: int, out: np.ndarray, name: str = DATASET) -> None:
+        """Elements [start, start+len(out)) of the concatenated stream's dataset `name` into `out`."""
+        end = start + len(out)
         if len(self.files) == 1:
-            return self.files[0].window(start, length)
-        if start < 0 or start + length > self.n_tokens:
-            raise IndexError(f"window [{start}, {start + length}) outside {self.n_tokens} tokens")
-        parts, pos, end = [], start, start + length
+            self.files[0].read_into(start, out, name)
+            return
+        if start < 0 or end > self.n_tokens:
+            raise IndexError(f"window [{start}, {end}) outside {self.n_tokens} tokens")
+        pos = start
         f = int(np.searchsorted(self.starts, start, side="right")) - 1
         while pos < end:
             take = min(end, int(self.starts[f + 1])) - pos
             if take > 0:
-                parts.append(self.files[f].window(pos - int(self.starts[f]), take))
+                self.files[f].read_into(pos - int(self.starts[f]), out[pos - start:pos - start + take], name)
             pos += take
             f += 1
-        return np.concatenate(parts)
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) of the concatenated stream, as int64."""
+        buf = np.empty(length, dtype=self.dtype_of())
+        self.read_into(start, buf)
+        return buf.astype(np.int64)
 
     def check_vocab(self, model_vocab: int) -> None:
         """The model must embed every token id: refuse a file whose vocabulary is larger."""
@@ -208,13 +246,24 @@ class TokenLoader:
     ``inputs.chunk(grad_accum)``; the split does not change which samples a step sees.
     `tokens` is one stream (a `TokenFile` or `TokenSource`) whose sample ids the sampler
     gives; or, with `space`, a list of streams and the sampler gives `space` indices.
+
+    With `prefetch` = k > 0 a background reader (train/reader.py) keeps k batches ready (in
+    pinned host memory on a GPU), so the step's `data` time is a wait on a ready batch; the
+    sampler here stays the step's own and its state is what a checkpoint saves. `fields`
+    names the per-token arrays a batch reads ({dataset name: dtype}; default the tokens in
+    `staging_dtype`, widened to int64 in `to_tensors` after the move to the device):
+    `read_arrays` returns them all, row for row over the same windows.
     """
 
     def __init__(self, tokens: Any, sampler: Any, seq_len: int, *, device: Any = "cpu",
-                 space: SampleSpace | None = None) -> None:
+                 space: SampleSpace | None = None, prefetch: int = 0,
+                 fields: dict[str, Any] | None = None) -> None:
         self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self.tokens, self.sampler, self.seq_len, self.device = self.sources[0], sampler, seq_len, device
         self.space = space
+        self.prefetch = prefetch
+        self.fields = {k: np.dtype(v) for k, v in (fields or {DATASET: staging_dtype(self.sources)}).items()}
+        self._pre: Prefetcher | None = None
 
     @property
     def local_batch(self) -> int:
@@ -224,34 +273,75 @@ class TokenLoader:
     def padding_repeats(self) -> int:
         return int(self.sampler.padding_repeats)
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """Windows [len(ids), seq_len+1] (int64) for the given sample ids (space indices with `space`)."""
+    def read_arrays(self, ids: np.ndarray, alloc: Any = None) -> dict[str, np.ndarray]:
+        """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
         if self.space is None:
             src, sample = np.zeros(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)
         else:
             src, sample = self.space.locate(ids)
-        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for row, (s, i) in enumerate(zip(src.tolist(), sample.tolist())):
-            out[row] = self.sources[s].window(i * self.seq_len, self.seq_len + 1)
-        return out
+        if alloc is None:
+            return read_windows(self.sources, src, sample, self.seq_len, self.fields)
+        return read_windows(self.sources, src, sample, self.seq_len, self.fields, alloc)
 
-    def to_tensors(self, windows_np: np.ndarray) -> tuple[Any, Any]:
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Token windows [len(ids), seq_len+1] (int64) for the given ids."""
+        return self.read_arrays(ids)[DATASET].astype(np.int64, copy=False)
+
+    def _stage(self, ids: np.ndarray) -> dict[str, Any]:
+        """One batch, {field: [n, seq_len+1]} (the reader thread's work): numpy arrays for a CPU
+        step, else tensors in pinned host memory, read straight into them (no copy to pin)."""
+        if str(self.device) == "cpu":
+            return self.read_arrays(ids)
+        import torch
+
+        pinned: dict[str, Any] = {}
+
+        def alloc(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            t = torch.empty(shape, dtype=getattr(torch, dtype.name), pin_memory=True)  # torch names numpy's
+            pinned[name] = t  # the tensor owns the pinned block; the array is a view of it
+            return np.asarray(t.numpy())
+
+        self.read_arrays(ids, alloc)
+        return pinned
+
+    def to_tensors(self, windows_np: Any) -> tuple[Any, Any]:
+        """(inputs, targets) int64 [n, seq_len] from windows [n, seq_len+1] of any integer dtype."""
         import torch  # lazy: the data module is imported by torch-free tools too
 
-        windows = torch.from_numpy(windows_np)
-        # contiguous before the copy: `.to` keeps a view's strides, and kernels want dense rows
-        inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-        if str(self.device) != "cpu":
-            return inputs.to(self.device), targets.to(self.device)
-        return inputs, targets
+        windows = torch.from_numpy(windows_np) if isinstance(windows_np, np.ndarray) else windows_np
+        if str(self.device) != "cpu":  # one copy of the compact windows (from pinned memory: async)
+            windows = windows.to(self.device, non_blocking=windows.is_pinned())
+        # widened while cut: one pass each, dense rows (kernels want them)
+        return windows[:, :-1].long().contiguous(), windows[:, 1:].long().contiguous()
 
     def next_batch(self) -> tuple[Any, Any]:
-        return self.to_tensors(self.read(self.sampler.next_ids()))
+        if self.prefetch and self._pre is None:
+            self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
+        position = int(self.sampler.stream_position)
+        ids = self.sampler.next_ids()
+        staged = None
+        if self._pre is not None:
+            try:
+                staged = self._pre.take(position, ids)
+            finally:
+                if staged is None:  # it read another way (or failed): restart it from here
+                    self.close()
+            if staged is None:
+                self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
+        batch = staged if staged is not None else self._stage(ids)
+        return self.to_tensors(batch[DATASET])
+
+    def close(self) -> None:
+        """Stop the background reader (if any); the next batch starts it again."""
+        if self._pre is not None:
+            self._pre.close()
+            self._pre = None
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.sampler.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()  # what it read ahead follows the old position
         self.sampler.load_state_dict(state)
 
 
@@ -343,7 +433,7 @@ def _streams(resolved: Any, rank: int, wait_s: float) -> _Streams:
     for src in sources:
         src.check_vocab(shape.vocab_size)
     sizes = [src.samples(shape.seq_len) for src in sources]
-    splits = [split_held_out(n, job.data.val_fraction) for n in sizes]
+    splits = [held_out_split(n, job.data.val_fraction) for n in sizes]
     train = SampleSpace.of([k for k, _ in splits], sizes)
     held = SampleSpace([h for _, h in splits], [len(h) for _, h in splits])
     return _Streams(sources, weights, sizes, train, held)
@@ -376,11 +466,12 @@ def _loader(resolved: Any, st: _Streams, dp_rank: int, dp_size: int, device: Any
     if st.weights is not None:
         mix = MixtureSampler(space=st.train, weights=st.weights, global_batch=b, dp_rank=dp_rank,
                              dp_size=dp_size, seed=job.train.seed)
-        return TokenLoader(st.sources, mix, shape.seq_len, device=device, space=st.train)
+        return TokenLoader(st.sources, mix, shape.seq_len, device=device, space=st.train,
+                           prefetch=job.data.prefetch)
     sampler = GlobalBatchSampler(num_samples=st.train.total, global_batch=b, dp_rank=dp_rank,
                                  dp_size=dp_size, seed=job.train.seed, policy=job.data.policy)
     space = st.train if st.train.ids[0] is not None else None
-    return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space)
+    return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch)
 
 
 def make_data(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu", rank: int | None = None,

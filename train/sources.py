@@ -5,20 +5,23 @@ Pure (numpy only, no I/O); train/data.py opens the files and builds these.
 Index spaces. A *source* is one token stream (a token file, or the shards of a manifest
 read end to end; train/data.py). Its samples are numbered 0..n-1 as in a single file.
 A `SampleSpace` lays the *kept* samples of its sources end to end: index x in
-[0, total) names (source s, sample id) through per-source id arrays. Samplers hand out
-indices of a space; the loader reads them through it.
+[0, total) names (source s, sample id) through per-source id maps (`IdMap`: a listed array, or
+a `HashSplit` that numbers one side of the held-out split without listing it). Samplers hand
+out indices of a space; the loader reads them through it. Nothing here is proportional to the
+number of samples: orders and splits are computed per index (train/order.py).
 
-Held out (`data.val_fraction` f). Sample i of a source is held out iff
-splitmix64(i) / 2**64 < f: a fixed pseudo-random subset, the same for every seed, layout
-and restart, and a sample stays held out when shards are appended. Held-out samples are
-never trained on; neighbouring windows share one boundary token (stride seq_len).
+Held out (`data.val_fraction` f). Block b of 1024 sample ids holds out floor(f*1024 + u_b) of
+them (u_b a fixed hash of b), picked by a keyed permutation of the block (train/order.py): a
+fixed pseudo-random subset of share f, the same for every seed, layout and restart, and a
+sample stays held out when shards are appended. Held-out samples are never trained on;
+neighbouring windows share one boundary token (stride seq_len).
 
 The mixture (`data.sources`). Slot j of the endless slot stream (global batch k holds
 slots [k*B, (k+1)*B)) comes from a source fixed by (seed, j) only: the stream is cut
 into periods of MIX_PERIOD slots, each period holds exactly `counts[s]` slots of source
 s (weights rounded by largest remainder, at least 1 each), shuffled by (seed, period).
 The d-th slot of source s reads its d-th draw: epoch d // n_s of its own permutation
-(seeded by (seed, s, epoch)), entry d % n_s. So which samples step k reads is a function
+(a per-index `Permutation` keyed by (seed, s, epoch)), entry d % n_s. So which samples step k reads is a function
 of (seed, k, B) alone: the state is the number of slots consumed, valid under any dp size
 and after a change of global batch; no sample repeats within one source's epoch.
 """
@@ -31,40 +34,38 @@ from typing import Any
 import numpy as np
 
 from dslurm.errors import UserError
+from train.order import ORDER, HashSplit, Permutation, mix_key, warn_order
 
 MIX_PERIOD = 4096
 """Slots per mixture period: the proportions are exact over each period (to 1/MIX_PERIOD)."""
-_HOLD_CHUNK = 1 << 22
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser of each uint64 (wrapping arithmetic): a cheap, good hash."""
-    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+IdMap = np.ndarray | HashSplit
+"""k -> the k-th sample id of a source's side: a listed array, or a `HashSplit` (constant memory)"""
+
+
+def held_out_split(n: int, fraction: float) -> tuple[IdMap | None, IdMap]:
+    """(training side or None = all, held-out side) of a source of n samples, in constant memory:
+    each side numbers its ids in ascending order (train/order.py)."""
+    if fraction <= 0:
+        return None, np.empty(0, dtype=np.int64)
+    return HashSplit(n, fraction, held=False), HashSplit(n, fraction, held=True)
 
 
 def split_held_out(n: int, fraction: float) -> tuple[np.ndarray | None, np.ndarray]:
-    """(training ids or None = all, held-out ids) of a source of n samples, both ascending."""
+    """`held_out_split` listed: (training ids or None = all, held-out ids), both ascending.
+    n-proportional memory: for tests and small corpora; the trainer uses `held_out_split`."""
     if fraction <= 0:
         return None, np.empty(0, dtype=np.int64)
-    bound = np.uint64(int(fraction * 2.0 ** 53))
-    keep, hold = [], []
-    for lo in range(0, n, _HOLD_CHUNK):  # chunks: a corpus of 1e8 samples needs no 1e8-wide temporaries
-        ids = np.arange(lo, min(n, lo + _HOLD_CHUNK), dtype=np.int64)
-        held = (splitmix64(ids) >> np.uint64(11)) < bound
-        keep.append(ids[~held])
-        hold.append(ids[held])
-    return np.concatenate(keep), np.concatenate(hold)
+    return HashSplit(n, fraction, held=False).materialise(), HashSplit(n, fraction, held=True).materialise()
 
 
 @dataclass(slots=True)
 class SampleSpace:
     """Kept samples of several sources end to end: index -> (source, sample id)."""
 
-    ids: list[np.ndarray | None]
-    """per source: the sample ids it contributes, or None for all of them"""
+    ids: list[IdMap | None]
+    """per source: the sample ids it contributes (k -> k-th id), or None for all of them"""
     counts: list[int]
     offsets: np.ndarray = field(init=False)
 
@@ -72,7 +73,7 @@ class SampleSpace:
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
 
     @classmethod
-    def of(cls, ids: list[np.ndarray | None], sizes: list[int]) -> SampleSpace:
+    def of(cls, ids: list[IdMap | None], sizes: list[int]) -> SampleSpace:
         return cls(ids, [len(i) if i is not None else n for i, n in zip(ids, sizes)])
 
     @property
@@ -196,7 +197,7 @@ class MixtureSampler(DpShare):
     """slots consumed: where the next global batch starts (the whole state)"""
     padding_repeats: int = 0
     schedule: MixtureSchedule = field(init=False)
-    _perm: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _perm: dict[tuple[int, int], Permutation] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
@@ -212,12 +213,13 @@ class MixtureSampler(DpShare):
     def stream_position(self) -> int:
         return self.slot
 
-    def _order(self, s: int, epoch: int) -> np.ndarray:
+    def _order(self, s: int, epoch: int) -> Permutation:
+        """Source s's order in its epoch: a per-index permutation (train/order.py), O(1) memory."""
         key = (s, epoch)
         if key not in self._perm:
             for old in [k for k in self._perm if k[0] == s and k[1] < epoch - 1]:
                 del self._perm[old]
-            self._perm[key] = np.random.default_rng([self.seed, s, epoch]).permutation(self.space.counts[s])
+            self._perm[key] = Permutation(self.space.counts[s], mix_key(self.seed, s, epoch, 0x313C))
         return self._perm[key]
 
     def indices(self, first: int, count: int) -> np.ndarray:
@@ -236,9 +238,15 @@ class MixtureSampler(DpShare):
         self.slot += self.global_batch
         return out
 
+    def next_ids(self) -> np.ndarray:
+        """This rank's share only: slots are a pure function of their number."""
+        out = self.indices(self.slot + self.dp_rank * self.local_batch, self.local_batch)
+        self.slot += self.global_batch
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),
-                "num_samples": list(self.space.counts), "global_batch": self.global_batch}
+                "num_samples": list(self.space.counts), "global_batch": self.global_batch, "order": ORDER}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the slot count; the sources, weights and seed must be the saving run's."""
@@ -251,6 +259,7 @@ class MixtureSampler(DpShare):
                 raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but {value!r} now; the "
                                 "saved position does not apply. Fix: restore with the same data.sources "
                                 "(paths, weights, val_fraction) and train.seed")
+        warn_order(state)
         self.slot = int(state["slot"])
 
 

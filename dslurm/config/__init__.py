@@ -246,6 +246,8 @@ class DataSpec:
     val: str | None = field(None, help="validation tokens: a token file or manifest (see val_fraction otherwise)")
     val_fraction: float = field(0.0, help="without `val`: this fraction of the training stream is held out for "
                                           "evaluation (never trained on)")
+    prefetch: int = field(2, help="batches a background reader per rank keeps ready (pinned on a GPU); 0 = read "
+                                  "in the step")
 
     def __post_init__(self) -> None:
         if self.path is not None and self.sources:
@@ -255,6 +257,9 @@ class DataSpec:
                              "hold out a small fraction, e.g. 0.01, or set data.val")
         if self.val is not None and self.val_fraction:
             raise FieldError(("val", "val_fraction"), "both are set", "give either data.val or data.val_fraction")
+        if not 0 <= self.prefetch <= 64:
+            raise FieldError("prefetch", f"{self.prefetch} is outside [0, 64]",
+                             "keep a few batches ready, e.g. 2 (0 reads in the step)")
 
 
 @dataclass(kw_only=True, slots=True)

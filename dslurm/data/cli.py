@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
     p = cmds.add_parser("tokenize", help="tokenize text into token files (docs/data.md)",
-                        description="With --tokenizer: INPUT... (.txt/.jsonl/.parquet files or "
+                        description="With --tokenizer: INPUT... (.txt/.jsonl[.gz|.zst]/.json/.parquet files or "
                         "folders) into --out DIR: N shards + manifest.json, here or as a Slurm "
                         "job array (--slurm); a re-run redoes only missing or partial shards. "
                         "Without: the byte-level form IN OUT (vocab 256).")
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json, or a folder holding one (never downloaded)")
     p.add_argument("--out", help="output folder: shard-NNNNN.h5, manifest.json, plan.json, logs/")
     p.add_argument("--shards", type=int, default=1, help="shards = array tasks (default 1); each "
-                   "holds a contiguous group of whole input files")
+                   "holds a contiguous run of the inputs (large .jsonl/.parquet files cut at lines / row groups)")
     p.add_argument("--field", default="text", help="jsonl field / parquet column (default text)")
     p.add_argument("--txt-docs", choices=("blank", "file"), default="blank",
                    help=".txt documents: blank-line separated blocks (default) or one per file")
@@ -64,12 +64,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--concurrency", type=int, default=0, help="with --slurm: at most K tasks at once "
                    "(%%K; default 0 = no limit)")
     p.add_argument("--time", help="with --slurm: time limit per task (default: the site's)")
-    p.add_argument("--cpus-per-task", type=int, default=1, help="with --slurm: CPUs per task")
+    p.add_argument("--cpus-per-task", type=int, default=1, help="with --slurm: CPUs per task, and as "
+                   "many encode threads")
     p.add_argument("--wait", action="store_true", help="with --slurm: wait for the array, then "
                    "check the shards and write the manifest")
     p.set_defaults(func=run)
 
-    p = cmds.add_parser("info", help="print a token file's header or a manifest's summary")
+    p = cmds.add_parser("info", help="print a token file's header, a manifest's summary, or a tokenization's "
+                        "progress per task (a folder with plan.json and no manifest yet)")
     p.add_argument("file", metavar="FILE", help="HDF5 token file, manifest.json or its folder")
     p.set_defaults(func=run)
 
@@ -99,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         path = tk.tokenize_text(args.inputs[0], args.inputs[1], seq_len=args.seq_len)
     else:
         path = args.file
+        folder = Path(path)
+        if folder.is_dir() and not (folder / "manifest.json").is_file() and (folder / "plan.json").is_file():
+            print(_progress(Path(path)))  # a tokenization under way: per task, done / running / not started
+            return 0
         if Path(path).is_dir() or str(path).endswith(".json"):
             from dslurm.data.manifest import read_manifest
 
@@ -106,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
             return 0
     print(format_info(tk.read_info(path)))
     return 0
+
+
+def _progress(out: Path) -> str:
+    from dslurm.data import progress, shards
+
+    plan = shards.read_plan(out)
+    todo = set(shards.missing(out, plan))
+    return progress.format_progress(out, plan, [i not in todo for i in range(len(plan["shards"]))])
 
 
 def format_info(info: tk.TokenFileInfo) -> str:

@@ -19,7 +19,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dslurm.data import hf, manifest, sources
+from dslurm.data.progress import Reporter
 from dslurm.data.sources import TxtDocs
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
@@ -43,19 +46,49 @@ def fingerprint(path: Path) -> dict[str, Any]:
 
 
 def group_files(sizes: list[int], n: int) -> list[list[int]]:
-    """Indices of `sizes` cut into `n` contiguous, non-empty groups of about equal total. Pure."""
+    """Indices of `sizes` cut into `n` contiguous, non-empty groups of about equal total.
+    Pure, linear in len(sizes) (a running prefix sum)."""
     if not 1 <= n <= len(sizes):
-        raise UserError(f"--shards {n}: must be in 1..{len(sizes)} (one shard holds whole input "
-                        f"files, and there are {len(sizes)}). Fix: lower --shards or split the inputs")
+        raise UserError(f"--shards {n}: must be in 1..{len(sizes)} (the inputs make {len(sizes)} pieces: "
+                        f"whole .txt/.json/compressed files, plain .jsonl and parquet files cut at lines and "
+                        f"row groups). Fix: lower --shards, or give .jsonl/.parquet (with more row groups)")
     total = sum(sizes) or 1
     groups: list[list[int]] = [[] for _ in range(n)]
-    last = -1
+    last, before = -1, 0
     for i, size in enumerate(sizes):
-        g = int((sum(sizes[:i]) + size / 2) * n / total)  # the group the file's middle falls in
-        g = max(g, last, n - (len(sizes) - i))  # in order; the files left fill the groups left
+        g = int((before + size / 2) * n / total)  # the group the piece's middle falls in
+        g = max(g, last, n - (len(sizes) - i))  # in order; the pieces left fill the groups left
         last = min(g, last + 1, n - 1)  # no group skipped
         groups[last].append(i)
+        before += size
     return groups
+
+
+def pieces(prints: list[dict[str, Any]], n_shards: int) -> list[dict[str, Any]]:
+    """The inputs as pieces to group: a file larger than 1/n_shards of all the bytes (or, with
+    more shards than files, every file) is cut into byte or row-group ranges where its type allows
+    (`sources.split_points`); each piece is the file's fingerprint plus `range` when cut."""
+    total = sum(f["size"] for f in prints) or 1
+    out: list[dict[str, Any]] = []
+    for f in prints:
+        k = -(-f["size"] * n_shards // total) if n_shards > 1 else 1
+        ranges = sources.split_points(Path(f["path"]), k)
+        if ranges is None:
+            out.append(f)
+            continue
+        span = [b - a for a, b in ranges]
+        for (a, b), w in zip(ranges, span):  # parquet: bytes by the ranges' share of row groups
+            size = f["size"] * w // max(1, sum(span)) if sources.kind(Path(f["path"])) == ".parquet" else b - a
+            out.append({**f, "range": [a, b], "piece_size": size})
+    return out
+
+
+def input_files(shard: dict[str, Any]) -> list[dict[str, Any]]:
+    """A shard's inputs as file fingerprints (path, size, mtime), each file once."""
+    seen: dict[str, dict[str, Any]] = {}
+    for f in shard["inputs"]:
+        seen.setdefault(f["path"], {k: f[k] for k in ("path", "size", "mtime")})
+    return list(seen.values())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,10 +100,10 @@ class Options:
 
 def make_plan(inputs: list[Path], tok: hf.TokenizerInfo, n_shards: int, opts: Options) -> dict[str, Any]:
     """The frozen description of a tokenization (JSON-able). Pure but for the inputs' stat."""
-    prints = [fingerprint(p) for p in inputs]
+    prints = pieces([fingerprint(p) for p in inputs], n_shards)
     shards = []
-    for i, grp in enumerate(group_files([f["size"] for f in prints], n_shards)):
-        ins = [prints[k] for k in grp]
+    for i, grp in enumerate(group_files([f.get("piece_size", f["size"]) for f in prints], n_shards)):
+        ins = [{k: v for k, v in prints[j].items() if k != "piece_size"} for j in grp]
         key_src = json.dumps([tok.hash, tok.add_bos, tok.add_eos, opts.field, opts.txt_docs,
                               opts.seq_len, ins], sort_keys=True)
         shards.append({"path": f"shard-{i:05d}.h5", "inputs": ins,
@@ -125,11 +158,46 @@ def _kill_knob(task: int) -> bool:
     return faults.tokenize_kill_task() == task
 
 
-def _chunks(tok: Any, info: hf.TokenizerInfo, plan: dict[str, Any], task: int) -> Iterator[np.ndarray]:
-    paths = [Path(f["path"]) for f in plan["shards"][task]["inputs"]]
+def encode_threads() -> int:
+    """Encode threads of this task: its Slurm CPUs (`--cpus-per-task`), else 1. The array script
+    exports RAYON_NUM_THREADS (the `tokenizers` pool) to the same number."""
+    return max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1") or 1))
+
+
+def _ahead(it: Iterator[list[str]], depth: int = 2) -> Iterator[list[str]]:
+    """`it` run in a thread `depth` batches ahead: reading and parsing (Python, under the GIL)
+    overlap the encoding (Rust, which releases it) when the task has more than one CPU."""
+    q: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
+
+    def run() -> None:
+        try:
+            for item in it:
+                q.put((True, item))
+            q.put((False, None))
+        except BaseException as exc:  # raised again in the consumer
+            q.put((False, exc))
+
+    threading.Thread(target=run, daemon=True, name="dslurm-tokenize-read").start()
+    while True:
+        ok, item = q.get()
+        if not ok:
+            if item is not None:
+                raise item
+            return
+        yield item
+
+
+def _chunks(tok: Any, info: hf.TokenizerInfo, plan: dict[str, Any], task: int,
+            report: Reporter) -> Iterator[np.ndarray]:
+    ins = plan["shards"][task]["inputs"]
+    paths = [Path(f["path"]) for f in ins]
+    ranges: list[sources.Range | None] = [(f["range"][0], f["range"][1]) if "range" in f else None for f in ins]
     kill = _kill_knob(task)
-    for batch in sources.batches(paths, field=plan["field"], txt_docs=plan["txt_docs"]):
-        yield hf.encode_batch(tok, info, batch)
+    docs = sources.batches(paths, field=plan["field"], txt_docs=plan["txt_docs"], ranges=ranges)
+    for batch in (_ahead(docs) if encode_threads() > 1 else docs):
+        ids = hf.encode_batch(tok, info, batch)
+        report.add(int(ids.size), len(batch), sum(map(len, batch)))
+        yield ids
         if kill:  # the first chunk is in the temp file: die mid-shard (DSLURM_FAULT_TOKENIZE_KILL)
             log.warning("DSLURM_FAULT_TOKENIZE_KILL: task %d kills itself mid-shard", task)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -149,17 +217,20 @@ def run_task(out: Path, task: int) -> Path:
         raise UserError(f"{want['path']}: changed since the plan was made (sha256 {info.hash[:12]} "
                         f"!= {want['hash'][:12]}). Fix: re-run `dslurm data tokenize`")
     info = hf.TokenizerInfo(**want)
-    for f in shard["inputs"]:
+    for f in input_files(shard):
         if fingerprint(Path(f["path"])) != f:
             raise UserError(f"{f['path']}: changed since the plan was made (size/mtime). Fix: "
                             f"re-run `dslurm data tokenize`; it re-plans and redoes this shard")
     attrs = {"tokenizer_hash": info.hash, "bos_id": -1 if info.bos_id is None else info.bos_id,
              "eos_id": -1 if info.eos_id is None else info.eos_id, "plan_key": shard["key"],
              "inputs": json.dumps(shard["inputs"])}
-    path = _write_atomic(out / shard["path"], _chunks(tok, info, plan, task),
+    report = Reporter(out, task, shard)
+    report.write("running")
+    path = _write_atomic(out / shard["path"], _chunks(tok, info, plan, task, report),
                          vocab_size=info.vocab_size, seq_len=plan["seq_len"],
                          source=f"tokenizer {info.hash[:12]} over {len(shard['inputs'])} files",
                          attrs=attrs)
+    report.write("done")
     finish(out, plan)
     return path
 
@@ -176,7 +247,7 @@ def finish(out: Path, plan: dict[str, Any]) -> Path | None:
     raw = {"format": manifest.FORMAT, "version": manifest.VERSION, "vocab_size": tok["vocab_size"],
            "dtype": str(dtype_for(tok["vocab_size"])), "n_tokens": sum(s["n_tokens"] for s in shards),
            "tokenizer": {k: tok[k] for k in ("hash", "vocab_size", "bos_id", "eos_id", "path")},
-           "shards": shards, "inputs": [f for s in plan["shards"] for f in s["inputs"]],
+           "shards": shards, "inputs": input_files({"inputs": [f for s in plan["shards"] for f in s["inputs"]]}),
            "field": plan["field"], "txt_docs": plan["txt_docs"]}
     return manifest.write_manifest(out, raw)
 

@@ -70,12 +70,15 @@ def _run_slurm(args: argparse.Namespace, out: Path, todo: list[int]) -> int | No
     spec = ArraySpec(out=out, tasks=todo, concurrency=args.concurrency,
                      time=args.time or site.slurm.default_time, cpus_per_task=args.cpus_per_task)
     print(f"submitting shards {_ids(todo)} as one job array ({out}/tokenize.sbatch)", flush=True)
-    job_id, _ = submit_array(site, spec, wait=args.wait)
+    job_ids, _ = submit_array(site, spec, wait=args.wait)
+    arrays = ", ".join(map(str, job_ids))
+    if len(job_ids) > 1:
+        print(f"split at MaxArraySize into {len(job_ids)} arrays ({arrays}), each after the one before")
     if not args.wait:
-        print(f"submitted job array {job_id}; the last task writes {out}/manifest.json. "
-              f"Check with: dslurm data info {out}")
+        print(f"submitted job array {arrays}; the last task writes {out}/manifest.json. "
+              f"Check with: dslurm data info {out} (progress per task)")
         return 0
-    print(f"job array {job_id} ended")
+    print(f"job array {arrays} ended")
     return None
 
 

@@ -1,13 +1,19 @@
-"""`dslurm data tokenize --slurm`: a 3-task job array on the real local cluster, one task
-SIGKILLed mid-shard (DSLURM_FAULT_TOKENIZE_KILL; sbatch exports the submitting environment),
-then the same command again: it redoes only that task's shard, and the shards' tokens
-concatenated equal a single-process tokenization of the same inputs."""
+"""`dslurm data tokenize --slurm`: a 3-task job array on the real local cluster over a folder of
+mixed inputs (.jsonl.gz, .jsonl.zst, a .json array, a .json of lines, a parquet of 3 row groups
+and a plain .jsonl large enough to be cut into byte ranges across shards), one task SIGKILLed
+mid-shard (DSLURM_FAULT_TOKENIZE_KILL; sbatch exports the submitting environment); `data info`
+shows the progress per task; then the same command again: it redoes only that task's shard,
+and the shards' tokens concatenated equal a single-process tokenization of the same inputs."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from dslurm.data import manifest
@@ -36,9 +42,18 @@ def test_killed_task_is_the_only_shard_a_rerun_redoes(slurm_cluster, cli, tmp_pa
     _tokenizer(tmp_path / "tokenizer.json")
     data = tmp_path / "data"
     data.mkdir()
-    for f in range(6):  # 2 files per task
-        lines = [json.dumps({"text": " ".join(WORDS[(f + d) % 7:(f + d) % 7 + 5])}) for d in range(20)]
-        (data / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
+    def texts(f, n=20):
+        return [" ".join(WORDS[(f + d) % 7:(f + d) % 7 + 5]) for d in range(n)]
+
+    def lines(f, n=20):
+        return "".join(json.dumps({"text": t}) + "\n" for t in texts(f, n))
+
+    (data / "part-0.jsonl.gz").write_bytes(gzip.compress(lines(0).encode()))
+    (data / "part-1.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines(1).encode()))
+    (data / "part-2.json").write_text(json.dumps([{"text": t} for t in texts(2)]))
+    (data / "part-3.json").write_text(lines(3))
+    pq.write_table(pa.table({"text": texts(4, 21)}), data / "part-4.parquet", row_group_size=7)
+    (data / "part-5.jsonl").write_text(lines(5, 200))  # half the bytes: cut into byte ranges
     out = tmp_path / "tok"
     argv = ["data", "tokenize", str(data), "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", str(out),
             "--shards", "3", "--slurm", "--site", "site-configs/local.yaml", "--concurrency", "3", "--wait"]
@@ -50,6 +65,14 @@ def test_killed_task_is_the_only_shard_a_rerun_redoes(slurm_cluster, cli, tmp_pa
     assert sorted(p.name for p in out.glob("shard-*.h5")) == ["shard-00000.h5", "shard-00002.h5"]
     assert list(out.glob(".shard-00001.h5.*.tmp")), "task 1 was killed mid-shard: its temp file stays"
     assert not (out / "manifest.json").exists()
+    plan = json.loads((out / "plan.json").read_text())
+    cut = [f["range"] for s in plan["shards"] for f in s["inputs"] if f["path"].endswith("part-5.jsonl")]
+    assert len(cut) >= 2, "the large jsonl is read as byte ranges by more than one shard"
+    assert "export RAYON_NUM_THREADS=1" in (out / "tokenize.sbatch").read_text()
+    info = cli("data", "info", str(out), timeout=timeout)
+    assert info.returncode == 0, info.stdout + info.stderr
+    assert "2 of 3 shards done (no manifest yet)" in info.stdout and "task     0  done" in info.stdout
+    assert "task     1  running" in info.stdout  # its last word before the SIGKILL
     kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*.h5")}
 
     second = cli(*argv, env=slurm_cluster.env(), timeout=timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -78,7 +79,9 @@ def test_every_document_is_encode_of_it_with_the_post_processors_separators(tmp_
     m = manifest.read_manifest(tmp_path / "o")
     assert (m.n_tokens, m.dtype, m.vocab_size) == (len(want), "uint16", ref.get_vocab_size())
     assert m.tokenizer["bos_id"] == 1 and m.tokenizer["eos_id"] == 2 and len(m.tokenizer["hash"]) == 64
-    assert [len(s["inputs"]) for s in json.loads((tmp_path / "o/manifest.json").read_text())["shards"]] == [2, 1]
+    pieces = [f for s in json.loads((tmp_path / "o/manifest.json").read_text())["shards"] for f in s["inputs"]]
+    assert sorted({Path(f["path"]).name for f in pieces}) == ["a.txt", "b.jsonl", "c.parquet"]
+    assert len(m.inputs) == 3  # the manifest's inputs: each file once, however it was cut
     info = tk.read_info(m.shards[0].path)
     assert (info.tokenizer_hash, info.bos_id, info.eos_id) == (m.tokenizer["hash"], 1, 2)
     assert "all present and complete" in capsys.readouterr().out

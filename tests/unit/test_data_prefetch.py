@@ -1,0 +1,134 @@
+"""Reads off the step (train/reader.py): direct reads equal h5py's, adjacent samples come in one
+run, the background reader hands out exactly the batches a reader in the step would, and its
+queue never leaks into the saved state (a restore neither repeats nor skips a batch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from dslurm.config import load_job, load_site
+from dslurm.config.resolve import resolve
+from dslurm.data import tokenize as tk
+from train.data import GlobalBatchSampler, TokenLoader, TokenSource, make_loader
+from train.reader import Prefetcher, read_windows
+
+SITE = Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml"
+
+
+def resolved_for(tmp_path, **data):
+    job = load_job(data={
+        "name": "t", "nodes": 1, "model": {"preset": "tiny", "seq_len": 16},
+        "train": {"global_batch": 8, "seed": 5},
+        "data": {"synthetic_tokens": 4096, **data},
+        "checkpoint": {"run_dir": str(tmp_path / "run")}})
+    return resolve(load_site(SITE), job)
+
+
+def test_direct_reads_equal_h5py_across_chunks_layouts_and_fields(tmp_path):
+    tokens = (np.arange(5000) * 7) % 65521
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:  # small chunks: windows straddle them
+        f.create_dataset(tk.DATASET, data=tokens.astype(np.uint16), chunks=(300,))
+        f.create_dataset("mask", data=(tokens % 2).astype(np.uint8))  # contiguous layout
+        f.create_dataset("gz", data=tokens.astype(np.uint16), compression="gzip", chunks=(512,))
+        f.attrs["vocab_size"] = 65536
+    tf = tk.TokenFile(path)
+    for start, n in [(0, 17), (290, 30), (299, 602), (4983, 17)]:
+        out = np.empty(n, np.uint16)
+        tf.read_into(start, out)
+        assert out.tolist() == tokens[start:start + n].tolist()
+        m = np.empty(n, np.uint8)
+        tf.read_into(start, m, "mask")
+        assert m.tolist() == (tokens[start:start + n] % 2).tolist()
+        tf.read_into(start, out, "gz")  # filtered: through h5py
+        assert out.tolist() == tokens[start:start + n].tolist()
+    with pytest.raises(IndexError):
+        tf.read_into(4990, np.empty(17, np.uint16))
+
+
+def test_adjacent_samples_are_one_run_and_every_field_follows_the_tokens(tmp_path, mocker):
+    tokens = np.arange(1000) % 251
+    tk._write_atomic(tmp_path / "a.h5", [tokens], vocab_size=256, seq_len=0, source="t")
+    with h5py.File(tmp_path / "a.h5", "a") as f:
+        f.create_dataset("loss_mask", data=(tokens % 3 == 0).astype(np.uint8))
+    src = TokenSource(tmp_path / "a.h5", where="w")
+    spy = mocker.spy(src.files[0], "read_into")
+    sample = np.array([7, 3, 4, 5, 20])  # 3, 4, 5 adjacent: one run
+    got = read_windows([src], np.zeros(5, np.int64), sample, 10, {"tokens": np.dtype(np.int64),
+                                                                  "loss_mask": np.dtype(np.uint8)})
+    assert spy.call_count == 2 * 3  # (run 3-5, 7, 20) x 2 fields
+    for row, i in enumerate(sample):
+        assert got["tokens"][row].tolist() == tokens[i * 10:i * 10 + 11].tolist()
+        assert got["loss_mask"][row].tolist() == (tokens[i * 10:i * 10 + 11] % 3 == 0).tolist()
+
+
+def _batches(loader, n):
+    return [torch.cat(loader.next_batch()).numpy() for _ in range(n)]
+
+
+def test_prefetch_hands_out_the_batches_of_a_reader_in_the_step(tmp_path):
+    res = resolved_for(tmp_path, policy="pad")
+    plain = make_loader(resolved_for(tmp_path, prefetch=0), 1, 2, rank=0)
+    ahead = make_loader(resolved_for(tmp_path, prefetch=3), 1, 2, rank=0)
+    assert plain._pre is None and res.job.data.prefetch == 2
+    for a, b in zip(_batches(plain, 40), _batches(ahead, 40)):  # past an epoch's end (31 steps of 8 in 4095)
+        np.testing.assert_array_equal(a, b)
+    assert ahead._pre is not None and ahead._pre._queue.qsize() <= 3
+    ahead.close()
+
+
+def test_a_state_saved_with_batches_queued_resumes_without_repeat_or_skip(tmp_path):
+    straight = make_loader(resolved_for(tmp_path, prefetch=0), 0, 1, rank=0)
+    want = _batches(straight, 12)
+    first = make_loader(resolved_for(tmp_path, prefetch=4), 0, 1, rank=0)
+    got = _batches(first, 5)
+    for _ in range(100):  # let the reader fill its queue: 4 batches read ahead of the step
+        if first._pre is not None and first._pre._queue.full():
+            break
+        first._pre._thread.join(0.01)
+    assert first._pre is not None and first._pre._queue.full()
+    state = first.state_dict()
+    assert state["position"] == 5 * 8  # the step's position, not the reader's
+    first.close()
+    again = make_loader(resolved_for(tmp_path, prefetch=4), 0, 2, rank=0), make_loader(
+        resolved_for(tmp_path, prefetch=4), 1, 2, rank=0)  # resumed under another dp size
+    for ld in again:
+        ld.load_state_dict(dict(state))
+    for _ in range(7):
+        x0, y0 = again[0].next_batch()
+        x1, y1 = again[1].next_batch()
+        got.append(torch.cat([x0, x1, y0, y1]).numpy())
+    for g, w in zip(got, want, strict=True):  # rows: the inputs of the global batch, then its targets
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_skipped_batch_is_dropped_from_the_queue_and_a_restore_restarts_the_reader(tmp_path):
+    ref = make_loader(resolved_for(tmp_path, prefetch=0), 0, 1, rank=0)
+    ld = make_loader(resolved_for(tmp_path, prefetch=2), 0, 1, rank=0)
+    ld.next_batch(), ref.next_batch()
+    ld.sampler.next_global(), ref.sampler.next_global()  # the loop's skip_positions path
+    np.testing.assert_array_equal(ld.next_batch()[0], ref.next_batch()[0])
+    state = ref.state_dict()
+    ref.next_batch(), ld.next_batch()
+    ld.load_state_dict(state)
+    ref.load_state_dict(state)
+    assert ld._pre is None  # what it read ahead belonged to the old position
+    np.testing.assert_array_equal(ld.next_batch()[0], ref.next_batch()[0])
+    ld.close()
+
+
+def test_a_read_error_in_the_reader_reaches_the_step(tmp_path):
+    tk.write_synthetic(tmp_path / "c.h5", 2000, 256, seed=0)
+    sampler = GlobalBatchSampler(num_samples=500, global_batch=4, seed=1)  # ids past the file's end
+    loader = TokenLoader(tk.TokenFile(tmp_path / "c.h5"), sampler, seq_len=16, prefetch=2)
+    with pytest.raises(IndexError, match="outside 2000 tokens"):
+        for _ in range(50):
+            loader.next_batch()
+    loader.close()
+    with pytest.raises(ValueError, match="depth"):
+        Prefetcher(lambda ids: ids, sampler, 0)
