@@ -47,9 +47,10 @@ from dslurm.observe.ledger import Ledger
 from dslurm.runtime.checkpoint import final_failure, manager_for
 from dslurm.runtime.state import train_state
 from dslurm.runtime.stop import StopFlags
+from train import oom, stepfaults
 from train.data import make_data
 from train.evaluate import Evaluator
-from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
+from train.metrics import StepMetrics, format_log_line, gather_rank_steps, peak_for, straggler_event
 from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
 from train.parallel.build import build_parts
@@ -107,6 +108,7 @@ class Trainer:
         self._fault_freeze = faults.step_fault("DSLURM_FAULT_FREEZE")
         self._fault_await = faults.await_step()
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
+        self._slow_data = faults.seconds_fault("DSLURM_FAULT_SLOW_DATA")
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
         self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
@@ -117,6 +119,7 @@ class Trainer:
         self.loss_scale = 1.0 / (self.train.grad_accum * self.dims.layout.microbatches)
         self.built = build_parts(resolved.shape, job, self.dims, device, loss_fn=self._scaled_loss, fsdp=fsdp)
         self.params = [p for part in self.built.parts for p in part.parameters()]
+        self._fault_hooks = stepfaults.install(self.built.parts, lambda: self.step + 1)  # STALL, OOM, SLOW_COMPUTE
         self.optimizers, self.schedulers = build_optimizers(self.built.parts, self.train)
         self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.layout.pp_enabled else None
         self.clock.mark("build")
@@ -188,6 +191,8 @@ class Trainer:
             position = self._position()
             self._poison = faults.poisoned(position, self.train.global_batch, self._fault_nan)
             inputs, targets = self.loader.next_batch()
+            if self._slow_data:
+                time.sleep(self._slow_data)  # DSLURM_FAULT_SLOW_DATA
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
@@ -305,7 +310,11 @@ class Trainer:
         self.watch.start()
         result = None
         while self.step < self.train.steps:
-            result = self.train_step()
+            try:
+                result = self.train_step()
+            except torch.OutOfMemoryError as exc:
+                self._out_of_memory(exc)
+                raise
             self.checks.maybe_flip(self.step, self.params)  # DSLURM_FAULT_BITFLIP
             if not self.clock.finished:
                 self.clock.mark("first_step")
@@ -323,8 +332,8 @@ class Trainer:
                 self._log_window(result)
             if self.step % self.train.straggler_every == 0:
                 with self.watch.collective("stragglers"):
-                    times, hosts = gather_step_times(self.metrics.last_step_time_s)
-                self._event(straggler_event(self.step, times, hosts))
+                    times, hosts, steps = gather_rank_steps(self.metrics, self.rank)
+                self._event(straggler_event(self.step, times, hosts, steps=steps))
             self.checks.poll_devices(self.step, self.resolved.run_dir)
             interval = self.resolved.job.checkpoint.interval
             periodic = (self.step % interval == 0 or result.save_now) and self.step < self.train.steps
@@ -352,6 +361,15 @@ class Trainer:
             self._save_final()
         self._event(events.Exit(reason="completed", step=self.step, code=EXIT_COMPLETED))
         return EXIT_COMPLETED
+
+    def _out_of_memory(self, exc: BaseException) -> None:
+        """This rank ran out of memory (train/oom.py): snapshot, note, ledger event; the error
+        then ends the process and the start ends as `oom` (not retried blindly)."""
+        from dslurm.requeue.facts import start_dir
+
+        phase, coll = oom.phase_of(self.metrics, self.watch)
+        oom.record(exc, rank=self.rank, step=self.step + 1, phase=phase, collective=coll, device=self.device,
+                   start_dir=start_dir(run_dir=self.resolved.run_dir), run_dir=self.resolved.run_dir)
 
     def _evaluate(self, result: StepResult) -> StepResult:
         """Evaluate (train/evaluate.py); a stop agreed during it becomes this step's stop. The step
