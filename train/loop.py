@@ -55,6 +55,7 @@ from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
+from train.profile import make_profiler
 from train.sdc import RunChecks
 from train.startup import StartClock
 from train.watchdog import NO_WATCHDOG, Watchdog
@@ -88,6 +89,8 @@ class StepResult:
     """the data stream position (samples) of this step's batch"""
     save_now: bool = False
     """an operator asked for a checkpoint (`dslurm ctl save`, taken by rank 0): all ranks agree"""
+    profile_steps: int = 0
+    """an operator asked for a profile of this many steps (`dslurm ctl profile`): all ranks agree"""
 
 
 class Trainer:
@@ -130,7 +133,9 @@ class Trainer:
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
         # TensorBoard / W&B / MLflow from the ledger's own numbers (dslurm/trackers/; rank 0, job.metrics)
         self.trackers = trackers.attach(self.ledger, resolved.run_dir, job.metrics, job.name)
-        self.ctl = ctl.Poller(resolved.run_dir) if rank == 0 else None  # `dslurm ctl save|stop` requests
+        self.ctl = ctl.Poller(resolved.run_dir) if rank == 0 else None  # `dslurm ctl save|stop|profile` requests
+        self._profile_req = 0  # rank 0: steps a `dslurm ctl profile` asked for, sent in the next agreement
+        self.profiler = make_profiler(resolved, rank=rank, world=world_size, device=device, ledger=self.ledger)
         shape = resolved.shape
         self.metrics = StepMetrics(
             tokens_per_step=self.train.global_batch * shape.seq_len, flops_per_token=shape.flops_per_token(),
@@ -205,7 +210,9 @@ class Trainer:
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
                            torch.tensor(stop, device=self.device), torch.tensor(term, device=self.device),
                            (~torch.isfinite(norm)).float().to(self.device),
-                           torch.tensor(float(save_now), device=self.device)])
+                           torch.tensor(float(save_now), device=self.device),
+                           torch.tensor(float(self._profile_req), device=self.device)])
+        self._profile_req = 0
         with self.watch.collective("step_agree"):
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         loss = vec[0].item() / (self.dims.world_size // self.dims.layout.pp)
@@ -223,7 +230,7 @@ class Trainer:
                 sched.step()
         result = StepResult(step=self.step, loss=loss, grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0,
                             terminated=vec[2].item() > 0, nonfinite=decision, position=position,
-                            save_now=vec[4].item() > 0)
+                            save_now=vec[4].item() > 0, profile_steps=int(vec[5].item()))
         self.step += 1
         return result
 
@@ -283,6 +290,8 @@ class Trainer:
                                            step=self.step + 1, recorded=recorded))
         if req.action == "stop":
             self.stop.stop_requested = self.stop.stop_terminated = True
+        if req.action == "profile":
+            self._profile_req = req.steps or self.resolved.job.health.profile_steps
         return req.action == "save"
 
     def _event(self, ev: events.Event) -> None:
@@ -310,6 +319,7 @@ class Trainer:
         self.watch.start()
         result = None
         while self.step < self.train.steps:
+            self.profiler.before_step(self.step + 1)
             try:
                 result = self.train_step()
             except torch.OutOfMemoryError as exc:
@@ -322,6 +332,9 @@ class Trainer:
             if self.train.step_sleep_s:
                 time.sleep(self.train.step_sleep_s)
             self.metrics.end_step(result.step, result.loss)
+            if self.profiler.after_step(self.step, result.profile_steps):  # a trace written: no step time
+                self.watch.expect_long()
+                self.metrics.start()
             if result.nonfinite is not None and result.nonfinite.action != "train":
                 if result.nonfinite.action == "stop":
                     return self._stop_nonfinite(result)
@@ -476,6 +489,7 @@ class Trainer:
         return True
 
     def close(self) -> None:
+        self.profiler.close()
         if self.trackers is not None:  # closed at the exit event already, unless the start crashed
             self.trackers.close()
         self.checks.close()

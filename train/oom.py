@@ -72,6 +72,6 @@ def record(exc: BaseException, *, rank: int, step: int, phase: str, collective: 
 
 
 def phase_of(metrics: Any, watch: Any) -> tuple[str, str]:
-    """Where in the step this rank is: the metrics phase and the trainer collective."""
-    coll = getattr(watch, "coll_name", "") if getattr(watch, "inside", False) else ""
-    return (getattr(metrics, "current", "") or "other"), coll
+    """Where in the step this rank was: the metrics phase (left set by the error) and the last
+    trainer collective it entered (its `with` has already been left by the error)."""
+    return (getattr(metrics, "current", "") or "other"), str(getattr(watch, "coll_name", "") or "")

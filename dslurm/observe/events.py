@@ -483,7 +483,7 @@ class OperatorRequest(Event):
     boundary; the ranks then save (and, for stop, end: not requeued) at that step."""
     NAME = "operator_request"
     action: str = ""
-    """save | stop"""
+    """save | stop | profile"""
     request_id: str = ""
     user: str = ""
     step: int | None = None
@@ -503,7 +503,7 @@ class Oom(Event):
     phase: str = ""
     """data | compute | optimizer | checkpoint | other"""
     collective: str = ""
-    """the trainer collective it was inside, if any (forward_backward, ...)"""
+    """the last trainer collective it entered (forward_backward, ...)"""
     error: str = ""
     device: str = ""
     memory: dict[str, float] = field(default_factory=dict)
@@ -513,12 +513,28 @@ class Oom(Event):
     note: str | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Profile(Event):
+    """A `torch.profiler` trace of steps first..last on every rank (train/profile.py), asked for by
+    `dslurm ctl RUN profile` or the job (health.profile_at)."""
+    NAME = "profile"
+    first_step: int | None = None
+    last_step: int | None = None
+    dir: str | None = None
+    files: list[str] = field(default_factory=list)
+    """one trace per rank (rank-NNNNN.trace.json.gz), on a GPU also rank-NNNNN.memory.pickle"""
+    why: str = ""
+    duration_s: float = 0.0
+    view: str = ""
+    """how to look at them"""
+
+
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel,
     Sdc, DeviceHealth, Eval,
-    InitFrom, TrackerFailed, OperatorRequest, Oom)}
+    InitFrom, TrackerFailed, OperatorRequest, Oom, Profile)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

@@ -171,9 +171,9 @@ def stalls(states: Mapping[int, Mapping[str, GroupState]], world: int) -> list[S
         waiting = sorted(r for r, g in seen.items() if g is not None and g.entered == top and g.inside)
         if not top or not waiting:
             continue
-        inside = [g for r in waiting if (g := seen[r]) is not None]
-        first = min(inside, key=lambda g: g.t_ns)
-        ops = sorted({g.op for g in inside})
+        inside = [st for r in waiting if (st := seen[r]) is not None]
+        first = min(inside, key=lambda st: st.t_ns)
+        ops = sorted({st.op for st in inside})
         missing = sorted(r for r, n in entered.items() if n < top)
         silent = sorted(r for r in ranks if r not in states and r < world)
         out.append(Stall(group=name, desc=first.desc, seq=top, op=first.op, sizes=first.sizes, waiting=waiting,
