@@ -1,6 +1,7 @@
 """The report's lines for issue 37's events: the collective a hang stopped in, slow parts of the
 step, out-of-memory errors and profiles (with their files and how to view them). One start's
-events in, text out (it only looks whether each profile file exists) (dslurm/observe/report.py prints them under the health lines)."""
+events in, text out (it only looks whether each profile file exists); dslurm/observe/report.py
+prints them under the health lines."""
 
 from __future__ import annotations
 
