@@ -424,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
     events, _ = load(args.run_dir)
     done = summarize(events, target_steps=target_steps(args.run_dir), run_dir=args.run_dir).completion
     findings = diagnose(events, read_logs(args.run_dir))
+    findings += [Finding(*row) for row in perfdoctor.dump_rows(Path(args.run_dir), events)]  # own scripts' dumps
     console = Console()
     if done.status != COMPLETED:  # first: whether the run finished, and how to continue one that ended short
         style = "bold red" if done.complete is False else "bold"

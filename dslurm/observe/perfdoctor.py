@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from dslurm.observe import events as E
@@ -105,6 +106,32 @@ def ooms(starts: Sequence[Start]) -> list[Row]:
 def _mem(m: dict[str, Any]) -> str:
     return ", ".join(f"{k.removesuffix('_gib')} {v:.2f} GiB" if k.endswith("_gib") else f"{k} {v:g}"
                      for k, v in m.items() if isinstance(v, (int, float)))
+
+
+def dump_rows(run_dir: Path, events: Iterable[E.Event]) -> list[Row]:
+    """Flight Recorder dumps in a start's facts dir that no hang event read (a `dslurm.runtime`
+    script's ranks dump when a collective fails): the ranks that did not enter the collective
+    the others waited in. Reads the dumps (the one check here that is not pure)."""
+    shown = {h.flight_dir for h in E.of(events, E.Hang)}
+    out = []
+    for d in sorted((run_dir / "starts").glob("*/")) if (run_dir / "starts").is_dir() else []:
+        if not (d / forensics.SUBDIR).is_dir() or str(d / forensics.SUBDIR) in shown:
+            continue
+        states = forensics.read_dumps(d)
+        if not states:
+            continue
+        world = 1 + max([*states, *(r for g in states.values() for st in g.values() for r in st.ranks)])
+        who, why, found = forensics.verdict(states, world)
+        if not found:
+            continue
+        ev = [f"collective record: {s.sentence()}" for s in found[:3]]
+        ev.append(f"dumps of rank(s) {sorted(states)} in {d / forensics.SUBDIR} "
+                  f"(`{forensics.VIEW.format(dir=d / forensics.SUBDIR)}`)")
+        out.append((f"collective stall in start {d.name}: suspect rank(s) {who or 'none'}", ev,
+                    "synchronization: " + (why or "every member was inside the same collective: the transport"),
+                    "read the suspects' logs and stacks (their last collective is named); if the fabric hangs, "
+                    "run `dslurm burnin` on the nodes"))
+    return out
 
 
 def checks(starts: Sequence[Start]) -> Iterable[Row]:
