@@ -36,14 +36,18 @@ def oom_fix(run_dir: Path) -> str:
     except (UserError, OSError, ValueError, KeyError) as exc:
         return f"the planner could not propose a layout ({exc}); {cmd} shows why"
     need, budget = now.memory_gb.get("total"), now.budget_gb
-    est = (f"the planner estimates {need} GB per GPU for this layout of {budget} GB usable"
-           + (": over the budget" if not now.fits else ": within its estimate, so the real peak is higher "
-              "than the estimate (long sequences, fragmentation, an extra copy)"))
-    same = prop.layout.degrees() == ci.layout.degrees() and prop.recompute == (ci.work.recompute or "none")
-    if same:
-        what = ("its proposal is this same layout: try train.activation_checkpoint=full, a smaller micro-batch "
-                "(raise train.grad_accum), or more nodes")
-    else:
-        what = (f"a layout that fits by its estimate ({prop.memory_gb.get('total')} GB): "
-                f"{_sets(prop.layout.degrees(), prop.recompute, work.micro_batch)}")
-    return f"{est}; {what}; {cmd} shows the numbers. Resubmit with the fix: it resumes from the pointer"
+    if not now.fits:
+        return (f"the planner estimates {need} GB per GPU for this layout, over the {budget} GB usable; a layout "
+                f"that fits by its estimate ({prop.memory_gb.get('total')} GB): "
+                f"{_sets(prop.layout.degrees(), prop.recompute, work.micro_batch)}; {cmd} shows the numbers. "
+                "Resubmit with it: it resumes from the pointer")
+    # Within the estimate: the real peak is higher than the planner's model (long sequences,
+    # fragmentation, an extra copy), so a layout "that fits" by the same model is no fix; lower the
+    # peak of this one instead, and say what the planner gives for that.
+    rc = ci.work.recompute or "none"
+    full = validate_layout(ci.model, ci.cluster, ci.layout, dataclasses.replace(ci.work, recompute="full"))
+    return (f"the planner estimates {need} GB per GPU for this layout of {budget} GB usable: within its estimate, "
+            f"so the real peak is higher than its model; lower the peak: train.activation_checkpoint=full (now "
+            f"{rc}; the planner: {full.memory_gb.get('total')} GB), a smaller micro-batch (now "
+            f"{ci.work.micro_batch}: raise train.grad_accum), or shard more (parallel.dp_shard, parallel.tp); "
+            f"{cmd} shows the numbers. Resubmit with the fix: it resumes from the pointer")
