@@ -36,7 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PG_GRACE_S = 60.0  # process-group timeout = the watchdog's ceiling + this
-FR_ENTRIES = 2000  # Flight Recorder ring per process (torchtitan's default: 20000; a GPU step has more ops)
+# Flight Recorder ring per process: enough for the last collectives of every group at a hang, and
+# small because the straggler split reads the ring back every train.straggler_every steps (about
+# 10 us per entry here: bench/bench_health.py). torchtitan's default for NCCL is 20000.
+FR_ENTRIES = 500
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
