@@ -41,7 +41,9 @@ class StepProfiler:
                  at: int = 0, steps: int = 3, ledger: Ledger | None = None) -> None:
         self.run_dir, self.start, self.rank, self.world, self.device = run_dir, start, rank, world, device
         self.default_steps, self.ledger = steps, ledger
-        self.first, self.last, self.why = (at, at + steps - 1, "job (health.profile_at)") if at > 0 else (0, -1, "")
+        self.pending: list[tuple[int, int, str]] = [(at, at + steps - 1, "job (health.profile_at)")] if at > 0 else []
+        """windows to profile (first, last, why), in step order; the job's, then requests"""
+        self.first, self.last, self.why = 0, -1, ""  # the window being profiled
         self._prof: Any = None
         self._range: Any = None
         self._t0 = 0.0
@@ -51,14 +53,22 @@ class StepProfiler:
         return self._prof is not None
 
     def request(self, steps: int, after: int, why: str) -> None:
-        """Profile the `steps` steps after step `after` (unless one is running or scheduled)."""
-        if self.active or self.first > after:
-            return
+        """Profile the `steps` steps after step `after`, unless that overlaps a window being
+        profiled or scheduled (then it is said and dropped: one profiler per process)."""
         n = steps if steps > 0 else self.default_steps
-        self.first, self.last, self.why = after + 1, after + n, why
+        new = (after + 1, after + n, why)
+        taken = ([(self.first, self.last, self.why)] if self.active else []) + self.pending
+        clash = [w for w in taken if w[0] <= new[1] and new[0] <= w[1]]
+        if clash:
+            log.warning("[rank %d] profile of steps %d..%d (%s) dropped: steps %d..%d are profiled already (%s)",
+                        self.rank, new[0], new[1], why, clash[0][0], clash[0][1], clash[0][2])
+            return
+        self.pending = sorted([*self.pending, new])
 
     def before_step(self, step: int) -> None:
-        if step == self.first and not self.active:
+        self.pending = [w for w in self.pending if w[0] >= step]  # resumed past a window: not profiled
+        if not self.active and self.pending and self.pending[0][0] == step:
+            self.first, self.last, self.why = self.pending.pop(0)
             self._begin()
         if self.active:
             self._range = torch.profiler.record_function(f"dslurm step {step}")
@@ -116,7 +126,7 @@ class StepProfiler:
             self.ledger.append(events.Profile(first_step=self.first, last_step=self.last, dir=str(d), files=names,
                                               why=self.why, duration_s=round(time.time() - self._t0, 3),
                                               view=VIEW + ("; " + MEMORY_VIEW if self.device.type == "cuda" else "")))
-        self.first, self.last = 0, -1
+        self.first, self.last, self.why = 0, -1, ""
 
     def close(self) -> None:
         """The run ends while profiling: write what was recorded."""

@@ -5,7 +5,8 @@
    rank 1 with the c10d op and sequence number it did not enter, each rank's dump is readable by
    PyTorch's own flight-recorder analyser (which says the same), and every straggler check
    names rank 0 slow in data and rank 1 slow in compute;
-2. `dslurm ctl RUN profile --steps 2` on the running job: a trace per rank with the step ranges;
+2. `dslurm ctl RUN profile --steps 2` on the running job, and the job's `health.profile_at: 4`: a
+   trace per rank with the step ranges each;
    then rank 1 runs out of memory at step 5: the oom event (step, phase), the rank's report
    `oom`, the ending `oom`, and requeue-me's stop (82) with the planner's fix, not a retry.
 """
@@ -89,17 +90,22 @@ def test_ctl_profile_leaves_a_trace_per_rank_and_an_oom_ends_as_oom_with_the_pla
     shutil.copy(SITE, run / "site.yaml")  # what `dslurm submit` freezes: requeue-me plans from it
     shutil.copy(job, run / "job.yaml")
     ctl.write_request(run, "profile", user="ana", steps=2)  # taken at the first step boundary
-    proc = run_train(2, job, env={"DSLURM_FAULT_OOM": "5:1"}, timeout=200)
+    # and the job's own option: step 4 alone (health.profile_at)
+    proc = run_train(2, job, "health.profile_at=4", "health.profile_steps=1", env={"DSLURM_FAULT_OOM": "5:1"},
+                     timeout=200)
     assert proc.returncode != 0, proc.stderr[-3000:]
     events = ev.read(run)
     (req,) = list(ev.of(events, ev.OperatorRequest))
     assert req.action == "profile" and req.user == "ana" and req.step == 1, req
-    (p,) = list(ev.of(events, ev.Profile))
-    assert (p.first_step, p.last_step) == (2, 3) and p.files == ["rank-00000.trace.json.gz", "rank-00001.trace.json.gz"]
-    for name in p.files:
-        trace = json.loads(gzip.decompress((tmp_path / p.dir / name).read_bytes()))
-        steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("dslurm step")}
-        assert steps == {"dslurm step 2", "dslurm step 3"}, steps
+    (p, job_p) = list(ev.of(events, ev.Profile))
+    assert (p.first_step, p.last_step, p.why) == (2, 3, "dslurm ctl profile"), p
+    assert (job_p.first_step, job_p.last_step, job_p.why) == (4, 4, "job (health.profile_at)"), job_p
+    for prof, want in ((p, {"dslurm step 2", "dslurm step 3"}), (job_p, {"dslurm step 4"})):
+        assert prof.files == ["rank-00000.trace.json.gz", "rank-00001.trace.json.gz"], prof
+        for name in prof.files:
+            trace = json.loads(gzip.decompress((tmp_path / prof.dir / name).read_bytes()))
+            steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("dslurm step")}
+            assert steps == want, (prof, steps)
     lines = report.health_lines(report.summarize(events).starts)
     assert any("profile of steps 2..3" in line and "2 of 2 file(s)" in line and "perfetto" in line
                for line in lines), lines

@@ -242,3 +242,27 @@ def test_doctor_reads_dumps_no_hang_event_read(tmp_path):
     (row,) = perfdoctor.dump_rows(tmp_path, [])
     assert row[0] == "collective stall in start 7.0: suspect rank(s) [1]" and "did not enter collective #3" in row[2]
     assert perfdoctor.dump_rows(tmp_path, [ev.Hang(flight_dir=str(fr))]) == []  # the hang event shows it already
+
+
+def test_profile_fields_are_checked():
+    from dslurm.config import load_job
+
+    with pytest.raises(UserError, match="health.profile_steps.*at least 1"):
+        load_job(data={"name": "j", "nodes": 1}, overrides=["health.profile_steps=0"])
+    with pytest.raises(UserError, match="health.profile_at"):
+        load_job(data={"name": "j", "nodes": 1}, overrides=["health.profile_at=-1"])
+    assert load_job(data={"name": "j", "nodes": 1}, overrides=["health.profile_at=4"]).health.profile_at == 4
+
+
+def test_profile_windows_queue_in_step_order_and_overlaps_are_dropped(tmp_path):
+    import torch
+
+    from train.profile import StepProfiler
+
+    prof = StepProfiler(run_dir=tmp_path, start="1.0", rank=0, world=2, device=torch.device("cpu"), at=4, steps=1)
+    prof.request(2, after=1, why="dslurm ctl profile")  # steps 2..3, before the job's step 4
+    prof.request(3, after=2, why="again")  # 3..5 overlaps both: dropped
+    prof.request(0, after=10, why="later")  # 0: the job's profile_steps (1)
+    assert prof.pending == [(2, 3, "dslurm ctl profile"), (4, 4, "job (health.profile_at)"), (11, 11, "later")]
+    prof.before_step(5)  # resumed past 2..4: those are not profiled, nothing starts
+    assert prof.pending == [(11, 11, "later")] and not prof.active
