@@ -266,3 +266,14 @@ def test_profile_windows_queue_in_step_order_and_overlaps_are_dropped(tmp_path):
     assert prof.pending == [(2, 3, "dslurm ctl profile"), (4, 4, "job (health.profile_at)"), (11, 11, "later")]
     prof.before_step(5)  # resumed past 2..4: those are not profiled, nothing starts
     assert prof.pending == [(11, 11, "later")] and not prof.active
+
+
+def test_ctl_profile_on_the_command_line(tmp_path, capsys):
+    from dslurm.cli import main
+
+    (tmp_path / "job.yaml").write_text("name: x\n")
+    assert main(["ctl", str(tmp_path), "profile", "--steps", "2"]) == 0
+    assert "profile of the next 2 step(s) requested" in capsys.readouterr().out
+    assert ctl.parse((tmp_path / ctl.REQUEST).read_text()).steps == 2
+    assert main(["ctl", str(tmp_path), "save", "--steps", "2"]) == 2
+    assert "--steps is for profile only" in capsys.readouterr().err
