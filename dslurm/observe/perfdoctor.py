@@ -49,7 +49,7 @@ def _when(t: float) -> str:
 def hang_evidence(e: E.Hang) -> list[str]:
     """The collective-level lines of a hang: the stall sentences, each rank's c10d position,
     where the dumps are and the command that reads them."""
-    out = [f"collective record: {line}" for line in forensics.summary_lines(e.flight)]
+    out = [f"collective record: {line}" for line in forensics.summary_lines(e.flight) if line not in e.why]
     for r, c in list(e.collectives.items())[:MAX_EVIDENCE]:
         pos = [f"#{x.get('seq')} {x.get('op')} of group {x.get('group')} ({'inside' if x.get('inside') else 'done'})"
                for x in (c.get("c10d") or []) if isinstance(x, dict)] if isinstance(c, dict) else []
