@@ -13,8 +13,9 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   (80: the hang watchdog ended the process; train/watchdog.py, not this function)
 Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
 log_every), Stragglers (every straggler_every), Eval (every eval_every; train/evaluate.py), Signal,
-NonFinite, Sdc, Exit; the checkpoint manager
-adds Ckpt*; the watchdog adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py).
+NonFinite, Sdc, Exit, Profile (train/profile.py); the checkpoint manager adds Ckpt*; the watchdog
+adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py); a rank that runs out of
+memory adds its own Oom (train/oom.py).
 
 Silent data corruption (train/sdc.py): the HSDP replicas compare parameter fingerprints every
 health.sdc_every steps and before every save, so every generation was checked clean at its own
@@ -319,7 +320,8 @@ class Trainer:
         self.watch.start()
         result = None
         while self.step < self.train.steps:
-            self.profiler.before_step(self.step + 1)
+            if self.profiler.before_step(self.step + 1):  # the profiler's start (seconds on a busy host)
+                self.watch.expect_long()  # is no step time, and no hang
             try:
                 result = self.train_step()
             except torch.OutOfMemoryError as exc:

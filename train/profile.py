@@ -65,14 +65,19 @@ class StepProfiler:
             return
         self.pending = sorted([*self.pending, new])
 
-    def before_step(self, step: int) -> None:
-        self.pending = [w for w in self.pending if w[0] >= step]  # resumed past a window: not profiled
+    def before_step(self, step: int) -> bool:
+        """Open step `step` (1-based); True when a profile began now."""
+        began = False
+        if self.pending and self.pending[0][0] < step:
+            self.pending = [w for w in self.pending if w[0] >= step]  # resumed past a window: not profiled
         if not self.active and self.pending and self.pending[0][0] == step:
             self.first, self.last, self.why = self.pending.pop(0)
             self._begin()
+            began = True
         if self.active:
             self._range = torch.profiler.record_function(f"dslurm step {step}")
             self._range.__enter__()
+        return began
 
     def after_step(self, step: int, requested: int = 0, why: str = "dslurm ctl profile") -> bool:
         """Close step `step`; `requested` > 0: profile that many steps from the next one (every
