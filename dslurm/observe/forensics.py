@@ -124,7 +124,7 @@ class Stall:
     op: str
     sizes: list[Any]
     waiting: list[int]
-    """members inside #seq"""
+    """members that entered #seq (inside it, or failed in it)"""
     missing: list[int]
     """members that have not entered #seq (with a dump)"""
     behind: dict[str, int]
@@ -135,6 +135,8 @@ class Stall:
     """the ops the waiting members are in, when they are not the same (a mismatch)"""
     t_ns: int = 0
     """the first waiting member's entry (wall clock)"""
+    live: bool = True
+    """some member is still inside it (a hang); False: the dumps were taken after it failed"""
 
     def sentence(self) -> str:
         grp = f"group {self.group}" + (f" ({self.desc})" if self.desc and self.desc != self.group else "")
@@ -149,7 +151,9 @@ class Stall:
             parts.append(f"rank(s) {self.silent} left no flight-recorder dump")
         if not parts:
             parts.append(f"every member is inside {what}")
-        return "; ".join(parts) + f" while rank(s) {self.waiting} wait inside it"
+        if self.live:
+            return "; ".join(parts) + f" while rank(s) {self.waiting} wait inside it"
+        return "; ".join(parts) + f"; rank(s) {self.waiting} entered it and it failed there"
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "sentence": self.sentence()}
@@ -168,17 +172,24 @@ def stalls(states: Mapping[int, Mapping[str, GroupState]], world: int) -> list[S
         seen = {r: states[r].get(name) for r in sorted(ranks) if r in states}
         entered = {r: (g.entered if g is not None else 0) for r, g in seen.items()}
         top = max(entered.values(), default=0)
-        waiting = sorted(r for r, g in seen.items() if g is not None and g.entered == top and g.inside)
-        if not top or not waiting:
-            continue
+        waiting = sorted(r for r, g in seen.items() if g is not None and g.entered == top)
+        missing = sorted(r for r, n in entered.items() if n < top)
         inside = [st for r in waiting if (st := seen[r]) is not None]
+        # Live (a hang): some member still waits inside #top. After the error (an own script's
+        # ranks dump as their collective fails, which retires it): a member that never entered
+        # #top still shows it -- a collective cannot complete without every member.
+        live = any(st.inside for st in inside)
+        if not live:  # a member with no entry of the group may only have had it evicted from its ring
+            missing = [r for r in missing if entered[r] > 0]
+        if not top or not (live or missing):
+            continue
         first = min(inside, key=lambda st: st.t_ns)
         ops = sorted({st.op for st in inside})
-        missing = sorted(r for r, n in entered.items() if n < top)
         silent = sorted(r for r in ranks if r not in states and r < world)
         out.append(Stall(group=name, desc=first.desc, seq=top, op=first.op, sizes=first.sizes, waiting=waiting,
                          missing=missing, behind={str(r): entered[r] for r in missing}, silent=silent,
-                         ops_differ=ops if len(ops) > 1 else [], t_ns=first.t_ns))
+                         ops_differ=ops if len(ops) > 1 else [], t_ns=first.t_ns,
+                         live=live))
     return sorted(out, key=lambda s: (not (s.missing or s.silent), s.t_ns))
 
 

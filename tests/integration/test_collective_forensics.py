@@ -8,7 +8,9 @@
 2. `dslurm ctl RUN profile --steps 2` on the running job, and the job's `health.profile_at: 4`: a
    trace per rank with the step ranges each;
    then rank 1 runs out of memory at step 5: the oom event (step, phase), the rank's report
-   `oom`, the ending `oom`, and requeue-me's stop (82) with the planner's fix, not a retry.
+   `oom`, the ending `oom`, and requeue-me's stop (82) with the planner's fix, not a retry;
+3. an own script on dslurm.runtime (tests/integration/fr_script.py) whose rank 1 fails before
+   all-reduce #4: both ranks dump as they fail, and doctor names rank 1 with the op and #.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from dslurm import exitcodes as X
-from dslurm.observe import ctl, doctor, report
+from dslurm.observe import ctl, doctor, perfdoctor, report
 from dslurm.observe import events as ev
 from dslurm.requeue import decide_for
 from dslurm.requeue import endings as E
@@ -121,3 +127,21 @@ def test_ctl_profile_leaves_a_trace_per_rank_and_an_oom_ends_as_oom_with_the_pla
     d = decide_for(events, run, "1", ending, policy, in_chain=False, requeue_enabled=True)
     assert d.action == "stop" and d.exit_code == X.OOM, d
     assert "not retried" in d.reason and "dslurm plan --site" in d.reason and "GB" in d.reason, d.reason
+
+
+def test_an_own_script_on_dslurm_runtime_dumps_and_doctor_names_who_did_not_enter(tmp_path):
+    run = tmp_path / "own"
+    run.mkdir()
+    shutil.copy(SITE, run / "site.yaml")
+    (run / "job.yaml").write_text("name: own\nnodes: 1\nentry: [fr_script.py]\n")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).with_name("fr_script.py"))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DSLURM_RUN_DIR": str(run), "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    (start,) = list_starts(run)
+    (row,) = perfdoctor.dump_rows(run, ev.read(run))
+    # rank 1 left before all-reduce #4: rank 0 waited inside it (its dump, written as it failed)
+    assert row[0] == f"collective stall in start {start.name}: suspect rank(s) [1]", (row, proc.stderr[-2000:])
+    assert "rank(s) [1] did not enter collective #4 (gloo:all_reduce [[4]])" in row[2], row

@@ -277,3 +277,14 @@ def test_ctl_profile_on_the_command_line(tmp_path, capsys):
     assert ctl.parse((tmp_path / ctl.REQUEST).read_text()).steps == 2
     assert main(["ctl", str(tmp_path), "save", "--steps", "2"]) == 2
     assert "--steps is for profile only" in capsys.readouterr().err
+
+
+def test_dumps_taken_after_the_collective_failed_still_name_who_did_not_enter():
+    # an own script: rank 0's all-reduce #4 failed when rank 1 (which never entered it) went away
+    r0 = forensics.group_states(dump([entry("0", 3), entry("0", 4, "gloo:all_reduce", t=9)], {"0": [0, 1]}))
+    r1 = forensics.group_states(dump([entry("0", 3)], {"0": [0, 1]}))
+    who, why, (stall,) = forensics.verdict({0: r0, 1: r1}, 2)
+    assert who == [1] and not stall.live and why.endswith("rank(s) [0] entered it and it failed there"), why
+    # a member with no entry of a group at all may only have had it evicted: not named from that
+    r2 = forensics.group_states(dump([entry("5", 1)], {"0": [0, 1], "5": [0, 1]}))
+    assert forensics.verdict({0: r0, 1: r2}, 2)[0] == []
