@@ -18,7 +18,18 @@ dp_shard 1: the largest shards the demo model can have), against the demo step's
 same process. Every `health.device_poll_every` steps the NVML poll, with pynvml mocked (this
 machine has no GPU: this times our Python around NVML, not the driver calls).
 
+Issue 37 adds the always-on recording: PyTorch's Flight Recorder on every process group (one
+ring-buffer entry per c10d collective, in C++), the wall-clock phase spans of each step (two
+`time.time_ns()` per phase), and every `train.straggler_every` steps the straggler split (the
+ring read back as a pickle without stack traces, the step's arrivals picked out, the pure split;
+the payload rides in the all-gather the check already made). The recorder's cost is measured as
+the CPU time of a 1-element gloo all-reduce in a world of one, with the recorder off
+(TORCH_FR_BUFFER_SIZE=0) and on (`health.FR_ENTRIES`), in alternating child processes (the size is
+read once per process), and multiplied by the c10d collectives of one demo step, counted from
+the recorder of 2 gloo processes running the tiny model under FSDP2.
+
     PYTHONPATH=. .venv/bin/python bench/bench_health.py [--reps 20000] [--steps 20] [--checks 200]
+                                                        [--recording-only]
 """
 
 from __future__ import annotations
@@ -125,11 +136,11 @@ def _sdc_worker(rank: int, port: int, checks: int, steps: int, out: str) -> None
     named = list(model.named_parameters())
     chk = ReplicaCheck([p for _, p in named], [n for n, _ in named], dist.group.WORLD, torch.device("cpu"),
                        "localhost", rank)
-    assert chk.check(0) is None  # identical replicas
+    assert chk.check() is None  # identical replicas
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(checks):
-        chk.check(i)
+        chk.check()
     per_check = (time.perf_counter() - t0) / checks
     if rank == 0:
         Path(out).write_text(f"{per_check}")
@@ -187,6 +198,130 @@ def nvml_poll_s(reps: int) -> float:
         return cpu_per_call(poll.poll, reps)
 
 
+def _fr_child(reps: int) -> None:
+    """One process, world of one: CPU seconds per all-reduce, and (recorder on) per straggler split."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from dslurm.observe import slowrank
+    from dslurm.runtime import flight
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.ones(1)
+    for _ in range(200):
+        dist.all_reduce(x)
+    per_op = statistics.median(cpu_per_call(lambda: dist.all_reduce(x), reps // 5) for _ in range(5))
+    split = 0.0
+    if os.environ.get("TORCH_FR_BUFFER_SIZE") != "0":  # the ring is full: read it back as a check does
+        now = time.time_ns()
+        spans = [("data", now - 4_000_000, now - 3_000_000), ("compute", now - 3_000_000, now - 1_000_000),
+                 ("optimizer", now - 1_000_000, now)]
+
+        def check() -> None:
+            arr = flight.arrivals(now - 10**9, now)
+            steps = [slowrank.RankStep(rank=r, host="h", step_s=0.004, spans=spans, arrivals=arr[-18:])
+                     for r in range(2)]
+            slowrank.causes(steps)
+
+        split = statistics.median(cpu_per_call(check, 20) for _ in range(3))
+    dist.destroy_process_group()
+    print(json.dumps({"per_op": per_op, "split": split}))
+
+
+FR_ENTRIES = 500  # health.FR_ENTRIES (checked in main: the bench measures the shipped size)
+
+
+def fr_costs(reps: int, rounds: int = 3) -> tuple[float, float, float]:
+    """(CPU s per collective with the recorder off, on; CPU s per straggler split), alternating
+    children so that both see the same machine load."""
+    import json
+    import os
+    import subprocess
+
+    off, on, split = [], [], []
+    for _ in range(rounds):
+        for size, into in (("0", off), (str(FR_ENTRIES), on)):
+            out = subprocess.run([sys.executable, __file__, "--fr-child", str(reps)], check=True, text=True,
+                                 capture_output=True, env={**os.environ, "TORCH_FR_BUFFER_SIZE": size})
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            into.append(got["per_op"])
+            if size != "0":
+                split.append(got["split"])
+    return statistics.median(off), statistics.median(on), statistics.median(split)
+
+
+def _count_worker(rank: int, port: int, steps: int, out: str) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from dslurm import health
+    from dslurm.config.models import PRESETS
+    from dslurm.runtime import flight
+    from train.model import build_model, cross_entropy
+
+    torch.set_num_threads(1)
+    health.enable_flight_recorder(os.environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    shape = PRESETS["tiny"]
+    model = build_model(shape, seed=0)
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, shape.vocab_size, (4, shape.seq_len + 1))
+    t = [time.time_ns()]
+    for _ in range(steps):
+        cross_entropy(model(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t.append(time.time_ns())
+    per_step = [len(flight.arrivals(a, b)) for a, b in zip(t[1:], t[2:])]  # the first step: lazy init
+    if rank == 0:
+        Path(out).write_text(f"{statistics.median(per_step)}")
+    dist.destroy_process_group()
+
+
+def collectives_per_step(steps: int = 4) -> float:
+    """c10d collectives of one tiny-model step under FSDP2 on 2 gloo processes (from the recorder)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "count")
+        mp.spawn(_count_worker, args=(port, steps, out), nprocs=2)
+        return float(Path(out).read_text())
+
+
+def spans_cpu_s(reps: int) -> float:
+    """CPU seconds of the four phase contexts of a step (their spans included) and the step's end."""
+    from train.metrics import Peak, StepMetrics
+
+    m = StepMetrics(tokens_per_step=1, flops_per_token=1.0, peak=Peak(0.0, "x"), n_devices=1)
+    m.start()
+
+    def step() -> None:
+        for name in ("data", "compute", "optimizer", "checkpoint"):
+            with m.phase(name):
+                pass
+        m.end_step(0, 0.0)
+        m._steps.clear()  # keep the window from growing over the repetitions
+
+    return cpu_per_call(step, reps)
+
+
 def wall_per_call(fn, n: int) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
@@ -199,10 +334,21 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20000)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--checks", type=int, default=200)
+    p.add_argument("--fr-child", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--recording-only", action="store_true", help="only issue 37's always-on recording")
     a = p.parse_args()
+    if a.fr_child:
+        _fr_child(a.fr_child)
+        return
     import torch
 
     torch.set_num_threads(1)
+    from dslurm import health
+
+    assert health.FR_ENTRIES == FR_ENTRIES, (health.FR_ENTRIES, FR_ENTRIES)
+    if a.recording_only:
+        recording(a.reps, demo_step_s(a.steps))
+        return
     py, extra = per_step_checks(a.reps)
     share = thread_share()
     step = demo_step_s(a.steps)
@@ -228,6 +374,26 @@ def main() -> None:
     print(f"periodic checks / step time:             {100 * periodic / wall_step:8.3f} %  (at the defaults)")
     print(f"all checks / step time:                  {100 * (total / step + periodic / wall_step):8.3f} %  "
           "(goal <= 1 %)")
+    recording(a.reps, step)
+
+
+def recording(reps: int, step: float) -> None:
+    """Issue 37: the always-on recording against the demo step (CPU time)."""
+    from dslurm.config import TrainSpec
+
+    off, on, split = fr_costs(reps)
+    n = collectives_per_step()
+    spans = spans_cpu_s(reps)
+    every = TrainSpec().straggler_every
+    rec = max(0.0, on - off) * n + spans + split / every
+    print(f"demo step (tiny, global batch 8, 1 proc): {step * 1e3:8.2f} ms")
+    print(f"c10d all-reduce, recorder off / on, CPU: {off * 1e6:8.1f} / {on * 1e6:.1f} us "
+          f"(+{(on - off) * 1e6:.1f} us per collective; {FR_ENTRIES} entries)")
+    print(f"c10d collectives per demo step (FSDP2, 2 gloo procs): {n:.0f}")
+    print(f"phase spans (4 phases + step end), CPU:  {spans * 1e6:8.1f} us per step")
+    print(f"straggler split (ring read + split), CPU: {split * 1e3:7.2f} ms per check, every {every} steps")
+    print(f"recording / step time:                   {100 * rec / step:8.3f} %  (goal <= 1 %; "
+          f"{rec * 1e6:.1f} us of {step * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":

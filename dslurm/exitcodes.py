@@ -14,6 +14,7 @@ PREFLIGHT_FAILED = 78  # burn-in found bad nodes: requeue without them
 REFUSED = 79  # another job holds the run directory's lock: not started, not retried
 HANG = 80  # the hang watchdog fired: no step progress within the bound (a crash: retried)
 NONFINITE = 81  # the loss diverged (NaN/inf) and train.nonfinite said stop: not retried
+OOM = 82  # requeue-me's stop after an out-of-memory ending: the same layout would fail again
 TERMINATED = 143  # SIGTERM (scancel, preemption): saved if there was time, do not requeue ourselves
 
 # The standalone burn-in (`python -m dslurm.preflight.run`, `dslurm burnin`); inside a training
@@ -27,7 +28,7 @@ SELFTEST_FAILED = 6  # a part raised, did not run, or a goal of issue 20 was mis
 
 NAMES = {OK: "completed", USER_ERROR: "user_error", SAVE_FAILED: "save_failed", REQUEUE: "requeue",
          NO_PROGRESS: "no_progress", BUDGET: "budget", PREFLIGHT_FAILED: "preflight_failed",
-         REFUSED: "refused", HANG: "hang", NONFINITE: "nonfinite", TERMINATED: "terminated"}
+         REFUSED: "refused", HANG: "hang", NONFINITE: "nonfinite", OOM: "oom", TERMINATED: "terminated"}
 
 # How a training process describes its own exit code in its report (dslurm/requeue/facts.py).
 KIND_OF_CODE = {OK: "completed", REQUEUE: "stop_saved", TERMINATED: "terminated_saved",

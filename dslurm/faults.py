@@ -11,6 +11,16 @@ variable anywhere else.
   DSLURM_FAULT_KILL9=STEP[:RANKS][@RESTART]  RANKS SIGKILL themselves before step STEP (no report)
   DSLURM_FAULT_HANG=STEP[:RANKS][@RESTART]   RANKS hang (sleep in Python, outside any collective)
                                              before step STEP: for the hang watchdog
+  DSLURM_FAULT_STALL=STEP[:RANKS][@RESTART]  RANKS stall (sleep in Python) inside the forward pass of step
+                                             STEP, in the middle transformer block, after FSDP gathered its
+                                             parameters: between the collectives of one forward_backward,
+                                             for the collective-level hang forensics (train/stepfaults.py)
+  DSLURM_FAULT_OOM=STEP[:RANKS][@RESTART]    RANKS raise torch.OutOfMemoryError in that same place at step
+                                             STEP: an out-of-memory error where a CPU has none
+  DSLURM_FAULT_SLOW_DATA=SECONDS[:RANKS][@RESTART]     every batch read on RANKS takes SECONDS longer
+  DSLURM_FAULT_SLOW_COMPUTE=SECONDS[:RANKS][@RESTART]  every forward pass on RANKS takes SECONDS longer
+                                             (in the middle block): a straggler slow in its data or its
+                                             compute, for the straggler split (dslurm/observe/slowrank.py)
   DSLURM_FAULT_FREEZE=STEP[:RANKS][@RESTART] RANKS ignore TERM and stop themselves (SIGSTOP) before step
                                              STEP: frozen where neither their own watchdog nor a TERM can
                                              end them (a process stuck in a driver call); only SIGKILL does
@@ -73,7 +83,8 @@ log = logging.getLogger(__name__)
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_STOP_IN_EVAL", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9",
-         "DSLURM_FAULT_HANG", "DSLURM_FAULT_FREEZE", "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP",
+         "DSLURM_FAULT_HANG", "DSLURM_FAULT_FREEZE", "DSLURM_FAULT_STALL", "DSLURM_FAULT_OOM",
+         "DSLURM_FAULT_SLOW_DATA", "DSLURM_FAULT_SLOW_COMPUTE", "DSLURM_FAULT_NAN", "DSLURM_FAULT_BITFLIP",
          "DSLURM_FAULT_DATA_STALL",
          "DSLURM_FAULT_EXIT_DELAY", "DSLURM_FAULT_AWAIT",
          "DSLURM_FAULT_CKPT_KILL",
@@ -204,6 +215,19 @@ def data_stall() -> None:
     """DSLURM_FAULT_DATA_STALL: the batch read (in the trainer's reader thread) stalls for an hour."""
     log.warning("DSLURM_FAULT_DATA_STALL: the batch read stalls")
     time.sleep(3600)
+
+
+def seconds_fault(name: str, env: Mapping[str, str] | None = None) -> float:
+    """SECONDS of a SLOW knob for this process (0: none)."""
+    value = _scoped(name, env)
+    return float(value) if value is not None else 0.0
+
+
+def stall(step: int) -> None:
+    """DSLURM_FAULT_STALL: sleep forever, interpreter free (the watchdog thread still runs)."""
+    log.warning("DSLURM_FAULT_STALL: stalling inside the forward pass of step %d", step)
+    while True:
+        time.sleep(3600)
 
 
 def poisoned(position: int, global_batch: int, nan_at: int | None) -> bool:

@@ -31,11 +31,27 @@ target. Periodic device health: the site's burn-in thresholds applied to a cheap
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PG_GRACE_S = 60.0  # process-group timeout = the watchdog's ceiling + this
+# Flight Recorder ring per process: enough for the last collectives of every group at a hang, and
+# small because the straggler split reads the ring back every train.straggler_every steps (about
+# 10 us per entry here: bench/bench_health.py). torchtitan's default for NCCL is 20000.
+FR_ENTRIES = 500
+FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def enable_flight_recorder(env: MutableMapping[str, str], entries: int = FR_ENTRIES) -> bool:
+    """PyTorch's Flight Recorder on for the process groups created after this: c10d reads
+    `TORCH_FR_BUFFER_SIZE` when it creates its recorder (NCCL the same, falling back to
+    `TORCH_NCCL_TRACE_BUFFER_SIZE`). A size the user set (0 = off) is kept: False then. The
+    cost is one ring-buffer write in C++ per collective (bench/bench_health.py)."""
+    if any(k in env for k in FR_ENV):
+        return False
+    env[FR_ENV[0]] = str(entries)
+    return True
 
 
 def hang_bound(step_times: Sequence[float], *, k: float, floor_s: float, ceiling_s: float) -> float:
@@ -76,6 +92,9 @@ class RankNote:
     """still inside the last one"""
     collective: str
     """the last one's name, e.g. step_agree"""
+    groups: dict[str, Any] = field(default_factory=dict)
+    """its Flight Recorder's view of each process group: the last c10d collective entered (#, op,
+    still inside), dslurm/observe/forensics.py; empty when the recorder is off"""
 
 
 def suspects(notes: Mapping[int, RankNote], world: int) -> tuple[list[int], str]:

@@ -13,8 +13,9 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   (80: the hang watchdog ended the process; train/watchdog.py, not this function)
 Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
 log_every), Stragglers (every straggler_every), Eval (every eval_every; train/evaluate.py), Signal,
-NonFinite, Sdc, Exit; the checkpoint manager
-adds Ckpt*; the watchdog adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py).
+NonFinite, Sdc, Exit, Profile (train/profile.py); the checkpoint manager adds Ckpt*; the watchdog
+adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py); a rank that runs out of
+memory adds its own Oom (train/oom.py).
 
 Silent data corruption (train/sdc.py): the HSDP replicas compare parameter fingerprints every
 health.sdc_every steps and before every save, so every generation was checked clean at its own
@@ -49,13 +50,15 @@ from dslurm.observe.ledger import Ledger
 from dslurm.runtime.checkpoint import final_failure, manager_for
 from dslurm.runtime.state import train_state
 from dslurm.runtime.stop import StopFlags
+from train import oom, stepfaults
 from train.data import make_data
 from train.evaluate import Evaluator
-from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
+from train.metrics import StepMetrics, format_log_line, gather_rank_steps, peak_for, straggler_event
 from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
+from train.profile import make_profiler
 from train.sdc import RunChecks
 from train.startup import StartClock
 from train.watchdog import NO_WATCHDOG, Watchdog
@@ -93,6 +96,8 @@ class StepResult:
     """False: a stop came while some rank waited for its batch (a data stall): no rank took this
     step (no optimizer or scheduler step, every loader back where the step began)"""
 
+    profile_steps: int = 0
+    """an operator asked for a profile of this many steps (`dslurm ctl profile`): all ranks agree"""
 
 class BatchReader:
     """A daemon thread that reads one batch at a time (`submit`), so the training thread can wait
@@ -149,6 +154,7 @@ class Trainer:
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
         self._fault_stall = faults.step_fault("DSLURM_FAULT_DATA_STALL")
         self._reader = BatchReader()  # the batch is read there while this thread watches for a stop
+        self._slow_data = faults.seconds_fault("DSLURM_FAULT_SLOW_DATA")
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
         self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
@@ -159,6 +165,7 @@ class Trainer:
         self.loss_scale = 1.0 / (self.train.grad_accum * self.dims.layout.microbatches)
         self.built = build_parts(resolved.shape, job, self.dims, device, loss_fn=self._scaled_loss, fsdp=fsdp)
         self.params = [p for part in self.built.parts for p in part.parameters()]
+        self._fault_hooks = stepfaults.install(self.built.parts, lambda: self.step + 1)  # STALL, OOM, SLOW_COMPUTE
         self.optimizers, self.schedulers = build_optimizers(self.built.parts, self.train)
         self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.layout.pp_enabled else None
         self.clock.mark("build")
@@ -169,7 +176,9 @@ class Trainer:
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
         # TensorBoard / W&B / MLflow from the ledger's own numbers (dslurm/trackers/; rank 0, job.metrics)
         self.trackers = trackers.attach(self.ledger, resolved.run_dir, job.metrics, job.name)
-        self.ctl = ctl.Poller(resolved.run_dir) if rank == 0 else None  # `dslurm ctl save|stop` requests
+        self.ctl = ctl.Poller(resolved.run_dir) if rank == 0 else None  # `dslurm ctl save|stop|profile` requests
+        self._profile_req = 0  # rank 0: steps a `dslurm ctl profile` asked for, sent in the next agreement
+        self.profiler = make_profiler(resolved, rank=rank, world=world_size, device=device, ledger=self.ledger)
         shape = resolved.shape
         self.metrics = StepMetrics(
             tokens_per_step=self.train.global_batch * shape.seq_len, flops_per_token=shape.flops_per_token(),
@@ -233,6 +242,8 @@ class Trainer:
             batch = self._next_batch()
             abandoned = batch is None
             inputs, targets = batch if batch is not None else self._stand_in()
+            if self._slow_data:
+                time.sleep(self._slow_data)  # DSLURM_FAULT_SLOW_DATA
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
@@ -246,7 +257,9 @@ class Trainer:
                            torch.tensor(stop, device=self.device), torch.tensor(term, device=self.device),
                            (~torch.isfinite(norm)).float().to(self.device),
                            torch.tensor(float(save_now), device=self.device),
-                           torch.tensor(float(abandoned), device=self.device)])
+                           torch.tensor(float(abandoned), device=self.device),
+                           torch.tensor(float(self._profile_req), device=self.device)])
+        self._profile_req = 0
         with self.watch.collective("step_agree"):
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         loss = vec[0].item() / (self.dims.world_size // self.dims.layout.pp)
@@ -266,7 +279,7 @@ class Trainer:
                 sched.step()
         result = StepResult(step=self.step, loss=loss, grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0,
                             terminated=vec[2].item() > 0, nonfinite=decision, position=position,
-                            save_now=vec[4].item() > 0)
+                            save_now=vec[4].item() > 0, profile_steps=int(vec[6].item()))
         self.step += 1
         return result
 
@@ -367,6 +380,8 @@ class Trainer:
                                            step=self.step + 1, recorded=recorded))
         if req.action == "stop":
             self.stop.stop_requested = self.stop.stop_terminated = True
+        if req.action == "profile":
+            self._profile_req = req.steps or self.resolved.job.health.profile_steps
         return req.action == "save"
 
     def _event(self, ev: events.Event) -> None:
@@ -396,7 +411,13 @@ class Trainer:
         if self.step < self.train.steps and self._stop_before_first_step():
             return self._stop_exit(self.stop.stop_terminated)
         while self.step < self.train.steps:
-            result = self.train_step()
+            if self.profiler.before_step(self.step + 1):  # the profiler's start (seconds on a busy host)
+                self.watch.expect_long()  # is no step time, and no hang
+            try:
+                result = self.train_step()
+            except torch.OutOfMemoryError as exc:
+                self._out_of_memory(exc)
+                raise
             if not result.taken:  # a stop during a data stall: save what the last step left
                 return self._stop_exit(result.terminated)
             self.checks.maybe_flip(self.step, self.params)  # DSLURM_FAULT_BITFLIP
@@ -406,6 +427,9 @@ class Trainer:
             if self.train.step_sleep_s:
                 time.sleep(self.train.step_sleep_s)
             self.metrics.end_step(result.step, result.loss)
+            if self.profiler.after_step(self.step, result.profile_steps):  # a trace written: no step time
+                self.watch.expect_long()
+                self.metrics.start()
             if result.nonfinite is not None and result.nonfinite.action != "train":
                 if result.nonfinite.action == "stop":
                     return self._stop_nonfinite(result)
@@ -416,8 +440,8 @@ class Trainer:
                 self._log_window(result)
             if self.step % self.train.straggler_every == 0:
                 with self.watch.collective("stragglers"):
-                    times, hosts = gather_step_times(self.metrics.last_step_time_s)
-                self._event(straggler_event(self.step, times, hosts))
+                    times, hosts, steps = gather_rank_steps(self.metrics, self.rank)
+                self._event(straggler_event(self.step, times, hosts, steps=steps))
             self.checks.poll_devices(self.step, self.resolved.run_dir)
             interval = self.resolved.job.checkpoint.interval
             periodic = (self.step % interval == 0 or result.save_now) and self.step < self.train.steps
@@ -449,6 +473,15 @@ class Trainer:
         with self.watch.collective("exit_barrier"):
             dist.barrier()
         return code
+
+    def _out_of_memory(self, exc: BaseException) -> None:
+        """This rank ran out of memory (train/oom.py): snapshot, note, ledger event; the error
+        then ends the process and the start ends as `oom` (not retried blindly)."""
+        from dslurm.requeue.facts import start_dir
+
+        phase, coll = oom.phase_of(self.metrics, self.watch)
+        oom.record(exc, rank=self.rank, step=self.step + 1, phase=phase, collective=coll, device=self.device,
+                   start_dir=start_dir(run_dir=self.resolved.run_dir), run_dir=self.resolved.run_dir)
 
     def _evaluate(self, result: StepResult) -> StepResult:
         """Evaluate (train/evaluate.py); a stop agreed during it becomes this step's stop. The step
@@ -555,6 +588,7 @@ class Trainer:
         return True
 
     def close(self) -> None:
+        self.profiler.close()
         if self.trackers is not None:  # closed at the exit event already, unless the start crashed
             self.trackers.close()
         self.checks.close()

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslurm.observe import events
+from dslurm.observe import events, slowrank
+from dslurm.runtime import flight
 
 PHASES = ("data", "compute", "optimizer", "checkpoint")
 """Named parts of a step; the rest of the wall time is reported as "other"."""
@@ -117,13 +118,34 @@ def flag_stragglers(times: list[float], hosts: list[str] | None = None, *,
     return sorted(slow, key=lambda s: -s.ratio)
 
 
-def straggler_event(step: int, times: list[float], hosts: list[str], *,
-                    factor: float = 1.5) -> events.Stragglers:
-    """The ledger's `stragglers` event."""
+def straggler_event(step: int, times: list[float], hosts: list[str], *, factor: float = 1.5,
+                    steps: list[slowrank.RankStep] | None = None) -> events.Stragglers:
+    """The ledger's `stragglers` event; with every rank's last step (`gather_rank_steps`), each
+    rank's split into data, compute, optimizer and collective wait, and the slow parts."""
     slow = flag_stragglers(times, hosts, factor=factor)
+    parts, scores, causes = slowrank.causes(steps) if steps else ({}, {}, [])
     return events.Stragglers(step=step, step_times_s=[round(t, 6) for t in times], hosts=hosts, factor=factor,
                              slow=[{"rank": s.rank, "host": s.host, "step_time_s": round(s.step_time_s, 6),
-                                    "ratio": round(s.ratio, 3)} for s in slow])
+                                    "ratio": round(s.ratio, 3)} for s in slow],
+                             parts={str(r): {k: round(v, 6) for k, v in p.items()} for r, p in parts.items()},
+                             scores={str(r): v for r, v in scores.items()}, causes=causes)
+
+
+def gather_rank_steps(m: StepMetrics, rank: int) -> tuple[list[float], list[str], list[slowrank.RankStep]]:
+    """Every rank's last step: its time, host, phases and the collectives it entered during it
+    (the Flight Recorder's arrivals, dslurm/runtime/flight.py), indexed by rank; one all-gather."""
+    import torch.distributed as dist
+
+    a, b = m.last_window_ns
+    mine = slowrank.RankStep(rank=rank, host=socket.gethostname(), step_s=float(m.last_step_time_s),
+                             spans=list(m.last_spans), arrivals=flight.arrivals(a, b))
+    if not (dist.is_available() and dist.is_initialized()):
+        got = [mine]
+    else:
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, mine)
+    steps = [s for s in got if isinstance(s, slowrank.RankStep)]
+    return [s.step_s for s in steps], [s.host for s in steps], steps
 
 
 def gather_step_times(local_time: float, group: Any = None) -> tuple[list[float], list[str]]:
@@ -185,11 +207,20 @@ class StepMetrics:
     _t0: float | None = None
     _phases: dict[str, float] = field(default_factory=dict)
     _steps: list[tuple[int, float, float]] = field(default_factory=list)  # (step, time, loss)
+    _spans: list[tuple[str, int, int]] = field(default_factory=list)  # this step's phases, wall ns
+    last_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    """the last step's phases (name, start, end; wall clock ns): the straggler split's input"""
+    last_window_ns: tuple[int, int] = (0, 0)
+    """the last step's start and end (wall clock ns)"""
+    _t0_ns: int = 0
     last_step_time_s: float = 0.0
+    current: str = ""
+    """the phase being run now (left set when an error leaves it: where an OOM happened)"""
 
     def start(self) -> None:
         """Mark the start of the first step of a window (after setup, compile, restore)."""
         self._t0 = self._now()
+        self._t0_ns, self._spans = time.time_ns(), []
 
     def _now(self) -> float:
         if self.sync is not None:
@@ -200,11 +231,15 @@ class StepMetrics:
     def phase(self, name: str) -> Iterator[None]:
         if name not in PHASES:
             raise ValueError(f"phase {name!r} is not one of {', '.join(PHASES)}")
-        t = self._now()
+        t, outer = self._now(), self.current
+        t_ns = time.time_ns()
+        self.current = name
         try:
             yield
         finally:
             self._phases[name] = self._phases.get(name, 0.0) + self._now() - t
+            self._spans.append((name, t_ns, time.time_ns()))
+        self.current = outer  # not on an error: `current` then says where it happened
 
     def end_step(self, step: int, loss: float) -> float:
         """Close the step; returns its wall time (the value to gather for stragglers)."""
@@ -213,6 +248,9 @@ class StepMetrics:
         self.last_step_time_s = now - t0
         self._steps.append((step, self.last_step_time_s, float(loss)))
         self._t0 = now
+        now_ns = time.time_ns()
+        self.last_spans, self._spans = self._spans, []
+        self.last_window_ns, self._t0_ns = (self._t0_ns or now_ns, now_ns), now_ns
         return self.last_step_time_s
 
     def summary(self) -> Window | None:

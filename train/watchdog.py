@@ -5,9 +5,13 @@ The loop calls `beat(step)` after every step and wraps its own collectives in
 `health.poll_s` seconds: no beat within `hang_bound(recent step times)` means a hang. Then it
 
 1. dumps every thread's Python stack (faulthandler) to `<start dir>/hang-rank-NNNNN.txt`,
-2. writes its note (step, last collective entered, still inside) next to it,
+2. dumps its Flight Recorder (every c10d collective of every process group: FSDP's, TP's, PP's,
+   the trainer's own; dslurm/runtime/flight.py) to `<start dir>/fr/rank-NNNNN` and writes its note
+   (step, last trainer collective entered, still inside, each group's last c10d collective) next to it,
 3. waits briefly for the other ranks' notes (they stopped together, so they fire together),
-   names the suspects, and the lowest rank that fired writes the ledger's `hang` event,
+   names the suspects -- first from the c10d record (`forensics.verdict`: who did not enter
+   collective #N of group G while the others wait inside it), else from the trainer's notes -- and
+   the lowest rank that fired writes the ledger's `hang` event,
 4. ends the process through `on_hang` (train/__main__.py: the rank's own report -- `crash` for a
    suspect, `peer_lost` for a rank that waited on it -- then exit 80), so the step ends as a crash
    and requeue-me (or the in-allocation restart) takes over.
@@ -34,8 +38,9 @@ from typing import Any
 
 from dslurm import health
 from dslurm.durable import atomic_write_text
-from dslurm.observe import events
+from dslurm.observe import events, forensics
 from dslurm.observe.ledger import Ledger
+from dslurm.runtime import flight
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # recent step times the median is taken over
@@ -161,8 +166,9 @@ class Watchdog:
 
     def _fire(self, idle: float, bound: float) -> None:
         step, host = self.step, socket.gethostname()
+        groups = flight.dump(self.dir, self.rank)  # every c10d collective of every group (FSDP, TP, PP)
         note = health.RankNote(rank=self.rank, host=host, step=step, seq=self.seq, inside=self.inside,
-                               collective=self.coll_name)
+                               collective=self.coll_name, groups=groups)
         log.error("[rank %d] HANG: no step progress for %.1f s (bound %.1f s) after step %d; last collective "
                   "%s #%d (%s)", self.rank, idle, bound, step, note.collective or "-", note.seq,
                   "inside" if note.inside else "left")
@@ -181,8 +187,12 @@ class Watchdog:
                 log.error("[rank %d] hang notes not written: %s", self.rank, exc)
             notes = self._gather(health.gather_s(bound), notes)
         who, why = health.suspects(notes, self.world)
+        states = {r: forensics.from_note(n.groups) for r, n in notes.items() if n.groups}
+        fr_who, fr_why, found = forensics.verdict(states, self.world) if states else ([], "", [])
+        if fr_who:  # the collective-level record names the rank(s) the others wait for, with the op
+            who, why = fr_who, fr_why
         if self.rank == min(notes):
-            self._event(notes, who, why, step=step, idle=idle, bound=bound)
+            self._event(notes, who, why, step=step, idle=idle, bound=bound, stalls=found)
         suspect_noted = any(r in notes for r in who)
         kind = "crash" if self.rank in who or not suspect_noted else "peer_lost"
         self.on_hang(HangVerdict(self.rank, step, kind, f"hang: no step progress for {idle:.1f} s (bound "
@@ -203,7 +213,7 @@ class Watchdog:
             time.sleep(0.1)
 
     def _event(self, notes: dict[int, health.RankNote], who: list[int], why: str, *, step: int,
-               idle: float, bound: float) -> None:
+               idle: float, bound: float, stalls: list[forensics.Stall]) -> None:
         times = list(self.times)
         med = statistics.median(times) if times else None
         Ledger(self.run_dir).append(events.Hang(
@@ -211,8 +221,18 @@ class Watchdog:
             median_step_s=round(med, 4) if med is not None else None, suspects=who,
             suspect_hosts=sorted({notes[r].host for r in who if r in notes}), why=why,
             collectives={str(r): {"name": n.collective, "seq": n.seq, "inside": n.inside, "step": n.step,
-                                  "host": n.host} for r, n in sorted(notes.items())},
-            stacks_dir=str(self.dir) if self.dir is not None else None))
+                                  "host": n.host, "c10d": _c10d(n.groups)} for r, n in sorted(notes.items())},
+            stacks_dir=str(self.dir) if self.dir is not None else None,
+            flight=[s.as_dict() for s in stalls],
+            flight_dir=str(self.dir / forensics.SUBDIR) if self.dir is not None and any(
+                n.groups for n in notes.values()) else None))
+
+
+def _c10d(groups: dict[str, Any]) -> list[dict[str, Any]]:
+    """A rank's last c10d collective in each group, for the hang event: group, #, op, inside."""
+    return [{"group": g.group, "desc": g.desc, "seq": g.entered, "op": g.op, "inside": g.inside,
+             **({"p2p_inside": g.p2p_inside} if g.p2p_inside else {})}
+            for g in forensics.from_note(groups).values() if g.entered or g.p2p_inside]
 
 
 class _NoWatchdog:

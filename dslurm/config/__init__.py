@@ -303,9 +303,15 @@ class HealthSpec:
                          "(the requeue then excludes the blocklisted node)")
     device_poll_every: int = field(50, help="steps between NVML polls (temperature, throttling, new ECC/Xid); "
                                    "0 = off; a no-op without NVML")
+    profile_at: int = field(0, help="profile steps profile_at..profile_at+profile_steps-1 (1-based) of each start "
+                            "with torch.profiler on every rank (train/profile.py); 0 = off")
+    profile_steps: int = field(3, help="steps per profile (also what `dslurm ctl RUN profile` takes without --steps)")
 
     def __post_init__(self) -> None:
-        for name in ("sdc_every", "sdc_max", "device_poll_every"):
+        if self.profile_steps < 1:
+            raise FieldError("profile_steps", f"{self.profile_steps} must be at least 1",
+                             "set health.profile_steps to e.g. 3")
+        for name in ("sdc_every", "sdc_max", "device_poll_every", "profile_at"):
             if getattr(self, name) < 0:
                 raise FieldError(name, f"{getattr(self, name)} must not be negative",
                                  f"set health.{name} to 0 (off) or more")

@@ -27,6 +27,9 @@ def init_process_group(backend: str | None = None, *, require_cuda: bool = False
     script after the burn-in wrapper, dslurm/launch/gate.py) never meets them."""
     import datetime
 
+    from dslurm import health
+
+    health.enable_flight_recorder(os.environ)  # before any group: c10d reads it once (dslurm/runtime/flight.py)
     import torch
     import torch.distributed as dist
 

@@ -1,4 +1,5 @@
-"""`dslurm ctl RUN_DIR save|stop`: ask a running job to checkpoint now, or to save and end.
+"""`dslurm ctl RUN_DIR save|stop|profile`: ask a running job to checkpoint now, to save and end,
+or to profile its next steps.
 
 The request is a file, `<run_dir>/ctl_request.json` (written through dslurm.durable), not a
 signal: nothing has to reach the right processes on the right nodes. Rank 0 of the trainer
@@ -11,6 +12,9 @@ it to the ranks through the agreement they already make at every step (train/loo
   (dslurm/runtime/stop.py), so every rank saves and exits 143, and first records the request
   as `dslurm cancel --save` does (cancel.json in the start's facts dir): `requeue-me` reads
   a deliberate stop and ends the run, where an unexplained TERM would be requeued.
+
+- `profile [--steps N]`: every rank traces the next N steps with torch.profiler (train/profile.py;
+  N defaults to the job's `health.profile_steps`); the count rides in the same agreement.
 
 The ledger's `operator_request` event says who asked what, and at which step it was taken.
 The newest request wins when two arrive between polls (a stop includes its save).
@@ -32,7 +36,7 @@ from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 
 REQUEST, TAKEN = "ctl_request.json", "ctl_taken.json"
-ACTIONS = ("save", "stop")
+ACTIONS = ("save", "stop", "profile")
 POLL_S = 5.0
 
 
@@ -42,18 +46,23 @@ class Request:
     id: str
     user: str = "?"
     t: float = 0.0
+    steps: int = 0
+    """profile: how many steps (0: the job's health.profile_steps)"""
 
 
-def write_request(run_dir: str | Path, action: str, *, user: str | None = None) -> Request:
+def write_request(run_dir: str | Path, action: str, *, user: str | None = None, steps: int = 0) -> Request:
     """Leave a request for rank 0 (replacing any not yet taken)."""
     run = Path(run_dir)
     if action not in ACTIONS:
         raise UserError(f"dslurm ctl: {action!r} is not an action. Fix: use one of {', '.join(ACTIONS)}")
     if not (run / "job.yaml").is_file():
         raise UserError(f"{run}: not a run directory (no job.yaml). Fix: give the directory `dslurm submit` made")
+    if steps < 0:
+        raise UserError(f"dslurm ctl profile: --steps {steps} must be at least 1. Fix: e.g. --steps 3")
     req = Request(action=action, id=f"{time.time_ns()}-{os.getpid()}@{socket.gethostname()}",
-                  user=user or getpass.getuser(), t=round(time.time(), 3))
-    atomic_write_text(run / REQUEST, json.dumps({"action": req.action, "id": req.id, "user": req.user, "t": req.t}))
+                  user=user or getpass.getuser(), t=round(time.time(), 3), steps=steps)
+    atomic_write_text(run / REQUEST, json.dumps({"action": req.action, "id": req.id, "user": req.user, "t": req.t,
+                                                 **({"steps": steps} if steps else {})}))
     return req
 
 
@@ -65,9 +74,10 @@ def parse(text: str) -> Request | None:
         return None
     if not isinstance(data, dict) or data.get("action") not in ACTIONS:
         return None
-    t = data.get("t")
+    t, steps = data.get("t"), data.get("steps")
     return Request(action=str(data["action"]), id=str(data.get("id", "?")), user=str(data.get("user", "?")),
-                   t=float(t) if isinstance(t, (int, float)) else 0.0)
+                   t=float(t) if isinstance(t, (int, float)) else 0.0,
+                   steps=steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else 0)
 
 
 class Poller:
@@ -101,11 +111,15 @@ def record_stop(req: Request, run_dir: str | Path) -> bool:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("ctl", help="ask a running job to save now or to save and stop (no signal, not requeued)",
+    p = sub.add_parser("ctl", help="ask a running job to save now, to save and stop (no signal, not requeued), "
+                                   "or to profile its next steps",
                        description="Operator controls: a request file rank 0 reads at a step boundary "
                                    "(docs/trackers.md).")
     p.add_argument("run_dir", type=Path, help="the run directory")
-    p.add_argument("action", choices=ACTIONS, help="save: one checkpoint now; stop: save and end, not requeued")
+    p.add_argument("action", choices=ACTIONS, help="save: one checkpoint now; stop: save and end, not requeued; "
+                   "profile: a torch.profiler trace of the next steps on every rank")
+    p.add_argument("--steps", type=int, default=0, metavar="N",
+                   help="profile: how many steps (default: the job's health.profile_steps)")
     p.set_defaults(func=_run, configure_logging=False)
 
 
@@ -115,8 +129,13 @@ def _run(args: argparse.Namespace) -> int:
     if (h := handle.read(args.run_dir)) is not None:  # a run on a cluster: the request is written there
         from dslurm.remote.proxy import passthrough
 
-        return passthrough(h, ["ctl", h.run_dir, args.action])
-    req = write_request(args.run_dir, args.action)
-    print(f"{args.action} requested ({req.id}); rank 0 takes it at a step boundary within ~{POLL_S:.0f}s "
-          f"of training; `dslurm watch {args.run_dir}` shows when")
+        return passthrough(h, ["ctl", h.run_dir, args.action, *(["--steps", str(args.steps)] if args.steps else [])])
+    if args.steps and args.action != "profile":
+        raise UserError(f"dslurm ctl {args.action}: --steps is for profile only. Fix: drop --steps")
+    req = write_request(args.run_dir, args.action, steps=args.steps)
+    n = req.steps or "health.profile_steps"
+    what = f"profile of the next {n} step(s)" if req.action == "profile" else args.action
+    print(f"{what} requested ({req.id}); rank 0 takes it at a step boundary within ~{POLL_S:.0f}s "
+          f"of training; `dslurm watch {args.run_dir}` shows when"
+          + ("; `dslurm report` lists the traces" if req.action == "profile" else ""))
     return 0

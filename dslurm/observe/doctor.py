@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dslurm import exitcodes as X
 from dslurm.observe import events as E
+from dslurm.observe import perfdoctor
 from dslurm.observe.events import Event
 from dslurm.observe.report import DIED, Start, summarize, suspect_hosts
 
@@ -283,6 +284,7 @@ def _hangs(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
             ev += [f"rank {r}: last collective {c.get('name') or '-'} #{c.get('seq')} "
                    f"({'inside' if c.get('inside') else 'left'}) on {c.get('host')}"
                    for r, c in list(e.collectives.items())[:MAX_EVIDENCE] if isinstance(c, dict)]
+            ev[1:1] = perfdoctor.hang_evidence(e)  # the c10d collective each rank is in, first
             out.append(Finding(
                 f"hang during training at step {e.step} (suspect rank(s) {e.suspects or 'none'} on {hosts})", ev,
                 "synchronization (seed table: collective wait): the suspect rank stopped outside the "
@@ -354,6 +356,8 @@ _ENDING_HELP = {
                     "free disk space or fix the divergence named in the evidence, then resubmit"),
     "refused": ("another job held the run directory's lock", "wait for or cancel that job; or use --chain"),
     "burnin_rejected": ("the burn-in rejected a node", "see the preflight report; the job requeues without it"),
+    "oom": ("a rank ran out of memory; not retried: the same layout and batch would again",
+            "the requeue decision names the planner's fix (see the out-of-memory finding); resubmit with it"),
     "diverged": ("the loss was not finite and train.nonfinite said stop (or its bound was spent); not retried",
                  "lower train.lr or add warm-up, or set train.nonfinite: rollback, then resubmit: it resumes "
                  "from the pointer's finite generation"),
@@ -372,9 +376,14 @@ def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     return out
 
 
+def _perf(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """A slow rank's cause and memory at an OOM (dslurm/observe/perfdoctor.py)."""
+    return [Finding(*row) for row in perfdoctor.checks(starts)]
+
+
 CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
     _no_first_step, _scaling, _idle_stages, _hangs, _corruption, _device_health, _loss, _resume, _stragglers,
-    _endings, _crashes]
+    _perf, _endings, _crashes]
 
 
 def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list[Finding]:
@@ -415,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
     events, _ = load(args.run_dir)
     done = summarize(events, target_steps=target_steps(args.run_dir), run_dir=args.run_dir).completion
     findings = diagnose(events, read_logs(args.run_dir))
+    findings += [Finding(*row) for row in perfdoctor.dump_rows(Path(args.run_dir), events)]  # own scripts' dumps
     console = Console()
     if done.status != COMPLETED:  # first: whether the run finished, and how to continue one that ended short
         style = "bold red" if done.complete is False else "bold"

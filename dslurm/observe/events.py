@@ -184,6 +184,13 @@ class Stragglers(Event):
     factor: float | None = None
     slow: list[dict[str, Any]] = field(default_factory=list)
     """each: rank, host, step_time_s, ratio"""
+    parts: dict[str, dict[str, float]] = field(default_factory=dict)
+    """rank -> its last step split: data, compute, optimizer (own work), collective_wait (seconds;
+    dslurm/observe/slowrank.py)"""
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    """rank -> relative score per part (NVRx's: the fastest rank's time / this rank's)"""
+    causes: list[dict[str, Any]] = field(default_factory=list)
+    """the ranks named slow: rank, host, part, score, excess_s, part_s"""
 
     def slow_hosts(self) -> list[str]:
         return [str(s.get("host", "?")) if isinstance(s, dict) else "?" for s in self.slow]
@@ -287,8 +294,14 @@ class Hang(Event):
     suspect_hosts: list[str] = field(default_factory=list)
     why: str = ""
     collectives: dict[str, Any] = field(default_factory=dict)
-    """rank -> the last of the trainer's collectives it entered: name, #, still inside"""
+    """rank -> the last of the trainer's collectives it entered: name, #, still inside; `c10d`: the
+    last c10d collective it entered in each process group (group, desc, seq, op, inside)"""
     stacks_dir: str | None = None
+    flight: list[dict[str, Any]] = field(default_factory=list)
+    """the collectives some ranks wait inside (dslurm/observe/forensics.py Stall: group, seq, op,
+    waiting, missing, sentence), the stall that names the suspects first"""
+    flight_dir: str | None = None
+    """every rank's Flight Recorder dump (PyTorch's pickle; `forensics.VIEW` reads it)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -483,7 +496,7 @@ class OperatorRequest(Event):
     boundary; the ranks then save (and, for stop, end: not requeued) at that step."""
     NAME = "operator_request"
     action: str = ""
-    """save | stop"""
+    """save | stop | profile"""
     request_id: str = ""
     user: str = ""
     step: int | None = None
@@ -492,12 +505,49 @@ class OperatorRequest(Event):
     """stop: the request is on record for requeue-me (the start's cancel.json)"""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Oom(Event):
+    """A rank ran out of memory (train/oom.py): where in the step, the allocator's numbers and
+    snapshot (GPU). The start ends as `oom`; requeue-me stops with the planner's fix."""
+    NAME = "oom"
+    rank: int | None = None
+    step: int | None = None
+    """the 1-based step being taken"""
+    phase: str = ""
+    """data | compute | optimizer | checkpoint | other"""
+    collective: str = ""
+    """the last trainer collective it entered (forward_backward, ...)"""
+    error: str = ""
+    device: str = ""
+    memory: dict[str, float] = field(default_factory=dict)
+    """GiB: allocated, peak_allocated, reserved, free, total (GPU)"""
+    snapshot: str | None = None
+    """the allocator snapshot (torch.cuda.memory._dump_snapshot; https://pytorch.org/memory_viz)"""
+    note: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile(Event):
+    """A `torch.profiler` trace of steps first..last on every rank (train/profile.py), asked for by
+    `dslurm ctl RUN profile` or the job (health.profile_at)."""
+    NAME = "profile"
+    first_step: int | None = None
+    last_step: int | None = None
+    dir: str | None = None
+    files: list[str] = field(default_factory=list)
+    """one trace per rank (rank-NNNNN.trace.json.gz), on a GPU also rank-NNNNN.memory.pickle"""
+    why: str = ""
+    duration_s: float = 0.0
+    view: str = ""
+    """how to look at them"""
+
+
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel,
     Sdc, DeviceHealth, Eval,
-    InitFrom, TrackerFailed, TrackerDropped, OperatorRequest)}
+    InitFrom, TrackerFailed, TrackerDropped, OperatorRequest, Oom, Profile)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
+from dslurm.observe import perflines
 from dslurm.observe.completion import NOT_STARTED, Completion, completion, ended_completed
 from dslurm.observe.completion import target_steps as frozen_target
 from dslurm.observe.durability import Durability, durability
@@ -208,6 +209,7 @@ def health_lines(starts: list[Start]) -> list[str]:
                        + (f"; blocklisted {', '.join(c.blocklisted)}" if c.blocklisted else ""))
         for d in s.all(ev.DeviceHealth):
             out.append(f"device health on {d.host or '?'} at step {d.step}: {'; '.join(d.findings)}")
+        out += perflines.lines(s.index, s.events)  # collectives, slow parts, OOMs, profiles (issue 37)
     return out
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from dslurm import exitcodes as X
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.requeue import endings as E
+from dslurm.requeue.oom import oom_fix
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ _STOPS = {E.USER_ERROR: (X.USER_ERROR, "user error: fix the input and resubmit")
                                  "(cancel the other job, or give this one its own checkpoint.run_dir)"),
           E.SAVE_FAILED: (X.SAVE_FAILED, "checkpoint save failed: the final state is not durable; not retried "
                                          "(fix the cause named here, then resubmit: it resumes from the pointer)"),
+          E.OOM: (X.OOM, "out of memory: not retried (the same layout and batch reach the same peak again); "
+                         "change the layout, the micro-batch or the activation checkpointing, then resubmit"),
           E.DIVERGED: (X.NONFINITE, "training diverged (non-finite loss, train.nonfinite=stop): not retried; "
                                     "the pointer names a finite generation (lower train.lr or add warm-up, or "
                                     "set train.nonfinite: rollback, then resubmit)")}
@@ -154,11 +157,15 @@ def stray_stops_of(history: Iterable[ev.Event], job_id: str) -> int:
 
 def decide_for(history: list[ev.Event], run_dir: Path, job_id: str, ending: E.Ending, policy: Any, *,
                in_chain: bool, requeue_enabled: bool) -> Decision:
-    """`decide` with the run's frozen policy and this job's earlier endings from the ledger."""
+    """`decide` with the run's frozen policy and this job's earlier endings from the ledger; an
+    OOM's detail carries the planner's fix (dslurm/requeue/oom.py)."""
+    detail = ending.reason
+    if ending.cls == E.OOM:
+        detail = f"{detail}. Fix: {oom_fix(run_dir)}"
     return decide(ending=ending.cls, failures=failures_of(history, job_id), max_restarts=policy.max_restarts,
                   no_progress_limit=policy.no_progress_limit, start_steps=start_steps_of(history),
                   pointer_step=pointer_step(run_dir), in_chain=in_chain, requeue_enabled=requeue_enabled,
-                  detail=ending.reason, stray_stops=stray_stops_of(history, job_id),
+                  detail=detail, stray_stops=stray_stops_of(history, job_id),
                   max_stray_stops=policy.max_stray_stops)
 
 

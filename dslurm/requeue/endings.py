@@ -14,7 +14,7 @@ Rules, first match wins:
      it a cancel.
   3. The earliest failure a rank reported of its own: crash (a hang the watchdog caught is one),
      save failure, user error, refused (run dir locked), burn-in rejection, diverged (non-finite
-     loss under train.nonfinite=stop). A peer's "connection closed" marks a
+     loss under train.nonfinite=stop), oom (out of memory: torch.OutOfMemoryError). A peer's "connection closed" marks a
      victim, never the origin.
   4. A stop the ranks agreed on and saved: USR2 (the time-limit warning): a warned stop. TERM
      that reached the step only (the batch shell got none): a stray stop while Slurm still runs
@@ -51,6 +51,7 @@ COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
     "completed", "warned_stop", "cancelled", "preempted", "time_limit")
 CRASH, NODE_FAILURE, SAVE_FAILED, REFUSED, USER_ERROR, BURNIN_REJECTED, DIVERGED = (
     "crash", "node_failure", "save_failed", "refused", "user_error", "burnin_rejected", "diverged")
+OOM = "oom"  # a rank ran out of memory (train/oom.py): the same layout and batch would again
 # A TERM reached the job step but not the batch shell while Slurm still ran the job: nobody
 # said the run should end. Requeued within requeue.max_stray_stops, not the crash budget.
 STRAY_STOP = "stray_stop"

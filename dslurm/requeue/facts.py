@@ -46,7 +46,7 @@ CANCEL = "cancel.json"
 
 # Kinds a training process reports about itself. "victim" kinds say a peer went away:
 # they mark who was hurt, never where the failure began.
-OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected", "diverged")
+OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected", "diverged", "oom")
 VICTIM_KINDS = ("peer_lost", "killed_by_teardown")
 
 # gloo/NCCL/c10d messages of a process whose peer went away first.

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes
+from dslurm.runtime import flight
 from dslurm.runtime.checkpoint import Checkpoint as _Checkpoint
 from dslurm.runtime.checkpoint import per_rank, shared
 from dslurm.runtime.exit import Outcome, leave, report, world_from_env
@@ -184,10 +185,22 @@ class Runtime:
 
         self.outcome.failed(exc)
         code = exc.exit_code if isinstance(exc, UserError) else 1
+        if not isinstance(exc, UserError):  # a collective that failed (peer gone, timeout): who was where
+            self._dump_collectives()
         if not self._done:
             report(self.outcome, code, self.rank)
             self._done = True
         return code
+
+    def _dump_collectives(self) -> None:
+        """This rank's Flight Recorder into the start's facts dir (`dslurm doctor` names the ranks
+        that did not enter the collective the others waited in; dslurm/observe/forensics.py)."""
+        import torch.distributed as dist
+
+        from dslurm.requeue.facts import start_dir
+
+        if dist.is_available() and dist.is_initialized():
+            flight.dump(start_dir(run_dir=self.run_dir) if self.run_dir is not None else None, self.rank)
 
 
 _CURRENT: Runtime | None = None

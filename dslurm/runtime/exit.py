@@ -48,7 +48,14 @@ class Outcome:
     def failed(self, exc: BaseException) -> None:
         if self.t is None:
             self.t, self.error = time.time(), f"{type(exc).__name__}: {exc}"[:2000]
+            if is_oom(exc) and self.kind is None:  # the same layout and batch would fail again
+                self.kind = "oom"
         self.step = getattr(self.progress, "step", self.step)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same class), by name: torch-free."""
+    return any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
 
 def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
