@@ -37,7 +37,7 @@ if [ "$TORCH2" != none ]; then
   if [ ! -f "$stamp2" ] || [ pyproject.toml -nt "$stamp2" ] || [ "$(cat "$stamp2")" != "$TORCH2" ]; then
     .venv-torch2/bin/python -m pip install -q --upgrade pip
     .venv-torch2/bin/python -m pip install -q "torch==$TORCH2"
-    # The runtime dependencies and the test runner only: this layer needs no tracker or HF package.
+    # The runtime dependencies, the test runner and transformers (init_from's reference); no trackers.
     .venv-torch2/bin/python -m pip install -q -e '.[test-torch2]'
     echo "$TORCH2" > "$stamp2"
   fi
