@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,7 +64,10 @@ def one(tmp: Path, fault: str, warm: bool, env: dict[str, str], steps: int = 12
     if out.returncode:
         raise SystemExit(out.stderr)
     job_id = int(re.search(r"submitted job (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
-    state = slurm.wait_job(job_id, timeout=600, env=env)
+    try:
+        state = slurm.wait_job(job_id, timeout=600, env=env)
+    finally:  # a TERM or a timeout: the job goes too (a no-op once it completed)
+        slurm.run_cmd(["scancel", str(job_id)], env=env, check=False)
     evs = ev.read(run)
     starts = ph.tables(evs)
     recs = list(ev.of(evs, ev.Recovery))
@@ -85,6 +89,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true",
                    help="the suite's smoke run (tests/cluster/test_benches.py): one rep, the fewest steps")
     args = p.parse_args()
+    # A TERM (a timeout, a Ctrl-C'd wrapper) unwinds through the `finally`: the job cancelled.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     env = {**os.environ, **cluster.up(nodes=3, accounting=True).env()}
     steps = 10 if args.tiny else 12
     print(f"{'rep':>3} {'cold start s':>13} {'warm restart s':>15} {'cold restart s':>15} {'warm/cold start':>16} "

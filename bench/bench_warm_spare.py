@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true",
                    help="the suite's smoke run (tests/cluster/test_benches.py): the warm swap only, no ratio")
     args = p.parse_args()
+    # A TERM (a timeout, a Ctrl-C'd wrapper) unwinds through the `finally`s: the job cancelled, the node back.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     env = {**os.environ, **cluster.up(nodes=3, accounting=True).env()}
     names = ["warm swap"] if args.tiny else ["warm swap", "requeue", *(["cold swap"] if args.cold_swap else [])]
     rejected = 0
