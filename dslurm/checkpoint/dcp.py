@@ -47,7 +47,6 @@ from dslurm.errors import UserError
 from dslurm.observe import events
 
 log = logging.getLogger(__name__)
-DURABLE_IO_THREADS = 2  # the durable writer's default thread count (CheckpointManager io_threads)
 # Single-process use (no process group) is deliberate here; DCP warns about it on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -279,7 +278,7 @@ class CheckpointManager:
                  async_mode: bool = False, on_inflight: str = "wait", on_error: str = "continue",
                  config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
                  layout: dict[str, Any] | None = None, ledger: Ledger | None = None,
-                 verify_on_restore: str = "full", io_threads: int | None = None, scratch: str | None = None,
+                 verify_on_restore: str = "full", io_threads: int = 1, scratch: str | None = None,
                  keep_local: int = 2, on_lag: str = "wait", overlap_staging: bool = True,
                  per_rank_state: list[per_rank.Entry] | None = None):
         for name, value, allowed in (("on_inflight", on_inflight, ("wait", "skip")),
@@ -292,12 +291,7 @@ class CheckpointManager:
         self.keep, self.keep_every, self.async_mode = keep, keep_every, async_mode
         self.on_inflight, self.on_error, self.verify_on_restore = on_inflight, on_error, verify_on_restore
         self.config_hash, self.model_shape, self.layout = config_hash, model_shape, layout or {}
-        # DCP writer threads, one file each. The durable save's default is 2: two files written and
-        # fsync'd at once keep the disk busy while one stream waits on its fsync or its crc32 (bench/
-        # bench_checkpoint.py --threads-too, docs/checkpoint.md). The node-local tier keeps 1 (its
-        # write is off the step, and its files are one per rank: tiers.LocalRecord).
-        self.ledger = ledger
-        self.io_threads, self.local_io_threads = io_threads or DURABLE_IO_THREADS, io_threads or 1
+        self.ledger, self.io_threads = ledger, io_threads
         self.overlap_staging = overlap_staging  # host copy during the next step (dslurm.checkpoint.staging)
         self.per_rank = per_rank_state or []  # saved by each rank into its rank file (checkpoint.per_rank)
         on = dist.is_available() and dist.is_initialized()

@@ -259,7 +259,7 @@ class TwoTier:
         err = now or ""
         if not any(comm.gather(err)):
             try:
-                writer = NodeWriter(gen, self.groups, mgr.local_io_threads)
+                writer = NodeWriter(gen, self.groups, mgr.io_threads)
                 dcp.save(sd, storage_writer=writer, planner=NodeDedupPlanner(self.groups),
                          process_group=comm.group, no_dist=comm.group is None)
                 job.phases["dcp"] = time.perf_counter() - job.t0
