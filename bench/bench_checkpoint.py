@@ -104,10 +104,13 @@ def plain_dcp(model: nn.Module, path: Path) -> float:
     return dt
 
 
-def mgr_save(model: nn.Module, run: Path, async_mode: bool) -> tuple[float, dict[str, float]]:
+def mgr_save(model: nn.Module, run: Path, async_mode: bool, io_threads: int | None = None
+             ) -> tuple[float, dict[str, float]]:
     """(seconds until the second save() of a manager returned, its phases): steady state, as in
-    training, where the async stager's host buffers already exist."""
-    with CheckpointManager(run, async_mode=async_mode) as mgr:
+    training, where the async stager's host buffers already exist. io_threads None: the manager's
+    default."""
+    kw = {} if io_threads is None else {"io_threads": io_threads}
+    with CheckpointManager(run, async_mode=async_mode, **kw) as mgr:
         for step in (1, 2):
             settle()
             t = time.perf_counter()
@@ -153,7 +156,13 @@ def one_rep(args: argparse.Namespace, model: nn.Module, target: nn.Module, rep: 
     before = raw_write(args.dir / "raw.bin", size)
     row["sync"] = sync()
     settle()
-    row["raw_write"] = (before + raw_write(args.dir / "raw.bin", size)) / 2
+    after = raw_write(args.dir / "raw.bin", size)
+    row["raw_write"] = (before + after) / 2
+    if args.threads_too:  # the other writer thread count, sandwiched the same way (context)
+        settle()
+        row[f"sync_{args.threads_too}t"] = mgr_save(model, args.dir / f"t{rep}", False, args.threads_too)[0]
+        settle()
+        row["raw_write_t"] = (after + raw_write(args.dir / "raw.bin", size)) / 2
     before = cold(lambda: raw_read(gen()))
     row["restore"] = cold(lambda: restore(run, target))
     row["raw_read"] = (before + cold(lambda: raw_read(gen()))) / 2
@@ -184,6 +193,13 @@ def report(args: argparse.Namespace, size: int, rows: list[dict[str, float]],
           f"restore, cold: restore / raw read {ratio['restore']:.2f} (goal <= 1.5; best reps "
           f"{best['restore'] / best['raw_read']:.2f})")
     print(f"async stall / sync save time: {ratio['stall']:.3f}")
+    if args.threads_too:
+        k = f"sync_{args.threads_too}t"
+        print(f"sync save with io_threads={args.threads_too}: raw fsync'd write / save "
+              f"{statistics.median(r['raw_write_t'] / r[k] for r in rows):.2f} (best reps "
+              f"{best['raw_write_t'] / best[k]:.2f}); directly, default save / this save "
+              f"{statistics.median(r['sync'] / r[k] for r in rows):.2f} (the raw write after it runs third "
+              "and came slower here: trust the direct ratio)")
     for row in rows:
         print("  rep: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
 
@@ -193,6 +209,8 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/dslurm-bench"))
     ap.add_argument("--mb", type=int, default=268)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads-too", type=int, default=0, metavar="N",
+                    help="also a sync save with io_threads=N (DCP writer threads, one file each), side by side")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)

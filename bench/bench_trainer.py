@@ -8,7 +8,7 @@
 2. tokens/s of each parity layout under torchrun (gloo, CPU), read from the run's ledger
    (best `steps` window of 4 steps after the first, which holds warm-up).
 
-    .venv/bin/python bench/bench_trainer.py [--preset small] [--steps 20] [--layout-steps 12]
+    .venv/bin/python bench/bench_trainer.py [--preset small] [--steps 2] [--blocks 8] [--layout-steps 16] [--tiny]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]  # testkit, train_helpers
 
 LAYOUTS = {
     "1 process": (None, []),
@@ -82,16 +82,18 @@ def overhead(preset: str, steps: int, blocks: int) -> tuple[float, float, float]
     return statistics.median(plain), statistics.median(nofsdp), statistics.median(ours)
 
 
-def layout_throughput(steps: int) -> dict[str, float]:
+def layout_throughput(steps: int, names: list[str] | None = None) -> dict[str, float]:
     """tokens/s per layout (tiny model): the best ledger window after the first (warm-up).
     Best, not mean: on shared cores a window is slowed by neighbours, never sped up."""
     from train_helpers import run_train, step_records, write_job
 
     out = {}
     for name, (nproc, sets) in LAYOUTS.items():
+        if names is not None and name not in names:
+            continue
         tmp = Path(tempfile.mkdtemp(prefix="bench-layout-"))
         job = write_job(tmp, "layout", steps=steps)
-        proc = run_train(nproc, job, *sets, "train.log_every=4", timeout=300)
+        proc = run_train(nproc, job, *sets, f"train.log_every={min(4, max(1, steps // 2))}", timeout=300)
         if proc.returncode != 0:
             raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
         windows = step_records(tmp / "layout")[1:]
@@ -116,13 +118,19 @@ def main() -> None:
     p.add_argument("--layout-steps", type=int, default=16, help="steps per layout run (tiny model)")
     p.add_argument("--skip-layouts", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--tiny", action="store_true",
+                   help="the suite's smoke run (tests/integration/test_benches.py): tiny model, 1 block, "
+                        "the 1-process layout for 4 steps; not a measurement")
     args = p.parse_args()
+    if args.tiny:
+        args.preset, args.steps, args.blocks, args.layout_steps = "tiny", 1, 1, 4
     if not args.skip_overhead:
         print_overhead(args)
     if not args.skip_layouts:
         print("\n| layout (tiny model, global batch 8, gloo CPU) | processes | tokens/s |")
         print("|---|---|---|")
-        for name, tps in layout_throughput(args.layout_steps).items():
+        names = ["1 process"] if args.tiny else None
+        for name, tps in layout_throughput(args.layout_steps, names).items():
             print(f"| {name} | {LAYOUTS[name][0] or 1} | {tps:,.0f} |")
 
 

@@ -6,7 +6,11 @@
 # or on PYTHONPATH); the check below names any that is missing. Exit 0: every part ran and met its
 # goal; 6: a part failed or a goal was missed (the report says which); 2: a usage error.
 set -euo pipefail
-out=${1:?usage: bash bench/gpu_check.sh OUT.json [dslurm selftest flags]}
+if [ $# -lt 1 ] || [ -z "$1" ]; then
+  echo "usage: bash bench/gpu_check.sh OUT.json [dslurm selftest flags]" >&2
+  exit 2
+fi
+out=$1
 shift
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dslurm.slurm import load_factor
@@ -184,3 +187,38 @@ def one_start_ended(run: Any, ending: str, done: int, job_id: int = 4241) -> Non
     led.append(ev.Requeue(decision="end" if ending == "completed" else "stop", ending=ending, job_id=jid,
                           restart=0))
     (Path(run) / "LATEST").write_text(json.dumps({"generation": GEN.format(done), "step": done}))
+
+
+# Every script under bench/ in its tiny mode (issue 40): seconds each, one rep, so that none rots
+# unseen. name -> (arguments, a line its output must hold, needs the local cluster). TMP in the
+# arguments is the test's tmp_path. tests/integration/test_benches.py and
+# tests/cluster/test_benches.py run them; tests/unit/test_bench_list.py checks none is missing.
+TINY_BENCHES: dict[str, tuple[list[str], str, bool]] = {
+    "bench_burnin.py": (["--nproc", "2", "--mib", "1"], "busbw", False),
+    "bench_checkpoint.py": (["--dir", "TMP", "--mb", "8", "--reps", "1"], "raw fsync'd write / save", False),
+    "bench_health.py": (["--reps", "200", "--steps", "2", "--checks", "5"], "", False),
+    "bench_launch_exit.py": (["--reps", "1"], "torchrun exit:", False),
+    "bench_loader.py": (["--steps", "2", "--loader-steps", "10"], "goal >= 20x", False),
+    "bench_render.py": (["--runs", "1"], "dslurm render", False),
+    "bench_restore.py": (["--dir", "TMP", "--mb", "8", "--reps", "1"], "restore / plain dcp.load", False),
+    "bench_startup.py": (["--reps", "1", "--nproc", "2"], "restart / cold start", False),
+    "bench_tokenize.py": (["--mb", "1", "--runs", "1"], "dslurm / encode_batch", False),
+    "bench_trainer.py": (["--tiny"], "| 1 process | 1 |", False),
+    "bench_two_tier.py": (["--dir", "TMP", "--mb", "8", "--reps", "1", "--batch", "8"], "durable lag", False),
+    "bench_burnin_gate.py": (["--steps", "3"], "burn-in", True),
+    "bench_requeue.py": (["--tiny"], "goodput", True),
+    "bench_submit.py": (["--runs", "1"], "ratio", True),
+    "bench_warm_restart.py": (["--tiny"], "warm restart: failure ->", True),
+    "bench_warm_spare.py": (["--tiny"], "(a) warm swap", True),
+}
+# bench/gpu_check.sh needs a GPU (docs/gpu.md): tests/unit/test_bench_list.py runs its usage error and its
+# missing-package check; `dslurm selftest --gpu --dry-run` (tests/integration) is what it runs.
+
+
+def run_bench(name: str, args: list[str], tmp: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
+    """bench/NAME with `args` (TMP: a folder under `tmp`), as its docstring says: this
+    interpreter, PYTHONPATH the checkout, from the checkout."""
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, str(root / "bench" / name), *[str(tmp / "bench") if a == "TMP" else a for a in args]]
+    return subprocess.run(argv, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          text=True, timeout=timeout)

@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _console() -> Any:  # rich only when a person is going to read something
-    from rich.console import Console
-    return Console()
+    from dslurm.table import console
+    return console()
 
 
 def _human(n: int) -> str:

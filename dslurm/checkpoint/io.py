@@ -32,10 +32,10 @@ from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from dslurm.checkpoint.compat import narrow_tensor_by_index, reader_fast, writer_streams
 from dslurm.checkpoint.coverage import RangeSums
 
 _BIG = 1 << 20  # writes and items at least this large are summed on a helper thread (items: read
@@ -144,10 +144,14 @@ class CrcFileSystem(FileSystem):
 
 
 def crc_writer(gen: Path, io_threads: int) -> tuple[dcp.FileSystemWriter, dict[str, dict[str, Any]]]:
-    """A FileSystemWriter (fsync'd files) that checksums while writing, and its sums."""
+    """A FileSystemWriter (fsync'd files) that checksums while writing, and its sums. On a torch
+    whose writer has no replaceable `fs` (dslurm.checkpoint.compat), a plain writer and no sums:
+    the manager then checksums the files it wrote by reading them back."""
     writer = dcp.FileSystemWriter(gen, sync_files=True, thread_count=io_threads)
+    if not writer_streams(writer):
+        return writer, {}
     fs = CrcFileSystem()
-    writer.fs = fs  # write_data/finish go through self.fs (torch 2.13 filesystem.py)
+    writer.fs = fs  # write_data/finish go through self.fs (torch 2.13-2.14 filesystem.py)
     return writer, fs.sums
 
 
@@ -278,6 +282,8 @@ class CrcReader(dcp.FileSystemReader):
         self.pace = Pace(mbps)
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
+        if not reader_fast(self):  # a torch whose reader differs (compat): DCP's own read, nothing summed
+            return super().read_data(plan, planner)
         # Sorted by file, then offset: each file's reads are sequential (DCP's own "TODO sort by
         # offset") and its crc32 runs on from one item to the next.
         where = self.storage_data

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from dslurm import checkpoint as ck
 from dslurm import faults
 from dslurm.checkpoint import tiers
+from dslurm.checkpoint.compat import writer_streams
 from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
 from dslurm.checkpoint.io import CrcFileSystem, CrcReader
 from dslurm.observe import events
@@ -72,7 +73,8 @@ class NodeWriter(dcp.FileSystemWriter):
 
     def __init__(self, path: Path, groups: list[list[int]], io_threads: int) -> None:
         super().__init__(path, sync_files=True, thread_count=io_threads)
-        self.fs = CrcFileSystem()  # write_data/finish go through self.fs (torch 2.13 filesystem.py)
+        if writer_streams(self):  # write_data/finish go through self.fs (torch 2.13-2.14; compat)
+            self.fs = CrcFileSystem()
         self.groups = groups
         self.node_md: list[bytes] = []
 
@@ -276,7 +278,7 @@ class TwoTier:
             if self.leader and self.node > 0:
                 ck.atomic_write_bytes(gen / ".metadata", mds[self.node])
             assert writer is not None
-            streamed = writer.fs.sums  # type: ignore[attr-defined]
+            streamed: dict[str, Any] = getattr(writer.fs, "sums", {})  # none: checksummed below
             own = [p.name for p in gen.iterdir() if p.name.startswith(f"__{r}_")]
             small = [f"{ck.RANKS}/rank-{r:05d}.json"] + ([".metadata", ck.META] if self.leader else [])
             files = {n: streamed[n] for n in own if n in streamed}

@@ -30,9 +30,11 @@ def _fmt_s(x: float | None) -> str:
 def print_summary(sm: Summary, run_dir: Path) -> None:
     """The human form: one line per headline number, then one row per start."""
     from rich import box
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
+
+    from dslurm.table import console as wide_console
+    from dslurm.table import print_table
 
     gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
     tps = "n/a" if sm.tokens_per_s is None else f"{sm.tokens_per_s:,.0f}"
@@ -85,12 +87,10 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
         table.add_row(f"{s.index} {s.job_id or '-'}.{s.restart}", _fmt_s(s.queue_wait_s), _fmt_s(s.burnin_s),
                       _fmt_s(s.overhead_s), steps, str(s.discarded_steps), _fmt_s(s.productive_s),
                       _fmt_s(s.save_stall_s), start_label(s))
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe: rich would assume 80 columns and fold
-        console = Console(width=120)
+    console = wide_console()  # a file or a pipe: as wide as a line needs, never 80 columns
     for i, line in enumerate(lines):  # the headline whole on its line: the reason is the point
         console.print(line, highlight=False, soft_wrap=i < len(head))
-    console.print(table)
+    print_table(console, table)
     phased = [s for s in sm.starts if s.phases]
     if phased:
         console.print(_phase_table(phased), highlight=False)

@@ -113,7 +113,7 @@ class Recovered:
     to_nodes: int
     grad_accum: int | None
     resumed_s: float | None
-    """the failure (`failed_t`) -> the next start's first step done (`_first_step_done`); None
+    """the failure (`failed_t`) -> the next start's first step done (`first_step_done`); None
     when no later start trained"""
     startup: str | None = None
     """the next start's `Start.startup`: "warm" or "cold"; None when there is no next start"""
@@ -124,7 +124,7 @@ def _recoveries(starts: list[Start]) -> list[Recovered]:
     for i, s in enumerate(starts):
         for rec in s.all(ev.Recovery):
             nxt = starts[i + 1] if i + 1 < len(starts) else None
-            back = _first_step_done(nxt) if nxt else None
+            back = first_step_done(nxt) if nxt else None
             failed = rec.failed_t or rec.t
             out.append(Recovered(start=s.index, cause=rec.cause, mode=rec.mode, removed=list(rec.removed),
                                  added=list(rec.added), to_nodes=rec.to_nodes, grad_accum=rec.grad_accum,
@@ -133,11 +133,12 @@ def _recoveries(starts: list[Start]) -> list[Recovered]:
     return out
 
 
-def _first_step_done(s: Start) -> float | None:
+def first_step_done(s: Start) -> float | None:
     """When a start's first step was done: its phase table (rank 0 writes it right after that
     step, the moment a cold start's own table ends at) or its first logged window (written after
     the step's `train.step_sleep_s` and the log interval), whichever came first; its train_start
-    when it logged neither."""
+    when it logged neither. The one endpoint of a start: `report`, `dslurm.observe.endpoints` and
+    the benches under bench/ all time a start to here."""
     done = _steps_done(s)
     ts = s.first(ev.TrainStart)
     return min(done) if done else (ts.t if ts else None)
@@ -145,8 +146,13 @@ def _first_step_done(s: Start) -> float | None:
 
 def _steps_done(s: Start, after: float = float("-inf")) -> list[float]:
     """When steps of a start were done, after `after`: its logged windows and the phase table rank
-    0 writes right after its first step."""
-    return [w.t for w in s.windows if w.t > after] + [p.t for p in s.all(ev.StartPhases) if p.t > after]
+    0 writes right after its first step. A start trains only after its own train_start: a window
+    logged before it is a dying attempt's (its rank 0 outlived the kill long enough to log one
+    more step after the next launcher began), never this start's."""
+    ts = s.first(ev.TrainStart)
+    since = ts.t if ts else float("-inf")
+    done = [w.t for w in s.windows] + [p.t for p in s.all(ev.StartPhases)]
+    return [t for t in done if t > after and t >= since]
 
 
 def _after(s: Start, starts: list[Start], t: float) -> float | None:
@@ -303,6 +309,8 @@ def _key(e: Event) -> tuple[str | None, int]:
 def _opens_new(cur: list[Event], e: Event) -> bool:
     """Does `e` belong to a new start rather than to the current one (`cur`)?"""
     has = {type(x) for x in cur}
+    if isinstance(e, ev.Steps) and _key(e) == _key(cur[0]):
+        return False  # a window never begins a start: one after the decision is the dying attempt's
     if _key(e) != _key(cur[0]) or ev.Requeue in has or ev.Recovery in has or isinstance(e, ev.JobStart):
         return True  # another job/restart, or the last start already took its decision (or recovered)
     trained = ev.TrainStart in has or ev.Exit in has

@@ -9,15 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from dslurm.config.layout import stages_per_rank
+from dslurm.table import print_table
 
 GB = 1e9
 
 
 def print_plan(out: dict[str, Any], primary: str) -> None:
     """The model line, one table per layout, then the collectives and the MFU conversion of `primary`."""
-    from rich.console import Console
+    from dslurm.table import console as wide_console
 
-    console = Console()
+    console = wide_console()
     m, c = out["model"], out["cluster"]
     console.print(f"model {m['params'] / 1e9:.2f}B params, {m['layers']} layers, seq {m['seq_len']}; "
                   f"{out['model_flops_per_token'] / 1e9:.1f} GFLOP/token (6N + 12LHQT)")
@@ -49,7 +50,7 @@ def _layout_table(console: Any, plan: dict[str, Any], title: str) -> None:
         table.add_row(f"memory {name}", f"{gb:.1f} GB", f"usable {plan['budget_gb']:.1f} GB" if name == "total" else "")
     table.add_row("bubble", f"{plan['bubble']:.1%}", f"of the step, {lay['schedule']}: (p-1)/(v*m+p-1)"
                   if lay["pp"] > 1 else "no pipeline")
-    console.print(table)
+    print_table(console, table)
     for line in plan["problems"]:
         console.print(f"[red]problem:[/red] {line}")
     for line in plan["warnings"]:
@@ -95,7 +96,7 @@ def _collectives(console: Any, plan: dict[str, Any], name: str) -> None:
         table.add_row(r["dim"], _OPS[r["op"]], r["what"], str(r["ranks"]), f"{r['calls']:,}",
                       f"{r['size_bytes'] / GB:.3g}G", f"{r['sent_bytes'] / GB:,.1f}G", r["link"],
                       f"{r['busbw_gbytes_per_s']:g}" if r["busbw_gbytes_per_s"] else "?", _fmt_time(r["time_s"]))
-    console.print(table)
+    print_table(console, table)
     console.print("  size = one call's buffer; sent = calls x size x bus factor, what one GPU sends; busbw in GB/s as "
                   "nccl-tests (AR: algbw x 2(n-1)/n, AG/RS: x (n-1)/n, p2p: x 1); time = sent / busbw, "
                   "bandwidth-bound, no latency, no overlap with compute; net k/g = k of a node's g GPUs' "

@@ -117,10 +117,12 @@ def _kwargs(cfg: Any) -> dict[str, Any]:
 
 
 def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from dslurm.table import console as wide_console
+    from dslurm.table import print_table
+
+    console = wide_console()
     first = out["results"][0]
     console.print(f"{first['gpus']} GPUs, job MTBF {first['job_mtbf_h']:.2f} h, {first['failures_per_run']:.1f} "
                   f"failures per {args.horizon_days:g}-day run, {args.trials} trials, seed {args.seed}; "
@@ -130,7 +132,7 @@ def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
         table.add_column(col)
     for name, v in out["inputs"].items():
         table.add_row(name, f"{v['value']:g}", v["source"])
-    console.print(table)
+    print_table(console, table)
     sp = out["spares"]
     console.print(f"spares: {sp['spares']} keep the run at full size all along with probability "
                   f"{sp['probability']:g} (most nodes under repair at once: {sp['mean_most_in_repair']:.1f} on "
@@ -144,4 +146,4 @@ def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
                       f"{r['young_daly_s'] / 60:.1f} min", f"{r['goodput_mean']:.1%}",
                       f"{r['goodput_p05']:.1%}-{r['goodput_p95']:.1%}", f"{r['requeues_per_run']:.1f}",
                       f"{r['shrinks_per_run']:.1f}")
-    console.print(table)
+    print_table(console, table)

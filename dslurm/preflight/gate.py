@@ -124,6 +124,8 @@ def render_table(report: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
+    from dslurm.table import WIDE, print_table
+
     verdict = report["verdict"]
     table = Table(title=f"burn-in: {len(report['nodes'])} node(s), {report['world_size']} ranks, "
                         f"{report['backend']}")
@@ -139,8 +141,8 @@ def render_table(report: dict[str, Any]) -> str:
         table.add_row(host, str(len(node["ranks"])), state, _fmt(gemm, ".3f"),
                       _fmt(node.get("intra_busbw_gbps"), ".2f"),
                       mark + ("" if not why else ": " + "; ".join(why)))
-    console = Console(file=io.StringIO(), width=140, record=True)
-    console.print(table)
+    console = Console(file=io.StringIO(), width=WIDE, record=True)
+    print_table(console, table)
     inter = report.get("inter") or {}
     console.print(f"inter-node busbw: {_fmt(inter.get('busbw_gbps'), '.2f')} GB/s over "
                   f"{inter.get('ranks', 0)} ranks")

@@ -8,7 +8,7 @@ the commands and the jobs that produce those facts; the unit tests feed recorded
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from dslurm.config import SiteConfig
@@ -329,3 +329,11 @@ def table(rows: Sequence[Row]) -> str:
         if r.fix:
             out.append(f"{'':4}  {'':<{width}}  fix: {r.fix}")
     return "\n".join(out)
+
+
+def as_json(rows: Sequence[Row]) -> str:
+    """`site check --json`: every row (promise, status, holds, detail, fix) and the verdict."""
+    import json
+
+    return json.dumps({"holds": verdict(rows) == 0,
+                       "rows": [{**asdict(r), "holds": r.holds} for r in rows]}, indent=2)

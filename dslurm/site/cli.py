@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the check jobs (queue wait included); default 600")
     c.add_argument("--work-dir", help="where the check's scripts and logs go (default: under slurm.log_dir)")
+    c.add_argument("--json", action="store_true", help="print the rows and the verdict as JSON")
     p.set_defaults(func=run)
 
 
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}; check it with: dslurm site check {args.output}", file=sys.stderr)
         return 0
     from dslurm.config import load_site
-    from dslurm.site.check import table, verdict
+    from dslurm.site.check import as_json, table, verdict
     from dslurm.site.jobs import run_check
 
     if args.nodes < 1:
@@ -49,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
                         "the all-reduce)")
     site = load_site(args.site, args.site_set)
     rows = run_check(site, args.site, args.nodes, args.timeout, args.work_dir)
-    print(table(rows))
     code = verdict(rows)
+    if args.json:
+        print(as_json(rows))
+        return code
+    print(table(rows))
     print("every promise holds" if code == 0 else "some promises do not hold: see the fixes above")
     return code
