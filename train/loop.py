@@ -231,7 +231,7 @@ class Trainer:
                            ledger=self.ledger, layout=self.resolved.layout.degrees(),
                            config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
                                                          "train": dataclasses.asdict(job.train)}),
-                           model_shape=dataclasses.asdict(self.resolved.shape))
+                           model_shape=self.resolved.shape.record())
 
     def _save(self, blocking: bool) -> None:
         if self.ckpt is not None:
