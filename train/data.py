@@ -45,6 +45,7 @@ import numpy as np
 
 from dslurm.data.tokenize import TokenFile, write_synthetic
 from dslurm.errors import UserError
+from train import packing
 from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, split_held_out
 
 log = logging.getLogger(__name__)
@@ -175,10 +176,11 @@ class TokenSource:
         """Windows of seq_len+1 tokens with stride seq_len (as `TokenFileInfo.samples`)."""
         return max(0, (self.n_tokens - 1) // seq_len)
 
-    def window(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start+length) of the concatenated stream, as int64."""
+    def window(self, start: int, length: int, name: str = "tokens") -> np.ndarray:
+        """Tokens [start, start+length) of the concatenated stream, as int64 (or, by `name`, the
+        instruction data's loss_mask / doc_start beside them: train/packing.py)."""
         if len(self.files) == 1:
-            return self.files[0].window(start, length)
+            return self.files[0].window(start, length, name)
         if start < 0 or start + length > self.n_tokens:
             raise IndexError(f"window [{start}, {start + length}) outside {self.n_tokens} tokens")
         parts, pos, end = [], start, start + length
@@ -186,7 +188,7 @@ class TokenSource:
         while pos < end:
             take = min(end, int(self.starts[f + 1])) - pos
             if take > 0:
-                parts.append(self.files[f].window(pos - int(self.starts[f]), take))
+                parts.append(self.files[f].window(pos - int(self.starts[f]), take, name))
             pos += take
             f += 1
         return np.concatenate(parts)
@@ -215,6 +217,8 @@ class TokenLoader:
         self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self.tokens, self.sampler, self.seq_len, self.device = self.sources[0], sampler, seq_len, device
         self.space = space
+        # instruction data: batches carry a loss mask and documents (train/packing.py)
+        self.instruct = packing.detect(self.sources, seq_len) if hasattr(self.sources[0], "files") else False
 
     @property
     def local_batch(self) -> int:
@@ -224,8 +228,9 @@ class TokenLoader:
     def padding_repeats(self) -> int:
         return int(self.sampler.padding_repeats)
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """Windows [len(ids), seq_len+1] (int64) for the given sample ids (space indices with `space`)."""
+    def read(self, ids: np.ndarray) -> Any:
+        """Windows [len(ids), seq_len+1] (int64) for the given sample ids (space indices with `space`);
+        for instruction data a `packing.Windows` with their loss mask and document starts."""
         if self.space is None:
             src, sample = np.zeros(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)
         else:
@@ -233,10 +238,18 @@ class TokenLoader:
         out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
         for row, (s, i) in enumerate(zip(src.tolist(), sample.tolist())):
             out[row] = self.sources[s].window(i * self.seq_len, self.seq_len + 1)
-        return out
+        if not self.instruct:
+            return out
+        mask, start = np.empty_like(out), np.empty_like(out)
+        for row, (s, i) in enumerate(zip(src.tolist(), sample.tolist())):
+            mask[row], start[row] = packing.read(self.sources[s], i * self.seq_len, self.seq_len + 1)
+        return packing.Windows(out, mask, start)
 
-    def to_tensors(self, windows_np: np.ndarray) -> tuple[Any, Any]:
+    def to_tensors(self, windows_np: Any) -> tuple[Any, ...]:
         import torch  # lazy: the data module is imported by torch-free tools too
+
+        if isinstance(windows_np, packing.Windows):
+            return packing.to_tensors(windows_np, self.device)
 
         windows = torch.from_numpy(windows_np)
         # contiguous before the copy: `.to` keeps a view's strides, and kernels want dense rows
@@ -245,7 +258,7 @@ class TokenLoader:
             return inputs.to(self.device), targets.to(self.device)
         return inputs, targets
 
-    def next_batch(self) -> tuple[Any, Any]:
+    def next_batch(self) -> tuple[Any, ...]:
         return self.to_tensors(self.read(self.sampler.next_ids()))
 
     def state_dict(self) -> dict[str, Any]:
@@ -272,7 +285,7 @@ class EvalData:
     def batches(self) -> int:
         return int(self.ids.shape[0])
 
-    def batch(self, b: int) -> tuple[Any, Any]:
+    def batch(self, b: int) -> tuple[Any, ...]:
         """(inputs, targets) of this rank's share of eval batch b."""
         per = self.ids.shape[1] // self.dp_size
         return self.loader.to_tensors(self.loader.read(self.ids[b, self.dp_rank * per:(self.dp_rank + 1) * per]))

@@ -52,6 +52,7 @@ from train.evaluate import Evaluator
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
 from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
+from train.packing import masked_cross_entropy, queue_docs
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
 from train.sdc import RunChecks
@@ -115,6 +116,7 @@ class Trainer:
         self.step = 0
         # The batch rule (dslurm.config.layout): grad_accum x microbatches equal micro-batches per rank.
         self.loss_scale = 1.0 / (self.train.grad_accum * self.dims.layout.microbatches)
+        self.loss_fn: Any = cross_entropy  # instruction data: completion tokens only (below)
         self.built = build_parts(resolved.shape, job, self.dims, device, loss_fn=self._scaled_loss, fsdp=fsdp)
         self.params = [p for part in self.built.parts for p in part.parameters()]
         self.optimizers, self.schedulers = build_optimizers(self.built.parts, self.train)
@@ -122,6 +124,8 @@ class Trainer:
         self.clock.mark("build")
         dp_rank, dp_size = resolved.layout.dp_coords(rank)
         self.loader, eval_data = make_data(resolved, dp_rank, dp_size, device=device, rank=rank)
+        if self.loader.instruct:
+            self.loss_fn = masked_cross_entropy
         self.evaluator = Evaluator(self, eval_data) if eval_data is not None else None  # train/evaluate.py
         self.clock.mark("data")
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
@@ -142,7 +146,7 @@ class Trainer:
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-microbatch loss pre-divided so the summed gradients are the global mean's."""
-        loss = cross_entropy(logits, targets) * self.loss_scale
+        loss = self.loss_fn(logits, targets) * self.loss_scale
         return loss * float("nan") if self._poison else loss  # DSLURM_FAULT_NAN
 
     def _loss_context(self) -> Any:
@@ -153,18 +157,23 @@ class Trainer:
 
         return loss_parallel()
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Gradients of the mean loss of this rank's batch; returns the summed scaled losses."""
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                          docs: torch.Tensor | None = None) -> torch.Tensor:
+        """Gradients of the mean loss of this rank's batch; returns the summed scaled losses.
+        `docs`: the examples of packed instruction data (train/packing.py)."""
         total = torch.zeros((), device=self.device)
         b = self.built
-        for mi, mt in zip(inputs.chunk(self.train.grad_accum), targets.chunk(self.train.grad_accum)):
+        n = self.train.grad_accum
+        chunks = docs.chunk(n) if docs is not None else [None] * n
+        for mi, mt, md in zip(inputs.chunk(n), targets.chunk(n), chunks):
             if b.schedule is None:
-                loss = self._scaled_loss(b.parts[0](mi), mt)
+                loss = self._scaled_loss(b.parts[0](mi, md), mt)
                 loss.backward()
                 total += _local(loss.detach())
                 continue
             losses: list[torch.Tensor] = []
             kwargs = {"target": mt, "losses": losses} if b.has_last_stage else {}
+            queue_docs(b.parts, md, self.dims.layout.microbatches)
             b.schedule.step(*((mi,) if b.has_first_stage else ()), **kwargs)
             for loss in losses:
                 total += _local(loss.detach())
@@ -187,9 +196,9 @@ class Trainer:
                 self.loader.sampler.next_global()
             position = self._position()
             self._poison = faults.poisoned(position, self.train.global_batch, self._fault_nan)
-            inputs, targets = self.loader.next_batch()
+            inputs, targets, *docs = self.loader.next_batch()
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
-            local_loss = self._forward_backward(inputs, targets)
+            local_loss = self._forward_backward(inputs, targets, *docs)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
             norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
         # Only the ranks holding the last stage contribute a loss (world/pp of them, each a

@@ -183,6 +183,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the shape, so it never enters a checkpoint.
         self.register_buffer("rope", self._rope(), persistent=False)
+        # Documents of packed instruction data for the forwards to come, one entry per call: how
+        # they reach a pipeline stage, whose forward the schedule calls with hidden states only
+        # (in microbatch order on every stage, whatever the schedule).
+        self.pending_docs: list[torch.Tensor] = []
         self.init_weights()
 
     def _rope(self) -> torch.Tensor:
@@ -212,10 +216,14 @@ class Transformer(nn.Module):
         with torch.no_grad():
             self.rope.copy_(self._rope())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """`docs` (batch, seq): the example id of every position of packed sequences (attention stays
+        inside an example); None takes the next of `pending_docs`, if any."""
+        if docs is None and self.pending_docs and tokens.device.type != "meta":  # not a shape inference
+            docs = self.pending_docs.pop(0)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, self.rope, docs=docs)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

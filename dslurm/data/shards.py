@@ -63,6 +63,8 @@ class Options:
     field: str = "text"
     txt_docs: TxtDocs = "blank"
     seq_len: int = 0
+    instruct: dict[str, Any] | None = None
+    """instruction data (dslurm/data/instruct.py): {"template": text or None, "specials": {...}}"""
 
 
 def make_plan(inputs: list[Path], tok: hf.TokenizerInfo, n_shards: int, opts: Options) -> dict[str, Any]:
@@ -72,12 +74,12 @@ def make_plan(inputs: list[Path], tok: hf.TokenizerInfo, n_shards: int, opts: Op
     for i, grp in enumerate(group_files([f["size"] for f in prints], n_shards)):
         ins = [prints[k] for k in grp]
         key_src = json.dumps([tok.hash, tok.add_bos, tok.add_eos, opts.field, opts.txt_docs,
-                              opts.seq_len, ins], sort_keys=True)
+                              opts.seq_len, ins, *([opts.instruct] if opts.instruct else [])], sort_keys=True)
         shards.append({"path": f"shard-{i:05d}.h5", "inputs": ins,
                        "key": hashlib.sha256(key_src.encode()).hexdigest()[:32]})
     return {"format": PLAN_FORMAT, "version": 1, "tokenizer": tok.to_json(),
             "field": opts.field, "txt_docs": opts.txt_docs, "seq_len": opts.seq_len,
-            "shards": shards}
+            "shards": shards, **({"instruct": opts.instruct} if opts.instruct else {})}
 
 
 def write_plan(out: Path, plan: dict[str, Any]) -> None:
@@ -135,6 +137,17 @@ def _chunks(tok: Any, info: hf.TokenizerInfo, plan: dict[str, Any], task: int) -
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _instruct_chunks(tok: Any, info: hf.TokenizerInfo, plan: dict[str, Any], task: int) -> Iterator[Any]:
+    from dslurm.data import instruct
+
+    spec = plan["instruct"]
+    render = instruct.renderer(spec["template"], spec["specials"], "chat template") if spec["template"] else None
+    enc = instruct.Encoder(tok, info.bos_id, info.eos_id, render)
+    packer = instruct.Packer(seq_len=plan["seq_len"], pad_id=info.eos_id if info.eos_id is not None else 0)
+    paths = [Path(f["path"]) for f in plan["shards"][task]["inputs"]]
+    yield from instruct.packed_chunks(paths, enc, packer, last=task == len(plan["shards"]) - 1)
+
+
 def run_task(out: Path, task: int) -> Path:
     """Tokenize group `task` of the plan in `out` into its shard; then the manifest if complete."""
     from dslurm.data.tokenize import _write_atomic
@@ -156,7 +169,10 @@ def run_task(out: Path, task: int) -> Path:
     attrs = {"tokenizer_hash": info.hash, "bos_id": -1 if info.bos_id is None else info.bos_id,
              "eos_id": -1 if info.eos_id is None else info.eos_id, "plan_key": shard["key"],
              "inputs": json.dumps(shard["inputs"])}
-    path = _write_atomic(out / shard["path"], _chunks(tok, info, plan, task),
+    chunks = _chunks(tok, info, plan, task)
+    if plan.get("instruct"):  # prompt/completion or messages, packed for seq_len, with a loss mask
+        chunks, attrs = _instruct_chunks(tok, info, plan, task), {**attrs, "packed_seq_len": plan["seq_len"]}
+    path = _write_atomic(out / shard["path"], chunks,
                          vocab_size=info.vocab_size, seq_len=plan["seq_len"],
                          source=f"tokenizer {info.hash[:12]} over {len(shard['inputs'])} files",
                          attrs=attrs)

@@ -68,6 +68,15 @@ def test_natural_order_puts_layer_10_after_layer_2():
     assert sorted(names, key=ex.natural_key) == ["layers.1.w", "layers.2.w", "layers.10.w", "norm.weight"]
 
 
+@pytest.mark.parametrize("flags", [{"qkv_bias": True}, {"qk_norm": True, "explicit_head_dim": 32},
+                                   {"tie_embeddings": True}])
+def test_every_familys_names_and_shapes_are_the_models_parameters(flags):
+    shape = dataclasses.replace(TINY, **flags)
+    params = dict(build_model(shape, 0).named_parameters())
+    assert hf_layout.full_shapes(shape) == {k: tuple(p.shape) for k, p in params.items()}
+    assert sorted(hf_layout.builtin_name(hf_layout.hf_name(n)) for n in params) == sorted(params)
+
+
 def test_hf_names_cover_the_built_in_model_one_to_one():
     model_names = list(build_model(TINY, 0).state_dict())
     assert sorted(hf_layout.expected_names(TINY)) == sorted(model_names)  # the mapping tracks train/model.py
@@ -76,7 +85,7 @@ def test_hf_names_cover_the_built_in_model_one_to_one():
     assert hf_layout.hf_name("layers.3.feed_forward.w1.weight") == "model.layers.3.mlp.gate_proj.weight"
     assert hf_layout.hf_name("layers.3.feed_forward.w2.weight") == "model.layers.3.mlp.down_proj.weight"
     assert hf_layout.hf_name("output.weight") == "lm_head.weight"
-    for bad in ("layers.x.attention.wq.weight", "layers.0.attention.wq.bias", "rope", "model.norm.weight"):
+    for bad in ("layers.x.attention.wq.weight", "layers.0.attention.wo.bias", "rope", "model.norm.weight"):
         with pytest.raises(ValueError, match="not a parameter"):
             hf_layout.hf_name(bad)
 

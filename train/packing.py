@@ -1,0 +1,87 @@
+"""Instruction data in the trainer: the loss mask and the documents of a packed sequence.
+
+A token file written by `dslurm data tokenize --instruct` (dslurm/data/instruct.py) holds, beside
+its tokens, `loss_mask` (1: a completion token, trained as a target) and `doc_start` (1: the first
+token of an example, or of a pad run), and was packed for one seq_len (`packed_seq_len`): no
+example crosses a window of seq_len+1 tokens. Here a window's arrays become
+  - targets with IGNORE where the mask is 0 (cross_entropy skips them: completion-only loss), and
+  - `docs`, the example id of every input position (a running count of doc_start), from which
+    each attention layer keeps every query to its own example (train/model.py `attention_mask`).
+The sample order, its state and its resume are the pre-training ones (train/data.py): the mask
+and the documents are read from the same windows, so a resumed run reads the same batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dslurm.data.instruct import DOC_START, MASK
+from dslurm.errors import UserError
+
+IGNORE = -100  # F.cross_entropy's ignore_index
+
+
+@dataclass(slots=True)
+class Windows:
+    """The windows [n, seq_len+1] of a batch: tokens, loss mask, document starts (int64)."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    start: np.ndarray
+
+
+def detect(sources: list[Any], seq_len: int) -> bool:
+    """Whether the streams are instruction data; refuses a mix, or a seq_len they were not packed for."""
+    packed = {s.where: {f.info.packed_seq_len for f in s.files} for s in sources}
+    kinds = set().union(*packed.values())
+    if kinds == {0}:
+        return False
+    if 0 in kinds:
+        where = ", ".join(w for w, k in packed.items() if 0 in k)
+        raise UserError(f"{where}: pre-training tokens mixed with instruction data (--instruct). Fix: train on one "
+                        "kind: tokenize every source with --instruct, or none")
+    for where, k in packed.items():
+        if k != {seq_len}:
+            raise UserError(f"{where}: packed for seq_len {sorted(k)}, the model's seq_len is {seq_len}. Fix: re-run "
+                            f"`dslurm data tokenize --instruct --seq-len {seq_len}`, or set model.seq_len: {min(k)}")
+    return True
+
+
+def read(source: Any, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(loss mask, doc starts) of one window of a stream (`TokenSource.window` by dataset name)."""
+    return source.window(start, length, MASK), source.window(start, length, DOC_START)
+
+
+def to_tensors(w: Windows, device: Any) -> tuple[Any, Any, Any]:
+    """(inputs, targets with IGNORE off the completions, docs of the inputs)."""
+    import torch  # lazy, as train/data.py: torch-free tools import the data modules
+    windows = torch.from_numpy(w.tokens)
+    inputs = windows[:, :-1].contiguous()
+    targets = torch.where(torch.from_numpy(w.mask[:, 1:]) > 0, windows[:, 1:], IGNORE).contiguous()
+    docs = torch.from_numpy(np.cumsum(w.start, axis=1)[:, :-1]).contiguous()
+    if str(device) != "cpu":
+        return inputs.to(device), targets.to(device), docs.to(device)
+    return inputs, targets, docs
+
+
+def masked_cross_entropy(logits: Any, targets: Any) -> Any:
+    """Mean loss over the trained (not IGNORE) targets; 0, not NaN, for a micro-batch with none
+    (a window of prompts only). Works on DTensor logits under `loss_parallel()`."""
+    import torch.nn.functional as F
+    flat = targets.flatten(0, 1)
+    total = F.cross_entropy(logits.flatten(0, 1).float(), flat, ignore_index=IGNORE, reduction="sum")
+    return total / (flat != IGNORE).sum().clamp(min=1)
+
+
+def queue_docs(parts: list[Any], docs: Any | None, microbatches: int) -> None:
+    """Hand a pipeline's stages the documents of the microbatches of one `schedule.step`: the
+    schedule splits its inputs along dim 0 with tensor_split and calls each stage in microbatch
+    order (train/model.py `Transformer.pending_docs`)."""
+    if docs is None:
+        return
+    chunks = list(docs.tensor_split(microbatches))
+    for part in parts:
+        part.pending_docs.extend(chunks)
