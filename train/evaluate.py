@@ -30,7 +30,8 @@ import torch.distributed as dist
 from dslurm import faults
 from dslurm.observe import events
 from train.data import EvalData
-from train.packing import queue_docs
+from train.model import cross_entropy
+from train.packing import masked_sum, queue_docs
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,7 +69,11 @@ class Evaluator:
         chunks = docs.chunk(accum) if docs is not None else [None] * accum
         for mi, mt, md in zip(inputs.chunk(accum), targets.chunk(accum), chunks):
             if b.schedule is None:
-                total += _local(t.loss_fn(b.parts[0](mi, md), mt)).float() / accum
+                out = b.parts[0](mi, md)
+                if t.token_weight is not None:  # instruction data: the batch's token mean (Trainer.weigh_tokens)
+                    total += _local(masked_sum(out, mt) * t.token_weight).float()
+                else:
+                    total += _local(cross_entropy(out, mt)).float() / accum
                 continue
             losses: list[torch.Tensor] = []  # the schedule's loss_fn is pre-scaled by 1/(accum x microbatches)
             kwargs = {"target": mt, "losses": losses} if b.has_last_stage else {}
@@ -89,6 +94,8 @@ class Evaluator:
             with torch.no_grad(), t._loss_context(), t.watch.collective("eval"):
                 for i in range(data.batches):
                     inputs, targets, *docs = data.batch(i)
+                    if docs:
+                        t.weigh_tokens(targets)
                     local = self._batch_loss(inputs, targets, *docs)
                     if self._fault_stop == step and i == 0:
                         t.stop.stop_requested = True  # as if USR2 arrived during this batch

@@ -52,7 +52,7 @@ from train.evaluate import Evaluator
 from train.metrics import StepMetrics, format_log_line, gather_step_times, peak_for, straggler_event
 from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
-from train.packing import masked_cross_entropy, queue_docs
+from train.packing import IGNORE, masked_sum, queue_docs
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
 from train.sdc import RunChecks
@@ -116,7 +116,10 @@ class Trainer:
         self.step = 0
         # The batch rule (dslurm.config.layout): grad_accum x microbatches equal micro-batches per rank.
         self.loss_scale = 1.0 / (self.train.grad_accum * self.dims.layout.microbatches)
-        self.loss_fn: Any = cross_entropy  # instruction data: completion tokens only (below)
+        # Instruction data (train/packing.py): each micro-batch's summed loss over its completion tokens
+        # times dp / (the step's trained targets in the whole global batch), so every layout's
+        # gradient is the global batch's token mean; set per batch by `weigh_tokens`.
+        self.token_weight: float | None = None
         self.built = build_parts(resolved.shape, job, self.dims, device, loss_fn=self._scaled_loss, fsdp=fsdp)
         self.params = [p for part in self.built.parts for p in part.parameters()]
         self.optimizers, self.schedulers = build_optimizers(self.built.parts, self.train)
@@ -124,8 +127,7 @@ class Trainer:
         self.clock.mark("build")
         dp_rank, dp_size = resolved.layout.dp_coords(rank)
         self.loader, eval_data = make_data(resolved, dp_rank, dp_size, device=device, rank=rank)
-        if self.loader.instruct:
-            self.loss_fn = masked_cross_entropy
+        self.dp_size = dp_size
         self.evaluator = Evaluator(self, eval_data) if eval_data is not None else None  # train/evaluate.py
         self.clock.mark("data")
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
@@ -146,8 +148,19 @@ class Trainer:
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-microbatch loss pre-divided so the summed gradients are the global mean's."""
-        loss = self.loss_fn(logits, targets) * self.loss_scale
+        if self.token_weight is not None:
+            loss = masked_sum(logits, targets) * self.token_weight
+        else:
+            loss = cross_entropy(logits, targets) * self.loss_scale
         return loss * float("nan") if self._poison else loss  # DSLURM_FAULT_NAN
+
+    def weigh_tokens(self, targets: torch.Tensor) -> None:
+        """Instruction data: token_weight = dp / the trained targets of this global batch (one
+        all-reduce of this rank's count; ranks of one dp coordinate read the same batch)."""
+        n = (targets != IGNORE).sum().float()
+        dist.all_reduce(n)
+        total = n.item() / (self.dims.world_size // self.dp_size)
+        self.token_weight = self.dp_size / max(total, 1.0)
 
     def _loss_context(self) -> Any:
         """Vocab-sharded logits (loss parallel, tp > 1): cross-entropy must run in this context."""
@@ -197,6 +210,8 @@ class Trainer:
             position = self._position()
             self._poison = faults.poisoned(position, self.train.global_batch, self._fault_nan)
             inputs, targets, *docs = self.loader.next_batch()
+            if self.loader.instruct:
+                self.weigh_tokens(targets)
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets, *docs)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):

@@ -67,13 +67,15 @@ def to_tensors(w: Windows, device: Any) -> tuple[Any, Any, Any]:
     return inputs, targets, docs
 
 
-def masked_cross_entropy(logits: Any, targets: Any) -> Any:
-    """Mean loss over the trained (not IGNORE) targets; 0, not NaN, for a micro-batch with none
-    (a window of prompts only). Works on DTensor logits under `loss_parallel()`."""
+def masked_sum(logits: Any, targets: Any) -> Any:
+    """The summed loss of the trained (not IGNORE) targets (0 for a micro-batch of prompts only).
+    The trainer divides by the global batch's trained targets (`Trainer.weigh_tokens`), so the
+    gradient is the same token mean whatever the layout cuts into micro-batches and ranks. Works
+    on DTensor logits under `loss_parallel()`."""
     import torch.nn.functional as F
-    flat = targets.flatten(0, 1)
-    total = F.cross_entropy(logits.flatten(0, 1).float(), flat, ignore_index=IGNORE, reduction="sum")
-    return total / (flat != IGNORE).sum().clamp(min=1)
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE,
+                           reduction="sum")
 
 
 def queue_docs(parts: list[Any], docs: Any | None, microbatches: int) -> None:

@@ -137,9 +137,9 @@ def test_targets_skip_the_prompts_and_a_window_of_prompts_only_has_loss_zero():
     assert inputs.tolist() == [[5, 6, 7, 8]] and targets.tolist() == [[packing.IGNORE, 7, 8, packing.IGNORE]]
     assert docs.tolist() == [[1, 1, 1, 2]]
     logits = torch.randn(1, 4, 10)
-    want = torch.nn.functional.cross_entropy(logits[0, 1:3], targets[0, 1:3])
-    assert torch.allclose(packing.masked_cross_entropy(logits, targets), want)
-    assert packing.masked_cross_entropy(logits, torch.full((1, 4), packing.IGNORE)).item() == 0.0
+    want = torch.nn.functional.cross_entropy(logits[0, 1:3], targets[0, 1:3], reduction="sum")
+    assert torch.allclose(packing.masked_sum(logits, targets), want)
+    assert packing.masked_sum(logits, torch.full((1, 4), packing.IGNORE)).item() == 0.0
 
 
 def test_a_packed_example_sees_nothing_of_the_one_before_it():
