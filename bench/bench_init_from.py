@@ -1,15 +1,16 @@
 """`model.init_from` load time against a raw read of the same safetensors bytes, and the peak memory
-a rank gains while it loads its slice, in one process, one ~300 MB Hugging Face directory.
+a rank gains while it loads its slice, in one process, one 629 MB Hugging Face directory.
 
-    .venv/bin/python bench/bench_init_from.py [--dir /tmp/dslurm-bench-init-from] [--reps 3]
+    .venv/bin/python bench/bench_init_from.py [--dir /tmp/dslurm-bench-init-from] [--reps 3] [--threads 1]
 
-The directory (a Llama of dim 1024, 8 layers, vocab 32768, fp32, in 4 safetensors shards with the
-index and config.json, written once) is what transformers' save_pretrained writes. Each repetition
+The directory (a Llama of dim 1024, 8 layers, vocab 32768, fp32, 629 MB in 4 safetensors shards
+with the index and config.json, written once) is what transformers' save_pretrained writes. Each repetition
 runs, in alternating order, after os.sync() and for the cold rows posix_fadvise(DONTNEED) on every
 file (the bytes come from the disk):
   raw        read every safetensors file once, 8 MiB reads, discarded (`cat > /dev/null`)
   init_from  dslurm.checkpoint.init_from.load into the whole model (one process holds all of it):
-             header checks, every tensor pread into its parameter, q/k rows reordered
+             header checks, every tensor pread straight into its parameter, q/k rows read
+             into a buffer, reordered and copied
 Ratio per repetition, then the median: init_from / raw (goal <= 1.5).
 
 Memory: the boxes rank r of an FSDP 4 x TP 2 layout holds (column-parallel weights cut by rows for
@@ -132,7 +133,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/dslurm-bench-init-from"))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as each worker of "
+                    "the tests runs: OMP_NUM_THREADS=1)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     d = make_dir(args.dir)
     mb = sum(p.stat().st_size for p in files(d)) / 1e6
     model = build_model(SHAPE, 0)

@@ -183,10 +183,12 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the shape, so it never enters a checkpoint.
         self.register_buffer("rope", self._rope(), persistent=False)
-        # Documents of packed instruction data for the forwards to come, one entry per call: how
-        # they reach a pipeline stage, whose forward the schedule calls with hidden states only
-        # (in microbatch order on every stage, whatever the schedule).
-        self.pending_docs: list[torch.Tensor] = []
+        # Documents of packed instruction data, one per microbatch of a pipeline step, and the
+        # microbatch being run: how they reach a stage, whose forward the schedule calls with
+        # hidden states only (train/parallel/pp.py sets `chunk`; its shape inference runs a
+        # forward outside any microbatch, which must take none).
+        self.chunk_docs: list[torch.Tensor] | None = None
+        self.chunk: int | None = None
         self.init_weights()
 
     def _rope(self) -> torch.Tensor:
@@ -218,9 +220,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """`docs` (batch, seq): the example id of every position of packed sequences (attention stays
-        inside an example); None takes the next of `pending_docs`, if any."""
-        if docs is None and self.pending_docs and tokens.device.type != "meta":  # not a shape inference
-            docs = self.pending_docs.pop(0)
+        inside an example); None takes the running microbatch's of `chunk_docs`, if any."""
+        if docs is None and self.chunk is not None and self.chunk_docs:
+            docs = self.chunk_docs[self.chunk]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope, docs=docs)

@@ -80,10 +80,8 @@ def masked_sum(logits: Any, targets: Any) -> Any:
 
 def queue_docs(parts: list[Any], docs: Any | None, microbatches: int) -> None:
     """Hand a pipeline's stages the documents of the microbatches of one `schedule.step`: the
-    schedule splits its inputs along dim 0 with tensor_split and calls each stage in microbatch
-    order (train/model.py `Transformer.pending_docs`)."""
-    if docs is None:
-        return
-    chunks = list(docs.tensor_split(microbatches))
+    schedule splits its inputs along dim 0 with tensor_split, and each stage's forward of microbatch
+    i takes entry i (train/model.py `Transformer.chunk_docs`, train/parallel/pp.py)."""
+    chunks = list(docs.tensor_split(microbatches)) if docs is not None else None
     for part in parts:
-        part.pending_docs.extend(chunks)
+        part.chunk_docs = chunks

@@ -152,19 +152,29 @@ def check_tensors(path: Path, entries: dict[str, Entry], want: dict[str, tuple[s
 # ---------------------------------------------------------------- reading the shards
 
 
-def read_box(e: Entry, offset: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+def _bytes(t: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor, writable in place (any dtype, bf16 included)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data
+
+
+def read_box(e: Entry, offset: tuple[int, ...], size: tuple[int, ...], into: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """The box [offset, offset + size) of one tensor. A box of whole rows (dim 0 cut only) is one
-    pread into the returned tensor's own memory; otherwise rows are read in blocks of at most
-    BLOCK_BYTES, each cut to the box's other dims at once."""
+    pread straight into `into` (a contiguous CPU tensor of the file's dtype: the parameter's own
+    memory, so the bytes are copied once, by the kernel) or into a new tensor; otherwise rows are
+    read in blocks of at most BLOCK_BYTES, each cut to the box's other dims at once."""
     dtype = _DTYPES[e.dtype]
     item = torch.empty((), dtype=dtype).element_size()
     row = item * (int(torch.Size(e.shape[1:]).numel()) if len(e.shape) > 1 else 1)
     fd = os.open(e.file, os.O_RDONLY)
     try:
         if tuple(size[1:]) == tuple(e.shape[1:]):
-            buf = bytearray(size[0] * row)
-            _pread_into(fd, buf, e.begin + offset[0] * row, e.file)
-            return torch.frombuffer(buf, dtype=dtype).view(size) if buf else torch.empty(size, dtype=dtype)
+            direct = (into is not None and into.device.type == "cpu" and into.dtype == dtype
+                      and into.is_contiguous() and tuple(into.shape) == tuple(size))
+            out = into if direct and into is not None else torch.empty(size, dtype=dtype)
+            if out.numel():
+                _pread_into(fd, _bytes(out), e.begin + offset[0] * row, e.file)
+            return out
         inner = tuple(slice(o, o + s) for o, s in zip(offset[1:], size[1:]))
         out = torch.empty(size, dtype=dtype)
         per = max(1, BLOCK_BYTES // max(row, 1))
@@ -178,7 +188,7 @@ def read_box(e: Entry, offset: tuple[int, ...], size: tuple[int, ...]) -> torch.
         os.close(fd)
 
 
-def _pread_into(fd: int, buf: bytearray, start: int, path: Path) -> None:
+def _pread_into(fd: int, buf: Any, start: int, path: Path) -> None:
     view, done = memoryview(buf), 0
     while done < len(buf):
         got = os.preadv(fd, [view[done:]], start + done)
@@ -188,11 +198,13 @@ def _pread_into(fd: int, buf: bytearray, start: int, path: Path) -> None:
         done += got
 
 
-def read_local(e: Entry, offset: tuple[int, ...], size: tuple[int, ...], heads: int | None) -> torch.Tensor:
-    """This shard's box of a built-in tensor; q/k rows (heads given) are read as whole heads in HF's
-    order, reordered to interleaved pairs, then cut to the box."""
+def read_local(e: Entry, offset: tuple[int, ...], size: tuple[int, ...], heads: int | None,
+               into: torch.Tensor | None = None) -> torch.Tensor:
+    """This shard's box of a built-in tensor (read into `into` where it can be: `read_box`); q/k
+    rows (heads given) are read as whole heads in HF's order, reordered to interleaved pairs, then
+    cut to the box."""
     if heads is None or size[0] == 0:
-        return read_box(e, offset, size)
+        return read_box(e, offset, size, into)
     head_dim = e.shape[0] // heads
     first, end = hf_layout.head_span(offset[0], offset[0] + size[0], head_dim)
     rows = read_box(e, (first * head_dim, *offset[1:]), ((end - first) * head_dim, *size[1:]))
@@ -245,8 +257,9 @@ def load(path: Path, shape: ModelShape, parts: list[torch.nn.Module]) -> Loaded:
             for name, p in part.named_parameters():
                 src, heads = want[canonical(name)]
                 local, offset, size = local_box(p)
-                t = read_local(entries[src], offset, size, heads)
-                local.copy_(t)
+                t = read_local(entries[src], offset, size, heads, into=local)
+                if t is not local:  # another dtype, a GPU, a column shard, reordered q/k rows
+                    local.copy_(t)
                 out.tensors += 1
                 out.bytes_read += t.numel() * t.element_size()
                 out.shard_bytes += local.numel() * local.element_size()

@@ -127,6 +127,8 @@ def format_info(info: tk.TokenFileInfo) -> str:
     if info.tokenizer_hash:
         lines.append(f"tokenizer   sha256 {info.tokenizer_hash[:16]}  bos_id {info.bos_id}  "
                      f"eos_id {info.eos_id}")
+    if info.packed_seq_len:
+        lines.append(f"instruct    examples packed for seq_len {info.packed_seq_len}, with loss_mask and doc_start")
     if info.seq_len:
         lines.append(f"samples     {info.samples(info.seq_len):,} windows of {info.seq_len}+1 tokens")
     return "\n".join(lines)

@@ -74,6 +74,7 @@ def test_messages_train_only_the_assistants_turns_with_their_end_tokens(tmp_path
             {"role": "user", "content": TEXT[2]}, {"role": "assistant", "content": TEXT[3]}]
     f, tokens, mask, start = _tokenize(tmp_path, tok_dir, [{"messages": conv}], seq_len=64)
     assert f.info.packed_seq_len == 64 and start[0] == 1
+    assert "instruct    examples packed for seq_len 64" in data_cli.format_info(f.info)
     doc = tokens[:int(np.flatnonzero(start)[1]) if start[1:].any() else len(tokens)]
     rendered = instruct.renderer(TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"}, "t")(conv, False)
     assert _decode(tok_dir, doc) == rendered  # the pieces tokenized apart join to the whole conversation
