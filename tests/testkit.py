@@ -222,3 +222,43 @@ def run_bench(name: str, args: list[str], tmp: Path, timeout: float = 420) -> su
     argv = [sys.executable, str(root / "bench" / name), *[str(tmp / "bench") if a == "TMP" else a for a in args]]
     return subprocess.run(argv, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
                           text=True, timeout=timeout)
+
+
+CHAT_SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_WORDS = "the cat sat on a mat and dog ran over hill one two three four five six seven".split()
+
+
+def chat_tokenizer(folder: Any) -> Any:
+    """A byte-level BPE of 300 tokens trained here, saved with a tokenizer_config.json that holds a
+    chat template (a model folder's layout); the folder."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(CHAT_WORDS)] * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=CHAT_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+def conversations(n: int) -> list[list[dict[str, str]]]:
+    """n short deterministic chats (system, user, assistant) over CHAT_WORDS."""
+    w = CHAT_WORDS
+    out = []
+    for i in range(n):
+        q = " ".join(w[(i + k) % len(w)] for k in range(3 + i % 4))
+        a = " ".join(w[(2 * i + k) % len(w)] for k in range(4 + i % 5))
+        out.append([{"role": "system", "content": "answer"}, {"role": "user", "content": q},
+                    {"role": "assistant", "content": a}])
+    return out

@@ -47,6 +47,7 @@ import numpy as np
 
 from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
+from train import packing
 from train.order import ORDER, Permutation, mix_key, warn_order
 from train.reader import Prefetcher, read_windows, staging_dtype
 from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, held_out_split
@@ -264,6 +265,12 @@ class TokenLoader:
         self.prefetch = prefetch
         self.fields = {k: np.dtype(v) for k, v in (fields or {DATASET: staging_dtype(self.sources)}).items()}
         self._pre: Prefetcher | None = None
+        # instruction data: batches carry a loss mask and documents (train/packing.py), read as
+        # fields over the same windows as the tokens
+        self.instruct = packing.detect(self.sources, seq_len) if hasattr(self.sources[0], "files") else False
+        if self.instruct:
+            self.fields.update({name: np.result_type(*[s.dtype_of(name) for s in self.sources])
+                                for name in packing.FIELDS})
 
     @property
     def local_batch(self) -> int:
@@ -304,17 +311,22 @@ class TokenLoader:
         self.read_arrays(ids, alloc)
         return pinned
 
-    def to_tensors(self, windows_np: Any) -> tuple[Any, Any]:
-        """(inputs, targets) int64 [n, seq_len] from windows [n, seq_len+1] of any integer dtype."""
+    def to_tensors(self, batch: Any) -> tuple[Any, ...]:
+        """(inputs, targets) int64 [n, seq_len] from a batch's windows [n, seq_len+1] of any integer
+        dtype (an array, or `read_arrays`' fields); instruction data adds its docs (train/packing.py)."""
         import torch  # lazy: the data module is imported by torch-free tools too
 
-        windows = torch.from_numpy(windows_np) if isinstance(windows_np, np.ndarray) else windows_np
+        if isinstance(batch, dict):
+            if self.instruct:
+                return packing.to_tensors(batch, self.device)
+            batch = batch[DATASET]
+        windows = torch.from_numpy(batch) if isinstance(batch, np.ndarray) else batch
         if str(self.device) != "cpu":  # one copy of the compact windows (from pinned memory: async)
             windows = windows.to(self.device, non_blocking=windows.is_pinned())
         # widened while cut: one pass each, dense rows (kernels want them)
         return windows[:, :-1].long().contiguous(), windows[:, 1:].long().contiguous()
 
-    def next_batch(self) -> tuple[Any, Any]:
+    def next_batch(self) -> tuple[Any, ...]:
         if self.prefetch and self._pre is None:
             self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
         position = int(self.sampler.stream_position)
@@ -329,7 +341,7 @@ class TokenLoader:
             if staged is None:
                 self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
         batch = staged if staged is not None else self._stage(ids)
-        return self.to_tensors(batch[DATASET])
+        return self.to_tensors(batch)
 
     def close(self) -> None:
         """Stop the background reader (if any); the next batch starts it again."""
@@ -362,10 +374,10 @@ class EvalData:
     def batches(self) -> int:
         return int(self.ids.shape[0])
 
-    def batch(self, b: int) -> tuple[Any, Any]:
+    def batch(self, b: int) -> tuple[Any, ...]:
         """(inputs, targets) of this rank's share of eval batch b."""
         per = self.ids.shape[1] // self.dp_size
-        return self.loader.to_tensors(self.loader.read(self.ids[b, self.dp_rank * per:(self.dp_rank + 1) * per]))
+        return self.loader.to_tensors(self.loader.read_arrays(self.ids[b, self.dp_rank * per:(self.dp_rank + 1) * per]))
 
 
 # ------------------------------------------------------------------------- factory

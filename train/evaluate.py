@@ -31,6 +31,7 @@ from dslurm import faults
 from dslurm.observe import events
 from train.data import EvalData
 from train.model import cross_entropy
+from train.packing import masked_sum, queue_docs
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,17 +59,25 @@ class Evaluator:
         every = self.t.train.eval_every
         return bool(every) and step % every == 0
 
-    def _batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's mean token loss of its share (0 on ranks without the last pipeline stage)."""
+    def _batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
+                    docs: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's mean token loss of its share (0 on ranks without the last pipeline stage);
+        `docs`: instruction data's examples (train/packing.py), whose loss is the completions'."""
         t, b = self.t, self.t.built
         total = torch.zeros((), device=t.device)
         accum = t.train.grad_accum
-        for mi, mt in zip(inputs.chunk(accum), targets.chunk(accum)):
+        chunks = docs.chunk(accum) if docs is not None else [None] * accum
+        for mi, mt, md in zip(inputs.chunk(accum), targets.chunk(accum), chunks):
             if b.schedule is None:
-                total += _local(cross_entropy(b.parts[0](mi), mt)).float() / accum
+                out = b.parts[0](mi, md)
+                if t.token_weight is not None:  # instruction data: the batch's token mean (Trainer.weigh_tokens)
+                    total += _local(masked_sum(out, mt) * t.token_weight).float()
+                else:
+                    total += _local(cross_entropy(out, mt)).float() / accum
                 continue
             losses: list[torch.Tensor] = []  # the schedule's loss_fn is pre-scaled by 1/(accum x microbatches)
             kwargs = {"target": mt, "losses": losses} if b.has_last_stage else {}
+            queue_docs(b.parts, md, t.dims.layout.microbatches)
             b.schedule.eval(*((mi,) if b.has_first_stage else ()), **kwargs)
             for loss in losses:
                 total += _local(loss.detach()).float()
@@ -84,8 +93,10 @@ class Evaluator:
         try:
             with torch.no_grad(), t._loss_context(), t.watch.collective("eval"):
                 for i in range(data.batches):
-                    inputs, targets = data.batch(i)
-                    local = self._batch_loss(inputs, targets)
+                    inputs, targets, *docs = data.batch(i)
+                    if docs:
+                        t.weigh_tokens(targets)
+                    local = self._batch_loss(inputs, targets, *docs)
                     if self._fault_stop == step and i == 0:
                         t.stop.stop_requested = True  # as if USR2 arrived during this batch
                     flags = t.stop.local(step)

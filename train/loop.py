@@ -56,6 +56,7 @@ from train.evaluate import Evaluator
 from train.metrics import StepMetrics, format_log_line, gather_rank_steps, peak_for, straggler_event
 from train.model import cross_entropy
 from train.optim import build_optimizers, clip_grad_norm_
+from train.packing import IGNORE, masked_sum, queue_docs
 from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
 from train.profile import make_profiler
@@ -154,6 +155,7 @@ class Trainer:
         self._fault_nan = faults.step_fault("DSLURM_FAULT_NAN")
         self._fault_stall = faults.step_fault("DSLURM_FAULT_DATA_STALL")
         self._reader = BatchReader()  # the batch is read there while this thread watches for a stop
+        self._data_state: dict[str, Any] | None = None  # set by an untaken step: what its stop saves
         self._slow_data = faults.seconds_fault("DSLURM_FAULT_SLOW_DATA")
         self._poison = False
         self.watch: Any = watchdog if watchdog is not None else NO_WATCHDOG
@@ -163,6 +165,10 @@ class Trainer:
         self.step = 0
         # The batch rule (dslurm.config.layout): grad_accum x microbatches equal micro-batches per rank.
         self.loss_scale = 1.0 / (self.train.grad_accum * self.dims.layout.microbatches)
+        # Instruction data (train/packing.py): each micro-batch's summed loss over its completion tokens
+        # times dp / (the step's trained targets in the whole global batch), so every layout's
+        # gradient is the global batch's token mean; set per batch by `weigh_tokens`.
+        self.token_weight: float | None = None
         self.built = build_parts(resolved.shape, job, self.dims, device, loss_fn=self._scaled_loss, fsdp=fsdp)
         self.params = [p for part in self.built.parts for p in part.parameters()]
         self._fault_hooks = stepfaults.install(self.built.parts, lambda: self.step + 1)  # STALL, OOM, SLOW_COMPUTE
@@ -171,6 +177,7 @@ class Trainer:
         self.clock.mark("build")
         dp_rank, dp_size = resolved.layout.dp_coords(rank)
         self.loader, eval_data = make_data(resolved, dp_rank, dp_size, device=device, rank=rank)
+        self.dp_size = dp_size
         self.evaluator = Evaluator(self, eval_data) if eval_data is not None else None  # train/evaluate.py
         self.clock.mark("data")
         self.ledger = Ledger(resolved.run_dir) if rank == 0 else None
@@ -193,8 +200,19 @@ class Trainer:
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-microbatch loss pre-divided so the summed gradients are the global mean's."""
-        loss = cross_entropy(logits, targets) * self.loss_scale
+        if self.token_weight is not None:
+            loss = masked_sum(logits, targets) * self.token_weight
+        else:
+            loss = cross_entropy(logits, targets) * self.loss_scale
         return loss * float("nan") if self._poison else loss  # DSLURM_FAULT_NAN
+
+    def weigh_tokens(self, targets: torch.Tensor) -> None:
+        """Instruction data: token_weight = dp / the trained targets of this global batch (one
+        all-reduce of this rank's count; ranks of one dp coordinate read the same batch)."""
+        n = (targets != IGNORE).sum().float()
+        dist.all_reduce(n)
+        total = n.item() / (self.dims.world_size // self.dp_size)
+        self.token_weight = self.dp_size / max(total, 1.0)
 
     def _loss_context(self) -> Any:
         """Vocab-sharded logits (loss parallel, tp > 1): cross-entropy must run in this context."""
@@ -204,18 +222,23 @@ class Trainer:
 
         return loss_parallel()
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Gradients of the mean loss of this rank's batch; returns the summed scaled losses."""
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                          docs: torch.Tensor | None = None) -> torch.Tensor:
+        """Gradients of the mean loss of this rank's batch; returns the summed scaled losses.
+        `docs`: the examples of packed instruction data (train/packing.py)."""
         total = torch.zeros((), device=self.device)
         b = self.built
-        for mi, mt in zip(inputs.chunk(self.train.grad_accum), targets.chunk(self.train.grad_accum)):
+        n = self.train.grad_accum
+        chunks = docs.chunk(n) if docs is not None else [None] * n
+        for mi, mt, md in zip(inputs.chunk(n), targets.chunk(n), chunks):
             if b.schedule is None:
-                loss = self._scaled_loss(b.parts[0](mi), mt)
+                loss = self._scaled_loss(b.parts[0](mi, md), mt)
                 loss.backward()
                 total += _local(loss.detach())
                 continue
             losses: list[torch.Tensor] = []
             kwargs = {"target": mt, "losses": losses} if b.has_last_stage else {}
+            queue_docs(b.parts, md, self.dims.layout.microbatches)
             b.schedule.step(*((mi,) if b.has_first_stage else ()), **kwargs)
             for loss in losses:
                 total += _local(loss.detach())
@@ -241,11 +264,13 @@ class Trainer:
             snapshot = self.loader.state_dict()
             batch = self._next_batch()
             abandoned = batch is None
-            inputs, targets = batch if batch is not None else self._stand_in()
+            inputs, targets, *docs = batch if batch is not None else self._stand_in()
             if self._slow_data:
                 time.sleep(self._slow_data)  # DSLURM_FAULT_SLOW_DATA
+            if self.loader.instruct:  # every rank, a stand-in too: the count is an all-reduce
+                self.weigh_tokens(targets)
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
-            local_loss = self._forward_backward(inputs, targets)
+            local_loss = self._forward_backward(inputs, targets, *docs)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
             norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
         # Only the ranks holding the last stage contribute a loss (world/pp of them, each a
@@ -283,7 +308,7 @@ class Trainer:
         self.step += 1
         return result
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _next_batch(self) -> tuple[torch.Tensor, ...] | None:
         """This step's batch, read in the reader thread while this thread watches the stop flags:
         a read that stalls (a hung file system, DSLURM_FAULT_DATA_STALL) cannot hold a stop signal
         back. None: a stop came first (the stalled reader is left behind, a new one takes over)."""
@@ -299,17 +324,20 @@ class Trainer:
             raise box.error
         return box.value  # type: ignore[no-any-return]
 
-    def _stand_in(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stand_in(self) -> tuple[torch.Tensor, ...]:
         """Token ids of a batch's shape: this rank still takes part in the step's collectives (its
-        peers may be inside them), whose result no rank applies."""
+        peers may be inside them), whose result no rank applies. Instruction data: one document."""
         z = torch.zeros((self.loader.local_batch, self.resolved.shape.seq_len), dtype=torch.long,
                         device=self.device)
-        return z, z
+        return (z, z, z) if self.loader.instruct else (z, z)
 
     def _untaken(self, snapshot: dict[str, Any], position: int, *, terminated: bool, save_now: bool) -> StepResult:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.loader.load_state_dict(snapshot)  # every rank: the batch is read again on resume
+        # The stop's save records this state, not the loader's: an abandoned reader still inside
+        # its read may advance the loader after this point (its result is never used).
+        self._data_state = snapshot
         lr = self.optimizers[0].param_groups[0]["lr"]
         return StepResult(step=self.step - 1, loss=math.nan, grad_norm=math.nan, lr=lr, stop=True,
                           terminated=terminated, position=position, save_now=save_now, taken=False)
@@ -333,14 +361,15 @@ class Trainer:
                            ledger=self.ledger, layout=self.resolved.layout.degrees(),
                            config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
                                                          "train": dataclasses.asdict(job.train)}),
-                           model_shape=dataclasses.asdict(self.resolved.shape))
+                           model_shape=self.resolved.shape.record())
 
     def _save(self, blocking: bool) -> None:
         if self.ckpt is not None:
             self.watch.expect_long()
             with self.metrics.phase("checkpoint"), self.watch.collective("checkpoint"):
                 self.ckpt.save(self.step, train_state(self.built.parts, self.optimizers),
-                               {"data": self.loader.state_dict(), "skip_positions": sorted(self.skip_positions)},
+                               {"data": self._data_state if self._data_state is not None else self.loader.state_dict(),
+                                "skip_positions": sorted(self.skip_positions)},
                                blocking=blocking)
 
     def _save_final(self) -> None:

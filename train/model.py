@@ -1,8 +1,10 @@
 """A Llama-style decoder built from `dslurm.config.models.ModelShape`.
 
 RMSNorm, rotary position embeddings (RoPE), SwiGLU feed-forward and grouped-query
-attention, with untied input embedding and output projection (what `ModelShape.num_params`
-counts). Written for the parallel wrappers in `train/parallel/`:
+attention (what `ModelShape.num_params` counts). The families of dslurm/config/families.py
+differ only in a few switches of the shape: q/k/v biases (Qwen2), an RMSNorm on each q/k head
+before RoPE (Qwen3), Llama 3.1's scaled RoPE frequencies, a sliding attention window (Mistral),
+a tied output projection. Written for the parallel wrappers in `train/parallel/`:
 
 - layers live in a `ModuleDict` keyed by the layer index ("0", "1", ...), so a pipeline
   stage can delete the layers it does not own and the remaining parameter names are those
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dslurm.config.models import ModelShape
+from dslurm.config.models import ModelShape, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -41,13 +43,31 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cache(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
+def rope_freqs(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """The inverse frequencies, scaled as transformers' modeling_rope_utils does for rope_type
+    llama3 (long wavelengths slowed by `factor`, a smooth blend between) and linear."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return freqs
+    if scaling.rope_type == "linear":
+        return freqs / scaling.factor
+    old, factor = scaling.original_max_position_embeddings, scaling.factor
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / factor, freqs)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cache(head_dim: int, seq_len: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """cos/sin table of shape (seq_len, head_dim // 2, 2) for interleaved-pair RoPE.
 
     Real-valued rather than complex: complex tensors do not mix well with DTensor and
     torch.compile, and a real table is trivially sliced per sequence shard.
     """
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = rope_freqs(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
@@ -63,32 +83,59 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention: n_kv_heads key/value heads shared by n_heads queries."""
+    """Causal grouped-query attention: n_kv_heads key/value heads shared by n_heads queries.
+    A sliding window (Mistral) and the documents of a packed sequence (`docs`: (batch, seq)
+    document ids) narrow the keys each query sees (`attention_mask`); the mask is built here,
+    where the sequence is whole even under sequence parallel."""
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.head_dim = shape.head_dim
         self.n_rep = shape.n_heads // shape.n_kv_heads
         kv = shape.n_kv_heads * shape.head_dim
-        self.wq = nn.Linear(shape.dim, shape.n_heads * shape.head_dim, bias=False)
-        self.wk = nn.Linear(shape.dim, kv, bias=False)
-        self.wv = nn.Linear(shape.dim, kv, bias=False)
+        self.wq = nn.Linear(shape.dim, shape.n_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.wk = nn.Linear(shape.dim, kv, bias=shape.qkv_bias)
+        self.wv = nn.Linear(shape.dim, kv, bias=shape.qkv_bias)
         self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.dim, bias=False)
+        # Qwen3: each head's q and k normalised over head_dim before RoPE (weights in the
+        # interleaved-pair order of the rows they scale: dslurm/checkpoint/hf_layout.py).
+        self.q_norm = RMSNorm(shape.head_dim, shape.norm_eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, shape.norm_eps) if shape.qk_norm else None
+        self.window = shape.sliding_window
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         bs, seq, _ = x.shape
+        mask = attention_mask(seq, self.window, docs, x.device)
         # -1 heads: under TP each rank holds n_heads/tp query and n_kv_heads/tp kv heads.
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         # Repeat kv heads so each query head has its group's kv (consecutive query heads
         # share one kv head; TP column shards keep whole groups because tp | n_kv_heads).
         k = k.repeat_interleave(self.n_rep, dim=2)
         v = v.repeat_interleave(self.n_rep, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+                                             attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+def attention_mask(seq: int, window: int | None, docs: torch.Tensor | None = None,
+                   device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The keys each query may see (True), or None for plain causal attention: causal, within
+    `window` positions (q - k < window, as transformers' sliding_window), and with `docs`
+    (batch, seq) document ids of a packed sequence, inside its own document only."""
+    if (window is None or window >= seq) and docs is None:
+        return None
+    i = torch.arange(seq, device=device)
+    mask = i[:, None] >= i[None, :]
+    if window is not None and window < seq:
+        mask = mask & (i[:, None] - i[None, :] < window)
+    if docs is None:
+        return mask
+    return (mask & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
 class FeedForward(nn.Module):
@@ -115,8 +162,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
         self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        # docs as a keyword: TP's PrepareModuleInput lays out the positional (x, rope) only
+        h = x + self.attention(self.attention_norm(x), rope, docs=docs)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -131,10 +179,21 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(shape, i) for i in range(shape.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(shape.dim, shape.norm_eps)
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:  # one Parameter in two modules (pp 1 only: dslurm/config/layout.py)
+            self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the shape, so it never enters a checkpoint.
-        self.register_buffer("rope", rope_cache(shape.head_dim, shape.seq_len, shape.rope_theta),
-                             persistent=False)
+        self.register_buffer("rope", self._rope(), persistent=False)
+        # Documents of packed instruction data, one per microbatch of a pipeline step, and the
+        # microbatch being run: how they reach a stage, whose forward the schedule calls with
+        # hidden states only (train/parallel/pp.py sets `chunk`; its shape inference runs a
+        # forward outside any microbatch, which must take none).
+        self.chunk_docs: list[torch.Tensor] | None = None
+        self.chunk: int | None = None
         self.init_weights()
+
+    def _rope(self) -> torch.Tensor:
+        s = self.shape
+        return rope_cache(s.head_dim, s.seq_len, s.rope_theta, s.rope_scaling)
 
     def init_weights(self) -> None:
         """Deterministic init given the torch seed (normal 0.02, depth-scaled output projections,
@@ -146,21 +205,27 @@ class Transformer(nn.Module):
             for name, p in block.named_parameters():
                 if name.endswith("norm.weight"):
                     nn.init.ones_(p)
+                elif name.endswith("bias"):
+                    nn.init.zeros_(p)
                 else:
                     std = std_out if name.endswith(("wo.weight", "w2.weight")) else 0.02
                     nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
         if self.norm is not None:
             self.norm.reset_parameters()
-        if self.output is not None:
+        if self.output is not None and not self.shape.tie_embeddings:
             std = self.shape.dim ** -0.5
             nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
         with torch.no_grad():
-            self.rope.copy_(rope_cache(self.shape.head_dim, self.shape.seq_len, self.shape.rope_theta))
+            self.rope.copy_(self._rope())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """`docs` (batch, seq): the example id of every position of packed sequences (attention stays
+        inside an example); None takes the running microbatch's of `chunk_docs`, if any."""
+        if docs is None and self.chunk is not None and self.chunk_docs:
+            docs = self.chunk_docs[self.chunk]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, self.rope, docs=docs)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

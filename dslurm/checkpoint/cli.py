@@ -46,12 +46,15 @@ def _register_export(acts: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         "state is left out. See docs/checkpoint.md, 'Taking the weights out'.")
     e.add_argument("run_dir", type=Path)
     e.add_argument("--generation", "-g", help="name (or unique prefix); default: the pointer's target")
-    e.add_argument("--format", required=True, choices=FORMATS, help="file format of the weights")
-    e.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
+    e.add_argument("--format", choices=FORMATS, help="file format of the weights (required, except with --hf: "
+                   "safetensors)")
+    e.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved; with --hf "
+                   "the dtype of the config.json the run started from, when it had one)")
     e.add_argument("--max-shard-size", metavar="SIZE",
                    help="split into files of at most SIZE (5GB, 500MB, 2GiB), with an index json; default: one file")
-    e.add_argument("--hf-llama", action="store_true",
-                   help="the built-in Llama in the Hugging Face Llama layout, with config.json")
+    e.add_argument("--hf", "--hf-llama", dest="hf", action="store_true",
+                   help="the Hugging Face layout of the model's family (Llama, Mistral, Qwen2, Qwen3), with a "
+                   "config.json that transformers' matching class loads; --hf-llama is the old name")
     e.add_argument("--key", default="model", help="the state entry holding the model (default: model)")
     e.add_argument("-o", "--output", type=Path, required=True,
                    help="new (or empty) directory to create; it appears only once complete")
@@ -194,10 +197,13 @@ def _gc(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from dslurm.checkpoint.export import export, parse_size
     limit = parse_size(args.max_shard_size) if args.max_shard_size is not None else None
+    if args.format is None and not args.hf:
+        raise UserError("ckpt export: --format is required (torch or safetensors; with --hf it defaults to "
+                        "safetensors)")
     name, crc = _resolve(args.run_dir, args.generation)
     con = _console()
-    res = export(ck.generations_dir(args.run_dir) / name, args.output, fmt=args.format, dtype=args.dtype,
-                 max_shard_bytes=limit, hf=args.hf_llama, key=args.key, pointer_crc=crc,
+    res = export(ck.generations_dir(args.run_dir) / name, args.output, fmt=args.format or "safetensors",
+                 dtype=args.dtype, max_shard_bytes=limit, hf=args.hf, key=args.key, pointer_crc=crc,
                  progress=lambda msg: con.print(f"ckpt export: {msg}", highlight=False, soft_wrap=True))
     con.print(f"[green]OK[/green] {res.generation} (step {res.step}): {res.tensors} tensors, "
               f"{_human(res.total_bytes)} in {len(res.files)} file(s) -> {res.out}", soft_wrap=True)

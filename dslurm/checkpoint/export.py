@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import checkpoint as ck
-from dslurm.checkpoint import hf_llama
+from dslurm.checkpoint import hf_layout
+from dslurm.config import families
 from dslurm.config.models import ModelShape
 from dslurm.durable import fsync_dir
 from dslurm.errors import UserError
@@ -105,7 +106,7 @@ class Item:
     shape: tuple[int, ...]
     src_dtype: str  # torch name, e.g. float32
     out_dtype: str
-    heads: int | None = None  # --hf-llama q/k: reorder the rows of this many heads
+    heads: int | None = None  # --hf q/k: reorder the rows of this many heads
 
     @property
     def out_bytes(self) -> int:
@@ -116,19 +117,22 @@ class Item:
 def plan_items(entries: dict[str, tuple[tuple[int, ...], str]], key: str, dtype: str | None,
                shape: ModelShape | None) -> list[Item]:
     """What to write, in output order, from the generation's tensor entries {key: (shape, dtype)}
-    under `key` (e.g. model.layers.0.attention.wq.weight). `shape` given: the HF Llama layout."""
+    under `key` (e.g. model.layers.0.attention.wq.weight). `shape` given: the HF layout of its family
+    (a tied output projection, saved under both names, written once as the embedding)."""
     prefix = f"{key}."
     names = {k[len(prefix):]: k for k in entries if k.startswith(prefix)}
+    if shape is not None and shape.tie_embeddings:
+        names.pop("output.weight", None)
     if not names:
         tops = sorted({k.split(".", 1)[0] for k in entries})
         raise UserError(f"--key {key}: the generation holds no tensors under {key!r} (it has: "
                         f"{', '.join(tops) or 'none'}); name the entry holding the model with --key")
     if shape is not None:
-        want = hf_llama.expected_names(shape)
+        want = hf_layout.expected_names(shape)
         missing, extra = sorted(set(want) - set(names)), sorted(set(names) - set(want))
         if missing or extra:
-            raise UserError(f"--hf-llama: the saved model is not the built-in Llama of {shape}: "
-                            f"missing {missing[:5]}, unexpected {extra[:5]}; export without --hf-llama")
+            raise UserError(f"--hf: the saved model is not the built-in {shape.family} of {shape}: "
+                            f"missing {missing[:5]}, unexpected {extra[:5]}; export without --hf")
     items = []
     for name, full in names.items():
         dims, src = entries[full]
@@ -136,7 +140,7 @@ def plan_items(entries: dict[str, tuple[tuple[int, ...], str]], key: str, dtype:
         if shape is None:
             items.append(Item(name, full, dims, src, out))
         else:
-            items.append(Item(hf_llama.hf_name(name), full, dims, src, out, hf_llama.rope_heads(name, shape)))
+            items.append(Item(hf_layout.hf_name(name), full, dims, src, out, hf_layout.rope_heads(name, shape)))
     return sorted(items, key=lambda it: natural_key(it.name))
 
 
@@ -192,7 +196,7 @@ def _load(gen: Path, items: list[Item]) -> dict[str, Any]:
     for it in items:
         t = bufs.pop(it.key)
         if it.heads is not None:
-            t = hf_llama.to_half_split(t, it.heads)
+            t = hf_layout.to_half_split(t, it.heads)
         out[it.name] = t.to(getattr(torch, it.out_dtype)).contiguous()
     return out
 
@@ -218,7 +222,8 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
            hf: bool = False, key: str = "model", pointer_crc: str | None = None,
            progress: Callable[[str], None] = lambda _: None) -> ExportResult:
     """Write generation `gen`'s model weights into the new directory `out`. `dtype` is a key of
-    DTYPES (None: as saved). Refuses a generation that fails `dslurm ckpt verify`."""
+    DTYPES (None: as saved; with `hf`, the dtype of the config.json the run started from, when it
+    had one). Refuses a generation that fails `dslurm ckpt verify`."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -232,10 +237,11 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
     shape = None
     if hf:
         if not isinstance(meta.get("model_shape"), dict):
-            raise UserError(f"--hf-llama: {gen / ck.META} records no model_shape; only the built-in "
-                            "trainer's Llama can be mapped (export without --hf-llama)")
-        shape = ModelShape(**meta["model_shape"])
-    items = plan_items(_entries(gen), key, DTYPES[dtype] if dtype else None, shape)
+            raise UserError(f"--hf: {gen / ck.META} records no model_shape; only the built-in "
+                            "trainer's model can be mapped (export without --hf)")
+        shape = ModelShape.from_record(meta["model_shape"])
+    out_dtype = DTYPES[dtype] if dtype else (shape.dtype if shape is not None else None)
+    items = plan_items(_entries(gen), key, out_dtype, shape)
     shards = plan_shards([(it.name, it.out_bytes) for it in items], max_shard_bytes)
     files = file_names(fmt, len(shards))
     by_name = {it.name: it for it in items}
@@ -249,10 +255,11 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
         if len(files) > 1:
             ck.atomic_write_json(tmp / INDEX[fmt], index_doc(shards, files, total))
         if shape is not None:
-            ck.atomic_write_json(tmp / "config.json", hf_llama.hf_config(shape, items[0].out_dtype))
+            ck.atomic_write_json(tmp / "config.json", families.hf_config(shape, items[0].out_dtype))
         ck.atomic_write_json(tmp / INFO, {
             "generation": gen.name, "step": meta.get("step"), "run_dir": str(gen.parent.parent.resolve()),
-            "format": fmt, "dtype": dtype or "as saved", "layout": "hf-llama" if hf else "built-in",
+            "format": fmt, "dtype": dtype or out_dtype or "as saved",
+            "layout": f"hf-{shape.family}" if shape is not None else "built-in",
             "key": key, "files": files, "tensors": len(items), "total_size": total})
         fsync_dir(tmp)
         os.rename(tmp, out)  # replaces an empty `out` directory; one step from nothing to complete

@@ -1,10 +1,12 @@
 """`model.init_from`: a fresh run starts from published weights, each rank reading only its shard.
 
-The directory is a Hugging Face Llama one (config.json, model.safetensors or numbered shards with
-model.safetensors.index.json) or a `dslurm ckpt export --format safetensors` output (with
---hf-llama it is the former; without, the tensors carry the built-in names and there is no
-config.json). Used only when the restore found no generation: once one exists, resume wins, and
-the ledger's `init_from` event says which happened.
+The directory is a Hugging Face one of a family the built-in decoder runs (Llama, Mistral, Qwen2,
+Qwen3: dslurm/config/families.py; config.json, model.safetensors or numbered shards with
+model.safetensors.index.json) or a `dslurm ckpt export --format safetensors` output (with --hf it
+is the former; without, the tensors carry the built-in names and there is no config.json). The
+job's model shape was read from that config.json when the job was loaded (`ModelSpec.shape`).
+Used only when the restore found no generation: once one exists, resume wins, and the ledger's
+`init_from` event says which happened.
 
 Before anything is read, every rank checks the same things (so all of them fail together, before
 any collective): config.json against the job's model shape (every differing field named, exit 2),
@@ -17,7 +19,7 @@ byte range, then the raw data): safetensors' own `get_slice` maps the file, and 
 touches every page of the tensor, which counts in the rank's resident memory. Rows are read in
 blocks of at most BLOCK_BYTES, so a column shard costs its own bytes plus one block. q/k rows are
 read as whole heads in HF's half-split order and put back into interleaved pairs
-(hf_llama.from_half_split), then cut to the shard's rows.
+(hf_layout.from_half_split), then cut to the shard's rows; so are q/k biases and q/k norm weights.
 """
 
 from __future__ import annotations
@@ -33,18 +35,18 @@ from typing import Any
 
 import torch
 
-from dslurm.checkpoint import hf_llama
+from dslurm.checkpoint import hf_layout
+from dslurm.config import families
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
 from dslurm.observe import events
 
 log = logging.getLogger(__name__)
-CONFIG = "config.json"
+CONFIG = families.CONFIG
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 BLOCK_BYTES = 8 << 20  # one read of a column shard's rows; the fixed part of a rank's load memory
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_CFG_KEY = {fld: key for key, fld in hf_llama.CONFIG_FIELDS} | {"seq_len": "max_position_embeddings"}
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, compile
 
 
@@ -63,29 +65,19 @@ class Entry:
 
 
 def shape_message(where: Path, shape: ModelShape, differ: dict[str, Any], other: list[str]) -> str:
-    """The exit-2 message of a config.json that does not fit the job: every differing field, with
-    the job's value, the config's, and the `model:` lines that would make them agree."""
-    parts = [f"model.{f}: the job has {getattr(shape, f)}, {CONFIG} has {_CFG_KEY[f]}={v!r}"
+    """The exit-2 message of a config.json that does not fit the job's model (changed since the job
+    was loaded, or a model the built-in decoder cannot run): every differing field, both values."""
+    parts = [f"model.{f}: the job has {getattr(shape, f)}, {CONFIG} has {families.KEY_OF[f]}={v!r}"
              for f, v in differ.items()]
-    msg = f"model.init_from {where}: {CONFIG} does not match the job's model: " + "; ".join(parts + other)
-    if differ and not other:
-        fix = ", ".join(f"{f}: {v}" for f, v in differ.items()
-                        if f != "seq_len" and isinstance(v, (int, float)))
-        if "seq_len" in differ:
-            fix += f"{', ' if fix else ''}seq_len: at most {differ['seq_len']}"
-        return msg + f". Fix: set in the job's model: {fix} (or point model.init_from at weights of this shape)"
-    return msg + ". Fix: point model.init_from at a Llama the built-in model can run"
+    return (f"model.init_from {where}: {CONFIG} does not match the job's model: " + "; ".join(parts + other)
+            + f". Fix: drop the model's shape fields from the job (they then come from {CONFIG}), or point "
+            "model.init_from at the weights the job was written for")
 
 
-def wanted(shape: ModelShape, hf: bool, tied: bool = False) -> dict[str, tuple[str, int | None]]:
+def wanted(shape: ModelShape, hf: bool) -> dict[str, tuple[str, int | None]]:
     """Built-in parameter name -> (its name in the files, heads whose q/k rows are in HF's order)."""
-    out: dict[str, tuple[str, int | None]] = {}
-    for name in hf_llama.expected_names(shape):
-        src = hf_llama.hf_name(name) if hf else name
-        if hf and tied and name == "output.weight":
-            src = hf_llama.hf_name("tok_embeddings.weight")  # tie_word_embeddings: one matrix for both
-        out[name] = (src, hf_llama.rope_heads(name, shape) if hf else None)
-    return out
+    return {name: (hf_layout.hf_name(name) if hf else name, hf_layout.rope_heads(name, shape) if hf else None)
+            for name in hf_layout.expected_names(shape)}
 
 
 def canonical(name: str) -> str:
@@ -139,7 +131,7 @@ def check_tensors(path: Path, entries: dict[str, Entry], want: dict[str, tuple[s
     """Every tensor the model needs, present with its full shape and a floating dtype."""
     from dslurm.checkpoint.export import natural_key
 
-    full = {n: tuple(int(d) for d in s) for n, s in _full_shapes(shape).items()}
+    full = hf_layout.full_shapes(shape)
     problems = []
     for name, (src, _) in sorted(want.items(), key=lambda kv: natural_key(kv[0])):
         e = entries.get(src)
@@ -157,35 +149,32 @@ def check_tensors(path: Path, entries: dict[str, Entry], want: dict[str, tuple[s
                         "the index), or make the job's model: match the weights' config.json")
 
 
-def _full_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    d, kv = shape.dim, shape.n_kv_heads * shape.head_dim
-    layer = {"attention.wq.weight": (shape.n_heads * shape.head_dim, d), "attention.wk.weight": (kv, d),
-             "attention.wv.weight": (kv, d), "attention.wo.weight": (d, shape.n_heads * shape.head_dim),
-             "feed_forward.w1.weight": (shape.ffn_dim, d), "feed_forward.w3.weight": (shape.ffn_dim, d),
-             "feed_forward.w2.weight": (d, shape.ffn_dim), "attention_norm.weight": (d,), "ffn_norm.weight": (d,)}
-    out = {"tok_embeddings.weight": (shape.vocab_size, d), "norm.weight": (d,),
-           "output.weight": (shape.vocab_size, d)}
-    for i in range(shape.n_layers):
-        out.update({f"layers.{i}.{k}": v for k, v in layer.items()})
-    return out
-
-
 # ---------------------------------------------------------------- reading the shards
 
 
-def read_box(e: Entry, offset: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+def _bytes(t: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor, writable in place (any dtype, bf16 included)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data
+
+
+def read_box(e: Entry, offset: tuple[int, ...], size: tuple[int, ...], into: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """The box [offset, offset + size) of one tensor. A box of whole rows (dim 0 cut only) is one
-    pread into the returned tensor's own memory; otherwise rows are read in blocks of at most
-    BLOCK_BYTES, each cut to the box's other dims at once."""
+    pread straight into `into` (a contiguous CPU tensor of the file's dtype: the parameter's own
+    memory, so the bytes are copied once, by the kernel) or into a new tensor; otherwise rows are
+    read in blocks of at most BLOCK_BYTES, each cut to the box's other dims at once."""
     dtype = _DTYPES[e.dtype]
     item = torch.empty((), dtype=dtype).element_size()
     row = item * (int(torch.Size(e.shape[1:]).numel()) if len(e.shape) > 1 else 1)
     fd = os.open(e.file, os.O_RDONLY)
     try:
         if tuple(size[1:]) == tuple(e.shape[1:]):
-            buf = bytearray(size[0] * row)
-            _pread_into(fd, buf, e.begin + offset[0] * row, e.file)
-            return torch.frombuffer(buf, dtype=dtype).view(size) if buf else torch.empty(size, dtype=dtype)
+            direct = (into is not None and into.device.type == "cpu" and into.dtype == dtype
+                      and into.is_contiguous() and tuple(into.shape) == tuple(size))
+            out = into if direct and into is not None else torch.empty(size, dtype=dtype)
+            if out.numel():
+                _pread_into(fd, _bytes(out), e.begin + offset[0] * row, e.file)
+            return out
         inner = tuple(slice(o, o + s) for o, s in zip(offset[1:], size[1:]))
         out = torch.empty(size, dtype=dtype)
         per = max(1, BLOCK_BYTES // max(row, 1))
@@ -199,7 +188,7 @@ def read_box(e: Entry, offset: tuple[int, ...], size: tuple[int, ...]) -> torch.
         os.close(fd)
 
 
-def _pread_into(fd: int, buf: bytearray, start: int, path: Path) -> None:
+def _pread_into(fd: int, buf: Any, start: int, path: Path) -> None:
     view, done = memoryview(buf), 0
     while done < len(buf):
         got = os.preadv(fd, [view[done:]], start + done)
@@ -209,15 +198,17 @@ def _pread_into(fd: int, buf: bytearray, start: int, path: Path) -> None:
         done += got
 
 
-def read_local(e: Entry, offset: tuple[int, ...], size: tuple[int, ...], heads: int | None) -> torch.Tensor:
-    """This shard's box of a built-in tensor; q/k rows (heads given) are read as whole heads in HF's
-    order, reordered to interleaved pairs, then cut to the box."""
+def read_local(e: Entry, offset: tuple[int, ...], size: tuple[int, ...], heads: int | None,
+               into: torch.Tensor | None = None) -> torch.Tensor:
+    """This shard's box of a built-in tensor (read into `into` where it can be: `read_box`); q/k
+    rows (heads given) are read as whole heads in HF's order, reordered to interleaved pairs, then
+    cut to the box."""
     if heads is None or size[0] == 0:
-        return read_box(e, offset, size)
+        return read_box(e, offset, size, into)
     head_dim = e.shape[0] // heads
-    first, end = hf_llama.head_span(offset[0], offset[0] + size[0], head_dim)
+    first, end = hf_layout.head_span(offset[0], offset[0] + size[0], head_dim)
     rows = read_box(e, (first * head_dim, *offset[1:]), ((end - first) * head_dim, *size[1:]))
-    interleaved: torch.Tensor = hf_llama.from_half_split(rows, end - first)
+    interleaved: torch.Tensor = hf_layout.from_half_split(rows, end - first)
     skip = offset[0] - first * head_dim
     return interleaved[skip:skip + size[0]]
 
@@ -249,19 +240,16 @@ class Loaded:
 def load(path: Path, shape: ModelShape, parts: list[torch.nn.Module]) -> Loaded:
     """Check the directory against the job's model, then fill this rank's parameters from it."""
     t0 = time.monotonic()
-    tied = False
     if (path / CONFIG).is_file():
-        cfg = json.loads((path / CONFIG).read_text())
-        differ, other = hf_llama.config_problems(cfg, shape)
+        differ, other = families.config_problems(families.read_config(path, f"model.init_from {path}"), shape)
         if differ or other:
             raise UserError(shape_message(path, shape, differ, other))
-        tied = bool(cfg.get("tie_word_embeddings", False))
     entries = open_dir(path)
     hf = any(k.startswith("model.") for k in entries)
     if hf and not (path / CONFIG).is_file():
         raise UserError(f"model.init_from {path}: Hugging Face tensor names but no {CONFIG}; fix: copy the "
                         "model's config.json into the directory (its shape is checked against the job's)")
-    want = wanted(shape, hf, tied and "lm_head.weight" not in entries)
+    want = wanted(shape, hf)
     check_tensors(path, entries, want, shape)
     out = Loaded()
     with torch.no_grad():
@@ -269,8 +257,9 @@ def load(path: Path, shape: ModelShape, parts: list[torch.nn.Module]) -> Loaded:
             for name, p in part.named_parameters():
                 src, heads = want[canonical(name)]
                 local, offset, size = local_box(p)
-                t = read_local(entries[src], offset, size, heads)
-                local.copy_(t)
+                t = read_local(entries[src], offset, size, heads, into=local)
+                if t is not local:  # another dtype, a GPU, a column shard, reordered q/k rows
+                    local.copy_(t)
                 out.tensors += 1
                 out.bytes_read += t.numel() * t.element_size()
                 out.shard_bytes += local.numel() * local.element_size()

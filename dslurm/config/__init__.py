@@ -7,14 +7,18 @@ processes per node, world size, the parallel layout), once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dslurm.config import families
 from dslurm.config.container import ContainerSpec
+from dslurm.config.families import DEFAULT_SEQ_LEN
 from dslurm.config.models import PRESETS, ModelShape, shape_from
 from dslurm.config.schema import FieldError, Where, apply_overrides, build, field, load_yaml
 from dslurm.errors import UserError
@@ -145,24 +149,52 @@ class SiteConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelSpec:
-    preset: str = field("tiny", help=f"named shape: {', '.join(PRESETS)}")
+    preset: str | None = field(None, help=f"named shape: {', '.join(PRESETS)}; default tiny, or with init_from "
+                                          "the shape of its config.json")
     dim: int | None = field(None, help="override the preset's hidden size")
     n_layers: int | None = field(None, help="override the number of layers")
     n_heads: int | None = field(None, help="override attention heads")
     n_kv_heads: int | None = field(None, help="override key/value heads (GQA)")
     ffn_dim: int | None = field(None, help="override the SwiGLU hidden size")
     vocab_size: int | None = field(None, help="override the vocabulary size")
-    seq_len: int | None = field(None, help="override the sequence length")
-    init_from: str | None = field(None, help="start a fresh run from these weights: a Hugging Face Llama directory "
-                                             "(config.json + safetensors) or a `dslurm ckpt export` output; "
+    seq_len: int | None = field(None, help="override the sequence length (with init_from and no preset: "
+                                           f"default min(max_position_embeddings, {DEFAULT_SEQ_LEN}))")
+    init_from: str | None = field(None, help="start a fresh run from these weights: a Hugging Face Llama, Mistral, "
+                                             "Qwen2/2.5 or Qwen3 directory (config.json + safetensors; its "
+                                             "config.json gives the shape) or a `dslurm ckpt export` output; "
                                              "a run that has a generation resumes from it instead")
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
+        if self.preset is not None and self.preset not in PRESETS:
             raise FieldError("preset", f"{self.preset!r} is unknown", f"choose one of {', '.join(PRESETS)}")
 
+    def stated(self) -> dict[str, Any]:
+        """The shape fields this job states: its preset's (when it names one), then its own."""
+        base = dataclasses.asdict(PRESETS[self.preset]) if self.preset is not None else {}
+        base = {k: base[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                                     "seq_len", "rope_theta", "norm_eps") if k in base}
+        own = {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                                             "seq_len")}
+        return base | {k: v for k, v in own.items() if v is not None}
+
     def shape(self) -> ModelShape:
-        return shape_from(self.preset, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+        """The model: with init_from and a config.json there, that file's shape (every field the job
+        states must agree, else exit 2 naming each); otherwise the preset with the fields set here."""
+        if self.init_from is not None:
+            path = Path(os.path.expandvars(os.path.expanduser(self.init_from)))
+            if (path / families.CONFIG).is_file():
+                where = f"model.init_from {path}"
+                stated = self.stated()
+                have = families.shape_of(families.read_config(path, where), where, stated.get("seq_len"))
+                limit = dataclasses.replace(have, seq_len=have.max_positions or have.seq_len)
+                if differ := families.differences(limit, stated):
+                    raise UserError(families.mismatch_message(where, stated, differ))
+                return have
+            if self.preset is None and not any(getattr(self, k) is not None for k in ("dim", "n_layers")):
+                raise UserError(f"model.init_from {path}: no {families.CONFIG} there, so the model's shape is "
+                                "unknown. Fix: copy the model's config.json into the directory, or state the shape "
+                                "(model.preset and its fields) for a `dslurm ckpt export` output without --hf")
+        return shape_from(self.preset or "tiny", dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
                           n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                           vocab_size=self.vocab_size, seq_len=self.seq_len)
 
@@ -560,7 +592,11 @@ def load_job(path: str | Path | None = None, overrides: list[str] | None = None,
     job = build(JobSpec, raw, where)
     if job.time is not None:
         parse_time(job.time, where.child("time").label())
-    problems = job.model.shape().problems()
+    try:
+        shape = job.model.shape()  # with model.init_from: its config.json
+    except UserError as exc:
+        raise UserError(f"{source}: {exc}") from None
+    problems = shape.problems()
     if problems:
         raise where.child("model").fail(
             f"{'; '.join(problems)} (preset {job.model.preset!r} with the fields set here)",

@@ -214,6 +214,9 @@ class Layout:
         stages = self.pp * stages_per_rank
         if self.pp > 1 and shape.n_layers < stages:
             out.append(f"n_layers({shape.n_layers}) < pipeline stages({stages})")
+        if self.pp > 1 and shape.tie_embeddings:
+            out.append(f"pp({self.pp}) with tie_word_embeddings: the input embedding and the output projection are "
+                       "one matrix, which a pipeline puts on its first and last stages; use pp 1 for this model")
         return out
 
     def schedule_problem(self, stages_per_rank: int = 1) -> str | None:

@@ -1,12 +1,31 @@
 """Llama-style model shapes: named presets and the arithmetic on them.
 
 Pure and torch-free, so the planner and the CLI can use it; the trainer builds the
-torch module from the same `ModelShape`.
+torch module from the same `ModelShape`. The families a shape can describe (Llama, Mistral,
+Qwen2, Qwen3: the fields after `norm_eps`) and how a Hugging Face config.json maps onto it
+are in `dslurm.config.families`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling:
+    """RoPE frequency scaling of a long-context model (config.json's rope_type and its numbers).
+
+    llama3 (Llama 3.1-3.3): wavelengths below original/high_freq_factor keep their frequency,
+    those above original/low_freq_factor are divided by `factor`, those between are blended;
+    linear: every frequency divided by `factor`."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,10 +39,42 @@ class ModelShape:
     seq_len: int
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    family: str = "llama"
+    """config.json's model_type: llama, mistral, qwen2, qwen3 (dslurm.config.families)"""
+    explicit_head_dim: int | None = None
+    """head_dim when it is not dim / n_heads (Qwen3, Mistral Nemo); None: dim / n_heads"""
+    qkv_bias: bool = False
+    """q/k/v projections with a bias (Qwen2 / Qwen2.5)"""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)"""
+    tie_embeddings: bool = False
+    """the output projection is the input embedding matrix (Llama 3.2 1B/3B, small Qwens)"""
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    """each query attends to at most this many keys, itself included (Mistral v0.1); None: all"""
+    max_positions: int | None = None
+    """config.json's max_position_embeddings (what an export writes back; seq_len is the training length)"""
+    dtype: str | None = None
+    """the published weights' dtype (config.json's torch_dtype): what `ckpt export --hf` writes by default"""
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    def record(self) -> dict[str, Any]:
+        """The shape as a checkpoint's meta.json records it: the fields added for the families
+        only when they differ from their defaults, so a Llama saved before them compares equal."""
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self)[9:]:
+            if getattr(self, f.name) == f.default:
+                del out[f.name]
+        return out
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> ModelShape:
+        """The inverse of `record`."""
+        rope = rec.get("rope_scaling")
+        return cls(**{**rec, "rope_scaling": RopeScaling(**rope) if isinstance(rope, dict) else None})
 
     def problems(self) -> list[str]:
         """What makes this shape unbuildable, with the numbers (empty when fine)."""
@@ -33,7 +84,7 @@ class ModelShape:
                 out.append(f"{name}={getattr(self, name)} must be positive")
         if out:
             return out
-        if self.dim % self.n_heads:
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
             out.append(f"dim({self.dim}) is not divisible by n_heads({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             out.append(f"n_heads({self.n_heads}) is not divisible by n_kv_heads({self.n_kv_heads})")
@@ -42,13 +93,15 @@ class ModelShape:
         return out
 
     def num_params(self, *, include_embedding: bool = True) -> int:
-        """Parameter count: untied input embedding and output projection, no biases."""
-        d, kv = self.dim, self.n_kv_heads * self.head_dim
-        attn = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
+        """Parameter count. Without the embedding: what the matmuls use, so a tied output
+        projection still counts (its matmul runs) while the input lookup does not."""
+        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = 2 * d * q + 2 * d * kv  # wq, wo, wk, wv
+        attn += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         mlp = 3 * d * self.ffn_dim  # SwiGLU: w1, w2, w3
         per_layer = attn + mlp + 2 * d  # two RMSNorm weights
         total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output
-        if include_embedding:
+        if include_embedding and not self.tie_embeddings:
             total += self.vocab_size * d
         return total
 
@@ -61,7 +114,15 @@ class ModelShape:
         """
         t = seq_len or self.seq_len
         n = self.num_params(include_embedding=False)
-        return 6.0 * n + 12.0 * self.n_layers * self.n_heads * self.head_dim * t
+        return 6.0 * n + 12.0 * self.n_layers * self.n_heads * self.head_dim * self.attended(t)
+
+    def attended(self, seq_len: int) -> float:
+        """Mean keys a query attends to, over a causal sequence of seq_len, times 2 (the PaLM
+        term counts the full square; a sliding window shortens it). seq_len without a window."""
+        w = self.sliding_window
+        if w is None or w >= seq_len:
+            return float(seq_len)
+        return 2.0 * (seq_len * w - w * (w - 1) / 2) / seq_len
 
 
 PRESETS: dict[str, ModelShape] = {

@@ -110,6 +110,8 @@ class Resolved:
     time_s: int
     policy: RequeuePolicy
     run_dir: Path
+    shape: ModelShape
+    """the model: the preset and fields of job.model, or model.init_from's config.json (read once, here)"""
 
     @property
     def world_size(self) -> int:
@@ -128,10 +130,6 @@ class Resolved:
     @property
     def time_str(self) -> str:
         return format_time(self.time_s)
-
-    @property
-    def shape(self) -> ModelShape:
-        return self.job.model.shape()
 
 
 def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path: str = "job",
@@ -158,7 +156,8 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
         raise UserError(f"{job_path}: field 'parallel.tp': tp({par.tp}) does not divide processes per "
                         f"node({ppn}), so a TP group would span nodes. Fix: pick a divisor of {ppn}")
     layout.check_device(site.node.gpus > 0, where=f"{job_path}: field 'parallel.cp': ", machine=f"site {site.name!r}")
-    check_model_layout(job.model.shape(), layout, par, job_path)
+    shape = job.model.shape()
+    check_model_layout(shape, layout, par, job_path)
     layout.micro_batch(job.train.global_batch, job.train.grad_accum, where=f"{job_path}: field 'train.global_batch': ")
     if site.node.gpus == 0 and job.train.dtype == "bf16":
         raise UserError(f"{job_path}: field 'train.dtype': bf16 training needs GPUs; site {site.name!r} has "
@@ -180,7 +179,8 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
                         f"below the time limit ({time_s}s). Fix: lower the lead or raise the time")
     return Resolved(
         site=site, job=job, site_path=site_path, job_path=job_path, nnodes=job.nodes,
-        procs_per_node=ppn, layout=layout, time_s=time_s, policy=policy, run_dir=run_dir)
+        procs_per_node=ppn, layout=layout, time_s=time_s, policy=policy, run_dir=run_dir,
+        shape=shape)
 
 
 def run_dir_for(site: SiteConfig, job: JobSpec, base_dir: str | Path | None = None) -> Path:

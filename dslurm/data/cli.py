@@ -4,6 +4,7 @@
     dslurm data tokenize IN OUT [--seq-len L]      (byte level, vocab 256)
     dslurm data tokenize INPUT... --tokenizer T --out DIR [--shards N] [--field F]
                          [--txt-docs blank|file] [--bos TOK] [--eos TOK]
+                         [--instruct [--chat-template FILE] --seq-len L]
                          [--slurm --site S [--concurrency K] [--time T] [--wait]]
     dslurm data info FILE|MANIFEST|DIR
 
@@ -58,7 +59,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=".txt documents: blank-line separated blocks (default) or one per file")
     p.add_argument("--bos", help="token put before every document (besides the post-processor's)")
     p.add_argument("--eos", help="token put after every document (besides the post-processor's)")
-    p.add_argument("--seq-len", type=int, default=0, help="sequence length hint stored in the file")
+    p.add_argument("--seq-len", type=int, default=0, help="sequence length hint stored in the file (with "
+                   "--instruct: the model's seq_len, which the examples are packed for)")
+    p.add_argument("--instruct", action="store_true", help="instruction data: prompt/completion or messages "
+                   "jsonl, with a loss mask on the completions (docs/data.md)")
+    p.add_argument("--chat-template", metavar="FILE", help="with --instruct: a Jinja chat template (default: the "
+                   "tokenizer folder's tokenizer_config.json chat_template)")
     p.add_argument("--slurm", action="store_true", help="run the shards as one Slurm job array")
     p.add_argument("--site", help="with --slurm: site config (partition, setup lines, python)")
     p.add_argument("--concurrency", type=int, default=0, help="with --slurm: at most K tasks at once "
@@ -135,6 +141,8 @@ def format_info(info: tk.TokenFileInfo) -> str:
     if info.tokenizer_hash:
         lines.append(f"tokenizer   sha256 {info.tokenizer_hash[:16]}  bos_id {info.bos_id}  "
                      f"eos_id {info.eos_id}")
+    if info.packed_seq_len:
+        lines.append(f"instruct    examples packed for seq_len {info.packed_seq_len}, with loss_mask and doc_start")
     if info.seq_len:
         lines.append(f"samples     {info.samples(info.seq_len):,} windows of {info.seq_len}+1 tokens")
     return "\n".join(lines)

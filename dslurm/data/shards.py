@@ -96,21 +96,25 @@ class Options:
     field: str = "text"
     txt_docs: TxtDocs = "blank"
     seq_len: int = 0
+    instruct: dict[str, Any] | None = None
+    """instruction data (dslurm/data/instruct.py): {"template": text or None, "specials": {...}}"""
 
 
 def make_plan(inputs: list[Path], tok: hf.TokenizerInfo, n_shards: int, opts: Options) -> dict[str, Any]:
     """The frozen description of a tokenization (JSON-able). Pure but for the inputs' stat."""
-    prints = pieces([fingerprint(p) for p in inputs], n_shards)
+    prints = [fingerprint(p) for p in inputs]
+    if not opts.instruct:  # an example is packed whole into one shard's windows: whole files only
+        prints = pieces(prints, n_shards)
     shards = []
     for i, grp in enumerate(group_files([f.get("piece_size", f["size"]) for f in prints], n_shards)):
         ins = [{k: v for k, v in prints[j].items() if k != "piece_size"} for j in grp]
         key_src = json.dumps([tok.hash, tok.add_bos, tok.add_eos, opts.field, opts.txt_docs,
-                              opts.seq_len, ins], sort_keys=True)
+                              opts.seq_len, ins, *([opts.instruct] if opts.instruct else [])], sort_keys=True)
         shards.append({"path": f"shard-{i:05d}.h5", "inputs": ins,
                        "key": hashlib.sha256(key_src.encode()).hexdigest()[:32]})
     return {"format": PLAN_FORMAT, "version": 1, "tokenizer": tok.to_json(),
             "field": opts.field, "txt_docs": opts.txt_docs, "seq_len": opts.seq_len,
-            "shards": shards}
+            "shards": shards, **({"instruct": opts.instruct} if opts.instruct else {})}
 
 
 def write_plan(out: Path, plan: dict[str, Any]) -> None:
@@ -203,6 +207,20 @@ def _chunks(tok: Any, info: hf.TokenizerInfo, plan: dict[str, Any], task: int,
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _instruct_chunks(tok: Any, info: hf.TokenizerInfo, plan: dict[str, Any], task: int,
+                     report: Reporter) -> Iterator[Any]:
+    from dslurm.data import instruct
+
+    spec = plan["instruct"]
+    render = instruct.renderer(spec["template"], spec["specials"], "chat template") if spec["template"] else None
+    enc = instruct.Encoder(tok, info.bos_id, info.eos_id, render)
+    packer = instruct.Packer(seq_len=plan["seq_len"], pad_id=info.eos_id if info.eos_id is not None else 0)
+    paths = [Path(f["path"]) for f in plan["shards"][task]["inputs"]]
+    for chunk in instruct.packed_chunks(paths, enc, packer, last=task == len(plan["shards"]) - 1):
+        report.add(int(len(chunk["tokens"])), 0, 0)
+        yield chunk
+
+
 def run_task(out: Path, task: int) -> Path:
     """Tokenize group `task` of the plan in `out` into its shard; then the manifest if complete."""
     from dslurm.data.tokenize import _write_atomic
@@ -226,7 +244,10 @@ def run_task(out: Path, task: int) -> Path:
              "inputs": json.dumps(shard["inputs"])}
     report = Reporter(out, task, shard)
     report.write("running")
-    path = _write_atomic(out / shard["path"], _chunks(tok, info, plan, task, report),
+    chunks: Iterator[Any] = _chunks(tok, info, plan, task, report)
+    if plan.get("instruct"):  # prompt/completion or messages, packed for seq_len, with a loss mask
+        chunks, attrs = _instruct_chunks(tok, info, plan, task, report), {**attrs, "packed_seq_len": plan["seq_len"]}
+    path = _write_atomic(out / shard["path"], chunks,
                          vocab_size=info.vocab_size, seq_len=plan["seq_len"],
                          source=f"tokenizer {info.hash[:12]} over {len(shard['inputs'])} files",
                          attrs=attrs)

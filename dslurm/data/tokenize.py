@@ -4,7 +4,9 @@ Format (version 1): one 1-D dataset ``tokens`` holding a flat token stream, dtyp
 uint16 when the vocabulary fits in 16 bits, else uint32. Attributes on the file:
 ``format`` ("dslurm-tokens"), ``format_version`` (1), ``vocab_size``, ``seq_len`` (a
 hint, 0 = none; the model's seq_len decides), ``source`` (free text) and ``created``
-(ISO 8601, UTC). A file written by a real tokenizer (`dslurm.data.shards`) also has
+(ISO 8601, UTC). Instruction data (dslurm/data/instruct.py) adds two uint8 datasets of the same
+length, ``loss_mask`` and ``doc_start``, and the attribute ``packed_seq_len``. A file written
+by a real tokenizer (`dslurm.data.shards`) also has
 ``tokenizer_hash`` (sha256 of its tokenizer.json), ``bos_id`` and ``eos_id`` (-1 = none)
 and ``inputs`` (JSON: the input files' paths, sizes and mtimes); files without them (byte
 level, synthetic, older files) read as before.
@@ -59,6 +61,8 @@ class TokenFileInfo:
     tokenizer_hash: str = ""
     bos_id: int | None = None
     eos_id: int | None = None
+    packed_seq_len: int = 0
+    """instruction data: the seq_len its examples were packed for (0: pre-training text)"""
 
     def samples(self, seq_len: int) -> int:
         """Windows of seq_len+1 tokens, taken with stride seq_len (see train/data.py)."""
@@ -76,10 +80,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray], *, vocab_size: int,
+def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray | dict[str, np.ndarray]], *, vocab_size: int,
                   seq_len: int, source: str, attrs: Mapping[str, Any] | None = None) -> Path:
     """Stream token chunks into <path> atomically; returns the final path. `attrs` are extra
-    file attributes (a tokenizer's hash and special ids, the inputs)."""
+    file attributes (a tokenizer's hash and special ids, the inputs). A chunk may be a dict of
+    arrays of one length: "tokens" and datasets beside them (uint8: instruction data's masks)."""
     import h5py  # lazy: keeps `dslurm --help` instant
 
     path = Path(path)
@@ -93,12 +98,21 @@ def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray], *, vocab_size:
             # 1 Mi-token chunks keep a random seq_len window to one or two chunk reads.
             ds = f.create_dataset(DATASET, shape=(0,), maxshape=(None,), dtype=dtype,
                                   chunks=(1 << 20,))
+            beside: dict[str, Any] = {}
             n = 0
-            for chunk in chunks:
+            for item in chunks:
+                chunk = item[DATASET] if isinstance(item, dict) else item
                 if chunk.size and int(chunk.max()) >= vocab_size:
                     raise ValueError(f"token id {int(chunk.max())} >= vocab_size {vocab_size}")
                 ds.resize((n + chunk.size,))
                 ds[n:n + chunk.size] = chunk.astype(dtype, copy=False)
+                for name, arr in (item.items() if isinstance(item, dict) else ()):
+                    if name != DATASET:
+                        if name not in beside:
+                            beside[name] = f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=np.uint8,
+                                                            chunks=(1 << 20,))
+                        beside[name].resize((n + chunk.size,))
+                        beside[name][n:n + chunk.size] = arr
                 n += chunk.size
             f.attrs.update({
                 "format": FORMAT, "format_version": FORMAT_VERSION, "vocab_size": vocab_size,
@@ -302,10 +316,10 @@ class TokenFile:
                 _pread(self._fd, piece, off + (pos - c * lay.chunk) * size)
             pos += take
 
-    def window(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start+length) as int64."""
-        buf = np.empty(length, dtype=self.dtype)
-        self.read_into(start, buf)
+    def window(self, start: int, length: int, name: str = DATASET) -> np.ndarray:
+        """Tokens [start, start+length) as int64 (or, by `name`, a dataset beside them)."""
+        buf = np.empty(length, dtype=self.dtype_of(name))
+        self.read_into(start, buf, name)
         return buf.astype(np.int64)
 
     def close(self) -> None:
@@ -355,7 +369,8 @@ def read_info(path: str | Path) -> TokenFileInfo:
         seq_len=int(attrs.get("seq_len", 0)), dtype=dtype, source=str(attrs.get("source", "")),
         created=str(attrs.get("created", "")), size_bytes=path.stat().st_size,
         tokenizer_hash=str(attrs.get("tokenizer_hash", "")),
-        bos_id=_special(attrs.get("bos_id")), eos_id=_special(attrs.get("eos_id")))
+        bos_id=_special(attrs.get("bos_id")), eos_id=_special(attrs.get("eos_id")),
+        packed_seq_len=int(attrs.get("packed_seq_len", 0)))
 
 
 def _special(value: Any) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from dslurm.data import hf, shards, sources
 from dslurm.errors import UserError
@@ -28,6 +29,23 @@ def _check_args(args: argparse.Namespace) -> None:
                         f"{args.cpus_per_task} >= 1")
 
 
+def _instruct(args: argparse.Namespace, tokenizer: Path) -> dict[str, Any] | None:
+    """The instruction options frozen into the plan: the chat template's text (or None) and the
+    tokenizer_config.json specials it renders with (dslurm/data/instruct.py)."""
+    if not args.instruct:
+        if args.chat_template:
+            raise UserError("data tokenize: --chat-template goes with --instruct. Fix: add --instruct")
+        return None
+    if args.seq_len <= 0:
+        raise UserError("data tokenize --instruct: give --seq-len L, the model's seq_len: examples are packed "
+                        "whole into its windows")
+    from dslurm.data import instruct
+
+    template, cfg = instruct.find_template(args.chat_template, tokenizer)
+    specials = {k: instruct._special_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return {"template": template, "specials": specials}
+
+
 def tokenize(args: argparse.Namespace) -> int:
     from dslurm.data.cli import format_manifest
     from dslurm.data.manifest import read_manifest
@@ -36,7 +54,8 @@ def tokenize(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     inputs = sources.find_inputs(args.inputs)
     _, info = hf.load(args.tokenizer, bos=args.bos, eos=args.eos)
-    opts = shards.Options(field=args.field, txt_docs=args.txt_docs, seq_len=args.seq_len)
+    opts = shards.Options(field=args.field, txt_docs=args.txt_docs, seq_len=args.seq_len,
+                          instruct=_instruct(args, hf.tokenizer_file(args.tokenizer)))
     plan = shards.make_plan(inputs, info, args.shards, opts)
     shards.write_plan(out, plan)
     todo = shards.missing(out, plan)

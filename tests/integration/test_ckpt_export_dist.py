@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from dslurm import checkpoint as ck
-from dslurm.checkpoint import hf_llama
+from dslurm.checkpoint import hf_layout
 from dslurm.checkpoint.dcp import CheckpointManager
 from dslurm.cli import main
 from dslurm.config.models import ModelShape
@@ -96,7 +96,7 @@ def test_export_of_fsdp_x_tp_generation_is_the_trained_model(runs, tmp_path):
     assert worst < TOL < moved
 
 
-def test_hf_llama_export_gives_the_same_logits_in_transformers(runs, tmp_path, monkeypatch):
+def test_hf_layout_export_gives_the_same_logits_in_transformers(runs, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local directory: nothing may be fetched
     from transformers import LlamaForCausalLM
 
@@ -134,5 +134,5 @@ def sharpen(sd: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor
 def undo_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
     rows, cols = w.shape
     out = w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-    assert torch.equal(hf_llama.to_half_split(out, heads), w)
+    assert torch.equal(hf_layout.to_half_split(out, heads), w)
     return out

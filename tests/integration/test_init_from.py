@@ -234,6 +234,6 @@ def test_a_directory_that_does_not_fit_the_job_exits_2_naming_each_field(runs):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     for part in ("model.n_layers: the job has 2, config.json has num_hidden_layers=4",
                  "model.ffn_dim: the job has 128, config.json has intermediate_size=192",
-                 "Fix: set in the job's model: n_layers: 4, ffn_dim: 192"):
+                 "set in the job's model: n_layers: 4, ffn_dim: 192"):
         assert part in proc.stderr, proc.stderr[-3000:]
     assert not ck.list_generations(runs["tmp"] / "mismatch")  # nothing trained, nothing saved

@@ -59,8 +59,15 @@ def run_train(nproc: int | None, job: Path, *sets: str, env: dict[str, str] | No
            "--site-set", "node.nvlink_domain=8"]
     for s in sets:
         cmd += ["--set", s]
+    return run_procs(cmd, nproc or 1, timeout, env)
+
+
+def run_procs(cmd: list[str], procs: int, timeout: float, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess:
+    """Run `cmd` (e.g. a torchrun of `procs` workers) from the repository root under a deadline that
+    follows the machine's load (see `run_train`); the whole process group is stopped on expiry."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    deadline = LoadDeadline(timeout, procs=nproc or 1)
+    deadline = LoadDeadline(timeout, procs=procs)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from dslurm import checkpoint as ck
 from dslurm.checkpoint import export as ex
-from dslurm.checkpoint import hf_llama
+from dslurm.checkpoint import hf_layout
 from dslurm.checkpoint.dcp import CheckpointManager
 from dslurm.cli import main
 from dslurm.config.models import PRESETS
@@ -68,26 +68,35 @@ def test_natural_order_puts_layer_10_after_layer_2():
     assert sorted(names, key=ex.natural_key) == ["layers.1.w", "layers.2.w", "layers.10.w", "norm.weight"]
 
 
+@pytest.mark.parametrize("flags", [{"qkv_bias": True}, {"qk_norm": True, "explicit_head_dim": 32},
+                                   {"tie_embeddings": True}])
+def test_every_familys_names_and_shapes_are_the_models_parameters(flags):
+    shape = dataclasses.replace(TINY, **flags)
+    params = dict(build_model(shape, 0).named_parameters())
+    assert hf_layout.full_shapes(shape) == {k: tuple(p.shape) for k, p in params.items()}
+    assert sorted(hf_layout.builtin_name(hf_layout.hf_name(n)) for n in params) == sorted(params)
+
+
 def test_hf_names_cover_the_built_in_model_one_to_one():
     model_names = list(build_model(TINY, 0).state_dict())
-    assert sorted(hf_llama.expected_names(TINY)) == sorted(model_names)  # the mapping tracks train/model.py
-    hf = [hf_llama.hf_name(n) for n in model_names]
+    assert sorted(hf_layout.expected_names(TINY)) == sorted(model_names)  # the mapping tracks train/model.py
+    hf = [hf_layout.hf_name(n) for n in model_names]
     assert len(set(hf)) == len(hf)
-    assert hf_llama.hf_name("layers.3.feed_forward.w1.weight") == "model.layers.3.mlp.gate_proj.weight"
-    assert hf_llama.hf_name("layers.3.feed_forward.w2.weight") == "model.layers.3.mlp.down_proj.weight"
-    assert hf_llama.hf_name("output.weight") == "lm_head.weight"
-    for bad in ("layers.x.attention.wq.weight", "layers.0.attention.wq.bias", "rope", "model.norm.weight"):
+    assert hf_layout.hf_name("layers.3.feed_forward.w1.weight") == "model.layers.3.mlp.gate_proj.weight"
+    assert hf_layout.hf_name("layers.3.feed_forward.w2.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert hf_layout.hf_name("output.weight") == "lm_head.weight"
+    for bad in ("layers.x.attention.wq.weight", "layers.0.attention.wo.bias", "rope", "model.norm.weight"):
         with pytest.raises(ValueError, match="not a parameter"):
-            hf_llama.hf_name(bad)
+            hf_layout.hf_name(bad)
 
 
 def test_rope_rows_go_from_interleaved_pairs_to_halves_per_head():
     w = torch.arange(16.0).reshape(8, 2)  # 2 heads of head_dim 4, rows numbered by their index
-    got = hf_llama.to_half_split(w, heads=2)[:, 0] / 2
+    got = hf_layout.to_half_split(w, heads=2)[:, 0] / 2
     assert got.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
-    assert hf_llama.rope_heads("layers.0.attention.wq.weight", TINY) == TINY.n_heads
-    assert hf_llama.rope_heads("layers.0.attention.wk.weight", TINY) == TINY.n_kv_heads
-    assert hf_llama.rope_heads("layers.0.attention.wv.weight", TINY) is None
+    assert hf_layout.rope_heads("layers.0.attention.wq.weight", TINY) == TINY.n_heads
+    assert hf_layout.rope_heads("layers.0.attention.wk.weight", TINY) == TINY.n_kv_heads
+    assert hf_layout.rope_heads("layers.0.attention.wv.weight", TINY) is None
 
 
 # ---------------------------------------------------------------- a real generation
@@ -141,14 +150,14 @@ def test_safetensors_bf16_sharded_with_index(run, tmp_path):
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], params[k].to(torch.bfloat16)) for k in params)
 
 
-def test_hf_llama_names_rows_and_config(run, tmp_path):
+def test_hf_layout_names_rows_and_config(run, tmp_path):
     run_dir, params = run
     ex.export(gen_of(run_dir), tmp_path / "out", fmt="safetensors", hf=True)
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert torch.equal(got["lm_head.weight"], params["output.weight"])
     assert torch.equal(got["model.layers.1.self_attn.v_proj.weight"], params["layers.1.attention.wv.weight"])
     q = params["layers.0.attention.wq.weight"]
-    assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], hf_llama.to_half_split(q, TINY.n_heads))
+    assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], hf_layout.to_half_split(q, TINY.n_heads))
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (cfg["num_key_value_heads"], cfg["hidden_size"], cfg["torch_dtype"]) == (TINY.n_kv_heads, TINY.dim,
                                                                                    "float32")

@@ -4,6 +4,7 @@ The whole load under FSDP x TP and PP: tests/integration/test_init_from.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dslurm.checkpoint import hf_llama
+from dslurm.checkpoint import hf_layout
 from dslurm.checkpoint import init_from as inf
+from dslurm.config import families
 from dslurm.config.models import PRESETS, ModelShape
 from dslurm.errors import UserError
 
@@ -20,22 +22,22 @@ TINY = PRESETS["tiny"]  # dim 64, 4 heads of 16, 2 kv heads
 
 
 def test_builtin_name_is_the_inverse_of_hf_name():
-    for name in hf_llama.expected_names(TINY):
-        assert hf_llama.builtin_name(hf_llama.hf_name(name)) == name
+    for name in hf_layout.expected_names(TINY):
+        assert hf_layout.builtin_name(hf_layout.hf_name(name)) == name
     with pytest.raises(ValueError, match="rotary_emb"):
-        hf_llama.builtin_name("model.layers.0.self_attn.rotary_emb.inv_freq")
+        hf_layout.builtin_name("model.layers.0.self_attn.rotary_emb.inv_freq")
 
 
 def test_from_half_split_undoes_to_half_split():
     w = torch.arange(32 * 3, dtype=torch.float32).view(32, 3)
-    assert torch.equal(hf_llama.from_half_split(hf_llama.to_half_split(w, 2), 2), w)
-    assert not torch.equal(hf_llama.to_half_split(w, 2), w)
+    assert torch.equal(hf_layout.from_half_split(hf_layout.to_half_split(w, 2), 2), w)
+    assert not torch.equal(hf_layout.to_half_split(w, 2), w)
 
 
 def test_head_span_covers_partial_heads():
-    assert hf_llama.head_span(0, 16, 16) == (0, 1)
-    assert hf_llama.head_span(8, 24, 16) == (0, 2)  # half a head on each side: both heads read
-    assert hf_llama.head_span(16, 17, 16) == (1, 2)
+    assert hf_layout.head_span(0, 16, 16) == (0, 1)
+    assert hf_layout.head_span(8, 24, 16) == (0, 2)  # half a head on each side: both heads read
+    assert hf_layout.head_span(16, 17, 16) == (1, 2)
 
 
 def _write(tmp: Path, tensors: dict[str, torch.Tensor], name: str = "model.safetensors") -> dict[str, inf.Entry]:
@@ -48,7 +50,7 @@ def _write(tmp: Path, tensors: dict[str, torch.Tensor], name: str = "model.safet
 def test_a_shard_of_q_rows_reads_the_interleaved_rows_of_its_box(tmp_path, rows, cols):
     """Any box (FSDP x TP shards cut heads anywhere) equals the box of the fully converted tensor."""
     builtin = torch.randn(32, 64)  # 2 heads of 16 rows in the trainer's interleaved order
-    e = _write(tmp_path, {"k": hf_llama.to_half_split(builtin, 2)})["k"]
+    e = _write(tmp_path, {"k": hf_layout.to_half_split(builtin, 2)})["k"]
     box = (rows[1] - rows[0], cols[1] - cols[0])
     got = inf.read_local(e, (rows[0], cols[0]), box, heads=2)
     assert torch.equal(got, builtin[rows[0]:rows[1], cols[0]:cols[1]])
@@ -64,44 +66,27 @@ def test_column_shards_are_read_in_blocks(tmp_path, monkeypatch):
 
 
 def _cfg(shape: ModelShape, **kw) -> dict:
-    return {**hf_llama.hf_config(shape, "float32"), **kw}
+    return {**families.hf_config(shape, "float32"), **kw}
 
 
-def test_config_of_the_same_shape_passes_in_both_transformers_layouts():
-    assert hf_llama.config_problems(_cfg(TINY), TINY) == ({}, [])
-    v4 = {k: v for k, v in _cfg(TINY).items() if k != "rope_parameters"}  # 4.x: rope_theta at the top
-    assert hf_llama.config_problems(v4, TINY) == ({}, [])
-
-
-def test_shape_mismatch_names_every_differing_field_and_the_fix():
-    cfg = _cfg(TINY, hidden_size=128, head_dim=32, num_hidden_layers=2, rms_norm_eps=1e-6, max_position_embeddings=32)
-    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
-    differ, other = hf_llama.config_problems(cfg, TINY)
-    assert differ == {"dim": 128, "n_layers": 2, "rope_theta": 500000.0, "norm_eps": 1e-6, "seq_len": 32}
-    assert other == []
+def test_a_config_json_changed_since_the_job_was_loaded_names_each_field():
+    cfg = _cfg(TINY, hidden_size=128, num_hidden_layers=2, max_position_embeddings=32)
+    differ, other = families.config_problems(cfg, TINY)
+    assert differ == {"dim": 128, "n_layers": 2, "seq_len": 32} and other == []
     msg = inf.shape_message(Path("/w/llama"), TINY, differ, other)
-    for part in ("model.dim: the job has 64, config.json has hidden_size=128",
-                 "model.n_layers: the job has 4, config.json has num_hidden_layers=2",
-                 "model.rope_theta: the job has 10000.0, config.json has rope_theta=500000.0",
-                 "model.norm_eps", "max_position_embeddings=32",
-                 "Fix: set in the job's model: dim: 128, n_layers: 2, rope_theta: 500000.0, norm_eps: 1e-06, "
-                 "seq_len: at most 32"):
+    for part in ("model.init_from /w/llama", "model.dim: the job has 64, config.json has hidden_size=128",
+                 "model.n_layers: the job has 4, config.json has num_hidden_layers=2", "max_position_embeddings=32",
+                 "Fix: drop the model's shape fields"):
         assert part in msg, msg
-
-
-def test_what_the_built_in_model_cannot_run_is_named():
-    cfg = _cfg(TINY, attention_bias=True, hidden_act="gelu", head_dim=32)
-    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0}
-    differ, other = hf_llama.config_problems(cfg, TINY)
-    assert differ == {}
-    assert len(other) == 4 and "attention_bias is true" in other[1] and "hidden_act" in other[0]
-    assert "a Llama the built-in model can run" in inf.shape_message(Path("/w"), TINY, differ, other)
+    assert families.config_problems(_cfg(TINY), TINY) == ({}, [])
+    _, other = families.config_problems(_cfg(TINY, tie_word_embeddings=True), TINY)
+    assert other == ["tie_embeddings differs (config.json: True, the job: False)"]
 
 
 def _hf_dir(tmp: Path, shape: ModelShape, drop: str | None = None, reshape: str | None = None) -> Path:
     tensors = {}
-    for name, dims in inf._full_shapes(shape).items():
-        hf = hf_llama.hf_name(name)
+    for name, dims in hf_layout.full_shapes(shape).items():
+        hf = hf_layout.hf_name(name)
         tensors[hf] = torch.zeros(dims[0] + 1 if hf == reshape else dims[0], *dims[1:])
     tensors.pop(drop, None)
     names = sorted(tensors)
@@ -155,8 +140,9 @@ def test_torch_files_and_no_directory_are_refused_with_the_fix(tmp_path):
         inf.open_dir(tmp_path / "nope")
 
 
-def test_tied_embeddings_read_the_embedding_for_the_output():
-    assert inf.wanted(TINY, hf=True, tied=True)["output.weight"] == ("model.embed_tokens.weight", None)
+def test_tied_embeddings_have_no_output_projection_of_their_own():
+    tied = dataclasses.replace(TINY, tie_embeddings=True)
+    assert "output.weight" not in inf.wanted(tied, hf=True) and "output.weight" in inf.wanted(TINY, hf=True)
     assert inf.wanted(TINY, hf=True)["layers.0.attention.wk.weight"] == ("model.layers.0.self_attn.k_proj.weight", 2)
     assert inf.wanted(TINY, hf=False)["layers.0.attention.wk.weight"] == ("layers.0.attention.wk.weight", None)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dslurm.config.models import PRESETS, shape_from
-from train.model import Attention, apply_rope, build_model, cross_entropy, rope_cache
+from train.model import Attention, apply_rope, attention_mask, build_model, cross_entropy, rope_cache
 from train.parallel.pp import layer_split, split_stage, stage_ids
 
 TINY = PRESETS["tiny"]
@@ -89,3 +91,19 @@ def test_pipeline_stages_keep_unsplit_names_and_compose_to_the_full_model():
         for s in stages:
             h = s(h)
         assert torch.allclose(h, full(x), atol=1e-6)
+
+
+def test_a_sliding_window_changes_only_the_queries_it_cuts_off():
+    """Mistral's window (q - k < window, as transformers): positions before it see what causal sees."""
+    plain = build_model(TINY, seed=0)
+    windowed = build_model(dataclasses.replace(TINY, sliding_window=4), seed=0)
+    x = torch.randint(0, TINY.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = plain(x), windowed(x)
+    assert torch.allclose(a[:, :4], b[:, :4], atol=1e-6) and not torch.allclose(a[:, 4:], b[:, 4:], atol=1e-3)
+    mask = attention_mask(5, 2)
+    assert mask is not None and mask.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0],
+                                                        [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    docs = torch.tensor([[0, 0, 1, 1, 1]])
+    assert attention_mask(5, None, docs)[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
+                                                                  [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]

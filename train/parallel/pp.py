@@ -24,6 +24,20 @@ from dslurm.config.layout import stages_per_rank
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
 
+class Stage(PipelineStage):
+    """A PipelineStage that tells its module which microbatch it runs (`Transformer.chunk`): how
+    the documents of packed instruction data find their microbatch on every stage
+    (train/packing.py). Shape inference calls the module directly, outside any chunk."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        self.submod.chunk = fwd_chunk_id
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        finally:
+            self.submod.chunk = None
+
+
 def layer_split(n_layers: int, n_stages: int) -> list[range]:
     """Contiguous layer ranges per stage, the first stages taking one extra when uneven."""
     if n_stages > n_layers:
@@ -69,7 +83,7 @@ def build_schedule(stage_modules: list[nn.Module], ids: list[int], n_stages: int
     Shapes between stages are inferred at run time (no example inputs): with SP the hidden
     states are (mb, seq/tp, dim) local shards, which the stage learns from the first step.
     """
-    stages = [PipelineStage(m, i, n_stages, device, group=pp_group) for m, i in zip(stage_modules, ids)]
+    stages = [Stage(m, i, n_stages, device, group=pp_group) for m, i in zip(stage_modules, ids)]
     cls = SCHEDULES[schedule]
     if cls is ScheduleInterleaved1F1B:
         return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -39,8 +39,19 @@ def apply_tp(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> N
                                         use_local_output=not loss_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if model.shape.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # Each style made its own DTensor; both are Shard(0) over the vocabulary, so one can
+        # serve as both again (the tie train/model.py made before sharding).
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
+        qk_norm = {}
+        if block.attention.q_norm is not None:
+            # Qwen3's per-head norms see q/k with the heads (dim 2) split over tp: their weights
+            # become Replicate DTensors whose gradients are summed over the tp ranks' heads.
+            qk_norm = {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                       for n in ("q_norm", "k_norm")}
         parallelize_module(block, tp_mesh, {
+            **qk_norm,
             "attention_norm": SequenceParallel(),
             # (x, rope): gather x's sequence shards; the rope table stays a plain tensor.
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
