@@ -57,6 +57,8 @@ class Step:
     """set after a shrink: the trainer gets `--set train.grad_accum=N`"""
     warm: bool = False
     """the launchers ask their nodes' warm pools for the workers (dslurm/launch/warm.py)"""
+    stop: str | None = None
+    """a stop Slurm sent before this step began (USR2, TERM): its launchers hand it to the trainer"""
 
 
 class Pools(Protocol):
@@ -93,6 +95,7 @@ class Supervisor:
         self.alloc = list(alloc)
         self.stopping: str | None = None
         self.facts_dir: Path | None = None
+        self._unwritten: list[str] = []  # signals recorded before the first step's facts dir existed
         # A node that left no report is probed at once rather than waiting for Slurm to mark it
         # down: SlurmdTimeout is 10 s on the local cluster but 300 s by default on real ones, and
         # waiting for it (up to 45 s here) made a spare swap slower than a requeue.
@@ -110,12 +113,19 @@ class Supervisor:
         """A stop from Slurm: recorded as the batch shell's (it is the batch shell's delegate), and
         no further step starts."""
         self.stopping = self.stopping or name
-        if self.facts_dir is not None:
-            try:
-                with open(self.facts_dir / "batch.signals", "a") as fh:
-                    fh.write(f"{name} {time.time():.6f}\n")
-            except OSError as exc:
-                log.error("could not record %s: %s", name, exc)
+        self._unwritten.append(f"{name} {time.time():.6f}\n")
+        self._write_signals()
+
+    def _write_signals(self) -> None:
+        """Into the current step's batch.signals; those that came before the first step go to it."""
+        if self.facts_dir is None:
+            return
+        try:
+            with open(self.facts_dir / "batch.signals", "a") as fh:
+                fh.writelines(self._unwritten)
+            self._unwritten.clear()
+        except OSError as exc:
+            log.error("could not record %s: %s", "".join(self._unwritten).strip(), exc)
 
     def step_dir(self, index: int) -> Path:
         from dslurm.requeue.facts import STARTS, start_name
@@ -135,12 +145,16 @@ class Supervisor:
         index, accum, warm = 0, None, False
         while True:
             d = self.facts_dir = self.step_dir(index)
+            self._write_signals()
             # Warm only after a failure (the first step is the cold start), never twice in a row after
             # a failed warm step (a failure during a warm restart falls back to the cold path), and
             # only when every training node's pool serves.
             warm = self.pools is not None and index > 0 and not warm and self.pools.ready(nodes.training)
             log.info("dslurm supervise: step %d on %s%s", index, ",".join(nodes.training), " (warm)" if warm else "")
-            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum, warm=warm),
+            # A stop that came while no step ran (before the first, during a recovery) goes with it.
+            stop = f"SIG{self.stopping}" if self.stopping else None
+            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum, warm=warm,
+                                      stop=stop),
                                  self._ticking(self._abandon_when_lost(d, nodes.training)))
             t_end = time.time()
             if self.pools is not None:
@@ -326,12 +340,12 @@ class SrunRunner:
                 *self.cmd, *extra]
 
     def run(self, step: Step, abandon: Callable[[], bool]) -> int:
-        from dslurm.launch.slurm_env import STEP_INDEX_ENV
+        from dslurm.launch.slurm_env import PENDING_STOP_ENV, STEP_INDEX_ENV
         from dslurm.launch.warm import WARM_ENV
         from dslurm.requeue.facts import ENV
 
         env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index),
-               WARM_ENV: "1" if step.warm else "0"}
+               WARM_ENV: "1" if step.warm else "0", **({PENDING_STOP_ENV: step.stop} if step.stop else {})}
         self.proc = proc = subprocess.Popen(self.argv(step), env=env)
         try:
             while True:
@@ -576,11 +590,27 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
 
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, handler)
+    # The batch shell starts this process with USR2 ignored (a handler is not inherited across exec,
+    # and the default action would end the job: seen under `dslurm selftest chaos`); what it
+    # forwarded before these handlers existed is in the start's batch.signals: taken from there.
+    for name in early_signals(env):
+        sup.on_signal(name)
     try:
         return sup.loop()
     finally:
         if pools is not None:
             pools.stop()
+
+
+def early_signals(env: Mapping[str, str]) -> list[str]:
+    """The stop signals the batch shell recorded for this start before supervise could handle them."""
+    from dslurm.requeue.facts import ENV
+
+    try:
+        text = (Path(env[ENV]) / "batch.signals").read_text()
+    except (KeyError, OSError):
+        return []
+    return [ln.split()[0] for ln in text.splitlines() if ln.split()[:1] in (["USR2"], ["TERM"])]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
