@@ -77,7 +77,8 @@ class Reference:
 
 def start_reference(p: Plan, site: Path, work: Path) -> Reference:
     """Start the uninterrupted reference with torchrun here (4 processes: the chaos job's world and
-    layout; no step sleep: a sleep changes no number). It runs beside the soak, off the cluster."""
+    layout; no step sleep: a sleep changes no number). It runs beside the soak, off the cluster, at a
+    low priority: the job under faults keeps the cores it would have."""
     run = work / "ref"
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
@@ -87,14 +88,14 @@ def start_reference(p: Plan, site: Path, work: Path) -> Reference:
     env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
     nproc = str(NODES * PROCS)
     if p.mode == "builtin":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc,
-               "-m", "train", "--site", str(site), "--job", str(path)]
+        cmd = ["nice", "-n", "15", sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", nproc, "-m", "train", "--site", str(site), "--job", str(path)]
     else:  # a script finds its frozen config in the run dir, as `dslurm submit` leaves it
         shutil.copy(site, run / "site.yaml")
         shutil.copy(path, run / "job.yaml")
         env["DSLURM_RUN_DIR"] = str(run)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc,
-               *[str(x) for x in spec["entry"]]]
+        cmd = ["nice", "-n", "15", sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", nproc, *[str(x) for x in spec["entry"]]]
     log = work / "ref.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)

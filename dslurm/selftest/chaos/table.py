@@ -12,7 +12,7 @@ from typing import Any
 
 from dslurm.observe import events as ev
 from dslurm.observe.report import Start, Summary
-from dslurm.selftest.chaos.schedule import KINDS
+from dslurm.selftest.chaos.schedule import KINDS, OWN_FAILURES
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,22 @@ def next_step_done(starts: Sequence[Start], first: Start, t: float) -> float | N
     return None
 
 
+# Which fault kinds can end a start in each class: the earliest such fault in the start is its cause
+# (a SIGSTOP ends a start only once the watchdog fires, after later faults may have come).
+EXPLAINS = {"crash": OWN_FAILURES, "node_failure": OWN_FAILURES, "preempted": ("requeue",),
+            "warned_stop": ("usr2", "time_limit"), "time_limit": ("requeue",), "cancelled": ("requeue",)}
+
+
+def cause(s: Start, done: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fault that ended start `s`: the earliest injected during it of a kind that explains its
+    ending, else the last one injected during it; None for a completed start or one no fault hit."""
+    if s.ending in (None, "completed"):
+        return None
+    mine = [d for d in done if d["injected"] and s.begin <= d["t"] <= s.end]
+    fits = [d for d in mine if d["kind"] in EXPLAINS.get(s.ending, ())]
+    return fits[0] if fits else (mine[-1] if mine else None)
+
+
 def _path(s: Start, nxt: Start | None) -> str:
     rec = s.all(ev.Recovery)
     if rec:
@@ -67,9 +83,7 @@ def rows(sm: Summary, done: Sequence[dict[str, Any]], t0: float) -> list[Row]:
             base = later[0] if later else None
         else:
             hit_idx, base = hit.index, hit
-        mine = [x for x in done if x["injected"] and hit is not None and hit.begin <= x["t"] <= hit.end]
-        ended = bool(d["injected"] and hit is not None and hit.ending not in (None, "completed")
-                     and mine and mine[-1] is d)
+        ended = bool(d["injected"] and hit is not None and cause(hit, done) is d)
         nxt = starts[hit.index + 1] if hit is not None and hit.index + 1 < len(starts) else None
         if not d["injected"]:
             path = "skipped"
