@@ -12,7 +12,6 @@ the process tree, not by RANK.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -66,25 +65,13 @@ def job_pids(job_id: int | str) -> list[int]:
 
 def workers(job_id: int | str, marker: str) -> list[JobProc]:
     """The job's training processes: those whose command line holds `marker` (the run's job.yaml,
-    which the trainer's --job names, or an own script's path) and none of whose children does --
-    the launcher and torchrun name it too, and a warm pool's workers are its forks (same command
-    line). An idle pool, a leaf with the marker and no child, is named by its ready file."""
+    which the trainer's --job names, or an own script's path), whose parent's does too (torchrun,
+    or the warm pool that forked it) and none of whose children does (the launcher and torchrun
+    name it as well). A warm pool's parent is slurmstepd: idle or serving, it is never a worker."""
     procs = [p for p in job_processes(job_id) if p.step is not None and marker in p.cmdline]
+    pids = {p.pid for p in procs}
     parents = {p.ppid for p in procs}
-    pools = pool_pids(marker)
-    return [p for p in procs if p.pid not in parents and p.pid not in pools]
-
-
-def pool_pids(marker: str) -> set[int]:
-    """Warm pools of the run whose job file is `marker` (their ready files: <run_dir>/warm/*.ready)."""
-    run_dir = Path(marker).parent
-    out = set()
-    for ready in run_dir.glob("warm/*.ready"):
-        try:
-            out.add(int(json.loads(ready.read_text())["pid"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
+    return [p for p in procs if p.pid not in parents and p.ppid in pids]
 
 
 def step_processes(job_id: int | str, node: str) -> list[JobProc]:

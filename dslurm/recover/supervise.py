@@ -99,7 +99,10 @@ class Supervisor:
         # A node that left no report is probed at once rather than waiting for Slurm to mark it
         # down: SlurmdTimeout is 10 s on the local cluster but 300 s by default on real ones, and
         # waiting for it (up to 45 s here) made a spare swap slower than a requeue.
-        self.probe_s = 8.0
+        # 8 s on an idle machine, stretched by the load (slurm.load_factor): on 2 busy cores an
+        # `srun true` took longer, and a node holding a SIGSTOPped rank was swapped out as lost
+        # (`dslurm selftest chaos`, seed 1).
+        self.probe_base_s = 8.0
         # srun waits for a lost node's tasks until Slurm marks the node down (~25 s here): once a
         # launcher reported a failure and a node stayed silent for `grace_s`, the silent nodes are
         # probed, and a step whose silent nodes are all gone is abandoned instead of waited for.
@@ -126,6 +129,11 @@ class Supervisor:
             self._unwritten.clear()
         except OSError as exc:
             log.error("could not record %s: %s", "".join(self._unwritten).strip(), exc)
+
+    def probe_s(self) -> float:
+        from dslurm import slurm
+
+        return self.probe_base_s * slurm.load_factor()
 
     def step_dir(self, index: int) -> Path:
         from dslurm.requeue.facts import STARTS, start_name
@@ -199,7 +207,7 @@ class Supervisor:
             if not failed or not silent or time.time() - min(failed) < self.grace_s:
                 return False
             probed = True
-            dead = self.runner.probe(silent, self.probe_s)
+            dead = self.runner.probe(silent, self.probe_s())
             self.unanswered.update(dead)
             if dead:
                 log.warning("dslurm supervise: %s lost (no report, no answer to a probe): not waiting for srun",
@@ -221,8 +229,9 @@ class Supervisor:
         if not silent or self.stopping:
             return view
         unknown = [h for h in silent if h not in self.unanswered]  # the rest were probed while the step ran
+        probe_s = self.probe_s()
         dead = (*(h for h in silent if h in self.unanswered),
-                *(self.runner.probe(unknown, self.probe_s) if unknown else ()))
+                *(self.runner.probe(unknown, probe_s) if unknown else ()))
         self.unanswered.update(dead)
         if dead:
             # Not Slurm's view again (a sacct, ~0.4 s on the recovery's path): it marks the node
@@ -230,7 +239,7 @@ class Supervisor:
             log.warning("dslurm supervise: %s: no report and no answer to a probe: lost", ",".join(dead))
             extra = [h for h in dead if h not in view.down_nodes]
             return E.SlurmView(state=view.state, down_nodes=(*view.down_nodes, *extra), node_states=(
-                *view.node_states, *(f"{h}: no answer to a probe step within {self.probe_s:.0f} s (Slurm had not "
+                *view.node_states, *(f"{h}: no answer to a probe step within {probe_s:.0f} s (Slurm had not "
                                      f"marked it down yet)" for h in extra)))
         return view
 

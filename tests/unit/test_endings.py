@@ -112,6 +112,15 @@ def test_node_failure_wins_and_no_facts_falls_back_to_the_code_said_plainly():
     assert e.cls == E.CRASH and "no per-rank facts" in e.reason
 
 
+def test_a_step_that_died_before_any_fact_with_143_is_a_crash_unless_someone_stopped_it():
+    """`dslurm selftest chaos` (seed 1): a launcher killed -9 as its step started, srun TERMed the
+    other, nothing was recorded, the step said 143, and the run ended 'cancelled' with nobody asking."""
+    e = E.classify(facts(), RUNNING, step_rc=143)
+    assert e.cls == E.CRASH and "no TERM at the batch shell" in e.reason, e
+    assert E.classify(facts(), E.SlurmView(state="CANCELLED"), step_rc=143).cls == E.CANCELLED
+    assert E.classify(facts(batch=[("TERM", T0)]), RUNNING, step_rc=143).cls != E.CRASH
+
+
 def test_peer_error_patterns():
     from dslurm.requeue.facts import is_peer_error, victim_kind
 

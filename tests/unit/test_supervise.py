@@ -117,6 +117,7 @@ def loses(host: str):
 def make(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setattr("dslurm.slurm.load_factor", lambda *a, **k: 1.0)  # probe timeouts as on an idle machine
 
     def build(script, *, spares=1, on_exhausted="requeue", requeue=None, allow_drain=False, nodes=2):
         site = load_site("site-configs/local.yaml", [f"burnin.allow_drain={str(allow_drain).lower()}"])
@@ -351,7 +352,7 @@ def test_a_step_is_abandoned_only_when_its_silent_nodes_are_gone(make, alive):
     sup, c, run = make([play, completes])
     assert sup.loop() == X.OK
     assert seen["early"] == (False, [])
-    assert seen["late"] == (not alive, False, [(["node2"], sup.probe_s)])
+    assert seen["late"] == (not alive, False, [(["node2"], sup.probe_s())])
     assert len(c.probed) == (1 if not alive else 2)  # the alive node is probed again once srun returned
     ends = [e.cls for e in _events(run, ev.Ending)]
     assert ends == (["node_failure", "completed"] if not alive else ["crash", "completed"])
@@ -384,7 +385,7 @@ def _lost_late(alive: bool):
 def test_a_silent_node_that_does_not_answer_a_probe_is_lost_without_waiting_for_slurm(make):
     sup, c, run = make([_lost_late(alive=False), completes])
     assert sup.loop() == X.OK
-    assert c.probed == [(["node2"], sup.probe_s)]
+    assert c.probed == [(["node2"], sup.probe_s())]
     end = _events(run, ev.Ending)[0]
     assert end.cls == "node_failure" and "no answer to a probe step" in end.reason
     assert c.steps[1].hosts == ("node1", "node3") and read_blocklist(run) == ["node2"]
@@ -395,6 +396,14 @@ def test_a_silent_node_that_answers_the_probe_is_alive_and_the_step_a_crash(make
     assert sup.loop() == X.OK
     assert [e.cls for e in _events(run, ev.Ending)] == ["crash", "completed"]
     assert c.steps[1].hosts == ("node1", "node2") and read_blocklist(run) == []
+
+
+def test_the_probe_waits_longer_on_a_loaded_machine(make, monkeypatch):
+    """`dslurm selftest chaos` (seed 1): on 2 cores at load 14 a node holding a SIGSTOPped rank did not
+    answer `srun true` within 8 s and was swapped out as lost."""
+    sup, c, run = make([completes])
+    monkeypatch.setattr("dslurm.slurm.load_factor", lambda *a, **k: 3.0)
+    assert sup.probe_s() == 24.0
 
 
 def test_a_node_slurm_already_reports_down_is_not_probed(make):
