@@ -51,12 +51,18 @@ EXPLAINS = {"crash": OWN_FAILURES, "node_failure": OWN_FAILURES, "preempted": ("
             "warned_stop": ("usr2", "time_limit"), "time_limit": ("requeue",), "cancelled": ("requeue",)}
 
 
-def cause(s: Start, done: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def start_of(starts: Sequence[Start], t: float) -> int | None:
+    """The start a fault at `t` hit: the first that had not ended by then (one that was still
+    starting, before its first event, included); None after the last one ended."""
+    return next((s.index for s in starts if t <= s.end), None)
+
+
+def cause(s: Start, starts: Sequence[Start], done: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The fault that ended start `s`: the earliest injected during it of a kind that explains its
     ending, else the last one injected during it; None for a completed start or one no fault hit."""
     if s.ending in (None, "completed"):
         return None
-    mine = [d for d in done if d["injected"] and s.begin <= d["t"] <= s.end]
+    mine = [d for d in done if d["injected"] and s.index == start_of(starts, d["t"])]
     fits = [d for d in mine if d["kind"] in EXPLAINS.get(s.ending, ())]
     return fits[0] if fits else (mine[-1] if mine else None)
 
@@ -76,14 +82,10 @@ def rows(sm: Summary, done: Sequence[dict[str, Any]], t0: float) -> list[Row]:
     out = []
     for d in done:
         t = d["t"]
-        hit = next((s for s in starts if s.begin <= t <= s.end), None)
-        if hit is None:
-            later = [s for s in starts if s.begin > t]
-            hit_idx = None
-            base = later[0] if later else None
-        else:
-            hit_idx, base = hit.index, hit
-        ended = bool(d["injected"] and hit is not None and cause(hit, done) is d)
+        idx = start_of(starts, t)
+        hit = base = starts[idx] if idx is not None else None
+        hit_idx = idx
+        ended = bool(d["injected"] and hit is not None and cause(hit, starts, done) is d)
         nxt = starts[hit.index + 1] if hit is not None and hit.index + 1 < len(starts) else None
         if not d["injected"]:
             path = "skipped"
@@ -176,7 +178,8 @@ def plot(table: Sequence[Row], png: Path, title: str) -> None:
             b.scatter([x for x, _ in pts], [y for _, y in pts], label=p, s=18)
     b.set_xlabel("fault at (s after the first step)")
     b.set_ylabel("s to the next step done")
-    b.legend(fontsize=8)
+    if b.get_legend_handles_labels()[0]:
+        b.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
