@@ -221,3 +221,36 @@ def test_a_late_ending_of_a_stray_stop_reads_the_incarnations_state():
     f = facts(ranks=SAVED_ON_TERM, launchers=STEP_ONLY)
     for state in ("FAILED", "REQUEUED", "TIMEOUT", "PREEMPTED"):
         assert E.classify(f, E.SlurmView(state=state), 143).cls == E.CANCELLED, state
+
+
+def test_a_fact_that_meets_a_disk_full_for_seconds_is_written_once_it_has_room(tmp_path, monkeypatch):
+    """`dslurm selftest chaos` (seed 1): the ranks' reports of a hang were lost to a disk full for 7 s,
+    and the start read as a stray stop. ENOSPC is tried again for ENOSPC_RETRY_S; other errors are not."""
+    import errno
+
+    from dslurm.requeue import facts as F
+
+    real, calls = F.atomic_write_text, []
+
+    def full_twice(path, text, *a, **k):
+        calls.append(path)
+        if len(calls) <= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, text, *a, **k)
+
+    monkeypatch.setattr(F, "atomic_write_text", full_twice)
+    monkeypatch.setattr(F.time, "sleep", lambda s: None)
+    F.write_rank_report(F.RankReport(rank=3, kind="crash", code=1, step=4), {F.ENV: str(tmp_path)})
+    assert len(calls) == 3 and F.read_start(tmp_path).ranks[0]["kind"] == "crash"
+    monkeypatch.setattr(F, "ENOSPC_RETRY_S", 0.0)
+    calls.clear()
+    assert F._write_json(tmp_path / "x.json", {}) is False and len(calls) == 1  # gives up at the deadline
+
+    def denied(path, text, *a, **k):
+        calls.append(path)
+        raise PermissionError(errno.EACCES, "denied")
+
+    monkeypatch.setattr(F, "ENOSPC_RETRY_S", 10.0)
+    monkeypatch.setattr(F, "atomic_write_text", denied)
+    calls.clear()
+    assert F._write_json(tmp_path / "y.json", {}) is False and len(calls) == 1
