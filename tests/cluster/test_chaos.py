@@ -21,7 +21,7 @@ SEED = 209
 @pytest.mark.timeout(480)
 def test_a_short_seeded_chaos_soak_keeps_every_promise(slurm_cluster, cli, tmp_path):
     soak = tmp_path / "soak"
-    res = cli("selftest", "chaos", "--seed", str(SEED), "--minutes", "1.5", "--every", "10", "--steps", "100",
+    res = cli("selftest", "chaos", "--seed", str(SEED), "--minutes", "1.5", "--every", "10", "--steps", "40",
               "--dir", str(soak), env=slurm_cluster.env(), timeout=460)
     out = json.loads((soak / "chaos.json").read_text())
     assert res.returncode == 0 and out["broken"] == [], res.stdout[-6000:] + res.stderr[-3000:]

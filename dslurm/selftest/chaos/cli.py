@@ -61,6 +61,12 @@ def soak_from(args: argparse.Namespace) -> Soak:
 def run(args: argparse.Namespace) -> int:
     from dslurm.selftest.chaos.run import soak
 
+    import signal
+    import sys
+
     s = soak_from(args)
+    # A TERM (a `timeout`, a job's end) unwinds like ^C: the job cancelled, the reference stopped,
+    # the tmpfs unmounted, the drained spare resumed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"chaos: seed {s.seed} (replay with --seed {s.seed}); soak dir {s.out}", flush=True)
     return soak(s)

@@ -102,13 +102,23 @@ def start_reference(p: Plan, site: Path, work: Path) -> Reference:
     return Reference(run, proc, log)
 
 
+def stop_reference(ref: Reference) -> None:
+    """TERM to torchrun (it tears its workers down: they run in sessions of their own), then KILL."""
+    ref.proc.terminate()
+    try:
+        ref.proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        ref.proc.kill()
+        ref.proc.wait()
+
+
 def finish_reference(ref: Reference, timeout_s: float) -> Path:
     """Wait for the reference; -> its run dir. UserError naming its log when it failed."""
     try:
         code = ref.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(ref.proc.pid, 9)
-        code = ref.proc.wait()
+        stop_reference(ref)
+        code = -1
     if code != 0:
         raise UserError(f"the uninterrupted reference failed (exit {code}); its output: {ref.log}")
     return ref.run_dir

@@ -176,9 +176,11 @@ def soak(s: Soak) -> int:
         t0 = _first_step_t(run_dir, job, env, timeout_s=600 * slurm.load_factor())
         done = inject_all(s, tg, t0, record)
         state = wait_end(job, env, timeout_s=max(900.0, 3.0 * s.plan.steps * s.plan.step_sleep_s))
-    except BaseException:
+    except BaseException:  # an error, ^C, or TERM (run() turns it into SystemExit): leave nothing behind
         slurm.run_cmd(["scancel", str(job)], check=False, env=env)
-        reference.proc.kill()
+        jobs.stop_reference(reference)
+        if root is not None:
+            unmount(root)
         raise
     finally:
         if root is not None:
