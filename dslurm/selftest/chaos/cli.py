@@ -59,10 +59,10 @@ def soak_from(args: argparse.Namespace) -> Soak:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dslurm.selftest.chaos.run import soak
-
     import signal
     import sys
+
+    from dslurm.selftest.chaos.run import soak
 
     s = soak_from(args)
     # A TERM (a `timeout`, a job's end) unwinds like ^C: the job cancelled, the reference stopped,
