@@ -22,7 +22,7 @@ SEED = 209
 def test_a_short_seeded_chaos_soak_keeps_every_promise(slurm_cluster, cli, tmp_path):
     soak = tmp_path / "soak"
     res = cli("selftest", "chaos", "--seed", str(SEED), "--minutes", "1.5", "--every", "10", "--steps", "40",
-              "--dir", str(soak), env=slurm_cluster.env(), timeout=460)
+              "--dir", str(soak), "--timeout-s", "400", env=slurm_cluster.env(), timeout=470)
     out = json.loads((soak / "chaos.json").read_text())
     assert res.returncode == 0 and out["broken"] == [], res.stdout[-6000:] + res.stderr[-3000:]
     assert f"seed {SEED}" in res.stdout and f"--seed {SEED}" in (soak / "chaos-table.md").read_text()

@@ -43,6 +43,7 @@ def _args(*argv: str) -> argparse.Namespace:
     p.add_argument("--site")
     p.add_argument("--dir")
     p.add_argument("--steps", type=int)
+    p.add_argument("--timeout-s", type=float)
     add_arguments(p)
     return p.parse_args(list(argv))
 

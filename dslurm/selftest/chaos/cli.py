@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,8 @@ DEFAULT_SITE = "site-configs/local.yaml"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The chaos flags; --steps, --site and --dir are shared with --gpu (dslurm/selftest/cli.py)."""
+    """The chaos flags; --steps, --site, --dir and --timeout-s (the soak's job is cancelled then, and
+    the run judged as it stands) are shared with --gpu (dslurm/selftest/cli.py)."""
     g = p.add_argument_group("chaos (dslurm selftest chaos)")
     g.add_argument("--minutes", type=float, default=3.0, help="minutes of faults (default 3)")
     g.add_argument("--every", type=float, default=None, help="seconds between faults on average (default 15)")
@@ -39,6 +41,8 @@ def soak_from(args: argparse.Namespace) -> Soak:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise UserError(f"selftest chaos: --{flag.replace('_', '-')}={value} must be positive")
+    if args.timeout_s is not None and args.timeout_s <= 0:
+        raise UserError(f"selftest chaos: --timeout-s={args.timeout_s} must be positive")
     if args.step_sleep < 0:
         raise UserError(f"selftest chaos: --step-sleep={args.step_sleep} must not be negative")
     every = args.every or schedule.DEFAULT_EVERY_S
@@ -55,7 +59,8 @@ def soak_from(args: argparse.Namespace) -> Soak:
         raise UserError(f"selftest chaos: --site {site}: no such file. Fix: give {DEFAULT_SITE}")
     out = Path(args.dir) if args.dir else Path.cwd() / f"chaos-{seed}"
     return Soak(plan=plan, seed=seed, faults=schedule.draw(seed, args.minutes, every, kinds), kinds=kinds,
-                every_s=every, out=out.resolve(), site=site.resolve(), disk_mb=args.disk_mb)
+                every_s=every, out=out.resolve(), site=site.resolve(), disk_mb=args.disk_mb,
+                timeout_s=args.timeout_s, started=time.time())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,6 +42,10 @@ class Soak:
     out: Path
     site: Path
     disk_mb: int
+    timeout_s: float | None = None
+    started: float = 0.0
+    """when the soak began (time.time()), for timeout_s"""
+    """the job is cancelled (and the run judged as it stands) once the soak has run this long"""
     say: Callable[[str], None] = print
 
 
@@ -102,6 +106,8 @@ def inject_all(s: Soak, tg: Target, t0: float, record: Path) -> list[dict[str, A
     """Each fault at its time (a held one delays the next); stops when the job has ended."""
     done: list[dict[str, Any]] = []
     for f in s.faults:
+        if s.timeout_s is not None and t0 + f.at_s > s.started + s.timeout_s:
+            break
         while time.time() < t0 + f.at_s:
             time.sleep(min(1.0, t0 + f.at_s - time.time()))
         state = job_state(tg.job_id, dict(tg.env))
@@ -175,7 +181,10 @@ def soak(s: Soak) -> int:
     try:
         t0 = _first_step_t(run_dir, job, env, timeout_s=600 * slurm.load_factor())
         done = inject_all(s, tg, t0, record)
-        state = wait_end(job, env, timeout_s=max(900.0, 3.0 * s.plan.steps * s.plan.step_sleep_s))
+        wait_s = max(900.0, 3.0 * s.plan.steps * s.plan.step_sleep_s)
+        if s.timeout_s is not None:
+            wait_s = max(1.0, min(wait_s, t_submit + s.timeout_s - time.time()))
+        state = wait_end(job, env, timeout_s=wait_s)
     except BaseException:  # an error, ^C, or TERM (run() turns it into SystemExit): leave nothing behind
         slurm.run_cmd(["scancel", str(job)], check=False, env=env)
         jobs.stop_reference(reference)
