@@ -126,3 +126,18 @@ def test_a_stopped_worker_is_credited_with_the_crash_it_caused_later():
         ("stop_worker", True, "cold"), ("disk_full", False, "absorbed"), ("requeue", False, "skipped")]
     md = table.markdown(rows, summarize(evs), ["# head"])
     assert "| stop_worker | 1 | 0 |" in md and "| 2 | 30.0 | requeue | 1 | no | skipped |" in md
+
+
+def test_a_late_ending_joins_the_last_job_step_of_its_incarnation():
+    """`dslurm selftest chaos` (seed 209): a crash recovered in the allocation (step 0 ended, step 1
+    started), then `scontrol requeue` killed the batch shell before step 1's ending was written; the
+    next start wrote it late. It describes step 1, not step 0 (which had its own)."""
+    evs = [*_start("1", 0, T0, 0, 6, saves=(5,), ending="crash", recovery="same_nodes"),
+           ev.JobStart(t=T0 + 20, job_id="1", restart=0, mode="torchrun", hosts=["node1", "node2"]),
+           *_start("1", 1, T0 + 60, 5, 10, saves=(10,), ending=None),
+           ev.Ending(t=T0 + 75, job_id="1", restart=0, cls="preempted", late=True),
+           ev.Ending(t=T0 + 76, job_id="1", restart=1, cls="completed")]
+    sm = summarize(evs)
+    assert [s.ending for s in sm.starts] == ["crash", "preempted", "completed"]
+    assert promises.check(sm, evs, [_fault(0, "kill_worker", T0 + 4), _fault(1, "requeue", T0 + 30)], steps=10,
+                          identical=None, bad_generations={}, t0=T0) == []
