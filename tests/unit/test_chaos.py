@@ -141,3 +141,17 @@ def test_a_late_ending_joins_the_last_job_step_of_its_incarnation():
     assert [s.ending for s in sm.starts] == ["crash", "preempted", "completed"]
     assert promises.check(sm, evs, [_fault(0, "kill_worker", T0 + 4), _fault(1, "requeue", T0 + 30)], steps=10,
                           identical=None, bad_generations={}, t0=T0) == []
+
+
+def test_a_fault_belongs_to_the_start_running_until_the_next_one_begins():
+    """`--mode script`, seed 209: a recovered step that logged little before `scontrol requeue` ended it
+    still owns the faults until the requeued start begins; the requeue is credited with its ending."""
+    evs = [*_start("1", 0, T0, 0, 6, saves=(5,), ending="crash", recovery="same_nodes"),
+           ev.JobStart(t=T0 + 20, job_id="1", restart=0, mode="torchrun", hosts=["node1", "node2"]),
+           *_start("1", 1, T0 + 60, 5, 10, saves=(10,), ending=None),
+           ev.Ending(t=T0 + 75, job_id="1", restart=0, cls="preempted", late=True),
+           ev.Ending(t=T0 + 76, job_id="1", restart=1, cls="completed")]
+    done = [_fault(0, "kill_worker", T0 + 4), _fault(1, "stop_worker", T0 + 30), _fault(2, "requeue", T0 + 40)]
+    rows = table.rows(summarize(evs), done, T0)
+    assert [(r.start, r.ended_it, r.path) for r in rows] == [(0, True, "cold"), (1, False, "absorbed"),
+                                                             (1, True, "requeue")]

@@ -52,9 +52,13 @@ EXPLAINS = {"crash": OWN_FAILURES, "node_failure": OWN_FAILURES, "preempted": ("
 
 
 def start_of(starts: Sequence[Start], t: float) -> int | None:
-    """The start a fault at `t` hit: the first that had not ended by then (one that was still
-    starting, before its first event, included); None after the last one ended."""
-    return next((s.index for s in starts if t <= s.end), None)
+    """The start a fault at `t` hit: the last one begun by then (a start lasts until the next one
+    begins: its last events, an ending written late, come well after the fault that ended it);
+    None after the last one ended."""
+    if not starts or t > starts[-1].end:
+        return None
+    begun = [s.index for s in starts if s.begin <= t]
+    return begun[-1] if begun else starts[0].index
 
 
 def cause(s: Start, starts: Sequence[Start], done: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
