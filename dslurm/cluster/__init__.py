@@ -41,6 +41,7 @@ from dslurm.cluster.daemons import (
     ensure_packages,
     first_job_id,
     repair,
+    restart_controller,
     restore_conf,
     start,
     teardown,
@@ -134,6 +135,18 @@ def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
             return False
         teardown(sdir, rec)
         return True
+
+
+def restart_slurmctld(down_s: float, state_dir: str | os.PathLike[str] | None = None) -> float:
+    """slurmctld stopped, down for `down_s` seconds, started again on its saved state (an
+    operator's restart, a controller failover): running jobs go on. -> seconds it was gone."""
+    sdir = state_dir_of(state_dir)
+    with machine_lock():
+        rec = load(sdir)
+        if not rec or not any(p["name"] == "slurmctld" and alive(p) for p in rec.get("procs", [])):
+            raise SlurmError(f"no running slurmctld recorded in {sdir / RECORD}; start the cluster: "
+                             "dslurm cluster up")
+        return restart_controller(sdir, rec, down_s)
 
 
 def status(state_dir: str | os.PathLike[str] | None = None) -> dict[str, object]:

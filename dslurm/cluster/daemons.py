@@ -119,6 +119,31 @@ def repair(spec: cc.ClusterSpec, rec: dict[str, Any]) -> bool:
     return True
 
 
+def restart_controller(sdir: Path, rec: dict[str, Any], down_s: float) -> float:
+    """Stop slurmctld (SIGTERM: it saves its state), leave it down for `down_s`, start it again
+    from the same StateSaveLocation, and wait until it answers: jobs, allocations and job steps
+    live on (slurmd keeps the steps running). The caller holds the machine lock, so no `up`
+    restarts the whole cluster meanwhile. -> seconds it did not answer."""
+    env = {**os.environ, "SLURM_CONF": str(sdir / "etc" / "slurm.conf"),
+           "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
+    old = next(p for p in rec["procs"] if p["name"] == "slurmctld")
+    t0 = time.monotonic()
+    stop([old], grace=10)
+    rec["procs"].remove(old)
+    save(sdir, rec)
+    time.sleep(max(0.0, down_s - (time.monotonic() - t0)))
+    _spawn(rec, sdir, "slurmctld", ["slurmctld", "-D", "-f", str(sdir / "etc" / "slurm.conf")], env)
+    wait_for(lambda: port_open(cc.CTLD_PORT), 30 * slurm.load_factor(), "slurmctld port",
+             sdir / "log" / "slurmctld.out")
+    conf = {"SLURM_CONF": env["SLURM_CONF"]}
+    deadline = time.monotonic() + 30 * slurm.load_factor()
+    while time.monotonic() < deadline:  # answering, not only listening
+        if slurm.run_cmd(["squeue", "-h"], check=False, timeout=10, env=conf).returncode == 0:
+            break
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
 def running_spec(sdir: Path, rec: dict[str, Any]) -> cc.ClusterSpec:
     """The spec the running cluster's slurm.conf was rendered from: its recorded settings, this host,
     and the FirstJobId its start chose (read back from the file)."""

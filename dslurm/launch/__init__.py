@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from dslurm import exitcodes
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
-from dslurm.launch.slurm_env import LaunchInfo, derive
+from dslurm.launch.slurm_env import PENDING_STOP_ENV, LaunchInfo, derive
 
 if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it as __main__
     from dslurm.launch import warm
@@ -278,6 +278,9 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
     local = [child_env.get("LOCAL_RANK", "0")] if mode == "srun" else [str(i) for i in range(info.nproc_per_node)]
     with tempfile.TemporaryDirectory(prefix="dslurm-status-") as status_dir:
         child_env[STATUS_DIR_ENV] = status_dir
+        pending = base_env.get(PENDING_STOP_ENV)
+        if pending in ("SIGUSR2", "SIGTERM"):  # a stop that came before this step began (supervise)
+            _note_stop(pending, status_dir)
         argv = list(cmd) if mode == "srun" else torchrun_argv(info, cmd, rdzv)
         rc = _run_warm(warm_path, info, cmd, child_env) if warm_path is not None else None
         if rc is None and warm_path is not None and info.nnodes > 1:

@@ -73,6 +73,9 @@ def local_job_id(pid: int) -> str:
 
 
 STEP_INDEX_ENV = "DSLURM_STEP_INDEX"  # set by `dslurm supervise` for each job step it starts
+# Set by `dslurm supervise` on a step it starts after Slurm asked to stop (SIGUSR2 / SIGTERM): the
+# launchers leave it for the trainer as if the signal had come during its start-up.
+PENDING_STOP_ENV = "DSLURM_PENDING_STOP"
 
 
 def master_port(job_id: str, restart_count: int = 0, step_index: int = 0) -> int:

@@ -346,7 +346,9 @@ def split_starts(events: Iterable[Event]) -> list[list[Event]]:
             starts.append([])
         starts[-1].append(e)
     for e in filter(_late, events):
-        for g in starts:
+        # The last start of that incarnation: the job steps of one allocation share its key, and a
+        # late ending is for the one its batch shell died in (the earlier ones had theirs written).
+        for g in reversed(starts):
             if _key(g[0]) == _key(e):
                 g.append(replace(e, t=max(x.t for x in g)))  # it describes that start's end
                 break

@@ -57,6 +57,8 @@ class Step:
     """set after a shrink: the trainer gets `--set train.grad_accum=N`"""
     warm: bool = False
     """the launchers ask their nodes' warm pools for the workers (dslurm/launch/warm.py)"""
+    stop: str | None = None
+    """a stop Slurm sent before this step began (USR2, TERM): its launchers hand it to the trainer"""
 
 
 class Pools(Protocol):
@@ -93,10 +95,14 @@ class Supervisor:
         self.alloc = list(alloc)
         self.stopping: str | None = None
         self.facts_dir: Path | None = None
+        self._unwritten: list[str] = []  # signals recorded before the first step's facts dir existed
         # A node that left no report is probed at once rather than waiting for Slurm to mark it
         # down: SlurmdTimeout is 10 s on the local cluster but 300 s by default on real ones, and
         # waiting for it (up to 45 s here) made a spare swap slower than a requeue.
-        self.probe_s = 8.0
+        # 8 s on an idle machine, stretched by the load (slurm.load_factor): on 2 busy cores an
+        # `srun true` took longer, and a node holding a SIGSTOPped rank was swapped out as lost
+        # (`dslurm selftest chaos`, seed 1).
+        self.probe_base_s = 8.0
         # srun waits for a lost node's tasks until Slurm marks the node down (~25 s here): once a
         # launcher reported a failure and a node stayed silent for `grace_s`, the silent nodes are
         # probed, and a step whose silent nodes are all gone is abandoned instead of waited for.
@@ -110,12 +116,24 @@ class Supervisor:
         """A stop from Slurm: recorded as the batch shell's (it is the batch shell's delegate), and
         no further step starts."""
         self.stopping = self.stopping or name
-        if self.facts_dir is not None:
-            try:
-                with open(self.facts_dir / "batch.signals", "a") as fh:
-                    fh.write(f"{name} {time.time():.6f}\n")
-            except OSError as exc:
-                log.error("could not record %s: %s", name, exc)
+        self._unwritten.append(f"{name} {time.time():.6f}\n")
+        self._write_signals()
+
+    def _write_signals(self) -> None:
+        """Into the current step's batch.signals; those that came before the first step go to it."""
+        if self.facts_dir is None:
+            return
+        try:
+            with open(self.facts_dir / "batch.signals", "a") as fh:
+                fh.writelines(self._unwritten)
+            self._unwritten.clear()
+        except OSError as exc:
+            log.error("could not record %s: %s", "".join(self._unwritten).strip(), exc)
+
+    def probe_s(self) -> float:
+        from dslurm import slurm
+
+        return self.probe_base_s * slurm.load_factor()
 
     def step_dir(self, index: int) -> Path:
         from dslurm.requeue.facts import STARTS, start_name
@@ -135,12 +153,16 @@ class Supervisor:
         index, accum, warm = 0, None, False
         while True:
             d = self.facts_dir = self.step_dir(index)
+            self._write_signals()
             # Warm only after a failure (the first step is the cold start), never twice in a row after
             # a failed warm step (a failure during a warm restart falls back to the cold path), and
             # only when every training node's pool serves.
             warm = self.pools is not None and index > 0 and not warm and self.pools.ready(nodes.training)
             log.info("dslurm supervise: step %d on %s%s", index, ",".join(nodes.training), " (warm)" if warm else "")
-            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum, warm=warm),
+            # A stop that came while no step ran (before the first, during a recovery) goes with it.
+            stop = f"SIG{self.stopping}" if self.stopping else None
+            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum, warm=warm,
+                                      stop=stop),
                                  self._ticking(self._abandon_when_lost(d, nodes.training)))
             t_end = time.time()
             if self.pools is not None:
@@ -185,7 +207,7 @@ class Supervisor:
             if not failed or not silent or time.time() - min(failed) < self.grace_s:
                 return False
             probed = True
-            dead = self.runner.probe(silent, self.probe_s)
+            dead = self.runner.probe(silent, self.probe_s())
             self.unanswered.update(dead)
             if dead:
                 log.warning("dslurm supervise: %s lost (no report, no answer to a probe): not waiting for srun",
@@ -207,8 +229,9 @@ class Supervisor:
         if not silent or self.stopping:
             return view
         unknown = [h for h in silent if h not in self.unanswered]  # the rest were probed while the step ran
+        probe_s = self.probe_s()
         dead = (*(h for h in silent if h in self.unanswered),
-                *(self.runner.probe(unknown, self.probe_s) if unknown else ()))
+                *(self.runner.probe(unknown, probe_s) if unknown else ()))
         self.unanswered.update(dead)
         if dead:
             # Not Slurm's view again (a sacct, ~0.4 s on the recovery's path): it marks the node
@@ -216,7 +239,7 @@ class Supervisor:
             log.warning("dslurm supervise: %s: no report and no answer to a probe: lost", ",".join(dead))
             extra = [h for h in dead if h not in view.down_nodes]
             return E.SlurmView(state=view.state, down_nodes=(*view.down_nodes, *extra), node_states=(
-                *view.node_states, *(f"{h}: no answer to a probe step within {self.probe_s:.0f} s (Slurm had not "
+                *view.node_states, *(f"{h}: no answer to a probe step within {probe_s:.0f} s (Slurm had not "
                                      f"marked it down yet)" for h in extra)))
         return view
 
@@ -326,12 +349,12 @@ class SrunRunner:
                 *self.cmd, *extra]
 
     def run(self, step: Step, abandon: Callable[[], bool]) -> int:
-        from dslurm.launch.slurm_env import STEP_INDEX_ENV
+        from dslurm.launch.slurm_env import PENDING_STOP_ENV, STEP_INDEX_ENV
         from dslurm.launch.warm import WARM_ENV
         from dslurm.requeue.facts import ENV
 
         env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index),
-               WARM_ENV: "1" if step.warm else "0"}
+               WARM_ENV: "1" if step.warm else "0", **({PENDING_STOP_ENV: step.stop} if step.stop else {})}
         self.proc = proc = subprocess.Popen(self.argv(step), env=env)
         try:
             while True:
@@ -576,11 +599,27 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
 
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, handler)
+    # The batch shell starts this process with USR2 ignored (a handler is not inherited across exec,
+    # and the default action would end the job: seen under `dslurm selftest chaos`); what it
+    # forwarded before these handlers existed is in the start's batch.signals: taken from there.
+    for name in early_signals(env):
+        sup.on_signal(name)
     try:
         return sup.loop()
     finally:
         if pools is not None:
             pools.stop()
+
+
+def early_signals(env: Mapping[str, str]) -> list[str]:
+    """The stop signals the batch shell recorded for this start before supervise could handle them."""
+    from dslurm.requeue.facts import ENV
+
+    try:
+        text = (Path(env[ENV]) / "batch.signals").read_text()
+    except (KeyError, OSError):
+        return []
+    return [ln.split()[0] for ln in text.splitlines() if ln.split()[:1] in (["USR2"], ["TERM"])]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

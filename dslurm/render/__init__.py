@@ -272,8 +272,10 @@ def _supervised_step(py: str, launch: str, trainer: str) -> list[str]:
     return [
         'echo "dslurm: job ${SLURM_JOB_ID} start ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}'
         ' (with spares; recovery inside the allocation)" >&2',
-        f"{py} -m dslurm supervise -- {launch}\\",
-        f"  -- {trainer} &",
+        "# USR2 ignored across exec until supervise installs its handler (a USR2 before that would kill",
+        "# it and end the job); it reads what came meanwhile from batch.signals, recorded above.",
+        f"( trap '' USR2; exec {py} -m dslurm supervise -- {launch}\\",
+        f"  -- {trainer} ) &",
         *_WAIT,
         "",
         "# supervise classified every step's ending from the facts, recovered what it could inside the",

@@ -32,7 +32,8 @@ Rules, first match wins:
      stopped: `scancel JOB` reaches the batch shell, `dslurm cancel` records the request): a
      stray stop, naming who got the TERM and when. Once Slurm says the job is cancelled (or a
      `dslurm cancel` request is on record) and every launcher got the TERM: a cancel.
-  8. No facts at all (nothing could be written): the step's exit code, said plainly.
+  8. No facts at all (nothing could be written): the step's exit code, said plainly; a 143 that
+     nobody asked for (no TERM at the batch shell, Slurm still runs the job) is a crash.
 
 A stray stop is requeued within a budget of its own (dslurm/requeue/__init__.py::decide); seen in
 the field ~40 s after the requeue of a hung start, on the node that had been holding it.
@@ -263,5 +264,10 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
         return Ending(_slurm_stop(slurm.state), f"ended by Slurm (TERM) before training reported; state "
                       f"{slurm.state}", evidence=[f"batch shell got TERM at {min(terms):.3f}"])
     cls, why = _by_rc(step_rc)
+    if cls == CANCELLED and stray_ok:
+        # Nobody asked: no TERM at the batch shell and Slurm still runs the job. A step whose processes
+        # all died before recording anything returns 143 as well (a launcher killed -9 at start-up,
+        # srun's teardown TERMing the others): found by `dslurm selftest chaos`, where it ended the run.
+        cls, why = CRASH, f"{why}, with no TERM at the batch shell while Slurm still runs the job"
     return Ending(cls, f"no per-rank facts were recorded; decided from the step's {why}",
                   step=_max_step(ranks), evidence=[f"step rc {step_rc}", f"kinds {sorted(kinds)}"])

@@ -1,5 +1,7 @@
 """`dslurm selftest --gpu [--dry-run] [--site S] [--out FILE]`: start the in-job self-check,
 bound it in time, print its JSON report. Light to import: no torch here.
+`dslurm selftest chaos [--minutes M] [--every S] [--seed N] ...`: the chaos soak on the local
+cluster (dslurm/selftest/chaos/, docs/chaos.md).
 
 The measuring runs in its own process (`python -m train.selftest`: it drives the trainer, which
 the toolkit never imports). That process rewrites its report after every part, so a crash or a
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.errors import UserError
+from dslurm.selftest.chaos.cli import add_arguments as add_chaos_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SITES = {"gpu": "site-configs/h100-ib.yaml", "dry-run": "site-configs/local.yaml"}
@@ -31,18 +34,24 @@ DRY_DEFAULTS = {"steps": 2, "warmup": 1, "budget_s": 120.0, "ckpt_gb": 1.0}
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("selftest", help="check one GPU end to end: NVML, GEMM, trainer MFU, checkpoint I/O",
                        description=__doc__)
-    p.add_argument("--gpu", action="store_true", help="the GPU self-check (the only one so far)")
+    p.add_argument("check", nargs="?", choices=("chaos",),
+                   help="chaos: random outside faults against a job on the local cluster, then compared with "
+                        "an uninterrupted run (docs/chaos.md)")
+    p.add_argument("--gpu", action="store_true", help="the GPU self-check")
     p.add_argument("--dry-run", action="store_true", help="the same code on CPU with tiny sizes (gloo, fp32)")
     p.add_argument("--site", help=f"site config (the peak, NVML thresholds); default {DEFAULT_SITES['gpu']}, "
                                   f"with --dry-run {DEFAULT_SITES['dry-run']}")
     p.add_argument("--out", help="also write the JSON report here")
     p.add_argument("--dir", help="work directory for checkpoints and run dirs (removed afterwards); "
-                                 "default a new one under $TMPDIR: the disk whose throughput is measured")
-    p.add_argument("--steps", type=int, help="measured steps per trainer part (default 10; dry run 2)")
+                                 "default a new one under $TMPDIR: the disk whose throughput is measured. "
+                                 "chaos: the soak's directory, kept (default ./chaos-SEED)")
+    p.add_argument("--steps", type=int, help="measured steps per trainer part (default 10; dry run 2); chaos: the "
+                                              "job's training steps (default minutes x 60 / 0.9)")
     p.add_argument("--warmup", type=int, help="steps before measuring, compile included (default 3; dry run 1)")
     p.add_argument("--budget-s", type=float, help="no part starts after this many seconds (default 420)")
     p.add_argument("--ckpt-gb", type=float, help="cap on the checkpoint size that sizes the model (default 20)")
     p.add_argument("--timeout-s", type=float, help="kill the check after this (default budget + 180 s)")
+    add_chaos_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -124,8 +133,13 @@ def run(args: argparse.Namespace) -> int:
     from dslurm.preflight.gate import write_report
     from dslurm.selftest.report import failed
 
+    if args.check == "chaos":
+        from dslurm.selftest.chaos.cli import run as chaos
+
+        return chaos(args)
     if not args.gpu:
-        raise UserError("selftest: say which check: --gpu (add --dry-run to run it on CPU with tiny sizes)")
+        raise UserError("selftest: say which check: --gpu (add --dry-run to run it on CPU with tiny sizes), "
+                        "or chaos")
     s = settings(args)
     check_site(s["site"], args.dry_run)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="dslurm-selftest-"))

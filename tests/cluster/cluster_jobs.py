@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from dslurm.cluster.conf import NodeShape
+from dslurm.cluster.disrupt import kill_node  # noqa: F401 - re-exported for the cluster tests
 from dslurm.observe.ledger import read_events
 from testkit import wait_for  # noqa: F401 - re-exported for the cluster tests
 
@@ -78,23 +79,3 @@ def trained_steps(run: Path) -> dict[int, int]:
     for e in events(run, "steps"):
         out[e["last"]] = out.get(e["last"], 0) + 1
     return out
-
-
-def kill_node(name: str) -> None:
-    """Node loss for real: SIGKILL the node's slurmd (with its tini) and every process under it
-    (slurmstepd, launchers, workers). Slurm marks the node down after SlurmdTimeout; bring it
-    back with `dslurm cluster up` (`cluster.up(nodes=3, accounting=True)`)."""
-    import json
-    import os
-    import signal
-
-    from dslurm import cluster
-    from dslurm.cluster.proc import descendants
-
-    rec = json.loads((cluster.state_dir_of(None) / "cluster.json").read_text())
-    proc = next(p for p in rec["procs"] if p["name"] == name)
-    for p in [*descendants(proc["pid"]), proc]:
-        try:
-            os.kill(p["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass

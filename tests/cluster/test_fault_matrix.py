@@ -19,6 +19,7 @@ import pytest
 from cluster_jobs import decisions, endings, events, job_spec, kill_node, logs, submit, trained_steps, wait_for
 from dslurm import exitcodes as X
 from dslurm import slurm
+from dslurm.cluster.disrupt import job_pids, signal_pids
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 
@@ -482,21 +483,6 @@ def test_cancel_resubmit_torn_ledger_corrupt_metadata_and_a_stray_term(slurm_clu
 # ---------------------------------------------------------------- SIGKILL of everything, node loss
 
 
-def _job_pids(job: int) -> list[int]:
-    """Every process of the job: batch shell, srun, launchers, torchrun, workers (they all carry
-    SLURM_JOB_ID in their environment; slurmstepd itself does not)."""
-    want = f"SLURM_JOB_ID={job}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if want in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
-
-
 @pytest.mark.timeout(600)
 def test_sigkill_of_the_whole_job_during_an_async_save(slurm_cluster, cli, tmp_path):
     """Every process of the job is SIGKILLed while an async save is in flight (the knob holds the
@@ -513,11 +499,7 @@ def test_sigkill_of_the_whole_job_during_an_async_save(slurm_cluster, cli, tmp_p
     job = submit(cli, env, spec)
     wait_for(lambda: _steps_in(run, 0, job) >= 14, 240, "the second async save in flight")
     assert [e["step"] for e in events(run, "ckpt_save")] == [6]  # 12 is in flight
-    for pid in _job_pids(job):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_pids(job_pids(job), signal.SIGKILL)
     slurm.wait_job(job, timeout=120, env=env)
     ptr = read_pointer(run)
     assert ptr.step == 6 and verify_generation(run / "generations" / ptr.generation) == []

@@ -112,6 +112,15 @@ def test_node_failure_wins_and_no_facts_falls_back_to_the_code_said_plainly():
     assert e.cls == E.CRASH and "no per-rank facts" in e.reason
 
 
+def test_a_step_that_died_before_any_fact_with_143_is_a_crash_unless_someone_stopped_it():
+    """`dslurm selftest chaos` (seed 1): a launcher killed -9 as its step started, srun TERMed the
+    other, nothing was recorded, the step said 143, and the run ended 'cancelled' with nobody asking."""
+    e = E.classify(facts(), RUNNING, step_rc=143)
+    assert e.cls == E.CRASH and "no TERM at the batch shell" in e.reason, e
+    assert E.classify(facts(), E.SlurmView(state="CANCELLED"), step_rc=143).cls == E.CANCELLED
+    assert E.classify(facts(batch=[("TERM", T0)]), RUNNING, step_rc=143).cls != E.CRASH
+
+
 def test_peer_error_patterns():
     from dslurm.requeue.facts import is_peer_error, victim_kind
 
@@ -212,3 +221,36 @@ def test_a_late_ending_of_a_stray_stop_reads_the_incarnations_state():
     f = facts(ranks=SAVED_ON_TERM, launchers=STEP_ONLY)
     for state in ("FAILED", "REQUEUED", "TIMEOUT", "PREEMPTED"):
         assert E.classify(f, E.SlurmView(state=state), 143).cls == E.CANCELLED, state
+
+
+def test_a_fact_that_meets_a_disk_full_for_seconds_is_written_once_it_has_room(tmp_path, monkeypatch):
+    """`dslurm selftest chaos` (seed 1): the ranks' reports of a hang were lost to a disk full for 7 s,
+    and the start read as a stray stop. ENOSPC is tried again for ENOSPC_RETRY_S; other errors are not."""
+    import errno
+
+    from dslurm.requeue import facts as F
+
+    real, calls = F.atomic_write_text, []
+
+    def full_twice(path, text, *a, **k):
+        calls.append(path)
+        if len(calls) <= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, text, *a, **k)
+
+    monkeypatch.setattr(F, "atomic_write_text", full_twice)
+    monkeypatch.setattr(F.time, "sleep", lambda s: None)
+    F.write_rank_report(F.RankReport(rank=3, kind="crash", code=1, step=4), {F.ENV: str(tmp_path)})
+    assert len(calls) == 3 and F.read_start(tmp_path).ranks[0]["kind"] == "crash"
+    monkeypatch.setattr(F, "ENOSPC_RETRY_S", 0.0)
+    calls.clear()
+    assert F._write_json(tmp_path / "x.json", {}) is False and len(calls) == 1  # gives up at the deadline
+
+    def denied(path, text, *a, **k):
+        calls.append(path)
+        raise PermissionError(errno.EACCES, "denied")
+
+    monkeypatch.setattr(F, "ENOSPC_RETRY_S", 10.0)
+    monkeypatch.setattr(F, "atomic_write_text", denied)
+    calls.clear()
+    assert F._write_json(tmp_path / "y.json", {}) is False and len(calls) == 1

@@ -87,6 +87,23 @@ def test_launch_srun_mode_forwards_usr2_and_returns_worker_code(tmp_path):
     assert marker.read_text() == "USR2 rank=0"
 
 
+def test_a_stop_pending_from_supervise_is_left_for_the_worker(tmp_path):
+    """DSLURM_PENDING_STOP (supervise starts a step after Slurm's warning came): the worker finds it
+    in its status dir's stop file, as it finds a signal that came during its start-up."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent("""
+        import os, sys
+        from pathlib import Path
+        sys.exit(75 if (Path(os.environ["DSLURM_STATUS_DIR"]) / "stop").read_text() == "SIGUSR2" else 9)
+    """))
+    env = {**os.environ, "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1",
+           "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+           "SLURM_TASKS_PER_NODE": "1", "DSLURM_PENDING_STOP": "SIGUSR2"}
+    res = subprocess.run([sys.executable, "-m", "dslurm", "launch", "--mode", "srun", "--", sys.executable,
+                          str(worker)], env=env, cwd=Path(__file__).parents[2], timeout=60)
+    assert res.returncode == 75
+
+
 def test_usr2_reaches_workers_that_torchrun_put_in_sessions_of_their_own(tmp_path):
     """torchrun starts workers with start_new_session=True; the launcher must still reach
     them. A stand-in 'torchrun' starts its worker in a new session, like the real one."""

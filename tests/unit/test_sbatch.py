@@ -134,6 +134,8 @@ def test_spares_allocate_more_nodes_with_no_kill_and_supervise_the_steps():
     d = sbatch_flags(text)
     assert d["nodes"] == "3" and "no-kill" in d and "requeue" in d  # 2 training + 1 spare
     assert "-m dslurm supervise -- python -m dslurm launch --mode torchrun" in text
+    # USR2 ignored across exec until supervise's handler exists (dslurm selftest chaos, seed 1)
+    assert "( trap '' USR2; exec python -m dslurm supervise -- " in text
     assert not [ln for ln in text.splitlines() if ln.startswith("srun")]  # supervise runs srun itself
     assert "dslurm requeue-me" not in text and 'exit "$rc"' in text
     plain = sbatch_flags(render_files("site-configs/local.yaml", "examples/jobs/tiny-2node.yaml"))

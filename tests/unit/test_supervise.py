@@ -117,6 +117,7 @@ def loses(host: str):
 def make(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setattr("dslurm.slurm.load_factor", lambda *a, **k: 1.0)  # probe timeouts as on an idle machine
 
     def build(script, *, spares=1, on_exhausted="requeue", requeue=None, allow_drain=False, nodes=2):
         site = load_site("site-configs/local.yaml", [f"burnin.allow_drain={str(allow_drain).lower()}"])
@@ -220,6 +221,47 @@ def test_a_preemption_during_a_step_is_not_recovered_here(make):
     assert F.read_start(run / "starts" / "4242.0").batch_signals[0][0] == "TERM"
 
 
+def test_a_warning_before_the_first_step_goes_with_it_and_is_recorded_there(make, tmp_path):
+    """Found by `dslurm selftest chaos` (seed 1): USR2 at the batch shell right after a requeue, before
+    supervise had its handler, killed supervise and ended the job FAILED. The batch shell now starts it
+    with USR2 ignored and records the signal; supervise takes it from the start's batch.signals, hands
+    it to the first step (its launchers leave it for the trainer) and records it in that step's facts."""
+    from dslurm.recover.supervise import early_signals
+
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "batch.signals").write_text("USR2 1796302075.664214\n")
+    assert early_signals({F.ENV: str(start)}) == ["USR2"] and early_signals({}) == []
+
+    def warned(c, step):
+        c.train(step, 0, 1)
+        F.write_rank_report(F.RankReport(rank=0, kind="requeue", code=75, step=1, signal="SIGUSR2"),
+                            {F.ENV: str(step.facts_dir)})
+        return 75
+    sup, c, run = make([warned, completes])
+    for name in early_signals({F.ENV: str(start)}):
+        sup.on_signal(name)  # before any step's facts dir exists
+    sup.loop()
+    assert [s.stop for s in c.steps] == ["SIGUSR2"]  # one step, carrying the warning; no recovery after it
+    assert F.read_start(run / "starts" / "4242.0").batch_signals[0][0] == "USR2"
+    assert [e.cls for e in _events(run, ev.Ending)] == ["warned_stop"]
+
+
+def test_the_real_runner_hands_a_pending_stop_to_the_step(make, tmp_path, monkeypatch):
+    from dslurm.launch.slurm_env import PENDING_STOP_ENV
+
+    sup, _, run = make([completes])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "${PENDING_STOP_ENV}" > "$DSLURM_FACTS_DIR/pending"\n')
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    runner = SrunRunner(sup.r, ["launch"], dict(__import__("os").environ))
+    d = sup.step_dir(0)
+    assert runner.run(Step(index=0, hosts=("node1",), facts_dir=d, stop="SIGUSR2"), lambda: False) == 0
+    assert (d / "pending").read_text().strip() == "SIGUSR2"
+
+
 def test_a_completed_run_ends_at_once(make):
     sup, c, run = make([completes])
     assert sup.loop() == X.OK and len(c.steps) == 1 and not _events(run, ev.Recovery)
@@ -310,7 +352,7 @@ def test_a_step_is_abandoned_only_when_its_silent_nodes_are_gone(make, alive):
     sup, c, run = make([play, completes])
     assert sup.loop() == X.OK
     assert seen["early"] == (False, [])
-    assert seen["late"] == (not alive, False, [(["node2"], sup.probe_s)])
+    assert seen["late"] == (not alive, False, [(["node2"], sup.probe_s())])
     assert len(c.probed) == (1 if not alive else 2)  # the alive node is probed again once srun returned
     ends = [e.cls for e in _events(run, ev.Ending)]
     assert ends == (["node_failure", "completed"] if not alive else ["crash", "completed"])
@@ -343,7 +385,7 @@ def _lost_late(alive: bool):
 def test_a_silent_node_that_does_not_answer_a_probe_is_lost_without_waiting_for_slurm(make):
     sup, c, run = make([_lost_late(alive=False), completes])
     assert sup.loop() == X.OK
-    assert c.probed == [(["node2"], sup.probe_s)]
+    assert c.probed == [(["node2"], sup.probe_s())]
     end = _events(run, ev.Ending)[0]
     assert end.cls == "node_failure" and "no answer to a probe step" in end.reason
     assert c.steps[1].hosts == ("node1", "node3") and read_blocklist(run) == ["node2"]
@@ -354,6 +396,14 @@ def test_a_silent_node_that_answers_the_probe_is_alive_and_the_step_a_crash(make
     assert sup.loop() == X.OK
     assert [e.cls for e in _events(run, ev.Ending)] == ["crash", "completed"]
     assert c.steps[1].hosts == ("node1", "node2") and read_blocklist(run) == []
+
+
+def test_the_probe_waits_longer_on_a_loaded_machine(make, monkeypatch):
+    """`dslurm selftest chaos` (seed 1): on 2 cores at load 14 a node holding a SIGSTOPped rank did not
+    answer `srun true` within 8 s and was swapped out as lost."""
+    sup, c, run = make([completes])
+    monkeypatch.setattr("dslurm.slurm.load_factor", lambda *a, **k: 3.0)
+    assert sup.probe_s() == 24.0
 
 
 def test_a_node_slurm_already_reports_down_is_not_probed(make):
