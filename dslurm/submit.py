@@ -320,7 +320,7 @@ def origin_of(args: argparse.Namespace, site: str, job: str) -> Origin:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    from dslurm.config.resolve import load
+    from dslurm.observe.lead import load
     from dslurm.remote import handle
 
     if getattr(args, "sweep", None):

@@ -53,8 +53,9 @@ def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None
                 site_overrides: list[str] | None = None) -> Resolved:
     """Validate and resolve a job and a site given as objects, dicts or YAML paths."""
     from dslurm.config import load_job, load_site
-    from dslurm.config.resolve import naming_overrides, resolve
+    from dslurm.config.resolve import naming_overrides
     from dslurm.config.schema import to_dict
+    from dslurm.observe.lead import resolve
 
     if isinstance(site, (str, Path)):
         site_obj, site_path = load_site(site, site_overrides), str(site)

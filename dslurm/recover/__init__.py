@@ -114,5 +114,5 @@ def shrink_grad_accum(r: Resolved, nodes: int) -> int:
                              tp=par.tp, microbatches=par.microbatches, where=where)
     accum = small.grad_accum_for(job.train.global_batch, micro, where=where)
     shrunk = dataclasses.replace(job, nodes=nodes, train=dataclasses.replace(job.train, grad_accum=accum))
-    resolve(r.site, shrunk, site_path=r.site_path, job_path=r.job_path, history=())  # every other rule
+    resolve(r.site, shrunk, site_path=r.site_path, job_path=r.job_path)  # every other rule
     return accum

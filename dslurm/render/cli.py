@@ -30,7 +30,7 @@ EXAMPLES = (
 
 def render_files(site_path: str, job_path: str, overrides: list[str] | None = None,
                  site_overrides: list[str] | None = None) -> str:
-    from dslurm.config.resolve import load
+    from dslurm.observe.lead import load
     from dslurm.render import RenderRefs, render_sbatch
 
     r = load(site_path, job_path, overrides, site_overrides)

@@ -59,7 +59,7 @@ def task_overrides(spec: SweepSpec, index: int, run_dir: Path | None) -> list[st
 
 
 def _resolve_task(spec: SweepSpec, index: int, run_dir: Path | None, base_dir: str | Path) -> Resolved:
-    from dslurm.config.resolve import load
+    from dslurm.observe.lead import load
 
     try:
         return load(spec.site, spec.job, task_overrides(spec, index, run_dir), list(spec.site_common),

@@ -81,7 +81,7 @@ def _resolved(**job):
     site = load_site("site-configs/local.yaml")
     data = {"name": "t", "nodes": 2, "model": {"preset": "tiny"}, "parallel": {"tp": 2}, "train": {"global_batch": 8},
             **job}
-    return resolve(site, load_job(data=data), history=())
+    return resolve(site, load_job(data=data))
 
 
 def test_shrink_keeps_the_global_batch_and_the_micro_batch():

@@ -35,9 +35,14 @@ def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):
     run = tmp_path / "run"
     Ledger(run).append(ev.Steps(step_time_s=40.0))
     Ledger(run).append(ev.CkptSave(total_s=45.0, stall_s=45.0))
-    r = load(ROOT / "site-configs/h100-ib.yaml", ROOT / "examples/jobs/llama8b-h100.yaml",
-             overrides=[f"checkpoint.run_dir={run}"])
-    assert r.policy.lead_setting == "auto" and r.policy.lead_s == 170  # measured in resolve, once
+    from dslurm.observe import lead
+
+    files = (ROOT / "site-configs/h100-ib.yaml", ROOT / "examples/jobs/llama8b-h100.yaml")
+    r = lead.load(*files, overrides=[f"checkpoint.run_dir={run}"])
+    assert r.policy.lead_setting == "auto" and r.policy.lead_s == 170  # measured once, passed to resolve
+    # The config alone (the ground floor) reads no ledger: the site's default, said so.
+    bare = load(*files, overrides=[f"checkpoint.run_dir={run}"])
+    assert bare.policy.lead_s != 170 and "no measurements" in bare.policy.lead_reason
     text = submit(r, dry_run=True).script.read_text()
     assert "#SBATCH --signal=B:USR2@170" in text  # 2 x (40 + 45)
 

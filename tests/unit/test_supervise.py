@@ -124,7 +124,7 @@ def make(tmp_path, monkeypatch):
                              "model": {"preset": "tiny"}, "parallel": {"tp": 2}, "train": {"global_batch": 8},
                              "requeue": requeue or {"max_restarts": 4, "no_progress_limit": 0},
                              "checkpoint": {"run_dir": str(tmp_path / "run")}})
-        r = resolve(site, job, history=())
+        r = resolve(site, job)
         freeze_and_render(r)
         cluster = FakeCluster(r.run_dir, script)
         env = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "DSLURM_RUN_DIR": str(r.run_dir)}
