@@ -558,7 +558,7 @@ class WarmPools:
 def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     """Inside the batch script: the frozen config of the run, the allocation's nodes, the loop."""
     from dslurm.config.resolve import load
-    from dslurm.launch.slurm_env import expand_hosts
+    from dslurm.hosts import expand_hosts
 
     env = dict(os.environ if env is None else env)
     if not cmd:

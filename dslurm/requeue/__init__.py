@@ -193,7 +193,7 @@ class _Accounting:
 
 def _hosts(nodelist: str) -> list[str]:
     """sacct's node list of an incarnation as host names ([] when none or unreadable)."""
-    from dslurm.launch.slurm_env import expand_hosts
+    from dslurm.hosts import expand_hosts
 
     if not nodelist or nodelist in ("None assigned", "None"):
         return []

@@ -22,7 +22,8 @@ import pytest
 
 from cluster_jobs import GPUS, ROOT, logs, probe_job, session_shapes
 from dslurm import slurm
-from dslurm.launch.slurm_env import expand_hosts, gpus_on_node
+from dslurm.hosts import expand_hosts
+from dslurm.launch.slurm_env import gpus_on_node
 
 SITE = "site-configs/local-gpu.yaml"
 DIRECTIVE = {"gpus-per-node": f"#SBATCH --gpus-per-node={GPUS}", "gres": f"#SBATCH --gres=gpu:{GPUS}"}

@@ -134,7 +134,7 @@ def test_spares_exhausted_with_requeue_requeues_without_the_bad_nodes(slurm_clus
     node3 lost -> no spare left: requeued with both lost nodes excluded (the 3-node cluster then
     has too few nodes for it, so it waits; the test cancels it)."""
     from dslurm import cluster
-    from dslurm.launch.slurm_env import expand_hosts
+    from dslurm.hosts import expand_hosts
 
     env = slurm_cluster.env()
     run = tmp_path / "spares-rq"
