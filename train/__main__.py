@@ -8,7 +8,7 @@ job file's node count: `nodes` and `procs_per_node` are taken from torchrun's en
 Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 143 stopped by
 TERM (saved), 2 user error, 74 a save the ending needs failed, 79 refused (run dir locked),
 80 the hang watchdog fired (train/watchdog.py), 81 the loss diverged under train.nonfinite=stop.
-On its way out every process writes its own report (dslurm/requeue/facts.py): what kind of ending,
+On its way out every process writes its own report (dslurm/facts.py): what kind of ending,
 its code, the step reached, the error, and the time the failure happened -- the facts from
 which `dslurm requeue-me` classifies the step's ending.
 """
@@ -27,7 +27,7 @@ T_START = time.time()  # process start, for the ledger's startup_s
 # What a warm pool (dslurm/launch/warm.py) imports once for the workers it forks: what `main`
 # imports, the parallel wrappers every tiny-to-large layout uses, the checkpoint. Importing them
 # starts no thread and no CUDA context (the pool checks).
-WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.preflight.in_job", "dslurm.requeue.facts",
+WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.preflight.in_job", "dslurm.facts",
                 "train.startup", "train.loop", "train.watchdog", "train.parallel.build", "train.parallel.fsdp",
                 "train.parallel.tp", "dslurm.checkpoint.dcp")
 
@@ -87,7 +87,7 @@ def make_watchdog(resolved, rank: int, world: int):
     """The hang watchdog of this process (None when health.watchdog is off)."""
     if not resolved.job.health.watchdog:
         return None
-    from dslurm.requeue import facts
+    from dslurm import facts
     from train.watchdog import Watchdog
 
     return Watchdog(resolved.job.health, rank=rank, world=world, run_dir=resolved.run_dir,

@@ -10,7 +10,7 @@ inherited across exec, and the trainer installs its own handler explicitly.
 Exit code: torchrun reports any worker failure as 1, which would hide the trainer's
 "requeue me" code (75). Workers write their exit code into a status directory the
 launcher owns; the launcher returns the workers' agreed code. That code is only a summary:
-the launcher also records its facts (dslurm/requeue/facts.py) -- which signals *it* received and
+the launcher also records its facts (dslurm/facts.py) -- which signals *it* received and
 when (srun's teardown after another node's crash reaches launchers, never the batch
 shell), torchrun's code, the workers' codes, and which local ranks left no code at all.
 """
@@ -302,10 +302,10 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
 
 def record(node_rank: int | None, rc: int | None, codes: dict[str, int], silent: list[int], code: int,
            env: dict[str, str]) -> None:
-    """This launcher's facts for requeue-me (dslurm/requeue/facts.py)."""
+    """This launcher's facts for requeue-me (dslurm/facts.py)."""
     import socket
 
-    from dslurm.requeue import facts
+    from dslurm import facts
 
     facts.write_launcher_report(facts.LauncherReport(
         host=socket.gethostname(), node_rank=node_rank, signals=list(SIGNALS), torchrun_rc=rc,

@@ -357,7 +357,7 @@ def _reason_of_ending(ending: str, rc: int | None) -> str:
     """A start's exit reason, in the words of exitcodes.NAMES, from its classified ending
     (dslurm/requeue/endings.py) rather than srun's code: a burn-in rejection or a warned stop
     that srun tore down on the other node returns 143, a crash torchrun folds into 1. Pure."""
-    from dslurm.requeue import endings as E
+    from dslurm import endings as E
 
     said = {E.COMPLETED: "completed (no exit event)", E.WARNED_STOP: "requeue (no exit event)",
             E.BURNIN_REJECTED: "preflight_failed", E.USER_ERROR: "user_error", E.SAVE_FAILED: "save_failed",

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from dslurm import endings as E
 from dslurm.config.resolve import Resolved, resolve
-from dslurm.requeue import endings as E
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from dslurm import endings as E
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.facts import StartFacts
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import FILENAME as LEDGER_FILE
 from dslurm.recover import Nodes, Plan, initial_nodes, nodes_at_fault, plan_recovery, shrink_grad_accum
 from dslurm.requeue import Decision, _Accounting
-from dslurm.requeue import endings as E
-from dslurm.requeue.facts import StartFacts
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Supervisor:
                 log.error("could not record %s: %s", name, exc)
 
     def step_dir(self, index: int) -> Path:
-        from dslurm.requeue.facts import STARTS, start_name
+        from dslurm.facts import STARTS, start_name
 
         d = self.run_dir / STARTS / start_name(self.job_id, self.restart, index)
         d.mkdir(parents=True, exist_ok=True)
@@ -126,8 +126,8 @@ class Supervisor:
 
     def loop(self) -> int:
         """Run steps until one ends in something not recovered here; return the script's exit code."""
+        from dslurm.facts import read_start
         from dslurm.requeue import _Accounting, frozen_policy, retry_decision
-        from dslurm.requeue.facts import read_start
         from dslurm.submit import read_blocklist
 
         acct = _Accounting(self.env)
@@ -171,7 +171,7 @@ class Supervisor:
         """The `abandon` of one step: true once a launcher reported a failure `grace_s` ago, some
         training nodes left no report, and those nodes do not answer a probe (they are probed once:
         a silent node that answers is alive and srun will end the step itself)."""
-        from dslurm.requeue.facts import read_start
+        from dslurm.facts import read_start
 
         probed = False
 
@@ -200,7 +200,7 @@ class Supervisor:
         (`srun --overlap -w NODE true`): one that does not answer within `probe_s` counts as down,
         with that evidence; one that answers is alive, so the step is read as a crash. A lost node is
         thus never read as a crash of the nodes that did report, and no time goes into waiting."""
-        from dslurm.requeue.facts import read_start
+        from dslurm.facts import read_start
 
         view = self.runner.view(hosts)
         silent = [h for h in silent_hosts(read_start(d).launchers, hosts) if h not in view.down_nodes]
@@ -281,7 +281,7 @@ def silent_hosts(launchers: Sequence[Mapping[str, object]], hosts: Sequence[str]
 def failed_at(facts: StartFacts, t_end: float) -> float:
     """When the failure happened: the earliest own failure a rank reported, else the earliest
     launcher report, else when the step ended (a lost node reports nothing)."""
-    from dslurm.requeue.facts import OWN_FAILURES
+    from dslurm.facts import OWN_FAILURES
 
     own = [float(r["t"]) for r in facts.ranks if r.get("kind") in OWN_FAILURES and r.get("t")]
     launchers = [float(x["t"]) for x in facts.launchers if x.get("t")]
@@ -326,9 +326,9 @@ class SrunRunner:
                 *self.cmd, *extra]
 
     def run(self, step: Step, abandon: Callable[[], bool]) -> int:
+        from dslurm.facts import ENV
         from dslurm.launch.slurm_env import STEP_INDEX_ENV
         from dslurm.launch.warm import WARM_ENV
-        from dslurm.requeue.facts import ENV
 
         env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index),
                WARM_ENV: "1" if step.warm else "0"}

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
-from dslurm.requeue import endings as E
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,8 @@ def _record_ending(run_dir: Path, d: Path, ending: E.Ending, *, step_rc: int | N
                    late_for: tuple[str, int] | None = None, slurm_state: str | None = None) -> None:
     """The ending into its start's directory and the ledger; `late_for`: (job, restart) of an
     earlier start whose batch shell left no ending."""
+    from dslurm.facts import write_ending
     from dslurm.observe.ledger import Ledger
-    from dslurm.requeue.facts import write_ending
 
     job_id, restart = late_for or (None, None)
     event = ev.Ending(**ending.as_dict(), step_rc=step_rc, late=late_for is not None, slurm_state=slurm_state,
@@ -208,7 +208,7 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
     """Write the ending of every earlier start that has none: its batch shell died with it
     (node failure, SIGKILL of the whole job). Whoever runs next records it, from that start's
     facts and what accounting says about that incarnation."""
-    from dslurm.requeue.facts import list_starts, parse_start_name, read_start
+    from dslurm.facts import list_starts, parse_start_name, read_start
 
     acct = acct or _Accounting(env)
     for d in list_starts(run_dir):
@@ -234,7 +234,7 @@ def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str], acct: _A
     and Slurm's view of `hosts` (default: the whole allocation; a supervised step passes its own
     nodes, so a spare that is down is never taken for the node that ended the step)."""
     from dslurm import slurm
-    from dslurm.requeue.facts import StartFacts, read_start, start_dir
+    from dslurm.facts import StartFacts, read_start, start_dir
 
     d = d if d is not None else start_dir(env, run_dir)
     facts = read_start(d) if d is not None else StartFacts("?", [], [], [], None)

@@ -44,7 +44,7 @@ def _record(run_dir: Path | None, job: str, save: bool, env: Mapping[str, str] |
     """Write the request into the facts dir of the job's running start; None when there is no
     running start of a dslurm run to write it into."""
     from dslurm import slurm
-    from dslurm.requeue.facts import STARTS, start_name, write_cancel_request
+    from dslurm.facts import STARTS, start_name, write_cancel_request
 
     if run_dir is None:
         return None

@@ -1,6 +1,6 @@
 """Endings that were decided by srun's code, or by the order the nodes exited in, instead of by
-the facts (dslurm/requeue/endings.py). Each case writes its facts with the real writers
-(dslurm.runtime.exit.report for the rank that fails, dslurm.requeue.facts for the rest, with the
+the facts (dslurm/endings.py). Each case writes its facts with the real writers
+(dslurm.runtime.exit.report for the rank that fails, dslurm.facts for the rest, with the
 fields and signal times each party really records) and classifies them under every return code
 srun gives for that interleaving: one that is crash (1), one where srun TERMed the other
 launcher (143).
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dslurm.requeue import endings as E
-from dslurm.requeue import facts as F
+from dslurm import endings as E
+from dslurm import facts as F
 from dslurm.runtime.exit import Outcome, report
 from dslurm.runtime.stop import StopRequest
 

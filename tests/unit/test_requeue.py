@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.observe import events as ev
 from dslurm.requeue import chain_of, decide, failures_of, job_ref, starts_without_progress, stray_stops_of
-from dslurm.requeue import endings as E
 
 BASE = dict(failures=0, max_restarts=3, no_progress_limit=2, start_steps=[0], pointer_step=10)
 
@@ -127,8 +127,8 @@ def test_dslurm_cancel_records_the_request_then_signals(tmp_path, monkeypatch):
 
     from dslurm import slurm
     from dslurm.errors import UserError
+    from dslurm.facts import read_start
     from dslurm.requeue import cancel as C
-    from dslurm.requeue.facts import read_start
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
+from dslurm import facts as F
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.observe.report import summarize
 from dslurm.recover.supervise import SrunRunner, Step, Supervisor
-from dslurm.requeue import endings as E
-from dslurm.requeue import facts as F
 from dslurm.submit import freeze_and_render, read_blocklist
 
 HOSTS = ["node1", "node2", "node3"]
@@ -254,7 +254,8 @@ def test_the_real_runner_runs_a_step_with_its_own_facts_dir_and_forwards_signals
 
     def stop():
         deadline = time.monotonic() + 10
-        while not (d / "index").exists() and time.monotonic() < deadline:
+        # Written, not only created: `echo > file` creates the file before it writes the line.
+        while not ((d / "index").exists() and (d / "index").read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.02)
         runner.signal(signal.SIGTERM)
     threading.Thread(target=stop).start()

@@ -1,6 +1,6 @@
 """What happened in one start of a run, recorded by each participant as it happens.
 
-Decisions about how a job step ended (dslurm/requeue/endings.py) read these records, never srun's
+Decisions about how a job step ended (dslurm/endings.py) read these records, never srun's
 or torchrun's return code alone: those fold a crash, a preemption and a teardown by srun
 into the same numbers. Each start of a run gets a directory of its own:
 
