@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from dslurm.runtime.exit import Outcome, leave, report, world_from_env
+from dslurm.worker_exit import Outcome, leave, report, world_from_env
 
 T_START = time.time()  # process start, for the ledger's startup_s
 # What a warm pool (dslurm/launch/warm.py) imports once for the workers it forks: what `main`
@@ -55,10 +55,10 @@ def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
 
 
 def init_distributed(resolved, local_rank: int, world: int):
-    """Process group + device (dslurm.launch.process_group: the one init every entry point uses).
+    """Process group + device (dslurm.process_group: the one init every entry point uses).
     A CPU site on a machine with GPUs still trains on the CPU with its own backend."""
     from dslurm import health
-    from dslurm.launch.process_group import init_process_group
+    from dslurm.process_group import init_process_group
 
     gpus, spec = resolved.site.node.gpus > 0, resolved.job.health
     return init_process_group(resolved.site.network.backend, require_cuda=gpus, cpu_only=not gpus,
@@ -66,7 +66,7 @@ def init_distributed(resolved, local_rank: int, world: int):
                               timeout_s=health.pg_timeout_s(spec.hang_ceiling_s) if spec.watchdog else None)
 
 
-OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/runtime/exit.py)
+OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/worker_exit.py)
 
 
 def on_hang(verdict) -> None:
@@ -180,7 +180,7 @@ def _entry() -> None:
 
         traceback.print_exc()
         code = 1
-    leave(code)  # not sys.exit: see dslurm.runtime.exit.leave
+    leave(code)  # not sys.exit: see dslurm.worker_exit.leave
 
 
 if __name__ == "__main__":  # guard: async checkpoint processes re-import the main module

@@ -34,6 +34,7 @@ from dslurm import exitcodes
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 from dslurm.launch.slurm_env import LaunchInfo, derive
+from dslurm.worker_exit import STATUS_DIR_ENV
 
 if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it as __main__
     from dslurm.launch import warm
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it
 log = logging.getLogger(__name__)
 
 FORWARDED = (signal.SIGUSR2, signal.SIGTERM)
-STATUS_DIR_ENV = "DSLURM_STATUS_DIR"
 
 
 def torchrun_argv(info: LaunchInfo, cmd: Sequence[str], rdzv: str = "c10d",
@@ -88,14 +88,6 @@ def read_worker_code_map(status_dir: Path) -> dict[str, int]:
         except (OSError, ValueError):
             continue
     return codes
-
-
-def write_worker_code(code: int) -> None:
-    """Called by a training process on its way out (see train/__main__.py)."""
-    d = os.environ.get(STATUS_DIR_ENV)
-    rank = os.environ.get("LOCAL_RANK", "0")
-    if d:
-        atomic_write_text(Path(d) / f"{rank}.code", str(code))
 
 
 # The first stop signal this launcher received (it may come before training started,

@@ -15,6 +15,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dslurm.durable import atomic_write_text
+
+# The directory where each worker leaves its exit code for its node's launcher (`dslurm launch`
+# sets it, reads `<local rank>.code` after torchrun returns: torchrun folds every failure into 1).
+STATUS_DIR_ENV = "DSLURM_STATUS_DIR"
+
+
+def write_worker_code(code: int) -> None:
+    """Called by a training process on its way out (see train/__main__.py)."""
+    d = os.environ.get(STATUS_DIR_ENV)
+    rank = os.environ.get("LOCAL_RANK", "0")
+    if d:
+        atomic_write_text(Path(d) / f"{rank}.code", str(code))
+
 
 def world_from_env() -> tuple[int, int, int, int]:
     """(rank, local_rank, world_size, local_world_size) from torchrun's environment, or one process."""
@@ -66,7 +80,6 @@ def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
 def report(outcome: Outcome, code: int, rank: int) -> None:
     """This process's own account of its ending, for the launcher and for requeue-me."""
     from dslurm import exitcodes, facts
-    from dslurm.launch import write_worker_code
 
     write_worker_code(code)
     signame = signal_before_failure(outcome.stop, outcome.t)
