@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes as X
+from dslurm.run import add_to_blocklist as add_to_blocklist  # the gate's; train/loop.py imports it here
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +36,6 @@ def preflight_env(env: Mapping[str, str], site_path: str, job_id: str, restart: 
     """What `dslurm launch --preflight` adds to the training processes' environment."""
     run_dir = Path(env.get("DSLURM_RUN_DIR", "."))
     return {REPORT_ENV: str(report_path(run_dir, job_id, restart)), SITE_ENV: site_path}
-
-
-def add_to_blocklist(run_dir: Path, hosts: list[str]) -> list[str]:
-    """Merge hosts into the run's blocklist atomically; return the whole list."""
-    from dslurm.render.cli import write_atomic
-    from dslurm.submit import blocklist_path, read_blocklist
-
-    merged = sorted(set(read_blocklist(run_dir)) | set(hosts))
-    write_atomic(blocklist_path(run_dir), "\n".join(merged) + "\n")
-    return merged
 
 
 def gate_in_process(device: Any, env: Mapping[str, str] | None = None, outcome: Any = None) -> int:

@@ -128,7 +128,7 @@ class Supervisor:
         """Run steps until one ends in something not recovered here; return the script's exit code."""
         from dslurm.facts import read_start
         from dslurm.requeue import _Accounting, frozen_policy, retry_decision
-        from dslurm.submit import read_blocklist
+        from dslurm.run import read_blocklist
 
         acct = _Accounting(self.env)
         nodes = initial_nodes(self.alloc, self.r.nnodes, read_blocklist(self.run_dir))
@@ -229,8 +229,7 @@ class Supervisor:
         """The recovery after a failed step with the gradient accumulation a shrink needs, or None:
         requeue without the bad nodes. The nodes at fault join the run's blocklist either way (and
         are drained where the site allows)."""
-        from dslurm.preflight.in_job import add_to_blocklist
-        from dslurm.submit import read_blocklist
+        from dslurm.run import add_to_blocklist, read_blocklist
 
         down = (*view.down_nodes, *sorted(self.unanswered))  # the view the ending was read from
         bad = nodes_at_fault(ending, nodes.training, down=down, blocklist=read_blocklist(self.run_dir))

@@ -295,7 +295,7 @@ def act_on(dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Pat
 
     job_id = env.get("SLURM_JOB_ID", "")
     if dec.action == "requeue":
-        from dslurm.submit import read_blocklist
+        from dslurm.run import read_blocklist
 
         blocked = read_blocklist(run_dir)
         if blocked:

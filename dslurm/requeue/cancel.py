@@ -59,7 +59,7 @@ def _record(run_dir: Path | None, job: str, save: bool, env: Mapping[str, str] |
 def cancel(target: str, *, save: bool, env: Mapping[str, str] | None = None) -> list[str]:
     """Record the request, then signal; one line per job for the person who asked."""
     from dslurm import slurm
-    from dslurm.submit import active_jobs_of_run
+    from dslurm.submission import active_jobs_of_run
 
     if target.isdigit():
         jobs, run_dir = [target], run_dir_of(target, env)

@@ -148,7 +148,7 @@ def _out(log_dir: Path, prefix: str, job_id: int | None) -> str:
 def live_rows(site: SiteConfig, site_path: str, nodes: int, work: Path, timeout: float) -> list[C.Row]:
     """Submit the node, requeue and burn-in jobs at once; decide their rows by the deadline."""
     from dslurm.observe import events
-    from dslurm.submit import submit
+    from dslurm.submission import submit
 
     token = secrets.token_hex(4)
     logs = work / "logs"

@@ -1,7 +1,7 @@
 """`dslurm submit --sweep` / `dslurm render --sweep`: freeze every task's run directory, write
 the sweep map, submit the tasks still to train as `sbatch --array` job(s).
 
-A task whose run already completed at its train.steps is skipped (`dslurm.submit.completed_note`);
+A task whose run already completed at its train.steps is skipped (`dslurm.submission.completed_note`);
 the others resume from their checkpoint pointers. A sweep larger than the site's MaxArraySize
 is split into several arrays, each after the previous one (afterany), so at most max_parallel
 tasks run at once.
@@ -93,7 +93,7 @@ def _active_arrays(recorded: dict[str, Any] | None, env: Mapping[str, str] | Non
 def prepare(sw: Sweep, *, force: bool = False, check_done: bool = True) -> tuple[list[int], dict[int, str]]:
     """Freeze every task's run directory (site.yaml, job.yaml, job.sbatch) and the sweep map;
     return (tasks to submit, skipped task -> why)."""
-    from dslurm.submit import completed_note, freeze_and_render
+    from dslurm.submission import completed_note, freeze_and_render
 
     recorded = read_map(sw.dir)
     if recorded is not None:
@@ -120,7 +120,7 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
     import time
 
     from dslurm import slurm
-    from dslurm.submit import record_submission
+    from dslurm.submission import record_submission
 
     if not dry_run:
         busy = _active_arrays(read_map(sw.dir), env)

@@ -19,7 +19,7 @@ from cluster_jobs import events, job_spec, kill_node, logs, submit, trained_step
 from dslurm import slurm
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
-from dslurm.submit import read_blocklist
+from dslurm.run import read_blocklist
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs/spares-results.md"

@@ -13,7 +13,7 @@ from dslurm import exitcodes as X
 from dslurm.config.resolve import load
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
-from dslurm.submit import submit
+from dslurm.submission import submit
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]

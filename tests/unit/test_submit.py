@@ -13,7 +13,7 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
-from dslurm.submit import submit
+from dslurm.submission import submit
 from testkit import GEN, one_start_ended
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +105,7 @@ def test_raised_steps_or_an_incomplete_run_submit_normally_and_resume(tmp_path, 
 
 
 def test_completed_note_reads_the_ledger_and_the_pointer(tmp_path):
-    from dslurm.submit import completed_note
+    from dslurm.submission import completed_note
 
     run = _run(tmp_path, steps=7, done=7)
     r = load(run / "site.yaml", run / "job.yaml")

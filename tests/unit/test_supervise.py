@@ -21,7 +21,8 @@ from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.observe.report import summarize
 from dslurm.recover.supervise import SrunRunner, Step, Supervisor
-from dslurm.submit import freeze_and_render, read_blocklist
+from dslurm.run import read_blocklist
+from dslurm.submission import freeze_and_render
 
 HOSTS = ["node1", "node2", "node3"]
 
