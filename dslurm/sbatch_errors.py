@@ -15,10 +15,10 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dslurm import slurm_facts as F
 from dslurm.config import format_time, parse_time
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.site import facts as F
 
 DISCOVER = "`dslurm site discover --partition P` writes a site file from what Slurm says; `dslurm site check` tests one"
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import slurm
+from dslurm import slurm_facts as F
 from dslurm.errors import SlurmError, UserError
-from dslurm.site import facts as F
 from dslurm.site.probe import TAG
 
 PROBE_TIMEOUT_S = 180.0  # a one-node srun: queue wait + `import torch` on the node

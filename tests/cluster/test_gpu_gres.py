@@ -81,9 +81,9 @@ def test_cpu_job_on_gpu_nodes_sees_no_gpus_in_its_steps(slurm_cluster, tmp_path)
 
 
 def _gpu_examples() -> list[tuple[str, str]]:
-    """Every shipped example rendered for a GPU site (the golden list, dslurm/render/cli.py)."""
+    """Every shipped example rendered for a GPU site (the golden list, dslurm/render_cmd.py)."""
     from dslurm.config import load_site
-    from dslurm.render.cli import EXAMPLES
+    from dslurm.render_cmd import EXAMPLES
 
     return [(s, j) for s, j in EXAMPLES if load_site(ROOT / s).node.gpus]
 

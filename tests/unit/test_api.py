@@ -17,7 +17,7 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.observe.events import decode_all
 from dslurm.render import RenderRefs, directives, render_sbatch
-from dslurm.render.cli import EXAMPLES
+from dslurm.render_cmd import EXAMPLES
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import yaml
 from dslurm.config import load_job, load_site, yaml12
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
-from dslurm.render.cli import render_files
+from dslurm.render_cmd import render_files
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]

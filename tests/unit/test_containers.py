@@ -18,8 +18,8 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.recover.supervise import SrunRunner, Step
 from dslurm.render import RenderRefs, render_sbatch
-from dslurm.render.cli import render_files
 from dslurm.render.container import PWD, auto_paths, launcher_prefix, srun_container_flags
+from dslurm.render_cmd import render_files
 from testkit import shellcheck
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -87,7 +87,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.examples:
-        root = Path(__file__).resolve().parents[2]  # the repository: dslurm/render/cli.py -> ../../..
+        root = Path(__file__).resolve().parents[1]  # the repository: dslurm/render_cmd.py -> ../..
         stale = examples(root, write=args.examples == "write")
         if stale:
             print("stale golden files (run `dslurm render --examples write`):\n  " + "\n  ".join(stale),
