@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.durable import atomic_write_text
+from dslurm.run import STARTS as STARTS  # the run directory's names live in dslurm/run.py
 
 log = logging.getLogger(__name__)
 
 ENV = "DSLURM_FACTS_DIR"  # set by the batch script; derived the same way when absent
-STARTS = "starts"
 ENDING = "ending.json"
 CANCEL = "cancel.json"
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.run import read_blocklist
+from dslurm.run import CODE, CODE_CURRENT, FROZEN, SCRIPT, RunDir, read_blocklist
 
 if TYPE_CHECKING:
     from dslurm.sbatch_errors import Origin
@@ -45,27 +45,22 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
     from dslurm.durable import atomic_write_text as write_atomic
     from dslurm.render import RenderRefs, render_sbatch
 
-    run_dir = r.run_dir
-    log_dir = run_dir / "logs"
+    run = RunDir(r.run_dir)
+    log_dir = run.logs
     log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create --output directories
-    site_file, job_file = run_dir / "site.yaml", run_dir / "job.yaml"
+    site_file, job_file = run.site_yaml, run.job_yaml
     job_data = to_dict(r.job)
-    job_data["checkpoint"]["run_dir"] = str(run_dir)  # absolute: the same on every node
+    job_data["checkpoint"]["run_dir"] = str(run.path)  # absolute: the same on every node
     # yaml12.dump quotes what the loader would otherwise retype ('1e3', '12:00:00', 'yes').
     write_atomic(site_file, yaml12.dump(to_dict(r.site)))
     write_atomic(job_file, yaml12.dump(job_data))
     refs = RenderRefs(site=str(site_file), job=str(job_file), log_dir=str(log_dir),
                       code_dir=None if code_dir is None else str(code_dir))
-    script = run_dir / "job.sbatch"
+    script = run.script
     write_atomic(script, render_sbatch(r, refs), 0o755)
-    if code_dir is not None and code_dir.parent == run_dir / "code":
-        write_atomic(run_dir / "code" / CODE_CURRENT, code_dir.name + "\n")
+    if code_dir is not None and code_dir.parent == run.code:
+        write_atomic(run.code_current, code_dir.name + "\n")
     return script
-
-
-FROZEN = ("site.yaml", "job.yaml", "job.sbatch")
-CODE_CURRENT = "CURRENT"
-"""`<run_dir>/code/CURRENT`: the snapshot directory name the run's script runs (`--code`)"""
 
 
 def current_code(run_dir: Path) -> Path | None:
@@ -73,17 +68,18 @@ def current_code(run_dir: Path) -> Path | None:
     None when the run runs the submit directory's code."""
     from dslurm.remote.snapshot import MARKER
 
+    run = RunDir(run_dir)
     try:
-        name = (run_dir / "code" / CODE_CURRENT).read_text().strip()
+        name = run.code_current.read_text().strip()
     except FileNotFoundError:
         return None
-    d = run_dir / "code" / name
+    d = run.code / name
     return d if name and (d / MARKER).is_file() else None
 
 
 def _frozen_before(run_dir: Path) -> dict[str, bytes | None]:
     out: dict[str, bytes | None] = {}
-    for name in (*FROZEN, f"code/{CODE_CURRENT}"):
+    for name in (*FROZEN, f"{CODE}/{CODE_CURRENT}"):
         try:
             out[name] = (run_dir / name).read_bytes()
         except FileNotFoundError:
@@ -102,7 +98,7 @@ def _restore_frozen(run_dir: Path, before: dict[str, bytes | None]) -> None:
         if data is None:
             path.unlink(missing_ok=True)
         else:
-            atomic_write_bytes(path, data, 0o755 if name == "job.sbatch" else 0o644)
+            atomic_write_bytes(path, data, 0o755 if name == SCRIPT else 0o644)
 
 
 def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
@@ -123,11 +119,11 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
     if code is not None:
         from dslurm.remote.snapshot import materialize, take
 
-        code_dir = materialize(take(code), r.run_dir / "code")
+        code_dir = materialize(take(code), RunDir(r.run_dir).code)
     else:
         code_dir = current_code(r.run_dir)
     script = freeze_and_render(r, code_dir=code_dir)
-    log_dir = r.run_dir / "logs"
+    log_dir = RunDir(r.run_dir).logs
     if dry_run:
         return Submission([], script, r.run_dir, log_dir)
     extra = []
@@ -174,10 +170,9 @@ def completed_note(r: Resolved) -> str | None:
     from dslurm.checkpoint import CheckpointError, read_pointer
     from dslurm.observe import events
     from dslurm.observe.completion import ended_completed
-    from dslurm.observe.ledger import FILENAME
     from dslurm.observe.report import summarize
 
-    if not (r.run_dir / FILENAME).is_file():
+    if not RunDir(r.run_dir).ledger.is_file():
         return None
     starts = summarize(events.read(r.run_dir)).starts
     if not starts or not ended_completed(starts[-1]):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.run import RunDir
 from dslurm.submission import active_jobs_of_run, completed_note, submit
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def inputs_of(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     if args.site or args.job:
         raise UserError(f"dslurm submit --run-dir {run_dir}: --site/--job cannot go with it (the run's frozen "
                         "site.yaml and job.yaml are used). Fix: drop them, and change a field with --set")
-    site, job = Path(run_dir) / "site.yaml", Path(run_dir) / "job.yaml"
+    site, job = RunDir(run_dir).site_yaml, RunDir(run_dir).job_yaml
     for path in (site, job):
         if not path.is_file():
             raise UserError(f"{path}: missing; --run-dir needs a run directory `dslurm submit` wrote (it holds "

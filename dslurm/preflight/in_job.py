@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes as X
+from dslurm.run import RunDir
 from dslurm.run import add_to_blocklist as add_to_blocklist  # the gate's; train/loop.py imports it here
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ SITE_ENV = "DSLURM_PREFLIGHT_SITE"
 
 
 def report_path(run_dir: Path, job_id: str, restart: int) -> Path:
-    return run_dir / "preflight" / f"burnin-{job_id}-r{restart}.json"
+    return RunDir(run_dir).burnin_report(job_id, restart)
 
 
 def preflight_env(env: Mapping[str, str], site_path: str, job_id: str, restart: int) -> dict[str, str]:
