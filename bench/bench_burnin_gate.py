@@ -31,7 +31,7 @@ def main() -> None:
     from dslurm import cluster, slurm
     from dslurm.config.resolve import load
     from dslurm.observe import events as ev
-    from dslurm.submit import submit
+    from dslurm.submission import submit
 
     if not cluster.is_up():
         cluster.up(nodes=3, accounting=True)

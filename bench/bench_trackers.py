@@ -146,7 +146,7 @@ def main() -> None:
               f"{listener[k]:.6f} ({listener[k] / w:.3%}) |")
     print(f"\noutage lanes still waiting at the end: {stuck}; slow server got {len(delivered)} step(s) of points")
     sys.stdout.flush()
-    # As the trainer leaves (dslurm.runtime.exit.leave): W&B's atexit teardown would wait on its
+    # As the trainer leaves (dslurm.worker_exit.leave): W&B's atexit teardown would wait on its
     # service, which still waits on the silent server.
     os._exit(0)
 

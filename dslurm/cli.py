@@ -20,7 +20,7 @@ from dslurm.errors import UserError
 # Only the module of the command being run is imported, so a command pays for its own
 # imports alone (`dslurm render` must stay near the cost of starting Python).
 COMMANDS = {
-    "render": "dslurm.render.cli",
+    "render": "dslurm.render_cmd",
     "submit": "dslurm.submit",
     "status": "dslurm.submit",
     "cancel": "dslurm.requeue.cancel",

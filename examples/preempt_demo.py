@@ -46,7 +46,7 @@ def interrupt(job_id: int, how: str) -> None:
 def run(steps: int, preemptions: int, run_dir: Path, step_sleep: float, extra: list[str]) -> int:
     from dslurm import slurm
     from dslurm.config.resolve import load
-    from dslurm.submit import submit
+    from dslurm.submission import submit
 
     overrides = [f"checkpoint.run_dir={run_dir}", f"train.steps={steps}", f"train.step_sleep_s={step_sleep}",
                  "train.log_every=1", *extra]

@@ -8,7 +8,7 @@ job file's node count: `nodes` and `procs_per_node` are taken from torchrun's en
 Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 143 stopped by
 TERM (saved), 2 user error, 74 a save the ending needs failed, 79 refused (run dir locked),
 80 the hang watchdog fired (train/watchdog.py), 81 the loss diverged under train.nonfinite=stop.
-On its way out every process writes its own report (dslurm/requeue/facts.py): what kind of ending,
+On its way out every process writes its own report (dslurm/facts.py): what kind of ending,
 its code, the step reached, the error, and the time the failure happened -- the facts from
 which `dslurm requeue-me` classifies the step's ending.
 """
@@ -21,13 +21,13 @@ import os
 import sys
 import time
 
-from dslurm.runtime.exit import Outcome, leave, report, world_from_env
+from dslurm.worker_exit import Outcome, leave, report, world_from_env
 
 T_START = time.time()  # process start, for the ledger's startup_s
 # What a warm pool (dslurm/launch/warm.py) imports once for the workers it forks: what `main`
 # imports, the parallel wrappers every tiny-to-large layout uses, the checkpoint. Importing them
 # starts no thread and no CUDA context (the pool checks).
-WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.preflight.in_job", "dslurm.requeue.facts",
+WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.preflight.in_job", "dslurm.facts",
                 "train.startup", "train.loop", "train.watchdog", "train.parallel.build", "train.parallel.fsdp",
                 "train.parallel.tp", "dslurm.checkpoint.dcp")
 
@@ -55,10 +55,10 @@ def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
 
 
 def init_distributed(resolved, local_rank: int, world: int):
-    """Process group + device (dslurm.launch.process_group: the one init every entry point uses).
+    """Process group + device (dslurm.process_group: the one init every entry point uses).
     A CPU site on a machine with GPUs still trains on the CPU with its own backend."""
     from dslurm import health
-    from dslurm.launch.process_group import init_process_group
+    from dslurm.process_group import init_process_group
 
     gpus, spec = resolved.site.node.gpus > 0, resolved.job.health
     return init_process_group(resolved.site.network.backend, require_cuda=gpus, cpu_only=not gpus,
@@ -66,7 +66,7 @@ def init_distributed(resolved, local_rank: int, world: int):
                               timeout_s=health.pg_timeout_s(spec.hang_ceiling_s) if spec.watchdog else None)
 
 
-OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/runtime/exit.py)
+OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/worker_exit.py)
 
 
 def on_hang(verdict) -> None:
@@ -87,7 +87,7 @@ def make_watchdog(resolved, rank: int, world: int):
     """The hang watchdog of this process (None when health.watchdog is off)."""
     if not resolved.job.health.watchdog:
         return None
-    from dslurm.requeue import facts
+    from dslurm import facts
     from train.watchdog import Watchdog
 
     return Watchdog(resolved.job.health, rank=rank, world=world, run_dir=resolved.run_dir,
@@ -180,7 +180,7 @@ def _entry() -> None:
 
         traceback.print_exc()
         code = 1
-    leave(code)  # not sys.exit: see dslurm.runtime.exit.leave
+    leave(code)  # not sys.exit: see dslurm.worker_exit.leave
 
 
 if __name__ == "__main__":  # guard: async checkpoint processes re-import the main module

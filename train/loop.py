@@ -506,7 +506,7 @@ class Trainer:
     def _out_of_memory(self, exc: BaseException) -> None:
         """This rank ran out of memory (train/oom.py): snapshot, note, ledger event; the error
         then ends the process and the start ends as `oom` (not retried blindly)."""
-        from dslurm.requeue.facts import start_dir
+        from dslurm.facts import start_dir
 
         phase, coll = oom.phase_of(self.metrics, self.watch)
         oom.record(exc, rank=self.rank, step=self.step + 1, phase=phase, collective=coll, device=self.device,

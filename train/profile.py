@@ -145,7 +145,7 @@ class StepProfiler:
 
 def make_profiler(resolved: Any, *, rank: int, world: int, device: torch.device, ledger: Ledger | None) -> StepProfiler:
     """The loop's profiler, with the job's schedule (health.profile_at / profile_steps)."""
-    from dslurm.requeue.facts import start_dir
+    from dslurm.facts import start_dir
 
     d = start_dir(run_dir=resolved.run_dir)
     spec = resolved.job.health

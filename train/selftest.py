@@ -159,7 +159,7 @@ def _probe(trainer: Any) -> torch.Tensor:
 
 def start(args: argparse.Namespace) -> tuple[Any, torch.device, Report]:
     """Site, process group (a world of one) and the empty report; a UserError if either is wrong."""
-    from dslurm.launch.process_group import init_process_group
+    from dslurm.process_group import init_process_group
 
     site, dry = load_site(args.site), args.dry_run
     device = init_process_group("gloo" if dry else site.network.backend, require_cuda=not dry, cpu_only=dry,

@@ -53,8 +53,9 @@ def load_inputs(job: JobLike, site: SiteLike, overrides: list[str] | None = None
                 site_overrides: list[str] | None = None) -> Resolved:
     """Validate and resolve a job and a site given as objects, dicts or YAML paths."""
     from dslurm.config import load_job, load_site
-    from dslurm.config.resolve import naming_overrides, resolve
+    from dslurm.config.resolve import naming_overrides
     from dslurm.config.schema import to_dict
+    from dslurm.observe.lead import resolve
 
     if isinstance(site, (str, Path)):
         site_obj, site_path = load_site(site, site_overrides), str(site)
@@ -169,7 +170,8 @@ def _submit_submitit(r: Resolved, folder: str | Path | None, force: bool) -> sub
     import submitit
 
     from dslurm.api.job import TrainTask
-    from dslurm.submit import completed_note, freeze_and_render, read_blocklist, record_submission
+    from dslurm.run import read_blocklist
+    from dslurm.submission import completed_note, freeze_and_render, record_submission
 
     if not force and (note := completed_note(r)) is not None:
         raise UserError(note.replace("use --force", "pass force=True"))
@@ -206,7 +208,8 @@ def sweep(job: str | Path, *, site: str | Path, grid: dict[str, list[Any]] | Non
     import submitit
 
     from dslurm.api.job import TrainTask
-    from dslurm.submit import read_blocklist, record_submission
+    from dslurm.run import read_blocklist
+    from dslurm.submission import record_submission
     from dslurm.sweep.build import resolve_sweep
     from dslurm.sweep.spec import parse
     from dslurm.sweep.submit import prepare, read_map, write_map
@@ -252,7 +255,7 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
     from dslurm import exitcodes as X
     from dslurm.api.job import TrainerFailed, launch_keeping_handlers, output_tail, summarize, trainer_argv
     from dslurm.observe import events
-    from dslurm.submit import freeze_and_render
+    from dslurm.submission import freeze_and_render
 
     r = load_inputs(job, site, overrides, site_overrides)
     freeze_and_render(r)

@@ -212,10 +212,10 @@ class TrainTask(submitit.helpers.Checkpointable):
 
 def _decide(r: Resolved, env: Mapping[str, str]) -> Any:
     """dslurm's requeue policy, recorded in the ledger like `dslurm requeue-me` does."""
+    from dslurm.endings import WARNED_STOP
     from dslurm.observe import events
     from dslurm.observe.ledger import Ledger
     from dslurm.requeue import decide, failures_of, pointer_step, start_steps_of
-    from dslurm.requeue.endings import WARNED_STOP
 
     history = events.read(r.run_dir)
     d = decide(ending=WARNED_STOP, failures=failures_of(history, env.get("SLURM_JOB_ID", "")),

@@ -90,16 +90,41 @@ class StorageSpec:
 
 @dataclass(kw_only=True, slots=True)
 class BurninSpec:
-    gemm_min_fraction_of_peak: float = field(0.6, help="GEMM TFLOP/s below this fraction of peak fails")
-    cpu_gemm_min_gflops: float = field(0.5, help="CPU smoke-test GEMM floor in GFLOP/s")
-    busbw_intra_min_gbytes_per_s: float = field(0.0, help="all-reduce busbw floor inside a node, GB/s")
-    busbw_inter_min_gbytes_per_s: float = field(0.0, help="all-reduce busbw floor across nodes, GB/s")
-    slow_link_factor: float = field(3.0, help="a link slower than this x the median is flagged")
-    max_temp_c: int = field(85, help="GPU temperature ceiling, C")
-    max_ecc_uncorrected: int = field(0, help="uncorrected ECC errors tolerated")
-    min_pcie_gen: int = field(0, help="minimum PCIe link generation (0 = do not check)")
-    min_free_mem_fraction: float = field(0.9, help="minimum free fraction of GPU memory before the run")
-    allow_drain: bool = field(False, help="may a job drain bad nodes (needs Slurm operator rights)")
+    """The burn-in's thresholds: what a healthy node must reach (docs/burnin.md). The one
+    definition: `dslurm.preflight.thresholds.Thresholds` is this plus what it takes from the
+    node description (GPU count, bf16 peak)."""
+
+    gemm_min_fraction_of_peak: float = field(0.6, help="a GPU whose bf16 GEMM reaches less than this fraction of "
+                                             "node.peak_tflops_bf16 fails (no peak: measured, not judged)")
+    cpu_gemm_min_gflops: float = field(0.5, help="floor of the fp32 CPU smoke-test GEMM in GFLOP/s (CPU sites); "
+                                       "0 = not judged")
+    busbw_intra_min_gbytes_per_s: float = field(0.0, help="all-reduce bus bandwidth floor inside a node at the "
+                                                "largest size, GB/s; 0 = any")
+    busbw_inter_min_gbytes_per_s: float = field(0.0, help="all-reduce bus bandwidth floor across all nodes at the "
+                                                "largest size, GB/s; 0 = any")
+    slow_link_factor: float = field(3.0, help="a node pair slower than this x the fastest pair is a slow link (the "
+                                    "fastest, not the median: in a 3-node ring one slow node makes 2 of 3 pairs slow)")
+    max_temp_c: float = field(85.0, help="GPU core temperature ceiling, C: above it fails (it throttles soon)")
+    max_ecc_uncorrected: int = field(0, help="uncorrected ECC errors tolerated (volatile or aggregate); more fails")
+    min_pcie_gen: int = field(0, help="lowest acceptable current PCIe generation, a warning only (idle GPUs "
+                              "downshift the link); 0 = not checked")
+    min_free_mem_fraction: float = field(0.9, help="free/total GPU memory below this means someone else holds "
+                                         "the GPU (warn)")
+    min_power_limit_fraction: float = field(0.9, help="an enforced power limit below this fraction of the default "
+                                            "means a capped GPU (warn)")
+    allow_drain: bool = field(False, help="may a job drain bad nodes (needs Slurm operator rights); launcher "
+                              "policy, not a threshold")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gemm_min_fraction_of_peak <= 1.0:
+            raise FieldError("gemm_min_fraction_of_peak", f"{self.gemm_min_fraction_of_peak} must be in (0, 1]",
+                             "give the fraction of peak a healthy GPU reaches, e.g. 0.6")
+        if self.slow_link_factor <= 1.0:
+            raise FieldError("slow_link_factor", f"{self.slow_link_factor} must be > 1",
+                             "give how many times slower than the fastest pair is slow, e.g. 3")
+        for name in ("min_free_mem_fraction", "min_power_limit_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise FieldError(name, f"{getattr(self, name)} must be in [0, 1]", "give a fraction, e.g. 0.9")
 
 
 @dataclass(kw_only=True, slots=True)

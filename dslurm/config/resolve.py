@@ -9,19 +9,16 @@ notebook API and `dslurm requeue-me` all read them from a `Resolved`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from dslurm.config import JobSpec, ParallelSpec, SiteConfig, format_time, parse_time
 from dslurm.config.layout import Layout, stages_per_rank
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
-
-if TYPE_CHECKING:
-    from dslurm.observe.events import Event
 
 
 def check_model_layout(shape: ModelShape, layout: Layout, par: ParallelSpec, where: str = "job") -> None:
@@ -38,17 +35,23 @@ def check_model_layout(shape: ModelShape, layout: Layout, par: ParallelSpec, whe
 LEAD_FLOOR_S = 60
 
 
-def auto_signal_lead(history: Iterable[Event], *, default_s: int, floor_s: int = LEAD_FLOOR_S,
+@dataclass(frozen=True, slots=True)
+class LeadSample:
+    """What `requeue.signal_lead: auto` measures in a run: its slowest step and its slowest save,
+    in seconds (0: not measured yet). Read from the run's ledger by `dslurm.observe.lead`, which
+    passes it to `resolve`: the config, the ground floor, never reads a ledger itself."""
+
+    step_s: float = 0.0
+    save_s: float = 0.0
+
+
+def auto_signal_lead(measured: LeadSample | None, *, default_s: int, floor_s: int = LEAD_FLOOR_S,
                      safety: float = 2.0) -> tuple[int, str]:
     """`requeue.signal_lead: auto`: the warning a stop needs = finish the current step, then
-    a synchronous save, times a safety factor, never below the floor. Measured from this
-    run's ledger (slowest step window, slowest save); the site's default when the run has
-    no history yet. Returns (seconds, how it was derived). Pure."""
-    from dslurm.observe.events import CkptSave, Steps, of
-
-    history = list(history)
-    step_s = max((e.step_time_s or 0.0 for e in of(history, Steps)), default=0.0)
-    save_s = max((e.total_s or e.stall_s for e in of(history, CkptSave)), default=0.0)
+    a synchronous save, times a safety factor, never below the floor. From what this run
+    measured (slowest step window, slowest save); the site's default when the run has no
+    measurements yet. Returns (seconds, how it was derived). Pure."""
+    step_s, save_s = (measured.step_s, measured.save_s) if measured is not None else (0.0, 0.0)
     if step_s == 0.0 and save_s == 0.0:
         return max(default_s, floor_s), f"site default {default_s}s (no measurements in this run yet), floor {floor_s}s"
     need = safety * (step_s + save_s)
@@ -79,13 +82,13 @@ class RequeuePolicy:
     while Slurm still ran the job: docs/endings.md); counted apart from max_restarts"""
 
 
-def requeue_policy(site: SiteConfig, job: JobSpec, history: Iterable[Event] = ()) -> RequeuePolicy:
-    """The policy from job, site and (for `auto`) the run's ledger events. Pure; `resolve`
+def requeue_policy(site: SiteConfig, job: JobSpec, measured: LeadSample | None = None) -> RequeuePolicy:
+    """The policy from job, site and (for `auto`) what the run measured. Pure; `resolve`
     checks the lead against the time limit."""
     rq = job.requeue
     setting = rq.signal_lead if rq.signal_lead is not None else site.requeue.signal_lead_s
     if setting == "auto":
-        lead, how = auto_signal_lead(history, default_s=site.requeue.signal_lead_s)
+        lead, how = auto_signal_lead(measured, default_s=site.requeue.signal_lead_s)
         how = f"auto: {how}"
     else:
         lead = int(setting)
@@ -133,10 +136,10 @@ class Resolved:
 
 
 def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path: str = "job",
-            base_dir: str | Path | None = None, history: Iterable[Event] | None = None) -> Resolved:
-    """Cross-field checks of site + job; every message names the file, field and numbers.
-    `history`: the run's ledger events for `signal_lead: auto`; None reads the run's ledger
-    (the one read this function does)."""
+            base_dir: str | Path | None = None, measured: LeadSample | None = None) -> Resolved:
+    """Cross-field checks of site + job; every message names the file, field and numbers. Pure:
+    `measured` is what the run measured for `signal_lead: auto` (None: nothing yet, the site's
+    default); `dslurm.observe.lead` reads it from the run's ledger for the commands that submit."""
     ppn = job.procs_per_node or site.procs_per_node
     if site.node.gpus and ppn > site.node.gpus:
         raise UserError(f"{job_path}: field 'procs_per_node': {ppn} > GPUs per node ({site.node.gpus}) "
@@ -169,11 +172,7 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
                         f"{site.name!r} ({site_path}) has no storage.scratch. Fix: set storage.scratch in the site "
                         "(e.g. /local/$USER/%n), or checkpoint.tiers: durable")
     run_dir = run_dir_for(site, job, base_dir)
-    if history is None and job.requeue.signal_lead == "auto":
-        from dslurm.observe import events
-
-        history = events.read(run_dir)
-    policy = requeue_policy(site, job, history or ())
+    policy = requeue_policy(site, job, measured)
     if not 0 <= policy.lead_s < time_s:
         raise UserError(f"{job_path}: field 'requeue.signal_lead': {policy.lead_s}s ({policy.lead_reason}) must be "
                         f"below the time limit ({time_s}s). Fix: lower the lead or raise the time")
@@ -192,13 +191,18 @@ def run_dir_for(site: SiteConfig, job: JobSpec, base_dir: str | Path | None = No
 
 
 def load(site_path: str | Path, job_path: str | Path, overrides: list[str] | None = None,
-         site_overrides: list[str] | None = None, base_dir: str | Path | None = None) -> Resolved:
+         site_overrides: list[str] | None = None, base_dir: str | Path | None = None,
+         measure: Callable[[SiteConfig, JobSpec, str | Path | None], LeadSample | None] | None = None) -> Resolved:
+    """Load, override and resolve a site and a job from their files. `measure` (site, job,
+    base_dir) -> what the run measured: `dslurm.observe.lead.load` passes the ledger's."""
     from dslurm.config import load_job, load_site
 
     site = load_site(site_path, site_overrides)
     job = load_job(job_path, overrides)
+    measured = measure(site, job, base_dir) if measure is not None else None
     with naming_overrides(overrides, site_overrides):
-        return resolve(site, job, site_path=str(site_path), job_path=str(job_path), base_dir=base_dir)
+        return resolve(site, job, site_path=str(site_path), job_path=str(job_path), base_dir=base_dir,
+                       measured=measured)
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 One array task per shard still to do, `--array=IDS%K`; each runs
 `PYTHON -m dslurm.data.task OUT $SLURM_ARRAY_TASK_ID OFFSET` (shard = offset + id) after the
 site's setup lines and environment. More shards than the site's MaxArraySize are cut into
-several arrays as sweeps are (`dslurm.sweep.spec.split_arrays`: array k holds shards
+several arrays as sweeps are (`dslurm.job_array.split_arrays`: array k holds shards
 k*size + id), each after the previous one (`--dependency=afterany`), so %K still bounds the
 tasks running at once. `--cpus-per-task` N gives each task N CPUs and N encode threads
 (RAYON_NUM_THREADS, the `tokenizers` pool). Every value that lands in the script goes through
@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dslurm.config import SiteConfig
+from dslurm.job_array import array_ids, max_array_size, split_arrays
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,15 +31,6 @@ class ArraySpec:
     name: str = "dslurm-tokenize"
     offset: int = 0
     """shard = offset + $SLURM_ARRAY_TASK_ID (one part of a split array); `tasks` are the ids"""
-
-
-def array_ids(tasks: list[int], concurrency: int) -> str:
-    """`0-2%2` for a run of ids, `1,4%2` otherwise. Pure."""
-    if tasks == list(range(tasks[0], tasks[0] + len(tasks))) and len(tasks) > 1:
-        ids = f"{tasks[0]}-{tasks[-1]}"
-    else:
-        ids = ",".join(map(str, tasks))
-    return f"{ids}%{concurrency}" if concurrency > 0 else ids
 
 
 def render_array(site: SiteConfig, spec: ArraySpec) -> str:
@@ -69,8 +61,6 @@ def render_array(site: SiteConfig, spec: ArraySpec) -> str:
 def array_parts(spec: ArraySpec, max_array_size: int) -> list[ArraySpec]:
     """The array jobs of `spec.tasks` (shard numbers) under MaxArraySize: each part's ids and
     offset (shard = offset + id), as sweeps split theirs. Pure."""
-    from dslurm.sweep.spec import split_arrays
-
     return [replace(spec, tasks=list(p.ids), offset=p.offset) for p in split_arrays(spec.tasks, max_array_size)]
 
 
@@ -86,7 +76,6 @@ def submit_array(site: SiteConfig, spec: ArraySpec, *, wait: bool,
     from dslurm import slurm
     from dslurm.durable import atomic_write_text
     from dslurm.errors import SlurmError
-    from dslurm.sweep.submit import max_array_size
 
     (spec.out / "logs").mkdir(parents=True, exist_ok=True)
     parts = array_parts(spec, max_array_size(env)[0])

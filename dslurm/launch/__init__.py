@@ -10,7 +10,7 @@ inherited across exec, and the trainer installs its own handler explicitly.
 Exit code: torchrun reports any worker failure as 1, which would hide the trainer's
 "requeue me" code (75). Workers write their exit code into a status directory the
 launcher owns; the launcher returns the workers' agreed code. That code is only a summary:
-the launcher also records its facts (dslurm/requeue/facts.py) -- which signals *it* received and
+the launcher also records its facts (dslurm/facts.py) -- which signals *it* received and
 when (srun's teardown after another node's crash reaches launchers, never the batch
 shell), torchrun's code, the workers' codes, and which local ranks left no code at all.
 """
@@ -34,6 +34,7 @@ from dslurm import exitcodes
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 from dslurm.launch.slurm_env import PENDING_STOP_ENV, LaunchInfo, derive
+from dslurm.worker_exit import STATUS_DIR_ENV
 
 if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it as __main__
     from dslurm.launch import warm
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it
 log = logging.getLogger(__name__)
 
 FORWARDED = (signal.SIGUSR2, signal.SIGTERM)
-STATUS_DIR_ENV = "DSLURM_STATUS_DIR"
 
 
 def torchrun_argv(info: LaunchInfo, cmd: Sequence[str], rdzv: str = "c10d",
@@ -88,14 +88,6 @@ def read_worker_code_map(status_dir: Path) -> dict[str, int]:
         except (OSError, ValueError):
             continue
     return codes
-
-
-def write_worker_code(code: int) -> None:
-    """Called by a training process on its way out (see train/__main__.py)."""
-    d = os.environ.get(STATUS_DIR_ENV)
-    rank = os.environ.get("LOCAL_RANK", "0")
-    if d:
-        atomic_write_text(Path(d) / f"{rank}.code", str(code))
 
 
 # The first stop signal this launcher received (it may come before training started,
@@ -305,10 +297,10 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
 
 def record(node_rank: int | None, rc: int | None, codes: dict[str, int], silent: list[int], code: int,
            env: dict[str, str]) -> None:
-    """This launcher's facts for requeue-me (dslurm/requeue/facts.py)."""
+    """This launcher's facts for requeue-me (dslurm/facts.py)."""
     import socket
 
-    from dslurm.requeue import facts
+    from dslurm import facts
 
     facts.write_launcher_report(facts.LauncherReport(
         host=socket.gethostname(), node_rank=node_rank, signals=list(SIGNALS), torchrun_rc=rc,

@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from dslurm.launch.process_group import init_process_group
     from dslurm.preflight.in_job import gate_in_process
-    from dslurm.runtime.exit import Outcome, report
+    from dslurm.process_group import init_process_group
+    from dslurm.worker_exit import Outcome, report
 
     device = init_process_group()
     outcome = Outcome()

@@ -2,7 +2,7 @@
 
 Pure: `derive(env)` takes a mapping (os.environ inside a job) and returns a
 `LaunchInfo`, or raises `UserError` naming the variable that is missing or wrong.
-Host lists are expanded with python-hostlist, not a home-made parser.
+Host lists are expanded by `dslurm.hosts` (python-hostlist, not a home-made parser).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Literal
 import hostlist
 
 from dslurm.errors import UserError
+from dslurm.hosts import expand_hosts
 
 # Rendezvous ports are derived from the job id, so every node computes the same port
 # without talking. The range stays below Linux's ephemeral range (32768+) and above
@@ -118,16 +119,6 @@ def _int(env: Mapping[str, str], name: str, value: str, minimum: int = 0, maximu
         span = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
         raise UserError(f"environment variable {name}={n} must be {span}{fix}")
     return n
-
-
-def expand_hosts(nodelist: str, var: str = "SLURM_JOB_NODELIST") -> list[str]:
-    try:
-        hosts = hostlist.expand_hostlist(nodelist)
-    except hostlist.BadHostlist as exc:
-        raise UserError(f"environment variable {var}={nodelist!r} is not a valid host list ({exc})") from None
-    if not hosts:
-        raise UserError(f"environment variable {var}={nodelist!r} names no hosts")
-    return [str(h) for h in hosts]
 
 
 # The GPU variables Slurm sets in a job step that asked for GPUs (--gpus-per-node, --gres=gpu:N).

@@ -135,8 +135,9 @@ def target_steps(run_dir: str | Path) -> int | None:
     """train.steps of the run's frozen job.yaml; None when it is missing or no longer loads."""
     from dslurm.config import load_job
     from dslurm.errors import UserError
+    from dslurm.run import RunDir
 
-    path = Path(run_dir) / "job.yaml"
+    path = RunDir(run_dir).job_yaml
     if not path.is_file():
         return None
     try:

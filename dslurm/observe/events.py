@@ -327,7 +327,7 @@ class NonFinite(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Ending(Event):
-    """How a start ended (dslurm/requeue/endings.py). late=True: the next start wrote it."""
+    """How a start ended (dslurm/endings.py). late=True: the next start wrote it."""
     NAME = "ending"
     cls: str = ""
     reason: str = ""

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.observe.events import Event
+from dslurm.run import LEDGER
 
-FILENAME = "ledger.jsonl"
+FILENAME = LEDGER  # the run directory's names live in dslurm/run.py
 log = logging.getLogger(__name__)
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 

@@ -77,7 +77,7 @@ class Start:
     exit_reason: str = DIED
     decision: str | None = None
     ending: str | None = None
-    """the classified ending (dslurm/requeue/endings.py): completed, crash, preempted, save_failed, ..."""
+    """the classified ending (dslurm/endings.py): completed, crash, preempted, save_failed, ..."""
     ending_reason: str | None = None
     phases: list[tuple[str, float]] = field(default_factory=list)
     """start-up phase by phase (dslurm.observe.phases): (name, seconds), spawn first"""
@@ -367,9 +367,9 @@ STRAY = "stray stop (a TERM reached the job step only)"
 
 def _reason_of_ending(ending: str, rc: int | None) -> str:
     """A start's exit reason, in the words of exitcodes.NAMES, from its classified ending
-    (dslurm/requeue/endings.py) rather than srun's code: a burn-in rejection or a warned stop
+    (dslurm/endings.py) rather than srun's code: a burn-in rejection or a warned stop
     that srun tore down on the other node returns 143, a crash torchrun folds into 1. Pure."""
-    from dslurm.requeue import endings as E
+    from dslurm import endings as E
 
     said = {E.COMPLETED: "completed (no exit event)", E.WARNED_STOP: "requeue (no exit event)",
             E.BURNIN_REJECTED: "preflight_failed", E.USER_ERROR: "user_error", E.SAVE_FAILED: "save_failed",

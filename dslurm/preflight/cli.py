@@ -2,7 +2,7 @@
 
 Two ways:
 - `dslurm burnin --site S --nodes N [--wait]`: a standalone sbatch job of N whole nodes,
-  rendered and submitted like a training job (dslurm/submit.py), that runs the same gate
+  rendered and submitted like a training job (dslurm/submission.py), that runs the same gate
   every training job runs first and nothing else. Its report, ledger and blocklist land
   in the run directory (default <storage.durable>/burnin-N); a later training job of the
   same run directory --excludes the bad nodes.
@@ -86,7 +86,7 @@ def run_job(args: argparse.Namespace) -> int:
     """Render and submit the standalone burn-in job; with --wait, print its verdict."""
     from dslurm.config import load_job, load_site
     from dslurm.config.resolve import resolve
-    from dslurm.submit import submit
+    from dslurm.submission import submit
 
     site = load_site(args.site)
     data = {"name": f"burnin-{args.nodes}", "nodes": args.nodes, "time": args.time,

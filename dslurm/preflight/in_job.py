@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes as X
+from dslurm.run import RunDir
+from dslurm.run import add_to_blocklist as add_to_blocklist  # the gate's; train/loop.py imports it here
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ SITE_ENV = "DSLURM_PREFLIGHT_SITE"
 
 
 def report_path(run_dir: Path, job_id: str, restart: int) -> Path:
-    return run_dir / "preflight" / f"burnin-{job_id}-r{restart}.json"
+    return RunDir(run_dir).burnin_report(job_id, restart)
 
 
 def preflight_env(env: Mapping[str, str], site_path: str, job_id: str, restart: int) -> dict[str, str]:
@@ -37,20 +39,10 @@ def preflight_env(env: Mapping[str, str], site_path: str, job_id: str, restart: 
     return {REPORT_ENV: str(report_path(run_dir, job_id, restart)), SITE_ENV: site_path}
 
 
-def add_to_blocklist(run_dir: Path, hosts: list[str]) -> list[str]:
-    """Merge hosts into the run's blocklist atomically; return the whole list."""
-    from dslurm.render.cli import write_atomic
-    from dslurm.submit import blocklist_path, read_blocklist
-
-    merged = sorted(set(read_blocklist(run_dir)) | set(hosts))
-    write_atomic(blocklist_path(run_dir), "\n".join(merged) + "\n")
-    return merged
-
-
 def gate_in_process(device: Any, env: Mapping[str, str] | None = None, outcome: Any = None) -> int:
     """Run the burn-in on the default process group if the launcher asked for it.
     0: train; PREFLIGHT_FAILED: every rank returns it, the node list is in the blocklist, and
-    `outcome` (a dslurm.runtime.exit.Outcome) holds the verdict for this rank's report: the
+    `outcome` (a dslurm.worker_exit.Outcome) holds the verdict for this rank's report: the
     ending is read from that report, since srun may return 143 for it (it TERMs the other
     nodes' launchers when the first one exits 78)."""
     env = os.environ if env is None else env

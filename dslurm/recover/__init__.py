@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from dslurm import endings as E
 from dslurm.config.resolve import Resolved, resolve
-from dslurm.requeue import endings as E
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,5 +114,5 @@ def shrink_grad_accum(r: Resolved, nodes: int) -> int:
                              tp=par.tp, microbatches=par.microbatches, where=where)
     accum = small.grad_accum_for(job.train.global_batch, micro, where=where)
     shrunk = dataclasses.replace(job, nodes=nodes, train=dataclasses.replace(job.train, grad_accum=accum))
-    resolve(r.site, shrunk, site_path=r.site_path, job_path=r.job_path, history=())  # every other rule
+    resolve(r.site, shrunk, site_path=r.site_path, job_path=r.job_path)  # every other rule
     return accum

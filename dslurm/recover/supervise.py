@@ -5,7 +5,7 @@ srun plus `dslurm requeue-me`. It starts each job step with `srun --nodelist` on
 nodes, and when a step ends:
 
 1. classifies the ending from that step's own facts dir (`starts/<job>.<restart>.<step>`,
-   dslurm/requeue/facts.py) and what Slurm says about the step's nodes (`requeue.endings.classify`),
+   dslurm/facts.py) and what Slurm says about the step's nodes (`endings.classify`),
    never from srun's code alone;
 2. a failure (crash, node failure, burn-in rejection) that a requeue would retry (`requeue.decide`:
    restart budget, no-progress guard) is recovered here: the nodes at fault go on the run's
@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from dslurm import endings as E
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.facts import StartFacts
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import FILENAME as LEDGER_FILE
 from dslurm.recover import Nodes, Plan, initial_nodes, nodes_at_fault, plan_recovery, shrink_grad_accum
 from dslurm.requeue import Decision, _Accounting
-from dslurm.requeue import endings as E
-from dslurm.requeue.facts import StartFacts
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class Supervisor:
         return self.probe_base_s * slurm.load_factor()
 
     def step_dir(self, index: int) -> Path:
-        from dslurm.requeue.facts import STARTS, start_name
+        from dslurm.facts import STARTS, start_name
 
         d = self.run_dir / STARTS / start_name(self.job_id, self.restart, index)
         d.mkdir(parents=True, exist_ok=True)
@@ -144,9 +144,9 @@ class Supervisor:
 
     def loop(self) -> int:
         """Run steps until one ends in something not recovered here; return the script's exit code."""
+        from dslurm.facts import read_start
         from dslurm.requeue import _Accounting, frozen_policy, retry_decision
-        from dslurm.requeue.facts import read_start
-        from dslurm.submit import read_blocklist
+        from dslurm.run import read_blocklist
 
         acct = _Accounting(self.env)
         nodes = initial_nodes(self.alloc, self.r.nnodes, read_blocklist(self.run_dir))
@@ -193,7 +193,7 @@ class Supervisor:
         """The `abandon` of one step: true once a launcher reported a failure `grace_s` ago, some
         training nodes left no report, and those nodes do not answer a probe (they are probed once:
         a silent node that answers is alive and srun will end the step itself)."""
-        from dslurm.requeue.facts import read_start
+        from dslurm.facts import read_start
 
         probed = False
 
@@ -222,7 +222,7 @@ class Supervisor:
         (`srun --overlap -w NODE true`): one that does not answer within `probe_s` counts as down,
         with that evidence; one that answers is alive, so the step is read as a crash. A lost node is
         thus never read as a crash of the nodes that did report, and no time goes into waiting."""
-        from dslurm.requeue.facts import read_start
+        from dslurm.facts import read_start
 
         view = self.runner.view(hosts)
         silent = [h for h in silent_hosts(read_start(d).launchers, hosts) if h not in view.down_nodes]
@@ -252,8 +252,7 @@ class Supervisor:
         """The recovery after a failed step with the gradient accumulation a shrink needs, or None:
         requeue without the bad nodes. The nodes at fault join the run's blocklist either way (and
         are drained where the site allows)."""
-        from dslurm.preflight.in_job import add_to_blocklist
-        from dslurm.submit import read_blocklist
+        from dslurm.run import add_to_blocklist, read_blocklist
 
         down = (*view.down_nodes, *sorted(self.unanswered))  # the view the ending was read from
         bad = nodes_at_fault(ending, nodes.training, down=down, blocklist=read_blocklist(self.run_dir))
@@ -304,7 +303,7 @@ def silent_hosts(launchers: Sequence[Mapping[str, object]], hosts: Sequence[str]
 def failed_at(facts: StartFacts, t_end: float) -> float:
     """When the failure happened: the earliest own failure a rank reported, else the earliest
     launcher report, else when the step ended (a lost node reports nothing)."""
-    from dslurm.requeue.facts import OWN_FAILURES
+    from dslurm.facts import OWN_FAILURES
 
     own = [float(r["t"]) for r in facts.ranks if r.get("kind") in OWN_FAILURES and r.get("t")]
     launchers = [float(x["t"]) for x in facts.launchers if x.get("t")]
@@ -349,9 +348,9 @@ class SrunRunner:
                 *self.cmd, *extra]
 
     def run(self, step: Step, abandon: Callable[[], bool]) -> int:
+        from dslurm.facts import ENV
         from dslurm.launch.slurm_env import PENDING_STOP_ENV, STEP_INDEX_ENV
         from dslurm.launch.warm import WARM_ENV
-        from dslurm.requeue.facts import ENV
 
         env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index),
                WARM_ENV: "1" if step.warm else "0", **({PENDING_STOP_ENV: step.stop} if step.stop else {})}
@@ -581,7 +580,7 @@ class WarmPools:
 def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     """Inside the batch script: the frozen config of the run, the allocation's nodes, the loop."""
     from dslurm.config.resolve import load
-    from dslurm.launch.slurm_env import expand_hosts
+    from dslurm.hosts import expand_hosts
 
     env = dict(os.environ if env is None else env)
     if not cmd:
@@ -613,7 +612,7 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
 
 def early_signals(env: Mapping[str, str]) -> list[str]:
     """The stop signals the batch shell recorded for this start before supervise could handle them."""
-    from dslurm.requeue.facts import ENV
+    from dslurm.facts import ENV
 
     try:
         text = (Path(env[ENV]) / "batch.signals").read_text()

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from dslurm import slurm_facts as F
 from dslurm.config import SiteConfig
-from dslurm.site import facts as F
 from dslurm.site.discover import SHARED_FS
 
 Status = Literal["ok", "fail", "skip"]

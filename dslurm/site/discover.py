@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import slurm
+from dslurm import slurm_facts as F
 from dslurm.errors import SlurmError, UserError
-from dslurm.site import facts as F
 from dslurm.site.probe import TAG
 
 PROBE_TIMEOUT_S = 180.0  # a one-node srun: queue wait + `import torch` on the node
@@ -272,7 +272,7 @@ def gather(partition: str | None, timeout: float = 60) -> tuple[F.SlurmFacts, F.
 
 def partition_nodes(part: F.Partition, timeout: float = 60) -> list[F.Node]:
     """The partition's nodes as `scontrol show node` lists them, else as its totals say (hidden nodes)."""
-    from dslurm.launch.slurm_env import expand_hosts
+    from dslurm.hosts import expand_hosts
 
     nodes = F.parse_nodes(slurm.run_cmd(["scontrol", "-o", "show", "node"], timeout=timeout).stdout, part.name)
     return nodes or F.hidden_nodes(part, expand_hosts(part.nodes_expr) if part.nodes_expr else [])

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import slurm
+from dslurm import slurm_facts as F
 from dslurm.config import SiteConfig, load_job
 from dslurm.config.resolve import Resolved, resolve
 from dslurm.durable import atomic_write_text
 from dslurm.errors import SlurmError
 from dslurm.render import container, directives, q, words
 from dslurm.site import check as C
-from dslurm.site import facts as F
 from dslurm.site.probe import TAG
 
 REQUEUE_TIME = "00:01:00"
@@ -148,7 +148,7 @@ def _out(log_dir: Path, prefix: str, job_id: int | None) -> str:
 def live_rows(site: SiteConfig, site_path: str, nodes: int, work: Path, timeout: float) -> list[C.Row]:
     """Submit the node, requeue and burn-in jobs at once; decide their rows by the deadline."""
     from dslurm.observe import events
-    from dslurm.submit import submit
+    from dslurm.submission import submit
 
     token = secrets.token_hex(4)
     logs = work / "logs"

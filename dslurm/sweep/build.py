@@ -20,7 +20,8 @@ from typing import Any
 from dslurm import __version__
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.sweep.spec import ArrayPart, SweepSpec, override_text, task_dir_name
+from dslurm.job_array import ArrayPart, array_ids
+from dslurm.sweep.spec import SweepSpec, override_text, task_dir_name
 
 MAP_FILE = "sweep.json"
 # Flags Slurm takes per array, not per task: the array writes its own log files.
@@ -59,7 +60,7 @@ def task_overrides(spec: SweepSpec, index: int, run_dir: Path | None) -> list[st
 
 
 def _resolve_task(spec: SweepSpec, index: int, run_dir: Path | None, base_dir: str | Path) -> Resolved:
-    from dslurm.config.resolve import load
+    from dslurm.observe.lead import load
 
     try:
         return load(spec.site, spec.job, task_overrides(spec, index, run_dir), list(spec.site_common),
@@ -129,7 +130,6 @@ def check_map(sw: Sweep, existing: dict[str, Any]) -> None:
 
 def render_array(sw: Sweep, part: ArrayPart, number: int = 1, nparts: int = 1) -> str:
     """The sbatch script of array `number` (of `nparts`) of the sweep. Pure."""
-    from dslurm.data.array import array_ids
     from dslurm.render import _directive_lines, q
 
     logs = sw.dir / "logs"

@@ -31,7 +31,6 @@ KEYS = ("name", "site", "job", "dir", "max_parallel", "set", "site_set", "grid",
 # job name (--job-name): varying them would make tasks share, or lose, their run's identity.
 IDENTITY = ("checkpoint.run_dir", "name")
 SLUG_MAX = 80
-SLURM_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize (task ids 0..1000)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,33 +162,3 @@ def load(path: str | Path) -> SweepSpec:
     return parse(load_yaml(path), str(path))
 
 
-# ------------------------------------------------------------------------ arrays
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ArrayPart:
-    """One sbatch --array job: the sweep's tasks `offset + id` for each array task id."""
-
-    offset: int
-    ids: tuple[int, ...]
-
-    @property
-    def tasks(self) -> list[int]:
-        return [self.offset + i for i in self.ids]
-
-
-def split_arrays(tasks: list[int], max_array_size: int) -> list[ArrayPart]:
-    """Tasks -> array jobs: task t goes to array t // size as array task id t % size, because a
-    site's MaxArraySize bounds the ids (0..size-1) as well as the count. Pure."""
-    if max_array_size < 1:
-        raise UserError(f"MaxArraySize {max_array_size}: the site allows no job arrays. Fix: ask the admins")
-    parts: dict[int, list[int]] = {}
-    for t in sorted(tasks):
-        parts.setdefault(t // max_array_size, []).append(t % max_array_size)
-    return [ArrayPart(offset=k * max_array_size, ids=tuple(ids)) for k, ids in sorted(parts.items())]
-
-
-def parse_max_array_size(scontrol_config: str) -> int | None:
-    """MaxArraySize from `scontrol show config` (`MaxArraySize = 1001`). Pure."""
-    m = re.search(r"^\s*MaxArraySize\s*=\s*(\d+)\s*$", scontrol_config, re.M)
-    return int(m.group(1)) if m else None

@@ -1,7 +1,7 @@
 """`dslurm submit --sweep` / `dslurm render --sweep`: freeze every task's run directory, write
 the sweep map, submit the tasks still to train as `sbatch --array` job(s).
 
-A task whose run already completed at its train.steps is skipped (`dslurm.submit.completed_note`);
+A task whose run already completed at its train.steps is skipped (`dslurm.submission.completed_note`);
 the others resume from their checkpoint pointers. A sweep larger than the site's MaxArraySize
 is split into several arrays, each after the previous one (afterany), so at most max_parallel
 tasks run at once.
@@ -18,8 +18,8 @@ from typing import Any
 
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
+from dslurm.job_array import ArrayPart, max_array_size, split_arrays
 from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map
-from dslurm.sweep.spec import SLURM_MAX_ARRAY_SIZE, ArrayPart, parse_max_array_size, split_arrays
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,21 +32,6 @@ class SweepSubmission:
     """task index -> why it was not submitted (its run completed)"""
     scripts: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-def max_array_size(env: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """The site's MaxArraySize (`scontrol show config`) and where it came from; Slurm's default
-    when the controller cannot be asked (render without a cluster)."""
-    from dslurm import slurm
-
-    try:
-        res = slurm.run_cmd(["scontrol", "show", "config"], check=False, env=env, timeout=20)
-    except (OSError, UserError):
-        res = None
-    size = parse_max_array_size(res.stdout) if res is not None and res.returncode == 0 else None
-    if size is None:
-        return SLURM_MAX_ARRAY_SIZE, f"Slurm's default {SLURM_MAX_ARRAY_SIZE} (scontrol show config did not answer)"
-    return size, f"MaxArraySize {size} (scontrol show config)"
 
 
 def split_note(sw: Sweep, parts: list[ArrayPart], size: int, source: str) -> str | None:
@@ -93,7 +78,7 @@ def _active_arrays(recorded: dict[str, Any] | None, env: Mapping[str, str] | Non
 def prepare(sw: Sweep, *, force: bool = False, check_done: bool = True) -> tuple[list[int], dict[int, str]]:
     """Freeze every task's run directory (site.yaml, job.yaml, job.sbatch) and the sweep map;
     return (tasks to submit, skipped task -> why)."""
-    from dslurm.submit import completed_note, freeze_and_render
+    from dslurm.submission import completed_note, freeze_and_render
 
     recorded = read_map(sw.dir)
     if recorded is not None:
@@ -120,7 +105,7 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
     import time
 
     from dslurm import slurm
-    from dslurm.submit import record_submission
+    from dslurm.submission import record_submission
 
     if not dry_run:
         busy = _active_arrays(read_map(sw.dir), env)

@@ -10,7 +10,7 @@ minutes (MLflow's own HTTP retries alone last ~10 min) -- fails the lane: report
 what it waited for, and the lane is off for the rest of this start: what was queued and what
 comes later is counted as dropped, never sent. The caller thread stuck in that call is a
 daemon and is left behind (nothing can interrupt a blocked socket read in another thread);
-the process exits without waiting for it (dslurm.runtime.exit.leave).
+the process exits without waiting for it (dslurm.worker_exit.leave).
 
 Torch-free; no tracker package is imported here.
 """

@@ -28,7 +28,7 @@ from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.render import RenderRefs, render_sbatch
 from dslurm.site import check as C
-from dslurm.site.facts import parse_config
+from dslurm.slurm_facts import parse_config
 from testkit import load_scaled
 
 

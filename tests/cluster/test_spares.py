@@ -19,7 +19,7 @@ from cluster_jobs import events, job_spec, kill_node, logs, submit, trained_step
 from dslurm import slurm
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
-from dslurm.submit import read_blocklist
+from dslurm.run import read_blocklist
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs/spares-results.md"
@@ -134,7 +134,7 @@ def test_spares_exhausted_with_requeue_requeues_without_the_bad_nodes(slurm_clus
     node3 lost -> no spare left: requeued with both lost nodes excluded (the 3-node cluster then
     has too few nodes for it, so it waits; the test cancels it)."""
     from dslurm import cluster
-    from dslurm.launch.slurm_env import expand_hosts
+    from dslurm.hosts import expand_hosts
 
     env = slurm_cluster.env()
     run = tmp_path / "spares-rq"

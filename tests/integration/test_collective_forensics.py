@@ -27,12 +27,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
+from dslurm.facts import list_starts, read_start
 from dslurm.observe import ctl, doctor, perfdoctor, report
 from dslurm.observe import events as ev
 from dslurm.requeue import decide_for
-from dslurm.requeue import endings as E
-from dslurm.requeue.facts import list_starts, read_start
 from train_helpers import SITE, run_train, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]

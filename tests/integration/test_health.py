@@ -9,12 +9,12 @@ import time
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.checkpoint import read_pointer
+from dslurm.facts import list_starts, read_start
 from dslurm.observe import events as ev
 from dslurm.requeue import decide
-from dslurm.requeue import endings as E
-from dslurm.requeue.facts import list_starts, read_start
 from train_helpers import run_train, step_records, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -12,7 +12,7 @@ from dslurm.checkpoint import read_pointer
 from dslurm.checkpoint.tiers import node_name
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
-from dslurm.submit import read_blocklist
+from dslurm.run import read_blocklist
 from train_helpers import run_train, step_records, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -27,7 +27,7 @@ def test_a_shrunk_run_keeps_the_global_batch_and_the_loss(tmp_path):
     ref = {e["first"]: e["loss"] for e in step_records(tmp_path / "ref")}
 
     job = write_job(tmp_path, "shrink", steps=STEPS)
-    two_nodes = resolve(load_site(SITE), load_job(job, ["nodes=2", "parallel.tp=2"]), history=())
+    two_nodes = resolve(load_site(SITE), load_job(job, ["nodes=2", "parallel.tp=2"]))
     accum = shrink_grad_accum(two_nodes, 1)
     assert (two_nodes.layout.dp, accum) == (2, 2)
     extra = SrunRunner(two_nodes, ["train"], {}).argv(Step(index=1, hosts=("node1",), facts_dir=tmp_path,

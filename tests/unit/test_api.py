@@ -17,7 +17,7 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.observe.events import decode_all
 from dslurm.render import RenderRefs, directives, render_sbatch
-from dslurm.render.cli import EXAMPLES
+from dslurm.render_cmd import EXAMPLES
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_job_env_is_what_the_script_exports():
     exported = {ln.split("=", 1)[0].removeprefix("export ") for ln in script.splitlines() if ln.startswith("export ")}
     env = job_env(r)
     # The facts dir names the job id and restart, known only at run time: the script exports it
-    # from SLURM_*, the submitit path derives the same path (dslurm.requeue.facts.start_dir).
+    # from SLURM_*, the submitit path derives the same path (dslurm.facts.start_dir).
     exported.discard("DSLURM_FACTS_DIR")
     assert set(env) == exported and env["DSLURM_RUN_DIR"] == str(r.run_dir) and env["OMP_NUM_THREADS"] == "1"
 

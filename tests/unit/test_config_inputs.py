@@ -13,7 +13,7 @@ import yaml
 from dslurm.config import load_job, load_site, yaml12
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
-from dslurm.render.cli import render_files
+from dslurm.render_cmd import render_files
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ def test_frozen_configs_read_back_unchanged_by_both_readers(text):
 
 
 def test_submit_freezes_strings_the_loader_would_retype(tmp_path):
-    from dslurm.submit import freeze_and_render
+    from dslurm.submission import freeze_and_render
 
     p = job_file(tmp_path, TINY + f"time: 12:00:00\nenv:\n  K: '1e3'\n  B: 'yes'\ncheckpoint:\n"
                                   f"  run_dir: {tmp_path / 'run'}\n")

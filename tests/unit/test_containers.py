@@ -18,8 +18,8 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.recover.supervise import SrunRunner, Step
 from dslurm.render import RenderRefs, render_sbatch
-from dslurm.render.cli import render_files
 from dslurm.render.container import PWD, auto_paths, launcher_prefix, srun_container_flags
+from dslurm.render_cmd import render_files
 from testkit import shellcheck
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -297,7 +297,7 @@ def test_the_submitit_path_refuses_a_container_site_instead_of_running_outside_i
                                        {**PYXIS, "mounts": ["/a:/b"], "workdir": "/w"}])
 def test_the_frozen_site_keeps_the_container(tmp_path, container):
     """requeue-me and supervise re-read the run dir's frozen site.yaml: the container survives it."""
-    from dslurm.submit import freeze_and_render
+    from dslurm.submission import freeze_and_render
 
     r = _resolved(tmp_path, container, checkpoint={"run_dir": str(tmp_path / "run")})
     freeze_and_render(r)

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm import faults, health
 from dslurm.errors import UserError
+from dslurm.facts import StartFacts
 from dslurm.observe import ctl, forensics, perfdoctor, perflines, slowrank
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 from dslurm.requeue import decide
-from dslurm.requeue import endings as E
-from dslurm.requeue.facts import StartFacts
 from dslurm.requeue.oom import oom_fix
-from dslurm.runtime.exit import Outcome, is_oom
+from dslurm.worker_exit import Outcome, is_oom
 
 ROOT = Path(__file__).resolve().parents[2]
 

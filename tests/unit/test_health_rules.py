@@ -9,14 +9,14 @@ import time
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm import faults, health
 from dslurm.config import load_job
 from dslurm.errors import UserError
+from dslurm.facts import StartFacts
 from dslurm.observe import events as ev
 from dslurm.requeue import decide
-from dslurm.requeue import endings as E
-from dslurm.requeue.facts import StartFacts
 
 
 def test_hang_bound_is_k_times_the_median_with_a_floor_and_a_ceiling():

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -101,11 +102,27 @@ def test_low_inter_busbw_without_culprit_is_unlocalized():
     assert exit_code(v) == EXIT_UNLOCALIZED == 4
 
 
-def test_thresholds_cover_every_config_burnin_field():
-    # The contract with dslurm/config/__init__.py: each threshold field there exists here by name.
+def test_thresholds_are_the_config_burnin_section_with_one_set_of_defaults():
+    # One definition (dslurm/config/__init__.py BurninSpec): every threshold there, same defaults.
     config_fields = {f.name for f in dataclasses.fields(BurninSpec)} - NOT_THRESHOLDS
-    assert config_fields <= {f.name for f in dataclasses.fields(Thresholds)}
+    assert config_fields | {"expected_gpus_per_node", "gpu_peak_tflops"} == set(Thresholds().to_dict())
+    assert {k: getattr(Thresholds(), k) for k in config_fields} == {k: getattr(BurninSpec(), k) for k in config_fields}
+    assert Thresholds().cpu_gemm_min_gflops == 0.5  # was 0.0 here and 0.5 in the config
     Thresholds.from_mapping(dataclasses.asdict(BurninSpec()))
+
+
+def test_the_slow_link_help_says_what_localize_compares_with():
+    help_text = next(f.metadata["help"] for f in dataclasses.fields(BurninSpec) if f.name == "slow_link_factor")
+    assert "fastest pair" in help_text and "x the median" not in help_text
+
+
+def test_min_power_limit_fraction_is_settable_in_the_site_and_checked():
+    from dslurm.config import load_site
+
+    site = load_site("site-configs/h100-ib.yaml", ["burnin.min_power_limit_fraction=0.5"])
+    assert Thresholds.from_site(site).min_power_limit_fraction == 0.5
+    with pytest.raises(UserError, match=r"burnin\.min_power_limit_fraction.*1\.5 must be in \[0, 1\]"):
+        load_site("site-configs/h100-ib.yaml", ["burnin.min_power_limit_fraction=1.5"])
 
 
 def test_unknown_threshold_key_lists_valid_ones():
@@ -117,7 +134,7 @@ def test_unknown_threshold_key_lists_valid_ones():
                                           ("gemm_min_fraction_of_peak", 1.5),
                                           ("min_free_mem_fraction", -0.1)])
 def test_out_of_range_threshold_names_field_and_value(field, value):
-    with pytest.raises(UserError, match=f"{field}={value}"):
+    with pytest.raises(UserError, match=rf"field 'burnin\.{field}': {re.escape(str(value))} must be"):
         Thresholds.from_mapping({field: value})
 
 

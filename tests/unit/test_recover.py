@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from dslurm import endings as E
 from dslurm.config import load_job, load_site
 from dslurm.config.layout import Layout
 from dslurm.config.resolve import resolve
 from dslurm.errors import UserError
 from dslurm.recover import Nodes, initial_nodes, nodes_at_fault, plan_recovery, shrink_grad_accum
-from dslurm.requeue import endings as E
 
 THREE = Nodes(training=("node1", "node2"), spares=("node3",))
 
@@ -81,7 +81,7 @@ def _resolved(**job):
     site = load_site("site-configs/local.yaml")
     data = {"name": "t", "nodes": 2, "model": {"preset": "tiny"}, "parallel": {"tp": 2}, "train": {"global_batch": 8},
             **job}
-    return resolve(site, load_job(data=data), history=())
+    return resolve(site, load_job(data=data))
 
 
 def test_shrink_keeps_the_global_batch_and_the_micro_batch():

@@ -14,7 +14,7 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.remote import handle, proxy, ssh
-from dslurm.submit import submit
+from dslurm.submission import submit
 from testkit import one_start_ended
 
 ROOT = Path(__file__).resolve().parents[2]

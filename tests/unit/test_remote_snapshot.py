@@ -94,7 +94,7 @@ def test_code_git_outside_a_working_copy_names_the_fix(tmp_path):
 
 def test_rendered_script_runs_the_snapshot_on_every_start(tmp_path, root, monkeypatch):
     from dslurm.config.resolve import load
-    from dslurm.submit import submit
+    from dslurm.submission import submit
 
     wc = _repo(tmp_path)
     monkeypatch.chdir(wc)

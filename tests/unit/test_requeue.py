@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.observe import events as ev
 from dslurm.requeue import chain_of, decide, failures_of, job_ref, starts_without_progress, stray_stops_of
-from dslurm.requeue import endings as E
 
 BASE = dict(failures=0, max_restarts=3, no_progress_limit=2, start_steps=[0], pointer_step=10)
 
@@ -75,14 +75,16 @@ def test_array_tasks_requeue_by_array_id():
 
 def test_auto_signal_lead_from_measurements_with_a_floor():
     from dslurm.config.resolve import auto_signal_lead
+    from dslurm.observe.lead import sample
 
-    lead, how = auto_signal_lead([], default_s=300)
+    lead, how = auto_signal_lead(None, default_s=300)
     assert lead == 300 and "site default" in how
+    assert auto_signal_lead(sample([]), default_s=300) == (lead, how)
     history = [ev.Steps(step_time_s=20.0), ev.Steps(step_time_s=35.0), ev.CkptSave(total_s=50.0, stall_s=50.0)]
-    lead, how = auto_signal_lead(history, default_s=300)
+    lead, how = auto_signal_lead(sample(history), default_s=300)
     assert lead == 170 and "step 35.00s + save 50.00s" in how  # 2 x (35 + 50)
     fast = [ev.Steps(step_time_s=0.5), ev.CkptSave(total_s=1.0)]
-    assert auto_signal_lead(fast, default_s=300)[0] == 60  # never below Slurm's granularity
+    assert auto_signal_lead(sample(fast), default_s=300)[0] == 60  # never below Slurm's granularity
 
 
 def test_requeue_off_stops_with_the_steps_code():
@@ -125,8 +127,8 @@ def test_dslurm_cancel_records_the_request_then_signals(tmp_path, monkeypatch):
 
     from dslurm import slurm
     from dslurm.errors import UserError
+    from dslurm.facts import read_start
     from dslurm.requeue import cancel as C
-    from dslurm.requeue.facts import read_start
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)

@@ -12,7 +12,7 @@ import yaml
 
 from dslurm.config.resolve import load
 from dslurm.render import RenderRefs, render_sbatch
-from dslurm.render.cli import EXAMPLES, examples, golden_path, render_files
+from dslurm.render_cmd import EXAMPLES, examples, golden_path, render_files
 from testkit import sbatch_flags, shellcheck
 
 ROOT = Path(__file__).resolve().parents[2]

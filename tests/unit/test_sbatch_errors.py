@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from dslurm import slurm_facts as F
 from dslurm.config.resolve import load
 from dslurm.errors import SlurmError, UserError
 from dslurm.sbatch_errors import ClusterFacts, Origin, explain, parse_assoc_rows, sbatch_said
-from dslurm.site import facts as F
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = "site-configs/local.yaml"

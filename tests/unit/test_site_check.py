@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dslurm import slurm_facts as F
 from dslurm.config import load_site
 from dslurm.site import check as C
-from dslurm.site import facts as F
 from dslurm.site.jobs import node_script, requeue_script, resolved
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
-from dslurm.submit import submit
+from dslurm.submission import submit
 from testkit import GEN, one_start_ended
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,9 +35,14 @@ def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):
     run = tmp_path / "run"
     Ledger(run).append(ev.Steps(step_time_s=40.0))
     Ledger(run).append(ev.CkptSave(total_s=45.0, stall_s=45.0))
-    r = load(ROOT / "site-configs/h100-ib.yaml", ROOT / "examples/jobs/llama8b-h100.yaml",
-             overrides=[f"checkpoint.run_dir={run}"])
-    assert r.policy.lead_setting == "auto" and r.policy.lead_s == 170  # measured in resolve, once
+    from dslurm.observe import lead
+
+    files = (ROOT / "site-configs/h100-ib.yaml", ROOT / "examples/jobs/llama8b-h100.yaml")
+    r = lead.load(*files, overrides=[f"checkpoint.run_dir={run}"])
+    assert r.policy.lead_setting == "auto" and r.policy.lead_s == 170  # measured once, passed to resolve
+    # The config alone (the ground floor) reads no ledger: the site's default, said so.
+    bare = load(*files, overrides=[f"checkpoint.run_dir={run}"])
+    assert bare.policy.lead_s != 170 and "no measurements" in bare.policy.lead_reason
     text = submit(r, dry_run=True).script.read_text()
     assert "#SBATCH --signal=B:USR2@170" in text  # 2 x (40 + 45)
 
@@ -100,7 +105,7 @@ def test_raised_steps_or_an_incomplete_run_submit_normally_and_resume(tmp_path, 
 
 
 def test_completed_note_reads_the_ledger_and_the_pointer(tmp_path):
-    from dslurm.submit import completed_note
+    from dslurm.submission import completed_note
 
     run = _run(tmp_path, steps=7, done=7)
     r = load(run / "site.yaml", run / "job.yaml")

@@ -12,16 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
+from dslurm import facts as F
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.observe.report import summarize
 from dslurm.recover.supervise import SrunRunner, Step, Supervisor
-from dslurm.requeue import endings as E
-from dslurm.requeue import facts as F
-from dslurm.submit import freeze_and_render, read_blocklist
+from dslurm.run import read_blocklist
+from dslurm.submission import freeze_and_render
 
 HOSTS = ["node1", "node2", "node3"]
 
@@ -125,7 +126,7 @@ def make(tmp_path, monkeypatch):
                              "model": {"preset": "tiny"}, "parallel": {"tp": 2}, "train": {"global_batch": 8},
                              "requeue": requeue or {"max_restarts": 4, "no_progress_limit": 0},
                              "checkpoint": {"run_dir": str(tmp_path / "run")}})
-        r = resolve(site, job, history=())
+        r = resolve(site, job)
         freeze_and_render(r)
         cluster = FakeCluster(r.run_dir, script)
         env = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "DSLURM_RUN_DIR": str(r.run_dir)}
@@ -296,7 +297,8 @@ def test_the_real_runner_runs_a_step_with_its_own_facts_dir_and_forwards_signals
 
     def stop():
         deadline = time.monotonic() + 10
-        while not (d / "index").exists() and time.monotonic() < deadline:
+        # Written, not only created: `echo > file` creates the file before it writes the line.
+        while not ((d / "index").exists() and (d / "index").read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.02)
         runner.signal(signal.SIGTERM)
     threading.Thread(target=stop).start()

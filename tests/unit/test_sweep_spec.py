@@ -11,16 +11,10 @@ import pytest
 import yaml
 
 from dslurm.errors import UserError
+from dslurm.job_array import ArrayPart, parse_max_array_size, split_arrays
 from dslurm.sweep.build import check_map, render_array, resolve_sweep, sweep_map
 from dslurm.sweep.report import TaskRow, sort_rows, table
-from dslurm.sweep.spec import (
-    ArrayPart,
-    parse,
-    parse_max_array_size,
-    slug,
-    split_arrays,
-    task_dir_name,
-)
+from dslurm.sweep.spec import parse, slug, task_dir_name
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = str(ROOT / "site-configs" / "local.yaml")

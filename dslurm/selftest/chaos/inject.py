@@ -17,7 +17,7 @@ from typing import Any
 from dslurm import slurm
 from dslurm.cluster import disrupt
 from dslurm.errors import SlurmError
-from dslurm.launch.slurm_env import expand_hosts
+from dslurm.hosts import expand_hosts
 from dslurm.selftest.chaos.schedule import Fault, pick
 
 log = logging.getLogger(__name__)

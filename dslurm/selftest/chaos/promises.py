@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.observe import events as ev
 from dslurm.observe.report import Start, Summary
-from dslurm.requeue import endings as E
 from dslurm.selftest.chaos.schedule import OWN_FAILURES
 
 

@@ -1,6 +1,6 @@
 """What happened in one start of a run, recorded by each participant as it happens.
 
-Decisions about how a job step ended (dslurm/requeue/endings.py) read these records, never srun's
+Decisions about how a job step ended (dslurm/endings.py) read these records, never srun's
 or torchrun's return code alone: those fold a crash, a preemption and a teardown by srun
 into the same numbers. Each start of a run gets a directory of its own:
 
@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.durable import atomic_write_text
+from dslurm.run import STARTS as STARTS  # the run directory's names live in dslurm/run.py
 
 log = logging.getLogger(__name__)
 
 ENV = "DSLURM_FACTS_DIR"  # set by the batch script; derived the same way when absent
-STARTS = "starts"
 ENDING = "ending.json"
 CANCEL = "cancel.json"
 

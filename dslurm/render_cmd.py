@@ -31,7 +31,7 @@ EXAMPLES = (
 
 def render_files(site_path: str, job_path: str, overrides: list[str] | None = None,
                  site_overrides: list[str] | None = None) -> str:
-    from dslurm.config.resolve import load
+    from dslurm.observe.lead import load
     from dslurm.render import RenderRefs, render_sbatch
 
     r = load(site_path, job_path, overrides, site_overrides)
@@ -88,7 +88,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.examples:
-        root = Path(__file__).resolve().parents[2]  # the repository: dslurm/render/cli.py -> ../../..
+        root = Path(__file__).resolve().parents[1]  # the repository: dslurm/render_cmd.py -> ../..
         stale = examples(root, write=args.examples == "write")
         if stale:
             print("stale golden files (run `dslurm render --examples write`):\n  " + "\n  ".join(stale),

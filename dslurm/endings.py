@@ -1,4 +1,4 @@
-"""How a job step ended, decided from the facts its participants recorded (dslurm/requeue/facts.py)
+"""How a job step ended, decided from the facts its participants recorded (dslurm/facts.py)
 and from what Slurm says about the job. Pure: no I/O; `dslurm requeue-me` gathers the inputs.
 
 Rules, first match wins:
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dslurm import exitcodes as X
-from dslurm.requeue.facts import OWN_FAILURES, StartFacts, is_term, victim_kind
+from dslurm.facts import OWN_FAILURES, StartFacts, is_term, victim_kind
 
 COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
     "completed", "warned_stop", "cancelled", "preempted", "time_limit")

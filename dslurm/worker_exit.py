@@ -3,7 +3,7 @@
 Torch-free. Every in-job entry that trains (the built-in trainer, a script using
 `dslurm.runtime`) reports the same way: the worker code the launcher reads (torchrun folds
 every failure into 1, which would hide a requeue request) and the rank report of
-dslurm/requeue/facts.py -- what kind of ending, its code, the step reached, the error and
+dslurm/facts.py -- what kind of ending, its code, the step reached, the error and
 when the failure happened -- from which `dslurm requeue-me` classifies the step's ending.
 Exit codes are dslurm/exitcodes.py's.
 """
@@ -14,6 +14,20 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from dslurm.durable import atomic_write_text
+
+# The directory where each worker leaves its exit code for its node's launcher (`dslurm launch`
+# sets it, reads `<local rank>.code` after torchrun returns: torchrun folds every failure into 1).
+STATUS_DIR_ENV = "DSLURM_STATUS_DIR"
+
+
+def write_worker_code(code: int) -> None:
+    """Called by a training process on its way out (see train/__main__.py)."""
+    d = os.environ.get(STATUS_DIR_ENV)
+    rank = os.environ.get("LOCAL_RANK", "0")
+    if d:
+        atomic_write_text(Path(d) / f"{rank}.code", str(code))
 
 
 def world_from_env() -> tuple[int, int, int, int]:
@@ -72,9 +86,7 @@ def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
 
 def report(outcome: Outcome, code: int, rank: int) -> None:
     """This process's own account of its ending, for the launcher and for requeue-me."""
-    from dslurm import exitcodes
-    from dslurm.launch import write_worker_code
-    from dslurm.requeue import facts
+    from dslurm import exitcodes, facts
 
     write_worker_code(code)
     signame = signal_before_failure(outcome.stop, outcome.t)
