@@ -357,6 +357,8 @@ _ENDING_HELP = {
     "diverged": ("the loss was not finite and train.nonfinite said stop (or its bound was spent); not retried",
                  "lower train.lr or add warm-up, or set train.nonfinite: rollback, then resubmit: it resumes "
                  "from the pointer's finite generation"),
+    "operator_stop": ("an operator asked the run to save and end (`dslurm ctl stop`): saved, not requeued, the job "
+                      "cancelled on purpose", "nothing is wrong; `dslurm submit` again continues from the checkpoint"),
 }
 
 

@@ -477,6 +477,8 @@ class OperatorRequest(Event):
     """completed steps when it was taken"""
     recorded: bool = False
     """stop: the request is on record for requeue-me (the start's cancel.json)"""
+    dropped: str = ""
+    """not acted on, and why: a stale request (for another start, or too old; ctl.stale_reason)"""
 
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (

@@ -117,8 +117,9 @@ class Checkpoint:
         return int(self.spec.interval)
 
     def due(self, step: int) -> bool:
-        """Is a periodic save due after `step` completed steps?"""
-        return step > 0 and step % self.interval == 0
+        """Is a save due after `step` completed steps: a periodic one, or the `dslurm ctl save`
+        that `stop_requested(step)` agreed on at this step boundary?"""
+        return step > 0 and (step % self.interval == 0 or self.rt.save_asked == step)
 
     def restore(self) -> int:
         """Load the pointer's generation (or a verified fallback) into the state; returns the
