@@ -169,3 +169,17 @@ def test_own_script_stop_requested_takes_ctl_save_and_stop(tmp_path, monkeypatch
 @pytest.mark.parametrize("entry", ["train", "[-m, my.module]"])
 def test_module_entries_are_not_refused(tmp_path, entry):
     assert ctl.script_refusal(tmp_path, entry if entry == "train" else ["-m", "my.module"], [tmp_path]) is None
+
+
+def test_a_ddp_model_that_rebuilds_its_buckets_is_named_as_an_inexact_resume():
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dslurm.runtime.state import inexact_resumes
+
+    ddp = object.__new__(DistributedDataParallel)  # only its two flags are read: no process group needed
+    object.__setattr__(ddp, "__dict__", {"find_unused_parameters": False, "static_graph": False})
+    (why,), = [inexact_resumes({"model": ddp}, 3)]
+    assert "'model'" in why and "find_unused_parameters=True" in why
+    assert inexact_resumes({"model": ddp}, 2) == []  # 2 ranks: a sum of two rounds the same either way
+    ddp.__dict__["find_unused_parameters"] = True
+    assert inexact_resumes({"model": ddp}, 3) == []
