@@ -198,6 +198,9 @@ class _Accounting:
         return self._seen[job]
 
 
+Accounting = _Accounting  # for the submitit path (dslurm/api/job.py), which concludes a start like requeue-me
+
+
 def _hosts(nodelist: str) -> list[str]:
     """sacct's node list of an incarnation as host names ([] when none or unreadable)."""
     from dslurm.launch.slurm_env import expand_hosts
