@@ -260,7 +260,8 @@ def sweep(job: str | Path, *, site: str | Path, grid: dict[str, list[Any]] | Non
                                                 "via": "api"})
         write_map(sw.dir, record)
         for i, j in zip(part.tasks, jobs):
-            record_submission(sw.tasks[i].r, [array_id], via=f"api sweep {sw.spec.name} task {i}: array {j.job_id}")
+            record_submission(sw.tasks[i].r, [array_id], via=f"api sweep {sw.spec.name} task {i}: array {j.job_id}",
+                              logs=[str(j.paths.stdout), str(j.paths.stderr)])
             j.sweep_task, j.run_dir = i, sw.tasks[i].r.run_dir  # type: ignore[attr-defined]  # handy in a notebook
         out += jobs
     return out

@@ -385,12 +385,19 @@ def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list
     return [f for check in CHECKS for f in check(starts, logs)]
 
 
-def read_logs(run_dir: Path) -> list[LogLine]:
-    """Lines of `<run_dir>/logs/*.out` and `*.err`; unreadable bytes replaced, not fatal."""
+def read_logs(run_dir: Path, events: Iterable[Event] = ()) -> list[LogLine]:
+    """Lines of `<run_dir>/logs/*.out` and `*.err`, and of the log files the ledger's submit
+    events name elsewhere (a sweep task's array logs live in `<sweep dir>/logs`); unreadable
+    bytes replaced, a file gone is skipped, neither is fatal."""
+    paths = sorted((Path(run_dir) / "logs").glob("*.[oe][ur][tr]"))
+    paths += [p for p in dict.fromkeys(Path(x) for e in E.of(events, E.Submit) for x in e.logs) if p not in paths]
     out = []
-    for path in sorted((Path(run_dir) / "logs").glob("*.[oe][ur][tr]")):
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            out += [LogLine(str(path), i, line) for i, line in enumerate(fh, 1)]
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                out += [LogLine(str(path), i, line) for i, line in enumerate(fh, 1)]
+        except OSError:
+            continue
     return out
 
 
@@ -416,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
         return passthrough(h, ["doctor", h.run_dir])
     events, _ = load(args.run_dir)
     done = summarize(events, target_steps=target_steps(args.run_dir), run_dir=args.run_dir).completion
-    findings = diagnose(events, read_logs(args.run_dir))
+    findings = diagnose(events, read_logs(args.run_dir, events))
     console = Console()
     if done.status != COMPLETED:  # first: whether the run finished, and how to continue one that ended short
         style = "bold red" if done.complete is False else "bold"

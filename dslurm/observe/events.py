@@ -65,6 +65,9 @@ class Submit(Event):
     signal_lead_reason: str | None = None
     checkpoint_interval: int | None = None
     via: str | None = None
+    logs: list[str] = field(default_factory=list)
+    """this submission's Slurm log files when they are not under <run_dir>/logs (a sweep's array
+    task writes <sweep dir>/logs/NAME-ARRAY_TASK.out|.err; `dslurm doctor` reads them too)"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
-from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map
+from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map, task_logs
 from dslurm.sweep.spec import SLURM_MAX_ARRAY_SIZE, ArrayPart, parse_max_array_size, split_arrays
 
 
@@ -172,7 +172,8 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
         write_map(sw.dir, data)
         for t in part.tasks:
             record_submission(sw.tasks[t].r, [array_id], via=f"sweep {sw.spec.name} task {t}: array "
-                                                               f"{array_id}_{t - part.offset}")
+                                                               f"{array_id}_{t - part.offset}",
+                              logs=task_logs(sw, array_id, t - part.offset))
     return out
 
 

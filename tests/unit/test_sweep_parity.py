@@ -64,3 +64,26 @@ def test_every_tasks_blocklist_is_excluded_and_a_running_sweep_is_not_submitted_
     with pytest.raises(UserError, match="cannot tell whether array job"):
         S.refuse_while_running(sweep)
     assert S.sweep_blocklist(sweep, [0]) == [] and S.sweep_blocklist(sweep) == ["node2", "node3"]
+
+
+def test_doctor_reads_a_sweep_tasks_array_logs(sweep, monkeypatch):
+    """A sweep task's Slurm logs live in <sweep dir>/logs (the array's --output), not in its run
+    directory: the submit event names them and `dslurm doctor <task dir>` reads them."""
+    from dslurm.observe import doctor
+    from dslurm.observe import events as ev
+
+    def run_cmd(args, **k):
+        if args[0] == "squeue":
+            raise SlurmError("slurm_load_jobs error: Invalid job id specified")
+        out = "MaxArraySize = 1001\n" if args[0] == "scontrol" else "600\n"
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+    monkeypatch.setattr(slurm, "run_cmd", run_cmd)
+    S.submit_sweep(sweep)
+    run = sweep.tasks[2].r.run_dir
+    (sub,) = ev.of(ev.read(run), ev.Submit)
+    assert sub.logs == [str(sweep.dir / "logs" / f"sw-600_2.{x}") for x in ("out", "err")]
+    Path(sub.logs[1]).write_text("Traceback (most recent call last):\nRuntimeError: injected crash\n")
+    lines = doctor.read_logs(run, ev.read(run))
+    assert [ln.text.strip() for ln in lines][-1] == "RuntimeError: injected crash"
+    assert doctor.read_logs(run) == []  # without the ledger: only <run_dir>/logs, which a sweep task has not
