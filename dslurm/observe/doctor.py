@@ -246,6 +246,23 @@ def _resume(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
                     "began at the same step; fix the crash before resubmitting")]
 
 
+def _rng_not_restored(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """Resumes at another world size: the per-rank RNG streams were not restored (a decision, not
+    a fault: docs/checkpoint.md, "RNG streams and world-size changes"), named so nobody expects
+    the run to match an uninterrupted one."""
+    hits = [(s, e) for s in starts for e in s.all(E.CkptRestore) if e.rng_restored is False]
+    if not hits:
+        return []
+    ev = [f"start {s.index} ({s.job_id}.{s.restart}) resumed step {e.step} with world size {s.world_size} "
+          f"(saved with {e.saved_world_size}): RNG streams not restored" for s, e in hits]
+    return [Finding("RNG streams not restored after a world-size change", ev[:MAX_EVIDENCE],
+                    "each rank's saved RNG streams (Python, numpy, torch, CUDA) belong to that set of ranks; at "
+                    "another world size dropout and sampling continue from the script's own seeds, so the run "
+                    "is not the one an uninterrupted run would have been (the model, optimizer and data "
+                    "position are restored)", "expected after a shrink or a resubmission with other nodes; "
+                    "resume with the saved world size for the saved streams")]
+
+
 def _stragglers(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out = []
     sm_hosts: dict[str, list[str]] = {}
@@ -376,7 +393,7 @@ def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
     _no_first_step, _scaling, _idle_stages, _hangs, _corruption, _device_health, _loss, _resume, _stragglers,
-    _endings, _crashes]
+    _endings, _crashes, _rng_not_restored]
 
 
 def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list[Finding]:

@@ -108,6 +108,11 @@ class CkptRestore(Event):
     """"local" (node-local copies, same nodes and layout) or "durable" (the run dir)"""
     tier_reason: str = ""
     """why that tier: the local candidate used, or why no local generation qualified"""
+    rng_restored: bool | None = None
+    """False: the world size changed, so the ranks' saved RNG streams (Python, numpy, torch, CUDA)
+    were not restored: dropout and sampling start from the script's seeds (None: older ledgers)"""
+    saved_world_size: int | None = None
+    """the world size the generation was saved with"""
 
 
 @dataclass(frozen=True, kw_only=True)

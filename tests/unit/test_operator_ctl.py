@@ -183,3 +183,17 @@ def test_a_ddp_model_that_rebuilds_its_buckets_is_named_as_an_inexact_resume():
     assert inexact_resumes({"model": ddp}, 2) == []  # 2 ranks: a sum of two rounds the same either way
     ddp.__dict__["find_unused_parameters"] = True
     assert inexact_resumes({"model": ddp}, 3) == []
+
+
+def test_a_resume_at_another_world_size_names_the_rng_streams_not_restored(tmp_path):
+    from dslurm.observe import doctor
+
+    led = Ledger(tmp_path)
+    led.append(ev.TrainStart(step=0, layout={"world_size": 4}, job_id="7", restart=0))
+    led.append(ev.Steps(first=0, last=5, loss=1.0, job_id="7", restart=0))
+    led.append(ev.CkptRestore(step=6, generation="g6", rng_restored=False, saved_world_size=4, job_id="7", restart=1))
+    led.append(ev.TrainStart(step=6, layout={"world_size": 2}, job_id="7", restart=1))
+    (f,) = [f for f in doctor.diagnose(ev.read(tmp_path)) if "RNG" in f.symptom]
+    assert "world size 2 (saved with 4)" in f.evidence[0] and "saved world size" in f.action
+    led.append(ev.CkptRestore(step=8, generation="g8", rng_restored=True, saved_world_size=2, job_id="7", restart=2))
+    assert len([f for f in doctor.diagnose(ev.read(tmp_path)) if "RNG" in f.symptom][0].evidence) == 1
