@@ -111,7 +111,8 @@ def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: 
                                               f"a run on purpose: scancel JOB or dslurm cancel{tail}")
         return Decision("requeue", X.OK, f"stray stop (a TERM reached the job step only; not a cancel): requeue "
                                          f"(stray stop {stray_stops + 1} of {max_stray_stops}; no restart budget "
-                                         f"spent){tail}")
+                                         f"spent; to end a run on purpose: scancel JOB, dslurm cancel or dslurm ctl "
+                                         f"stop){tail}")
     if ending not in E.FAILURES:
         return Decision("requeue", X.OK, f"{what}: requeue (not a failure: no restart budget spent){tail}")
     if failures >= max_restarts:

@@ -197,3 +197,29 @@ def test_a_resume_at_another_world_size_names_the_rng_streams_not_restored(tmp_p
     assert "world size 2 (saved with 4)" in f.evidence[0] and "saved world size" in f.action
     led.append(ev.CkptRestore(step=8, generation="g8", rng_restored=True, saved_world_size=2, job_id="7", restart=2))
     assert len([f for f in doctor.diagnose(ev.read(tmp_path)) if "RNG" in f.symptom][0].evidence) == 1
+
+
+def test_scancel_signal_term_is_a_stray_stop_requeued_as_documented(tmp_path):
+    """The decision docs/requeue.md states: `scancel --signal=TERM JOB` (no --full) TERMs the job
+    step only, like the field's stray TERM; with no request on record and Slurm still running the
+    job it is a stray stop, requeued (saved, no restart budget), and the reason names the
+    commands that end a run on purpose."""
+    from pathlib import Path
+
+    d = tmp_path / "starts" / "41.0"
+    d.mkdir(parents=True)
+    t = time.time()
+    for host, ranks in (("node1", (0, 1)), ("node2", (2, 3))):
+        F.write_launcher_report(F.LauncherReport(host=host, node_rank=ranks[0] // 2, signals=[("SIGTERM", t)],
+                                                 torchrun_rc=143, worker_codes={"0": 143, "1": 143},
+                                                 silent_local_ranks=[], code=143), env={F.ENV: str(d)})
+        for r in ranks:
+            F.write_rank_report(F.RankReport(rank=r, kind="terminated_saved", code=143, step=9, signal="SIGTERM",
+                                             host=host, t=t + 0.5), env={F.ENV: str(d)})
+    e = E.classify(F.read_start(d), E.SlurmView(state="RUNNING"), step_rc=143)
+    assert (e.cls, e.saved, e.step) == (E.STRAY_STOP, True, 9), e
+    dec = decide(ending=e.cls, failures=0, max_restarts=3, no_progress_limit=2, start_steps=[0], pointer_step=9,
+                 max_stray_stops=3)
+    assert dec.action == "requeue" and all(w in dec.reason for w in ("scancel JOB", "dslurm cancel", "ctl stop"))
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "requeue.md").read_text()
+    assert "**`scancel --signal=TERM JOB` is a stray stop, requeued: a decision.**" in doc
