@@ -151,7 +151,11 @@ def test_own_script_stop_requested_takes_ctl_save_and_stop(tmp_path, monkeypatch
     rt = Runtime(run_dir=run, site=None, job=None, t_start=time.time())
     rt.device, rt.ledger, rt.ctl = "cpu", Ledger(run), ctl.Poller(run, every_s=0, start="41.0")
     ck = SimpleNamespace(rt=rt, interval=10)
-    assert not rt.stop_requested(3) and not Checkpoint.due(ck, 3)  # nothing asked
+    import torch
+
+    ride = torch.tensor([1.5, 2.5])  # a script's own values ride in the same collective, unchanged here
+    assert not rt.stop_requested(3, ride=ride) and not Checkpoint.due(ck, 3)  # nothing asked
+    assert ride.tolist() == [1.5, 2.5]
     ctl.write_request(run, "save", user="ana")
     assert not rt.stop_requested(4) and Checkpoint.due(ck, 4) and not Checkpoint.due(ck, 5)
     ctl.write_request(run, "stop", user="ana")
