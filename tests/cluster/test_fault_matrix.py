@@ -616,5 +616,6 @@ def test_ctl_save_and_stop_on_an_own_script_end_as_an_operators_stop(slurm_clust
            f"ending recorded {stop_s:.1f} s after ctl", run, recovery=False)
     record("operator stop (dslurm ctl stop)", "its own ending, not requeued; the job ends CANCELLED (not FAILED "
            "143); the report names it; a later ctl is refused", f"ending operator_stop, decision stop, Slurm "
-           f"CANCELLED, 0 restarts; report: {summary['why'][:60]}; a ctl after the end refused", run,
+           f"CANCELLED, 0 restarts; report: status {summary['status']}, why '{summary['why'].split(':')[0]}'; a ctl "
+           f"after the end refused", run,
            recovery=False)
