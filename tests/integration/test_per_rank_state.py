@@ -90,7 +90,7 @@ def test_per_rank_state_resumes_bit_identical_and_reshards_what_it_can(tmp_path)
     done = torchrun(wide, 2, tmp_path / "two.pt", "--parts", "loader")
     assert done.returncode == 0, done.stderr[-3000:]
     # The ranks' RNG streams cannot map onto 2 ranks: not restored, and the ledger says so (doctor names it).
-    rest = events.of(events.read(wide), events.CkptRestore)[-1]
+    rest = list(events.of(events.read(wide), events.CkptRestore))[-1]
     assert (rest.rng_restored, rest.saved_world_size) == (False, 3), rest
     seen = sum(reads_of(wide), [])
     assert len(seen) == 6 * 3 * 4 + 6 * 2 * 4 and len(set(seen)) == len(seen)
