@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from cluster_jobs import ROOT, SITE, job_spec
+from cluster_jobs import ROOT, SITE, job_spec, wait_for
 from dslurm import api, slurm
 from dslurm.errors import UserError
 from dslurm.observe.ledger import read_events
@@ -50,4 +50,6 @@ def test_api_sweep_returns_both_results(slurm_cluster, monkeypatch, tmp_path):
     m = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert [t["overrides"] for t in m["tasks"]] == [{"train.seed": 0}, {"train.seed": 1}]
     assert [(a["via"], a["offset"], a["tasks"]) for a in m["arrays"]] == [("api", 0, [0]), ("api", 1, [1])]
+    # result() returns while Slurm may still show the array COMPLETING: a resubmission waits for that
+    wait_for(lambda: not sweep_submit._active_arrays(m, None), 120, "the arrays to leave the queue")
     assert api.sweep(spec, site=SITE, tasks=[{"train.seed": 0}, {"train.seed": 1}], dir=tmp_path / "sw") == []
