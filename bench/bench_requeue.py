@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.3)
     ap.add_argument("--preemptions", type=int, default=2)
     ap.add_argument("--tiny", action="store_true",
-                    help="the suite's smoke run (tests/cluster/test_benches.py): 12 steps, 1 preemption")
+                    help="the suite's smoke run (tests/cluster/test_cluster_benches.py): 12 steps, 1 preemption")
     args = ap.parse_args()
     if args.tiny:
         args.steps, args.step_sleep, args.preemptions = 12, 0.0, 1

@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--fault", choices=sorted(KNOB), default="kill9")
     p.add_argument("--keep", type=Path, help="keep the runs under this directory (rep N in DIR/N)")
     p.add_argument("--tiny", action="store_true",
-                   help="the suite's smoke run (tests/cluster/test_benches.py): one rep, the fewest steps")
+                   help="the suite's smoke run (tests/cluster/test_cluster_benches.py): one rep, the fewest steps")
     args = p.parse_args()
     # A TERM (a timeout, a Ctrl-C'd wrapper) unwinds through the `finally`: the job cancelled.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--cold-swap", action="store_true", help="also (c): the swap without warm pools")
     p.add_argument("--tiny", action="store_true",
-                   help="the suite's smoke run (tests/cluster/test_benches.py): the warm swap only, no ratio")
+                   help="the suite's smoke run (tests/cluster/test_cluster_benches.py): the warm swap only, no ratio")
     args = p.parse_args()
     # A TERM (a timeout, a Ctrl-C'd wrapper) unwinds through the `finally`s: the job cancelled, the node back.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

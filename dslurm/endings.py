@@ -16,7 +16,8 @@ Rules, first match wins:
      save failure, user error, refused (run dir locked), burn-in rejection, diverged (non-finite
      loss under train.nonfinite=stop), oom (out of memory: torch.OutOfMemoryError). A peer's "connection closed" marks a
      victim, never the origin.
-  4. A stop the ranks agreed on and saved: USR2 (the time-limit warning): a warned stop. TERM
+  4. A stop the ranks agreed on and saved: `dslurm ctl stop` on record (the rank that took it
+     wrote it, via "ctl"): an operator's stop, its own ending. USR2 (the time-limit warning): a warned stop. TERM
      that reached the step only (the batch shell got none): a stray stop while Slurm still runs
      the job (RUNNING, COMPLETING, or its state unknown); a cancel once Slurm says the job is
      cancelled, or when `dslurm cancel` recorded the request.
@@ -56,6 +57,9 @@ OOM = "oom"  # a rank ran out of memory (train/oom.py): the same layout and batc
 # A TERM reached the job step but not the batch shell while Slurm still ran the job: nobody
 # said the run should end. Requeued within requeue.max_stray_stops, not the crash budget.
 STRAY_STOP = "stray_stop"
+# `dslurm ctl stop` (dslurm/observe/ctl.py): an operator asked the running job to save and end.
+# Not a cancel (no signal reached anyone) and not requeued; the job is then ended CANCELLED.
+OPERATOR_STOP = "operator_stop"
 FAILURES = (CRASH, NODE_FAILURE, BURNIN_REJECTED)  # retried within the crash budget
 SLURM_STOPS = (CANCELLED, PREEMPTED, TIME_LIMIT)  # Slurm ended the step: Slurm decides what next
 # Accounting's states of an incarnation that Slurm has not ended (None: accounting said nothing).
@@ -227,6 +231,14 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
     usr2 = [t for s, t in facts.batch_signals if s in ("USR2", "SIGUSR2")]
     if "stop_saved" in kinds or "terminated_saved" in kinds:
         term = "terminated_saved" in kinds
+        if term and facts.cancel and facts.cancel.get("via") == "ctl":
+            user = str(facts.cancel.get("user", "?")).replace(" (dslurm ctl stop)", "")
+            return Ending(OPERATOR_STOP, f"operator stop: `dslurm ctl stop` by {user}; saved at step "
+                          f"{_max_step(ranks)}", step=_max_step(ranks), saved=True,
+                          evidence=[f"`dslurm ctl stop` requested by {user}, taken by rank 0 at "
+                                    f"{float(facts.cancel.get('t') or 0):.3f}",
+                                    f"ranks agreed to stop and saved: {sorted(kinds)}",
+                                    f"the batch shell's signals: {facts.batch_signals or 'none'}"])
         if term and stray_ok:
             return _stray(facts, slurm, ranks, saved=True)
         cls = CANCELLED if term else WARNED_STOP

@@ -183,9 +183,11 @@ def write_ending(d: Path, ending: dict[str, Any]) -> bool:
     return _write_json(d / ENDING, ending)
 
 
-def write_cancel_request(d: Path, *, save: bool, user: str) -> bool:
-    """`dslurm cancel`'s record, in the facts dir of the start it stops, before it signals."""
-    return _write_json(d / CANCEL, {"t": time.time(), "save": save, "user": user})
+def write_cancel_request(d: Path, *, save: bool, user: str, via: str = "cancel") -> bool:
+    """`dslurm cancel`'s record, in the facts dir of the start it stops, before it signals;
+    `via="ctl"`: `dslurm ctl stop`'s, written by the rank that took it (an operator's stop,
+    its own ending: dslurm/endings.py)."""
+    return _write_json(d / CANCEL, {"t": time.time(), "save": save, "user": user, "via": via})
 
 
 @dataclass

@@ -207,13 +207,15 @@ def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list
         return []
 
 
-def record_submission(r: Resolved, ids: list[int], via: str | None = None) -> None:
+def record_submission(r: Resolved, ids: list[int], via: str | None = None, logs: list[str] | None = None) -> None:
     """The ledger's submit event: job ids, the effective signal lead and how it was derived,
-    the checkpoint interval (so the report can tell whether the lead was long enough)."""
+    the checkpoint interval (so the report can tell whether the lead was long enough), and the
+    log files when they live outside <run_dir>/logs (`logs`: a sweep's array task)."""
     from dslurm.observe import events
     from dslurm.observe.ledger import Ledger
 
     p = r.policy
     Ledger(r.run_dir).append(events.Submit(
         job_ids=ids, signal_lead_s=p.lead_s if p.enabled else None, signal_lead_setting=p.lead_setting,
-        signal_lead_reason=p.lead_reason, checkpoint_interval=r.job.checkpoint.interval, via=via))
+        signal_lead_reason=p.lead_reason, checkpoint_interval=r.job.checkpoint.interval, via=via,
+        logs=list(logs or [])))

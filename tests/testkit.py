@@ -192,13 +192,15 @@ def one_start_ended(run: Any, ending: str, done: int, job_id: int = 4241) -> Non
 # Every script under bench/ in its tiny mode (issue 40): seconds each, one rep, so that none rots
 # unseen. name -> (arguments, a line its output must hold, needs the local cluster). TMP in the
 # arguments is the test's tmp_path. tests/integration/test_benches.py and
-# tests/cluster/test_benches.py run them; tests/unit/test_bench_list.py checks none is missing.
+# tests/cluster/test_cluster_benches.py run them; tests/unit/test_bench_list.py checks none is missing.
 TINY_BENCHES: dict[str, tuple[list[str], str, bool]] = {
     "bench_burnin.py": (["--nproc", "2", "--mib", "1"], "busbw", False),
     "bench_checkpoint.py": (["--dir", "TMP", "--mb", "8", "--reps", "1"], "raw fsync'd write / save", False),
     "bench_health.py": (["--reps", "200", "--steps", "2", "--checks", "5"], "", False),
     "bench_launch_exit.py": (["--reps", "1"], "torchrun exit:", False),
-    "bench_loader.py": (["--steps", "2", "--loader-steps", "10"], "goal >= 20x", False),
+    "bench_loader.py": (["--steps", "2", "--mtokens", "2"], "goal >= 20x", False),
+    "bench_init_from.py": (["--dir", "TMP", "--reps", "1", "--tiny"], "init_from / raw read", False),
+    "bench_trackers.py": (["--preset", "tiny", "--steps", "2", "--blocks", "1"], "", False),
     "bench_render.py": (["--runs", "1"], "dslurm render", False),
     "bench_restore.py": (["--dir", "TMP", "--mb", "8", "--reps", "1"], "restore / plain dcp.load", False),
     "bench_startup.py": (["--reps", "1", "--nproc", "2"], "restart / cold start", False),

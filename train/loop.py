@@ -402,6 +402,11 @@ class Trainer:
         """`dslurm ctl` (dslurm/observe/ctl.py), rank 0 at a step boundary: a stop sets the flags a
         TERM sets, on record for requeue-me first (saved, not requeued); True: save at this step."""
         req = self.ctl.take() if self.ctl is not None else None
+        for old, why in self.ctl.dropped if self.ctl is not None else []:  # stale: for another start
+            self._event(events.OperatorRequest(action=old.action, request_id=old.id, user=old.user,
+                                               step=self.step + 1, dropped=why))
+        if self.ctl is not None:
+            self.ctl.dropped.clear()
         if req is None:
             return False
         recorded = req.action == "stop" and ctl.record_stop(req, self.resolved.run_dir)

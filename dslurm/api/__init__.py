@@ -198,21 +198,30 @@ def sweep(job: str | Path, *, site: str | Path, grid: dict[str, list[Any]] | Non
           tasks: list[dict[str, Any]] | None = None, max_parallel: int = 0, overrides: list[str] | None = None,
           site_overrides: list[str] | None = None, dir: str | Path | None = None, name: str | None = None,
           force: bool = False) -> list[submitit.Job[RunSummary]]:
-    """Submit a sweep (docs/sweeps.md) through submitit as one job array; returns one job per
+    """Submit a sweep (docs/sweeps.md) through submitit as job array(s); returns one job per
     task submitted, in task order (`job.sweep_task`, `job.run_dir`; `job.result()` is its RunSummary).
 
-    The sweep is resolved like `dslurm submit --sweep` (dslurm.sweep.build: every task validated
-    before anything is submitted, run directories `<dir>/<index>-<overrides>`, the sweep map);
-    each task runs the same TrainTask as `submit`, from its own frozen config. Tasks whose run
-    completed are not submitted again unless `force`."""
+    The sweep is resolved and submitted like `dslurm submit --sweep` (dslurm.sweep: every task
+    validated before anything is submitted, run directories `<dir>/<index>-<overrides>`, the sweep
+    map; refused while an array of the sweep is still queued or running; split into arrays of at
+    most the site's MaxArraySize tasks, each after the previous one; every task's blocklist
+    excluded); each task runs the same TrainTask as `submit`, from its own frozen config. Tasks
+    whose run completed are not submitted again unless `force`."""
     import submitit
 
     from dslurm.api.job import TrainTask
-    from dslurm.run import read_blocklist
+    from dslurm.job_array import max_array_size, split_arrays
     from dslurm.submission import record_submission
     from dslurm.sweep.build import resolve_sweep
     from dslurm.sweep.spec import parse
-    from dslurm.sweep.submit import prepare, read_map, write_map
+    from dslurm.sweep.submit import (
+        prepare,
+        read_map,
+        refuse_while_running,
+        split_note,
+        sweep_blocklist,
+        write_map,
+    )
 
     data: dict[str, Any] = {"site": str(site), "job": str(job), "max_parallel": max_parallel,
                             "set": list(overrides or []), "site_set": list(site_overrides or [])}
@@ -224,24 +233,40 @@ def sweep(job: str | Path, *, site: str | Path, grid: dict[str, list[Any]] | Non
         raise UserError(f"{first.site_path}: field 'container': api.sweep cannot run tasks in the site's container "
                         "yet (submitit starts each task outside it). Fix: `dslurm submit --sweep`")
     check_accounting()
+    refuse_while_running(sw)
     todo, _skipped = prepare(sw, force=force)
     if not todo:
         return []
+    size, source = max_array_size()
+    parts = split_arrays(todo, size)
+    if (note := split_note(sw, parts, size, source)) is not None:
+        print(note, file=sys.stderr)
     executor = submitit.SlurmExecutor(folder=str(sw.dir / "submitit" / "%j"), max_num_timeout=first.policy.max_restarts)
     executor.job_class = _job_class()  # type: ignore[assignment]
-    executor.update_parameters(**executor_parameters(first, exclude=read_blocklist(first.run_dir)),
-                               array_parallelism=max_parallel or len(todo))
-    with executor.batch():
-        jobs = [executor.submit(TrainTask(str(sw.tasks[i].r.run_dir / "site.yaml"),
-                                          str(sw.tasks[i].r.run_dir / "job.yaml"))) for i in todo]
-    record = read_map(sw.dir) or {}
-    array_id = int(str(jobs[0].job_id).split("_")[0])
-    record.setdefault("arrays", []).append({"job_id": array_id, "offset": 0, "tasks": todo, "via": "api"})
-    write_map(sw.dir, record)
-    for i, j in zip(todo, jobs):
-        record_submission(sw.tasks[i].r, [array_id], via=f"api sweep {sw.spec.name} task {i}: array {j.job_id}")
-        j.sweep_task, j.run_dir = i, sw.tasks[i].r.run_dir  # type: ignore[attr-defined]  # handy in a notebook
-    return jobs
+    params = executor_parameters(first, exclude=sweep_blocklist(sw, todo))
+    out: list[submitit.Job[RunSummary]] = []
+    array_ids: list[int] = []
+    for part in parts:
+        extra = dict(params["additional_parameters"])
+        if array_ids:  # each array after the previous one, as `dslurm submit --sweep` (afterany)
+            extra["dependency"] = f"afterany:{array_ids[-1]}"
+        executor.update_parameters(**{**params, "additional_parameters": extra},
+                                   array_parallelism=max_parallel or len(part.tasks))
+        with executor.batch():
+            jobs = [executor.submit(TrainTask(str(sw.tasks[i].r.run_dir / "site.yaml"),
+                                              str(sw.tasks[i].r.run_dir / "job.yaml"))) for i in part.tasks]
+        array_id = int(str(jobs[0].job_id).split("_")[0])
+        array_ids.append(array_id)
+        record = read_map(sw.dir) or {}
+        record.setdefault("arrays", []).append({"job_id": array_id, "offset": part.offset, "tasks": part.tasks,
+                                                "via": "api"})
+        write_map(sw.dir, record)
+        for i, j in zip(part.tasks, jobs):
+            record_submission(sw.tasks[i].r, [array_id], via=f"api sweep {sw.spec.name} task {i}: array {j.job_id}",
+                              logs=[str(j.paths.stdout), str(j.paths.stderr)])
+            j.sweep_task, j.run_dir = i, sw.tasks[i].r.run_dir  # type: ignore[attr-defined]  # handy in a notebook
+        out += jobs
+    return out
 
 
 # --------------------------------------------------------------------- run_local

@@ -174,6 +174,7 @@ class TrainTask(submitit.helpers.Checkpointable):
             # TERM: scancel, preemption or `scontrol requeue`. Slurm decides what comes next;
             # a result file now would end job.result() although the job may come back.
             raise SystemExit(rc)
+        self._retry_failure(r, env, rc, submitit_usr2, log, offset)
         raise TrainerFailed(f"the trainer exited {rc} ({X.NAMES.get(rc, 'failed')}) on {info.hostname} "
                             f"(node {info.node_rank}); its output:\n{output_tail(log, offset)}")
 
@@ -206,6 +207,31 @@ class TrainTask(submitit.helpers.Checkpointable):
             raise TrainerFailed(f"saved on a stop signal, but not requeued: {decision.reason}")
         if not callable(submitit_usr2):
             raise TrainerFailed("saved on a stop signal, but submitit's requeue handler is missing")
+        submitit_usr2(signal.SIGUSR2, None)  # checkpoint() + scontrol requeue + sys.exit
+        raise TrainerFailed("submitit did not requeue the job (see the log above)")
+
+
+    def _retry_failure(self, r: Resolved, env: Mapping[str, str], rc: int, submitit_usr2: Any, log: Path,
+                       offset: int) -> None:
+        """A start that failed: retried as `dslurm requeue-me` would (issue 38: submitit alone
+        retries timeouts and preemptions, never a crash). Rank 0 classifies the ending from the
+        recorded facts, records it (the restart budget counts it) and decides with the run's
+        policy; a requeue goes through submitit's own handler (checkpoint() + scontrol requeue).
+        The other tasks wait for that, or for rank 0's failure to end the step
+        (--kill-on-bad-exit). Returns when the failure is not retried (the caller raises)."""
+        if int(env.get("SLURM_PROCID", "0")) != 0:
+            _wait_for_requeue()
+        from dslurm.endings import FAILURES
+        from dslurm.requeue import Accounting, classify_this_start, conclude
+
+        acct = Accounting(env)
+        ending, d = classify_this_start(r.run_dir, rc, env, acct)
+        if ending.cls not in FAILURES:
+            return  # a save failure, user error, refusal, divergence: a retry cannot help
+        # recorded and decided as requeue-me does (the budget counts it); acted on here, through submitit
+        dec = conclude(r.run_dir, d, ending, rc, env, acct, act=lambda *_: None)
+        if dec.action != "requeue" or not callable(submitit_usr2):
+            raise TrainerFailed(f"{ending.reason}; not retried: {dec.reason}; its output:\n{output_tail(log, offset)}")
         submitit_usr2(signal.SIGUSR2, None)  # checkpoint() + scontrol requeue + sys.exit
         raise TrainerFailed("submitit did not requeue the job (see the log above)")
 

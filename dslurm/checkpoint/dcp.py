@@ -361,9 +361,11 @@ class CheckpointManager:
         rng_ok = meta["world_size"] == self.world
         if rng_ok:
             apply_rng(json.loads((gen / ck.RANKS / f"rank-{self.rank:05d}.json").read_text())["rng"])
-        else:
-            log.warning("[rank %d] world size %d -> %d: RNG streams not restored", self.rank,
-                        meta["world_size"], self.world)
+        elif self.rank == 0:  # said once, and in the ledger (the report and doctor name it)
+            log.warning("RNG STREAMS NOT RESTORED: world size %d -> %d; each rank's saved Python/numpy/torch/CUDA "
+                        "streams have no meaning for another set of ranks, so dropout and sampling continue from "
+                        "the script's own seeds (resume with %d ranks for the saved streams)", meta["world_size"],
+                        self.world, meta["world_size"])
         for how in per_rank.restore(self.per_rank, gen, meta["world_size"], self.rank, self.world):
             log.info("[rank %d] per-rank state %s", self.rank, how)
         if extra is not None:
@@ -376,7 +378,8 @@ class CheckpointManager:
                  phases["total"], ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "total"))
         kind = events.CkptFallback if sel.fell_back else events.CkptRestore
         self._event(kind(run_dir=str(self.run_dir), step=res.step, generation=res.generation,
-                         reason=res.reason, rejected=[n for n, _ in sel.rejected], tier=tier, tier_reason=why))
+                         reason=res.reason, rejected=[n for n, _ in sel.rejected], tier=tier, tier_reason=why,
+                         rng_restored=rng_ok, saved_world_size=int(meta["world_size"])))
         return res
 
     def _load_checked(self, name: str, pointer_crc: str | None, state: dict[str, Any],

@@ -158,6 +158,7 @@ def restore(entries: list[Entry], gen: Path, saved_world: int, rank: int, world:
         _require(entries, own, gen)
         for e in entries:
             e.stateful.load_state_dict(_decode(own[e.name]))
+            rng_neutral_next_iter(e.obj)
         return [f"{e.name}: this rank's own" for e in entries]
     olds = [_rank_file(gen, r).get("state") or {} for r in range(saved_world)]
     for o in olds:
@@ -175,11 +176,43 @@ def restore(entries: list[Entry], gen: Path, saved_world: int, rank: int, world:
                 f"(dslurm.runtime.per_rank({e.name}, reshard=fn)); or leave it out of the checkpoint")
         try:
             e.stateful.load_state_dict(e.reshard(e.obj, [_decode(o[e.name]) for o in olds], rank, world))
+            rng_neutral_next_iter(e.obj)
         except ValueError as exc:
             raise UserError(f"checkpoint entry {e.name!r}: cannot reshard from {saved_world} to {world} ranks "
                             f"({gen.name}): {exc}") from None
         how.append(f"{e.name}: resharded {saved_world} -> {world} ranks")
     return how
+
+
+def rng_neutral_next_iter(obj: Any) -> None:
+    """The first iterator a restored torch `DataLoader` makes leaves the global torch RNG as the
+    restore left it.
+
+    Why: creating a DataLoader iterator draws its base seed from the global torch RNG when the
+    loader has no `generator` of its own (torch.utils.data.dataloader._BaseDataLoaderIter). An
+    uninterrupted run made its iterator once, at step 0; a resumed one makes it again after the
+    restore set the RNG to the saved step's state, so that one extra draw shifts every later
+    dropout mask (issue 38: 0.213 away after two resumes). The restored iterator needs no fresh
+    seed -- a StatefulDataLoader's state holds its position, and the multi-process one its
+    saved base seed -- so the draw is undone: dslurm owns this ordering, the script keeps
+    `it = iter(loader)` after `restore()`. Only the first iterator: a later one (the next
+    epoch) draws in both runs alike. Installed per instance on `_get_iterator`, which every
+    `DataLoader.__iter__` path calls."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(obj, DataLoader) or obj.generator is not None or "_get_iterator" in vars(obj):
+        return
+    make = obj._get_iterator
+
+    def first_iterator() -> Any:
+        del obj._get_iterator  # once: back to the class's method
+        state = torch.get_rng_state()
+        try:
+            return make()
+        finally:
+            torch.set_rng_state(state)
+
+    obj._get_iterator = first_iterator  # type: ignore[method-assign]
 
 
 def _require(entries: list[Entry], saved: Mapping[str, Any], gen: Path) -> None:

@@ -247,6 +247,23 @@ def _resume(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
                     "began at the same step; fix the crash before resubmitting")]
 
 
+def _rng_not_restored(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """Resumes at another world size: the per-rank RNG streams were not restored (a decision, not
+    a fault: docs/checkpoint.md, "RNG streams and world-size changes"), named so nobody expects
+    the run to match an uninterrupted one."""
+    hits = [(s, e) for s in starts for e in s.all(E.CkptRestore) if e.rng_restored is False]
+    if not hits:
+        return []
+    ev = [f"start {s.index} ({s.job_id}.{s.restart}) resumed step {e.step} with world size {s.world_size} "
+          f"(saved with {e.saved_world_size}): RNG streams not restored" for s, e in hits]
+    return [Finding("RNG streams not restored after a world-size change", ev[:MAX_EVIDENCE],
+                    "each rank's saved RNG streams (Python, numpy, torch, CUDA) belong to that set of ranks; at "
+                    "another world size dropout and sampling continue from the script's own seeds, so the run "
+                    "is not the one an uninterrupted run would have been (the model, optimizer and data "
+                    "position are restored)", "expected after a shrink or a resubmission with other nodes; "
+                    "resume with the saved world size for the saved streams")]
+
+
 def _stragglers(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     out = []
     sm_hosts: dict[str, list[str]] = {}
@@ -361,6 +378,8 @@ _ENDING_HELP = {
     "diverged": ("the loss was not finite and train.nonfinite said stop (or its bound was spent); not retried",
                  "lower train.lr or add warm-up, or set train.nonfinite: rollback, then resubmit: it resumes "
                  "from the pointer's finite generation"),
+    "operator_stop": ("an operator asked the run to save and end (`dslurm ctl stop`): saved, not requeued, the job "
+                      "cancelled on purpose", "nothing is wrong; `dslurm submit` again continues from the checkpoint"),
 }
 
 
@@ -383,7 +402,7 @@ def _perf(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
 
 CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
     _no_first_step, _scaling, _idle_stages, _hangs, _corruption, _device_health, _loss, _resume, _stragglers,
-    _perf, _endings, _crashes]
+    _perf, _endings, _crashes, _rng_not_restored]
 
 
 def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list[Finding]:
@@ -392,12 +411,19 @@ def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list
     return [f for check in CHECKS for f in check(starts, logs)]
 
 
-def read_logs(run_dir: Path) -> list[LogLine]:
-    """Lines of `<run_dir>/logs/*.out` and `*.err`; unreadable bytes replaced, not fatal."""
+def read_logs(run_dir: Path, events: Iterable[Event] = ()) -> list[LogLine]:
+    """Lines of `<run_dir>/logs/*.out` and `*.err`, and of the log files the ledger's submit
+    events name elsewhere (a sweep task's array logs live in `<sweep dir>/logs`); unreadable
+    bytes replaced, a file gone is skipped, neither is fatal."""
+    paths = sorted((Path(run_dir) / "logs").glob("*.[oe][ur][tr]"))
+    paths += [p for p in dict.fromkeys(Path(x) for e in E.of(events, E.Submit) for x in e.logs) if p not in paths]
     out = []
-    for path in sorted((Path(run_dir) / "logs").glob("*.[oe][ur][tr]")):
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            out += [LogLine(str(path), i, line) for i, line in enumerate(fh, 1)]
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                out += [LogLine(str(path), i, line) for i, line in enumerate(fh, 1)]
+        except OSError:
+            continue
     return out
 
 
@@ -423,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
         return passthrough(h, ["doctor", h.run_dir])
     events, _ = load(args.run_dir)
     done = summarize(events, target_steps=target_steps(args.run_dir), run_dir=args.run_dir).completion
-    findings = diagnose(events, read_logs(args.run_dir))
+    findings = diagnose(events, read_logs(args.run_dir, events))
     findings += [Finding(*row) for row in perfdoctor.dump_rows(Path(args.run_dir), events)]  # own scripts' dumps
     console = Console()
     if done.status != COMPLETED:  # first: whether the run finished, and how to continue one that ended short

@@ -65,6 +65,9 @@ class Submit(Event):
     signal_lead_reason: str | None = None
     checkpoint_interval: int | None = None
     via: str | None = None
+    logs: list[str] = field(default_factory=list)
+    """this submission's Slurm log files when they are not under <run_dir>/logs (a sweep's array
+    task writes <sweep dir>/logs/NAME-ARRAY_TASK.out|.err; `dslurm doctor` reads them too)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +108,11 @@ class CkptRestore(Event):
     """"local" (node-local copies, same nodes and layout) or "durable" (the run dir)"""
     tier_reason: str = ""
     """why that tier: the local candidate used, or why no local generation qualified"""
+    rng_restored: bool | None = None
+    """False: the world size changed, so the ranks' saved RNG streams (Python, numpy, torch, CUDA)
+    were not restored: dropout and sampling start from the script's seeds (None: older ledgers)"""
+    saved_world_size: int | None = None
+    """the world size the generation was saved with"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -503,6 +511,8 @@ class OperatorRequest(Event):
     """completed steps when it was taken"""
     recorded: bool = False
     """stop: the request is on record for requeue-me (the start's cancel.json)"""
+    dropped: str = ""
+    """not acted on, and why: a stale request (for another start, or too old; ctl.stale_reason)"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -363,6 +363,7 @@ def _begin(evs: list[Event]) -> float:
 
 
 STRAY = "stray stop (a TERM reached the job step only)"
+OPERATOR = "operator stop (dslurm ctl stop, saved)"
 
 
 def _reason_of_ending(ending: str, rc: int | None) -> str:
@@ -374,7 +375,8 @@ def _reason_of_ending(ending: str, rc: int | None) -> str:
     said = {E.COMPLETED: "completed (no exit event)", E.WARNED_STOP: "requeue (no exit event)",
             E.BURNIN_REJECTED: "preflight_failed", E.USER_ERROR: "user_error", E.SAVE_FAILED: "save_failed",
             E.REFUSED: "refused", E.DIVERGED: "nonfinite", E.CANCELLED: "terminated",
-            E.PREEMPTED: "terminated", E.TIME_LIMIT: "terminated", E.STRAY_STOP: STRAY}
+            E.PREEMPTED: "terminated", E.TIME_LIMIT: "terminated", E.STRAY_STOP: STRAY,
+            E.OPERATOR_STOP: OPERATOR}
     return said.get(ending) or f"failed ({ending}{'' if rc is None else f', exit {rc}'})"
 
 
@@ -387,6 +389,8 @@ def _exit_reason(s: Start) -> tuple[str, str | None]:
         return X.NAMES[rq_ev.exit_code], decision
     if rq_ev and rq_ev.ending == "stray_stop":  # the ranks exited 143 on it: not a cancel, say what it was
         return STRAY, decision
+    if rq_ev and rq_ev.ending == "operator_stop":  # the ranks exited 143 on it: an operator's stop, not a cancel
+        return OPERATOR, decision
     if ex:
         return ex[-1].reason, decision
     if rq_ev and rq_ev.ending:  # no exit event from the trainer: the ending classified from the facts

@@ -60,13 +60,31 @@ def places(r: Resolved, cwd: str | Path) -> tuple[str, Path]:
 
 
 def probe(login: ssh.Login) -> str:
-    """`dslurm --version` there: the host answers and dslurm runs (else a UserError with the fix)."""
+    """`dslurm --version` there: the host answers, dslurm runs, and it is this dslurm's version
+    (else a UserError with the fix). Laptop and cluster speak one protocol (the submit body, the
+    handle, the JSON they pass), so two versions are refused rather than half understood."""
+    from dslurm import __version__
+
     res = ssh.run(login, ssh.script(login, [f"{ssh.DSLURM} --version"]), timeout=120)
     if res.returncode != 0:
         raise UserError(f"login host {login.host!r}: `dslurm --version` failed there (exit {res.returncode}): "
                         f"{res.stderr.decode(errors='replace').strip()}. Fix: repair the dslurm install on the "
                         "cluster, or point remote.dslurm at a working one")
-    return res.stdout.decode(errors="replace").strip()
+    said = res.stdout.decode(errors="replace").strip()
+    if (why := version_mismatch(__version__, said)) is not None:
+        raise UserError(f"login host {login.host!r}: {why}; nothing was done there. Fix: install dslurm "
+                        f"{__version__} in the cluster's environment (the one remote.dslurm runs), or run the "
+                        "cluster's version here")
+    return said
+
+
+def version_mismatch(here: str, there_said: str) -> str | None:
+    """Why `dslurm --version`'s answer there (`dslurm X`) is not this dslurm's version; None when
+    it is. Pure."""
+    there = there_said.split()[-1] if there_said.split() else "?"
+    if there == here:
+        return None
+    return f"dslurm there is version {there} ({there_said!r}), here {here}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,9 @@
 
 `take("git")` lists what `git ls-files -co --exclude-standard` lists in the working copy that
 holds the current directory: the tree at HEAD with its uncommitted edits and its untracked,
-not-ignored files (what `git add -A` would commit). `take(DIR)` does the same for a git working
+not-ignored files (what `git add -A` would commit), and the same of every git submodule, nested
+ones too (`git ls-files` alone lists a submodule as one entry, no files: the job would run
+without it). A submodule that is not checked out is refused by name. `take(DIR)` does the same for a git working
 copy DIR, and lists every file of any other directory (less `.git`, `.venv`, `__pycache__`).
 The digest covers each file's path, its executable bit and its bytes, so two snapshots with
 the same digest are the same code; `materialize` copies it to `<run_dir>/code/<digest[:16]>`,
@@ -67,10 +69,23 @@ def _git(root: Path, *args: str) -> str:
 
 
 def git_files(root: Path) -> list[str]:
-    """Tracked and untracked-not-ignored files that exist (a deleted tracked file is left out)."""
+    """Tracked and untracked-not-ignored files that exist (a deleted tracked file is left out),
+    of the working copy and of each of its submodules, recursively, as paths from `root`."""
     out = _git(root, "ls-files", "-z", "-c", "-o", "--exclude-standard")
-    names = sorted({n for n in out.split("\0") if n})
-    return [n for n in names if (root / n).is_file() and _kept(n)]
+    names = {n for n in out.split("\0") if n}
+    for sub in submodules(root):
+        if not (root / sub / ".git").exists():
+            raise UserError(f"--code git: submodule {sub} of {root} is not checked out, so the job would run "
+                            f"without it. Fix: `git -C {root} submodule update --init --recursive`, then submit")
+        names.discard(sub)
+        names |= {f"{sub}/{n}" for n in git_files(root / sub)}
+    return [n for n in sorted(names) if (root / n).is_file() and _kept(n)]
+
+
+def submodules(root: Path) -> list[str]:
+    """The submodule paths of a working copy: its gitlinks (mode 160000 in the index)."""
+    out = _git(root, "ls-files", "-z", "-s")
+    return sorted(rec.split("\t", 1)[1] for rec in out.split("\0") if rec.startswith("160000 "))
 
 
 def _kept(rel: str) -> bool:

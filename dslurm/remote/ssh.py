@@ -5,7 +5,9 @@ the work. dslurm adds BatchMode (never a password prompt a script would hang on)
 timeout, and keep-alives. Every remote command is one bash script handed over as a single
 quoted word (`bash -c SCRIPT`): the remote login shell, whatever it is, only unquotes it.
 `script` builds those scripts (pure); `run` runs one and turns ssh's own failures (exit 255:
-the host was not reached) and a missing remote dslurm (exit 127) into errors with their fix.
+the host was not reached) and a missing remote dslurm (the script's own check, exit MISSING)
+into errors with their fix. An exit 127 of anything else (a command the remote dslurm or a
+setup line runs that is not there) is that command's, reported as such, not "dslurm missing".
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dslurm.errors import UserError
 OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=15", "-o", "ServerAliveInterval=15",
            "-o", "ServerAliveCountMax=4")
 UNREACHABLE = 255  # ssh's own exit code: the connection or the authentication failed
-NOT_FOUND = 127  # the shell's: the command does not exist
+NOT_FOUND = 127  # the shell's: some command does not exist (not necessarily dslurm)
+MISSING = 96  # the script's check: the site's dslurm command is not there (a code neither dslurm nor the shell uses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +58,7 @@ def script(login: Login, body: Sequence[str]) -> str:
     may fail on a login node (a module only compute nodes have): their messages reach stderr
     and the script goes on. Pure."""
     define = f"dslurm_cmd=({quote_words(login.dslurm)})"  # after setup: no setup line can change it
-    check = f'command -v "${{dslurm_cmd[0]}}" >/dev/null 2>&1 || exit {NOT_FOUND}'
+    check = f'command -v "${{dslurm_cmd[0]}}" >/dev/null 2>&1 || exit {MISSING}'
     return "\n".join([*login.setup, define, check, *body, ""])
 
 
@@ -88,6 +91,6 @@ def run(login: Login, script_text: str, *, input: bytes | None = None, capture: 
                         "connection, then run the command again") from None
     if res.returncode == UNREACHABLE:
         raise unreachable(login, (res.stderr or b"").decode(errors="replace"))
-    if res.returncode == NOT_FOUND:
+    if res.returncode == MISSING:
         raise missing_dslurm(login)
     return res

@@ -20,6 +20,9 @@ class:
   nobody said the run should end): requeue within `max_stray_stops`, counted over this job's
   earlier stray stops; the crash budget is not touched. A run is stopped on purpose with
   `scancel JOB` (it reaches the batch shell) or `dslurm cancel` (dslurm/requeue/cancel.py).
+- operator stop (`dslurm ctl stop`, saved): end, not requeued; a chain's later links are
+  cancelled, and then the job itself (`scancel`, its last act), so Slurm records it CANCELLED --
+  stopped on purpose -- rather than FAILED with the ranks' 143.
 - either way, the no-progress guard: if the pointer has not advanced across
   `no_progress_limit` consecutive starts, stop with its own exit code (76).
 - in a chain, the next link continues instead of a requeue.
@@ -79,6 +82,10 @@ def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: 
     tail = f" [{detail}]" if detail else ""
     if ending == E.COMPLETED:
         return Decision("end", X.OK, "completed")
+    if ending == E.OPERATOR_STOP:
+        return Decision("stop", X.OK, f"operator stop (`dslurm ctl stop`): saved, not requeued; the job is "
+                                      f"cancelled (Slurm: CANCELLED); `dslurm submit` again continues from the "
+                                      f"checkpoint{tail}")
     if ending in _STOPS:
         code, why = _STOPS[ending]
         return Decision("stop", code, why + tail)
@@ -107,7 +114,8 @@ def decide(*, ending: str, failures: int, max_restarts: int, no_progress_limit: 
                                               f"a run on purpose: scancel JOB or dslurm cancel{tail}")
         return Decision("requeue", X.OK, f"stray stop (a TERM reached the job step only; not a cancel): requeue "
                                          f"(stray stop {stray_stops + 1} of {max_stray_stops}; no restart budget "
-                                         f"spent){tail}")
+                                         f"spent; to end a run on purpose: scancel JOB, dslurm cancel or dslurm ctl "
+                                         f"stop){tail}")
     if ending not in E.FAILURES:
         return Decision("requeue", X.OK, f"{what}: requeue (not a failure: no restart budget spent){tail}")
     if failures >= max_restarts:
@@ -196,6 +204,9 @@ class _Accounting:
         if job not in self._seen:
             self._seen[job] = slurm.incarnations(job, env=self.env) if job.isdigit() else []
         return self._seen[job]
+
+
+Accounting = _Accounting  # for the submitit path (dslurm/api/job.py), which concludes a start like requeue-me
 
 
 def _hosts(nodelist: str) -> list[str]:
@@ -309,11 +320,26 @@ def act_on(dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Pat
             requeue_excluding(job_ref(env), blocked)
         else:
             slurm.run_cmd(["scontrol", "requeue", job_ref(env)])
-    elif dec.action == "end" and ending.cls == E.COMPLETED and chain:
+    elif ending.cls in (E.COMPLETED, E.OPERATOR_STOP) and chain:
         later = [i for i in chain if job_id.isdigit() and i > int(job_id)]
         if later:
             slurm.run_cmd(["scancel", *map(str, later)], check=False)
-            Ledger(run_dir).append(ev.ChainCancel(job_ids=later, reason="training complete"))
+            Ledger(run_dir).append(ev.ChainCancel(job_ids=later, reason="training complete"
+                                                  if ending.cls == E.COMPLETED else "operator stop"))
+    if ending.cls == E.OPERATOR_STOP and dec.action == "stop" and job_id:
+        cancel_self(job_ref(env))
+
+
+def cancel_self(job: str) -> None:
+    """The last act of an operator's stop: `scancel` this job, so Slurm records it CANCELLED (the
+    state a person reads as "stopped on purpose"), not FAILED with the ranks' 143. The TERM that
+    follows reaches this process too (the batch step's processes): ignored, its work is done."""
+    import signal
+
+    from dslurm import slurm
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    slurm.run_cmd(["scancel", job], check=False)
 
 
 def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:

@@ -88,6 +88,8 @@ class Runtime:
         self.outcome.run_dir, self.outcome.progress = run_dir, self
         self.flags = StopFlags()
         self.ledger: Any = None
+        self.ctl: Any = None  # rank 0: `dslurm ctl` requests (dslurm/observe/ctl.py), polled in stop_requested
+        self.save_asked: int | None = None  # the step an agreed `dslurm ctl save` is for (Checkpoint.due says so)
         self.checkpoints: list[_Checkpoint] = []
         self._window: tuple[int, float] | None = None  # first step and start time of the log window
         self._done = False
@@ -124,26 +126,53 @@ class Runtime:
     # ------------------------------------------------------------------ stop
 
     def stop_requested(self, step: int, ride: Any = None) -> bool:
-        """Has any rank been asked to stop (USR2, TERM)? The same answer on every rank: call it
-        on every rank at the same step boundary, after `step` completed steps. `ride`: a 1-D
-        float tensor the script wanted SUM-all-reduced anyway; it is, in place, in the same
-        collective, so the agreement costs nothing extra."""
+        """Has any rank been asked to stop (USR2, TERM, `dslurm ctl stop`)? The same answer on
+        every rank: call it on every rank at the same step boundary, after `step` completed
+        steps. `ride`: a 1-D float tensor the script wanted SUM-all-reduced anyway; it is, in
+        place, in the same collective, so the agreement costs nothing extra. A `dslurm ctl save`
+        rank 0 took rides along too: `Checkpoint.due(step)` is then True on every rank."""
         import torch
         import torch.distributed as dist
 
-        local = torch.tensor(self.flags.local(step), device=self.device)
+        save = self._operator_request(step)
+        local = torch.tensor([*self.flags.local(step), float(save)], device=self.device)
         vec = local if ride is None else torch.cat([ride.detach().reshape(-1).float().to(self.device), local])
         if dist.is_initialized():
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         if ride is not None:
-            ride.copy_(vec[:-2].reshape(ride.shape).to(ride.dtype))
-        stop, self.terminated = bool(vec[-2].item() > 0), bool(vec[-1].item() > 0)
+            ride.copy_(vec[:-3].reshape(ride.shape).to(ride.dtype))
+        stop, self.terminated = bool(vec[-3].item() > 0), bool(vec[-2].item() > 0)
+        if vec[-1].item() > 0:
+            self.save_asked = step
         self.step = step
         if stop:
             from dslurm.observe import events
 
             self.event(events.Signal(signal="stop_requested", step=step))
         return stop
+
+    def _operator_request(self, step: int) -> bool:
+        """Rank 0: a `dslurm ctl` request taken at this step boundary. A stop sets the flags a TERM
+        sets, on record for requeue-me first (an operator's stop: saved, not requeued); -> True
+        for a save. As the built-in trainer does (train/loop.py)."""
+        if self.ctl is None:
+            return False
+        from dslurm.observe import ctl, events
+
+        req = self.ctl.take()
+        for old, why in self.ctl.dropped:
+            log.warning("dslurm ctl %s request %s dropped as stale: %s", old.action, old.id, why)
+            self.event(events.OperatorRequest(action=old.action, request_id=old.id, user=old.user, step=step,
+                                              dropped=why))
+        self.ctl.dropped.clear()
+        if req is None:
+            return False
+        recorded = req.action == "stop" and self.run_dir is not None and ctl.record_stop(req, self.run_dir)
+        self.event(events.OperatorRequest(action=req.action, request_id=req.id, user=req.user, step=step,
+                                          recorded=recorded))
+        if req.action == "stop":
+            self.flags.stop_requested = self.flags.stop_terminated = True
+        return bool(req.action == "save")
 
     # ------------------------------------------------------------------ exit
 
@@ -265,6 +294,9 @@ def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None =
         from dslurm.observe.ledger import Ledger
 
         rt.ledger = Ledger(rd)
+        from dslurm.observe.ctl import Poller
+
+        rt.ctl = Poller(rd)
         from dslurm.trackers import attach  # the job's metrics.trackers, fed from the ledger (rank 0)
 
         attach(rt.ledger, rd, job.metrics if job is not None else None, job.name if job is not None else "")

@@ -95,7 +95,7 @@ class Checkpoint:
 
     def __init__(self, rt: Any, **state: Any) -> None:
         from dslurm.config import CheckpointSpec
-        from dslurm.runtime.state import split_state
+        from dslurm.runtime.state import inexact_resumes, split_state
 
         if rt.run_dir is None:
             raise UserError("dslurm.runtime.Checkpoint needs a run directory: run the script under dslurm "
@@ -104,6 +104,9 @@ class Checkpoint:
             self._shared, self._per_rank = split_state(state)
         except ValueError as exc:
             raise UserError(f"dslurm.runtime.Checkpoint: {exc}") from None
+        if rt.rank == 0:
+            for why in inexact_resumes(state, rt.world_size):
+                log.warning("dslurm.runtime: resumes are not bit-identical: %s", why)
         self.rt = rt
         self.spec = rt.job.checkpoint if rt.job is not None else CheckpointSpec()
         scratch = rt.site.storage.scratch if rt.site is not None else None
@@ -117,8 +120,9 @@ class Checkpoint:
         return int(self.spec.interval)
 
     def due(self, step: int) -> bool:
-        """Is a periodic save due after `step` completed steps?"""
-        return step > 0 and step % self.interval == 0
+        """Is a save due after `step` completed steps: a periodic one, or the `dslurm ctl save`
+        that `stop_requested(step)` agreed on at this step boundary?"""
+        return step > 0 and (step % self.interval == 0 or self.rt.save_asked == step)
 
     def restore(self) -> int:
         """Load the pointer's generation (or a verified fallback) into the state; returns the

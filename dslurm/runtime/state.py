@@ -110,3 +110,21 @@ def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
         else:
             ranks.append(entry_for(name, value))
     return shared, ranks
+
+
+def inexact_resumes(state: dict[str, Any], world_size: int) -> list[str]:
+    """What in a script's state keeps a resume from being bit-identical to an uninterrupted run,
+    by entry name, with the fix (said once when the Checkpoint is built). DDP rebuilds its
+    gradient buckets after a process's first iteration unless `find_unused_parameters=True`:
+    a resumed process reduces its first step in the other layout, and with 3 or more ranks the
+    sums round differently in the last bit (README, "DDP and bit-identical resumes")."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = []
+    for name, v in state.items():
+        if (isinstance(v, DistributedDataParallel) and world_size >= 3 and not v.find_unused_parameters
+                and not getattr(v, "static_graph", False)):
+            out.append(f"checkpoint entry {name!r}: DDP rebuilds its gradient buckets after the first step of each "
+                       f"process, so a resumed run's first step rounds differently in the last bit ({world_size} "
+                       f"ranks); for bit-identical resumes build it with DDP(..., find_unused_parameters=True)")
+    return out

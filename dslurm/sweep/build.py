@@ -128,13 +128,23 @@ def check_map(sw: Sweep, existing: dict[str, Any]) -> None:
                         "Fix: restore the sweep file, or give the changed sweep another 'dir'")
 
 
+LOG_NAME = "%x-%A_%a"  # an array task's Slurm logs in <sweep dir>/logs: job name, array job id, task id
+
+
+def task_logs(sw: Sweep, array_id: int, array_task: int) -> list[str]:
+    """The .out and .err files of one array task (LOG_NAME filled in), for its run's ledger. Pure."""
+    name = dict(sw.flags).get("job-name") or sw.tasks[0].r.job.name
+    stem = LOG_NAME.replace("%x", str(name)).replace("%A", str(array_id)).replace("%a", str(array_task))
+    return [str(sw.dir / "logs" / f"{stem}.{ext}") for ext in ("out", "err")]
+
+
 def render_array(sw: Sweep, part: ArrayPart, number: int = 1, nparts: int = 1) -> str:
     """The sbatch script of array `number` (of `nparts`) of the sweep. Pure."""
     from dslurm.render import _directive_lines, q
 
     logs = sw.dir / "logs"
     flags = [*sw.flags, ("array", array_ids(list(part.ids), sw.spec.max_parallel)),
-             ("output", f"{logs}/%x-%A_%a.out"), ("error", f"{logs}/%x-%A_%a.err")]
+             ("output", f"{logs}/{LOG_NAME}.out"), ("error", f"{logs}/{LOG_NAME}.err")]
     cases = [f"  {t}) RUN_DIR={q(sw.tasks[t].r.run_dir)} ;;  # {sw.tasks[t].label}" for t in part.tasks]
     return "\n".join([
         "#!/bin/bash",

@@ -19,7 +19,7 @@ from typing import Any
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 from dslurm.job_array import ArrayPart, max_array_size, split_arrays
-from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map
+from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map, task_logs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,10 +69,32 @@ def _active_arrays(recorded: dict[str, Any] | None, env: Mapping[str, str] | Non
         return []
     try:
         jobs = slurm.squeue(job_ids=ids, env=env)
-    except SlurmError:
-        return []  # squeue refuses ids it has forgotten: none active
+    except SlurmError as exc:
+        if "Invalid job id" in str(exc):
+            return []  # squeue refuses ids it has forgotten: none active
+        raise UserError(f"sweep: cannot tell whether array job(s) {', '.join(map(str, ids))} still run: {exc}. "
+                        "Fix: retry once `squeue` answers (a submission now could run tasks twice)") from None
     return sorted({str(j["job_id"]) for j in jobs if j["state"] in ("PENDING", "RUNNING", "CONFIGURING",
                                                                      "REQUEUED", "COMPLETING")})
+
+
+def refuse_while_running(sw: Sweep, env: Mapping[str, str] | None = None) -> None:
+    """No second submission while an array of this sweep is queued or running (its tasks would
+    run twice); `dslurm submit --sweep` and `api.sweep` both ask. An squeue that fails is not
+    "nothing active": the refusal then says so and asks for a retry."""
+    busy = _active_arrays(read_map(sw.dir), env)
+    if busy:
+        raise UserError(f"sweep {sw.dir}: array job(s) {', '.join(busy)} of this sweep are still queued or "
+                        "running; a second submission would run their tasks twice. Fix: wait for them, or "
+                        f"scancel {' '.join(busy)}")
+
+
+def sweep_blocklist(sw: Sweep, tasks: list[int] | None = None) -> list[str]:
+    """Nodes any task's burn-in found bad (each run's blocklist.txt): one array has one
+    --exclude, and a node bad for one task is bad hardware for all of them."""
+    from dslurm.run import read_blocklist
+
+    return sorted({h for t in sw.tasks if tasks is None or t.index in tasks for h in read_blocklist(t.r.run_dir)})
 
 
 def prepare(sw: Sweep, *, force: bool = False, check_done: bool = True) -> tuple[list[int], dict[int, str]]:
@@ -108,11 +130,7 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
     from dslurm.submission import record_submission
 
     if not dry_run:
-        busy = _active_arrays(read_map(sw.dir), env)
-        if busy:
-            raise UserError(f"sweep {sw.dir}: array job(s) {', '.join(busy)} of this sweep are still queued or "
-                            "running; a second submission would run their tasks twice. Fix: wait for them, or "
-                            f"scancel {' '.join(busy)}")
+        refuse_while_running(sw, env)
     todo, skipped = prepare(sw, force=force, check_done=not dry_run)
     size, source = max_array_size(env)
     parts = split_arrays(todo, size) if todo else []
@@ -128,8 +146,10 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
     if dry_run or not parts:
         return out
     data = read_map(sw.dir) or {}
+    blocked = sweep_blocklist(sw, todo)
     for part, script in zip(parts, scripts):
         dep = [f"--dependency=afterany:{out.array_ids[-1]}"] if out.array_ids else []
+        dep += [f"--exclude={','.join(blocked)}"] if blocked else []
         array_id = slurm.sbatch(script, dep, cwd=os.getcwd(), env=env)
         out.array_ids.append(array_id)
         data.setdefault("arrays", []).append({"job_id": array_id, "offset": part.offset, "tasks": part.tasks,
@@ -137,7 +157,8 @@ def submit_sweep(sw: Sweep, *, dry_run: bool = False, force: bool = False,
         write_map(sw.dir, data)
         for t in part.tasks:
             record_submission(sw.tasks[t].r, [array_id], via=f"sweep {sw.spec.name} task {t}: array "
-                                                               f"{array_id}_{t - part.offset}")
+                                                               f"{array_id}_{t - part.offset}",
+                              logs=task_logs(sw, array_id, t - part.offset))
     return out
 
 

@@ -117,6 +117,21 @@ def test_usr2_requeues_the_job_and_it_resumes_with_no_lost_steps(slurm_env, tmp_
     assert (s.final_step, s.restarts, s.lost_steps) == (12, 1, 0)
 
 
+def test_a_crash_is_retried_as_requeue_me_would(slurm_env, tmp_path):
+    """submitit alone retries timeouts and preemptions, never a crash (issue 38): rank 0 of the
+    API job classifies the start's ending from its facts, records it (the restart budget counts
+    it), and requeues through submitit when dslurm's decision says so."""
+    run = tmp_path / "run"
+    job = api.submit(JOB, site=SITE, overrides=[
+        "train.steps=8", "train.log_every=2", "checkpoint.interval=4", "preflight.enabled=false",
+        f"checkpoint.run_dir={run}", "env.DSLURM_FAULT_CRASH=6:0@0"])
+    s = job.result()
+    assert [e["cls"] for e in job_events(run, job.job_id, "ending")] == ["crash"]
+    assert [e["decision"] for e in job_events(run, job.job_id, "requeue")] == ["requeue"]
+    assert [e["step"] for e in job_events(run, job.job_id, "train_start")] == [0, 4]
+    assert (s.final_step, s.restarts) == (8, 1)
+
+
 def test_a_failing_trainer_raises_with_its_error_output(slurm_env, tmp_path):
     job_spec = {"name": "api-bad-data", "nodes": 1, "time": "00:05:00",
                 "data": {"path": "/nonexistent/tokens.h5"}, "train": {"steps": 5},

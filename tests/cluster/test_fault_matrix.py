@@ -541,3 +541,63 @@ def test_node_loss_is_requeued_and_its_ending_recorded(slurm_cluster, cli, tmp_p
     record("node loss (node2's slurmd and its processes killed)", "requeued on healthy nodes; the lost "
            "start's ending recorded", f"ending node_failure{' (late)' if ends[0].get('late') else ''}, then "
            f"completed; resumed at {at_kill}", run)
+
+
+# ---------------------------------------------------------------- operator controls on an own script
+
+
+@pytest.mark.timeout(600)
+def test_ctl_save_and_stop_on_an_own_script_end_as_an_operators_stop(slurm_cluster, cli, tmp_path):
+    """examples/jobs/own-safe.yaml (examples/own_script/train_safe.py: dslurm.runtime, the burn-in
+    first), given more steps so the requests land mid-run. `dslurm ctl RUN save` is taken by the
+    script's `dr.stop_requested` and saved through `ckpt.due`; `dslurm ctl RUN stop` saves and ends
+    the run as an operator's stop: its own ending, not requeued, the job CANCELLED in Slurm (not
+    FAILED 143), named so in the report; a later `ctl` on the ended run is refused at once."""
+    import time
+    from types import SimpleNamespace
+
+    from dslurm.checkpoint import read_pointer
+
+    env = slurm_cluster.env()
+    run = tmp_path / "own-ctl"
+    entry = (f"entry=[examples/own_script/train_safe.py, --steps, '400', --step-sleep, '0.3', --out, "
+             f"{tmp_path / 'own-ctl.pt'}]")
+    res = cli("submit", "--site", "site-configs/local.yaml", "--job", "examples/jobs/own-safe.yaml",
+              "--set", f"checkpoint.run_dir={run}", "--set", entry, "--set", "checkpoint.interval=1000", env=env)
+    assert res.returncode == 0, res.stderr
+    job = int(res.stdout.split("submitted job ")[1].split()[0])
+    wait_for(lambda: events(run, "steps"), 300, "the script's first logged step")
+
+    t_save = time.time()
+    res = cli("ctl", str(run), "save", env=env)
+    assert res.returncode == 0 and f"for start {job}.0" in res.stdout, (res.stdout, res.stderr)
+    (taken,) = wait_for(lambda: events(run, "operator_request"), 60, "the ctl save taken")
+    # async_save: its ckpt_save event comes when the next save waits for it; the pointer says it now
+    wait_for(lambda: (read_pointer(run) or SimpleNamespace(step=0)).step == taken["step"], 120, "the ctl save")
+    save_s = time.time() - t_save
+    t_stop = time.time()
+    res = cli("ctl", str(run), "stop", env=env)
+    assert res.returncode == 0, res.stderr
+    assert slurm.wait_job(job, timeout=120, env=env) == "CANCELLED", logs(run)
+    ops = [(e["action"], e["step"], e["recorded"]) for e in events(run, "operator_request")]
+    assert [a for a, _, _ in ops] == ["save", "stop"] and ops[1][2], ops
+    (end,) = events(run, "ending")
+    stop_s = end["t"] - t_stop
+    assert (end["cls"], end["saved"], end["step"]) == ("operator_stop", True, ops[1][1]), end
+    assert stop_s < 60, stop_s
+    assert [e["step"] for e in events(run, "ckpt_save")] == [ops[0][1], ops[1][1]]
+    assert decisions(run) == ["stop"] and slurm.job_info(job, env=env)["restarts"] == 0
+    report = cli("report", str(run), "--json", "--no-png", env=env)
+    summary = json.loads(report.stdout)
+    assert summary["status"] == "incomplete" and "operator_stop" in summary["why"], summary
+    late = cli("ctl", str(run), "stop", env=env)  # nothing runs now: refused, no request left behind
+    assert late.returncode != 0 and "no start of" in late.stderr and not (run / "ctl_request.json").exists()
+    record("own script (examples/jobs/own-safe.yaml): dslurm ctl save, then ctl stop",
+           "each taken at a step boundary within a poll (5 s) by dr.stop_requested; both saves commit",
+           f"save committed at step {ops[0][1]} within {save_s:.1f} s of ctl; stop saved at step {ops[1][1]}, "
+           f"ending recorded {stop_s:.1f} s after ctl", run, recovery=False)
+    record("operator stop (dslurm ctl stop)", "its own ending, not requeued; the job ends CANCELLED (not FAILED "
+           "143); the report names it; a later ctl is refused", f"ending operator_stop, decision stop, Slurm "
+           f"CANCELLED, 0 restarts; report: status {summary['status']}, why '{summary['why'].split(':')[0]}'; a ctl "
+           f"after the end refused", run,
+           recovery=False)

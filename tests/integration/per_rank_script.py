@@ -1,8 +1,10 @@
 """A DDP script whose data is per-rank state, for tests/integration/test_per_rank_state.py: a
 torchdata `StatefulDataLoader` over a `DistributedSampler` (each rank reads its own slice of
-the epoch's permutation) and a `torch.Generator` seeded by rank (each rank's own noise).
-Handed to `dslurm.runtime.Checkpoint` as they are. Writes rank 0's final parameters to --out
-and every sample index each rank read to --reads/reads-<rank>-<pid>.txt."""
+the epoch's permutation) and a `torch.Generator` seeded by rank (each rank's own noise), and a
+model with dropout (its masks come from the global torch RNG, which the loader's iterator also
+draws its base seed from when it has no generator of its own: issue 38). Handed to
+`dslurm.runtime.Checkpoint` as they are. Writes rank 0's final parameters to --out and every
+sample index each rank read to --reads/reads-<rank>-<pid>.txt."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def main() -> None:
     dr.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(nn.Linear(8, 1))
+    # find_unused_parameters: DDP keeps its first bucket layout (README, "DDP and bit-identical resumes")
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 1)), find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.randn(240, 8, generator=torch.Generator().manual_seed(7))
     ds = TensorDataset(data, torch.arange(240))
@@ -44,7 +47,7 @@ def main() -> None:
         state["noise"] = noise
     ckpt = dr.Checkpoint(**state)
     start = ckpt.restore()
-    it = iter(loader)
+    it = iter(loader)  # after restore(), without a generator: the common way (issue 38)
     reads = Path(args.reads) / f"reads-{rank}-{os.getpid()}.txt"
     for step in range(start, args.steps):
         x, idx = next(it)

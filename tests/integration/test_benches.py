@@ -2,7 +2,7 @@
 (`PYTHONPATH=$PWD .venv/bin/python bench/NAME ...`): it must exit 0 and print its figure line.
 Not a measurement (one rep, seconds): it keeps the benches from rotting unseen (issue 40:
 bench_trainer.py died at once on a moved module and nothing noticed). testkit.TINY_BENCHES
-holds the arguments; tests/cluster/test_benches.py runs the cluster ones."""
+holds the arguments; tests/cluster/test_cluster_benches.py runs the cluster ones."""
 
 from __future__ import annotations
 

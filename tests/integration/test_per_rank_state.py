@@ -1,7 +1,9 @@
 """Per-rank state under dslurm.runtime (issue: a per-rank stream came back as one rank's).
 3 ranks under real torchrun (gloo): a StatefulDataLoader over a DistributedSampler and a
-per-rank torch.Generator, handed to Checkpoint as they are, stopped after step 6 (the stop
-knob, as USR2 would), resumed: parameters bit-identical to an uninterrupted run. Resumed
+per-rank torch.Generator, handed to Checkpoint as they are, with dropout, stopped after step 6
+and again after step 9 (the stop knob, as USR2 would), resumed: parameters bit-identical to an
+uninterrupted run (issue 38: the loader's iterator, made after the restore, drew its seed from
+the restored RNG and shifted every later dropout mask). Resumed
 with 2 ranks instead: the loader is resharded (the epoch's remaining samples, none twice),
 the generator is refused by name."""
 
@@ -60,11 +62,12 @@ def test_per_rank_state_resumes_bit_identical_and_reshards_what_it_can(tmp_path)
     run = run_dir(tmp_path, "run")
     first = torchrun(run, 3, tmp_path / "never.pt", env={"DSLURM_FAULT_STOP": "6"})
     assert "exitcode  : 75" in first.stderr, first.stderr[-3000:]
-    before = {p.name for p in (run / "generations").iterdir()}
     shutil.copytree(run, tmp_path / "wide")  # the same stopped run, to resume with 2 ranks below
     shutil.copytree(tmp_path / "reads-run", tmp_path / "reads-wide")
-    second = torchrun(run, 3, tmp_path / "resumed.pt")
-    assert second.returncode == 0, second.stderr[-3000:]
+    second = torchrun(run, 3, tmp_path / "never.pt", env={"DSLURM_FAULT_STOP": "9"})
+    assert "exitcode  : 75" in second.stderr, second.stderr[-3000:]
+    third = torchrun(run, 3, tmp_path / "resumed.pt")
+    assert third.returncode == 0, third.stderr[-3000:]
     straight = torchrun(run_dir(tmp_path, "straight"), 3, tmp_path / "straight.pt")
     assert straight.returncode == 0, straight.stderr[-3000:]
 
@@ -72,10 +75,9 @@ def test_per_rank_state_resumes_bit_identical_and_reshards_what_it_can(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
     assert sorted(sum(reads_of(run), [])) == sorted(sum(reads_of(tmp_path / "straight"), []))
     evs = events.read(run)
-    assert [e.step for e in events.of(evs, events.TrainStart)] == [0, 6]
+    assert [e.step for e in events.of(evs, events.TrainStart)] == [0, 6, 9]
     # The loop's last periodic save is its final step: saved once, not twice.
-    assert [e.step for e in events.of(evs, events.CkptSave)].count(12) == 1
-    assert len({p.name for p in (run / "generations").iterdir()} - before) == 2  # steps 8 and 12
+    assert [e.step for e in events.of(evs, events.CkptSave)] == [4, 6, 8, 9, 12]
 
     # 3 -> 2 ranks: the generator's per-rank streams cannot map: refused by name.
     wide = tmp_path / "wide"
@@ -87,5 +89,8 @@ def test_per_rank_state_resumes_bit_identical_and_reshards_what_it_can(tmp_path)
     # Without it, the loader reshards: the 2 ranks read the epoch's next samples, none seen before.
     done = torchrun(wide, 2, tmp_path / "two.pt", "--parts", "loader")
     assert done.returncode == 0, done.stderr[-3000:]
+    # The ranks' RNG streams cannot map onto 2 ranks: not restored, and the ledger says so (doctor names it).
+    rest = list(events.of(events.read(wide), events.CkptRestore))[-1]
+    assert (rest.rng_restored, rest.saved_world_size) == (False, 3), rest
     seen = sum(reads_of(wide), [])
     assert len(seen) == 6 * 3 * 4 + 6 * 2 * 4 and len(set(seen)) == len(seen)

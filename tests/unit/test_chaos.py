@@ -1,6 +1,6 @@
 """The pure parts of `dslurm selftest chaos` (dslurm/selftest/chaos/): the seeded schedule, the
 promises read from a ledger, the table's attribution of endings to faults, the flags. The soak on
-the real cluster is tests/cluster/test_chaos.py."""
+the real cluster is tests/cluster/test_chaos_soak.py."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 
@@ -31,7 +32,7 @@ def test_script_runs_setup_then_checks_and_quotes_dslurm():
     lines = text.splitlines()
     assert lines[0] == "module load x"
     assert lines[1] == "dslurm_cmd=('/opt/my venv/bin/dslurm')"
-    assert lines[2] == 'command -v "${dslurm_cmd[0]}" >/dev/null 2>&1 || exit 127'
+    assert lines[2] == 'command -v "${dslurm_cmd[0]}" >/dev/null 2>&1 || exit 96'
     assert lines[3] == 'exec "${dslurm_cmd[@]}" status 5'
 
 
@@ -97,11 +98,44 @@ def test_remote_script_runs_in_bash_as_ssh_would_run_it(tmp_path):
     assert not list(run.glob(".incoming.*"))  # the temp dir is gone
 
 
-def test_missing_remote_dslurm_is_127_and_named(tmp_path):
+def test_missing_remote_dslurm_is_its_own_code_and_named(tmp_path):
     login = ssh.Login(host="h", dslurm=("/nonexistent/dslurm",))
     res = subprocess.run(["bash", "-c", ssh.script(login, [f"exec {ssh.DSLURM} --version"])])
-    assert res.returncode == ssh.NOT_FOUND
+    assert res.returncode == ssh.MISSING != ssh.NOT_FOUND
     assert "remote.dslurm" in str(ssh.missing_dslurm(login))
+
+
+@pytest.fixture
+def fake_ssh(tmp_path, monkeypatch):
+    """An `ssh` on PATH that runs the remote command word here, as the login shell would."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text('#!/bin/bash\nexec sh -c "${@: -1}"\n')
+    (bin_dir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_an_exit_127_of_another_command_is_not_dslurm_missing(tmp_path, fake_ssh):
+    # The remote dslurm is there; a command it (or a setup line) runs is not: that command's 127,
+    # returned as is with its own message, never "set remote.dslurm".
+    login = ssh.Login(host="h", dslurm=("true",))
+    res = ssh.run(login, ssh.script(login, ["no-such-tool-xyz --flag"]))
+    assert res.returncode == ssh.NOT_FOUND and b"no-such-tool-xyz" in res.stderr
+    with pytest.raises(UserError, match="remote.dslurm"):
+        gone = ssh.Login(host="h", dslurm=("/nonexistent/dslurm",))
+        ssh.run(gone, ssh.script(gone, ["true"]))
+
+
+def test_a_cluster_dslurm_of_another_version_is_refused_naming_both(tmp_path, fake_ssh):
+    from dslurm import __version__
+
+    fake = tmp_path / "dslurm"
+    fake.write_text("#!/bin/sh\necho 'dslurm 9.9.9'\n")
+    fake.chmod(0o755)
+    with pytest.raises(UserError, match=f"version 9.9.9 .*here {__version__}.*install dslurm {__version__}"):
+        proxy.probe(ssh.Login(host="h", dslurm=(str(fake),)))
+    fake.write_text(f"#!/bin/sh\necho 'dslurm {__version__}'\n")
+    assert proxy.probe(ssh.Login(host="h", dslurm=(str(fake),))) == f"dslurm {__version__}"
 
 
 def test_unreachable_host_is_a_user_error_naming_host_and_fix(tmp_path):

@@ -110,3 +110,28 @@ def test_rendered_script_runs_the_snapshot_on_every_start(tmp_path, root, monkey
     if subprocess.run(["which", "shellcheck"], capture_output=True).returncode == 0:
         lint = subprocess.run(["shellcheck", str(sub.script)], capture_output=True, text=True)
         assert lint.returncode == 0, lint.stdout
+
+
+def test_git_submodules_ship_with_the_code_and_one_not_checked_out_is_refused(tmp_path):
+    # `git ls-files` lists a submodule as one gitlink entry: the snapshot shipped only .gitmodules.
+    lib = tmp_path / "lib"
+    (lib / "inner").mkdir(parents=True)
+    (lib / "inner" / "util.py").write_text("Z = 3\n")
+    subprocess.run([*GIT, "-C", str(lib), "init", "-q"], check=True)
+    subprocess.run([*GIT, "-C", str(lib), "add", "-A"], check=True)
+    subprocess.run([*GIT, "-C", str(lib), "commit", "-q", "-m", "lib"], check=True)
+    wc = _repo(tmp_path)
+    subprocess.run([*GIT, "-c", "protocol.file.allow=always", "-C", str(wc), "submodule", "add", "-q", str(lib),
+                    "third_party/lib"], check=True)
+    subprocess.run([*GIT, "-C", str(wc), "commit", "-q", "-m", "sub"], check=True)
+    (wc / "third_party" / "lib" / "local_edit.py").write_text("W = 4\n")  # untracked inside the submodule
+    snap = take("git", wc)
+    assert {"third_party/lib/inner/util.py", "third_party/lib/local_edit.py", ".gitmodules"} <= set(snap.files)
+    assert "third_party/lib" not in snap.files
+    dest = materialize(snap, tmp_path / "code")
+    assert (dest / "third_party" / "lib" / "inner" / "util.py").read_text() == "Z = 3\n"
+    assert take(str(dest)).digest == snap.digest  # the shipped copy (no .git) hashes the same
+    clone = tmp_path / "clone"
+    subprocess.run([*GIT, "clone", "-q", str(wc), str(clone)], check=True)  # submodule left uninitialised
+    with pytest.raises(UserError, match="submodule third_party/lib .* not checked out.*submodule update --init"):
+        take("git", clone)
