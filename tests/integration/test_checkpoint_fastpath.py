@@ -15,6 +15,7 @@ from torch import nn
 
 from dslurm import checkpoint as ck
 from dslurm.checkpoint import dcp as cdcp
+from dslurm.checkpoint import generation
 from dslurm.checkpoint import io as cio
 from dslurm.checkpoint.dcp import CheckpointManager
 
@@ -45,7 +46,7 @@ def test_all_finite_by_sum_agrees_with_isfinite(dtype):
         cases.append(t)
     cases.append(torch.tensor([float("inf"), -float("inf")], dtype=dtype))  # sums to NaN, not inf
     for t in cases:
-        assert cdcp._all_finite(t) == bool(torch.isfinite(t).all()), t
+        assert generation.all_finite(t) == bool(torch.isfinite(t).all()), t
 
 
 def test_non_finite_state_is_never_committed(tmp_path):
