@@ -46,6 +46,7 @@ from dslurm.checkpoint.io import CrcReader
 from dslurm.checkpoint.rng import apply_rng
 from dslurm.checkpoint.staging import HostStager
 from dslurm.checkpoint.tier import Context, Settings, Tier
+from dslurm.checkpoint.twotier import TwoTier
 from dslurm.errors import UserError
 from dslurm.observe import events
 
@@ -122,8 +123,10 @@ class CheckpointManager:
                 raise UserError(f"CheckpointManager {name}={value!r}: use one of {allowed}")
         ck.plan_retention([], None, keep)  # validates keep >= 2 before anything is written
         self.run_dir, self.gdir = Path(run_dir), ck.generations_dir(run_dir)
-        self.settings = Settings(keep, keep_every, async_mode, on_inflight, on_error, verify_on_restore,
-                                 io_threads, overlap_staging, config_hash, model_shape, layout or {})
+        self.settings = Settings(keep=keep, keep_every=keep_every, async_mode=async_mode, on_inflight=on_inflight,
+                                 on_error=on_error, verify_on_restore=verify_on_restore, io_threads=io_threads,
+                                 overlap_staging=overlap_staging, config_hash=config_hash,
+                                 model_shape=model_shape, layout=layout or {})
         on = dist.is_available() and dist.is_initialized()
         self._ctl = Comm.new(on)
         self.rank, self.world = self._ctl.rank, self._ctl.world
@@ -140,8 +143,7 @@ class CheckpointManager:
         if self.rank == 0:  # what a killed process left (its reaper died with it); we own the run now
             self.ctx.reap(self.run_dir)
         self.tier: Tier
-        if scratch is not None:  # node-local scratch first (dslurm.checkpoint.twotier)
-            from dslurm.checkpoint.twotier import TwoTier
+        if scratch is not None:  # node-local scratch first
             self.tier = TwoTier(self.ctx, scratch, keep_local, on_lag)
         else:
             self.tier = DurableTier(self.ctx)
