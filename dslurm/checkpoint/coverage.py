@@ -192,7 +192,7 @@ def read_crc(path: Path, start: int, end: int) -> int:
 
 
 class Comm(Protocol):
-    """Object collectives (dslurm.checkpoint.dcp._Comm): gather is an all-gather."""
+    """Object collectives (dslurm.checkpoint.core.Comm): gather is an all-gather."""
 
     rank: int
     world: int

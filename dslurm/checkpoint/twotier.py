@@ -23,9 +23,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.api import CheckpointException
@@ -35,12 +34,12 @@ from dslurm import checkpoint as ck
 from dslurm import faults
 from dslurm.checkpoint import tiers
 from dslurm.checkpoint.compat import writer_streams
+from dslurm.checkpoint.core import Comm, Job, SaveOutcome, reason, to_state_dict, write_reason
 from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
+from dslurm.checkpoint.generation import prepare_generation
 from dslurm.checkpoint.io import CrcFileSystem, CrcReader
+from dslurm.checkpoint.tier import Context, LocalPick, thread_outcome
 from dslurm.observe import events
-
-if TYPE_CHECKING:
-    from dslurm.checkpoint.dcp import CheckpointManager, SaveOutcome, _Comm, _Job
 
 log = logging.getLogger(__name__)
 
@@ -93,41 +92,41 @@ class NodeWriter(dcp.FileSystemWriter):
 class _Flight:
     """One background save: local write and commit, then (maybe) the durable copy."""
 
-    job: _Job
-    comm: _Comm
+    job: Job
+    comm: Comm
     thread: threading.Thread | None = None
     local_done: threading.Event = field(default_factory=threading.Event)  # staging buffer free
     outcome: SaveOutcome | None = None
 
 
 class TwoTier:
-    """The tier logic of one CheckpointManager (every method collective, like the manager's)."""
+    """The two-tier strategy of a CheckpointManager (dslurm.checkpoint.tier; every method
+    collective, like the manager's)."""
 
-    def __init__(self, mgr: CheckpointManager, scratch: str, keep_local: int, on_lag: str) -> None:
-        from dslurm.checkpoint.dcp import _Comm
+    kind = "two_tier"
+
+    def __init__(self, ctx: Context, scratch: str, keep_local: int, on_lag: str) -> None:
         if on_lag not in tiers.LAG_POLICIES:
             raise ck.CheckpointError(f"CheckpointManager on_lag={on_lag!r}: use one of {tiers.LAG_POLICIES}")
         if keep_local < 1:
             raise ck.CheckpointError(f"CheckpointManager keep_local={keep_local}: keep at least 1 local generation")
-        self.mgr, self.keep_local, self.on_lag = mgr, keep_local, on_lag
-        self.local_dir = tiers.local_run_dir(tiers.expand_scratch(scratch, tiers.node_name()), mgr.run_dir)
+        self.ctx, self.keep_local, self.on_lag = ctx, keep_local, on_lag
+        self.local_dir = tiers.local_run_dir(tiers.expand_scratch(scratch, tiers.node_name()), ctx.run_dir)
         self.lgdir = ck.generations_dir(self.local_dir)
-        self.groups = tiers.node_groups(mgr._ctl.gather(str(self.local_dir)))
-        self.node = next(i for i, g in enumerate(self.groups) if mgr.rank in g)
-        self.leader = mgr.rank == self.groups[self.node][0]
+        self.groups = tiers.node_groups(ctx.comm.gather(str(self.local_dir)))
+        self.node = next(i for i, g in enumerate(self.groups) if ctx.rank in g)
+        self.leader = ctx.rank == self.groups[self.node][0]
         if self.leader:  # local retention deletes in place, but a kill mid-delete leaves trash
-            mgr._reap(self.local_dir)
-        on = mgr._ctl.group is not None
-        self._comms = [_Comm(dist.new_group(backend="gloo") if on else None) for _ in range(2)]
+            ctx.reap(self.local_dir)
+        self._comms = [Comm.new(ctx.comm.group is not None) for _ in range(2)]
         self._flights: list[_Flight] = []
 
     # ------------------------------------------------------------ save
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any], blocking: bool) -> bool:
-        from dslurm.checkpoint.dcp import _to_state_dict
-        mgr = self.mgr
+        ctx = self.ctx
         writing, copying = self._status()
-        if not blocking and writing and mgr.on_inflight == "skip":
+        if not blocking and writing and ctx.settings.on_inflight == "skip":
             return self._skip(step, "in_flight", "previous save still writing its local copy (on_inflight=skip)")
         if not blocking and copying and not writing and self.on_lag == "skip_local":
             return self._skip(step, "lag", "durable copier behind (on_lag=skip_local)")
@@ -139,19 +138,19 @@ class TwoTier:
             writing, copying = self._status()
         waited = 0.0
         if copying and self.on_lag == "wait":
-            log.info("[rank %d] step %d: waiting for the durable copier (on_lag=wait)", mgr.rank, step)
+            log.info("[rank %d] step %d: waiting for the durable copier (on_lag=wait)", ctx.rank, step)
             t = time.perf_counter()
             self.wait()
             waited = time.perf_counter() - t
-        job = mgr._new_job(step, extra)
+        job = ctx.new_job(step, extra)
         job.lag_wait_s = waited
-        sd = _to_state_dict(state)
+        sd = to_state_dict(state)
         if blocking:  # a stop's or the final save: local and durable before returning
-            out = self._run(job, sd, mgr._ctl, None)
+            out = self._run(job, sd, ctx.comm, None)
             out.stall_s = out.total_s
             self._report(out, background=False)
             return out.ok
-        staged = mgr.stage(sd, state)  # host copy, made while the next step computes
+        staged = ctx.stage(sd, state)  # host copy, made while the next step computes
         stall = time.perf_counter() - job.t0 + waited  # the lag policy's wait blocked training too
         busy = [f.comm for f in self._flights]
         comm = next(c for c in self._comms if all(c is not b for b in busy))
@@ -175,7 +174,7 @@ class TwoTier:
         """(some save still writing its local copy, some durable copy running), agreed by all
         ranks; flights finished on every rank are reported and dropped."""
         mine = [(f.thread is not None and f.thread.is_alive(), f.local_done.is_set()) for f in self._flights]
-        every = self.mgr._ctl.gather(mine)
+        every = self.ctx.comm.gather(mine)
         alive = [any(r[i][0] for r in every) for i in range(len(mine))]
         done = [all(r[i][1] for r in every) for i in range(len(mine))]
         for fl, a in zip(list(self._flights), alive):
@@ -188,40 +187,37 @@ class TwoTier:
         return any(not d for _, d in live), any(d for _, d in live)
 
     def _skip(self, step: int, why: str, text: str) -> bool:
-        log.warning("[rank %d] step %d: save skipped, %s", self.mgr.rank, step, text)
-        self.mgr._event(events.CkptSaveSkipped(run_dir=str(self.mgr.run_dir), step=step, reason=why))
-        return False
+        return self.ctx.skipped(step, why, text)
 
     def _report(self, out: SaveOutcome | None, background: bool = True) -> None:
         assert out is not None  # _background always sets it
         if background:  # training also waited for its host copy at the optimizer step's fence
-            out.stall_s += self.mgr.take_blocked()
+            out.stall_s += self.ctx.take_blocked()
         if out.ok and not out.durable:
-            log.warning("[rank %d] checkpoint step %d: %s", self.mgr.rank, out.step, out.reason)
-            self.mgr._event(events.CkptDurableSkipped(run_dir=str(self.mgr.run_dir), step=out.step,
+            log.warning("[rank %d] checkpoint step %d: %s", self.ctx.rank, out.step, out.reason)
+            self.ctx.event(events.CkptDurableSkipped(run_dir=str(self.ctx.run_dir), step=out.step,
                                                       generation=out.generation, reason=out.reason))
             return
-        self.mgr._finish(out)
+        self.ctx.finish(out)
 
     def _background(self, fl: _Flight, staged: Future[dict[str, Any]], stall: float,
                     prev: _Flight | None) -> None:
-        from dslurm.checkpoint.dcp import SaveOutcome, _reason
-        try:
+        def run() -> SaveOutcome:
             host = staged.result()  # the host copy, made while training goes on
             faults.save_sleep()
-            out = self._run(fl.job, host, fl.comm, fl, prev)
-        except BaseException as exc:  # a dead peer, say; never lose the reason in a thread
-            out = SaveOutcome(fl.job.name, fl.job.step, False, _reason(exc), tier="two_tier")
+            return self._run(fl.job, host, fl.comm, fl, prev)
+
+        try:
+            out = thread_outcome(fl.job, run, tier="two_tier")
         finally:
             fl.local_done.set()
         out.stall_s = stall
         fl.outcome = out
 
-    def _run(self, job: _Job, sd: dict[str, Any], comm: _Comm, fl: _Flight | None,
+    def _run(self, job: Job, sd: dict[str, Any], comm: Comm, fl: _Flight | None,
              prev: _Flight | None = None) -> SaveOutcome:
         """Local write + local commit, then the durable copy unless on_lag=skip_durable finds
         the previous copy still running."""
-        from dslurm.checkpoint.dcp import SaveOutcome
         rec, err = self._write_local(job, sd, comm)
         if fl is not None:
             fl.local_done.set()
@@ -234,7 +230,7 @@ class TwoTier:
         job.phases["local_commit"] = local_s
         if comm.rank == 0:
             nbytes = sum(int(e["size"]) for e in rec.files.values())
-            self.mgr._event(events.CkptLocalCommit(run_dir=str(self.mgr.run_dir), step=job.step,
+            self.ctx.event(events.CkptLocalCommit(run_dir=str(self.ctx.run_dir), step=job.step,
                                                    generation=job.name, bytes=nbytes, local_s=round(local_s, 4),
                                                    lag_wait_s=round(job.lag_wait_s, 4)))
         faults.ckpt_kill("after_local_commit", comm.rank, job.nth)
@@ -249,17 +245,16 @@ class TwoTier:
         self._gc_local(job.name)
         return out
 
-    def _write_local(self, job: _Job, sd: dict[str, Any], comm: _Comm) -> tuple[tiers.LocalRecord | None, str]:
+    def _write_local(self, job: Job, sd: dict[str, Any], comm: Comm) -> tuple[tiers.LocalRecord | None, str]:
         """Every rank writes its shard to its node's scratch; the record of each rank is written
         only once every rank reported its write complete with crc32s. -> (record, error)."""
-        from dslurm.checkpoint.dcp import _reason, _write_reason, prepare_generation
-        gen, r, mgr = self.lgdir / job.name, comm.rank, self.mgr
+        gen, r, ctx = self.lgdir / job.name, comm.rank, self.ctx
         writer = None
         now, rest = prepare_generation(gen, job, sd, r, comm.world, leader=self.leader)
         err = now or ""
         if not any(comm.gather(err)):
             try:
-                writer = NodeWriter(gen, self.groups, mgr.io_threads)
+                writer = NodeWriter(gen, self.groups, ctx.settings.io_threads)
                 dcp.save(sd, storage_writer=writer, planner=NodeDedupPlanner(self.groups),
                          process_group=comm.group, no_dist=comm.group is None)
                 job.phases["dcp"] = time.perf_counter() - job.t0
@@ -267,7 +262,7 @@ class TwoTier:
                 if not err:
                     faults.ckpt_kill("after_write", r, job.nth)
             except (Exception, CheckpointException) as exc:
-                err = _write_reason(exc, gen)
+                err = write_reason(exc, gen)
         err = err or rest.result() or ""  # the side work is over before anything is decided
         errors = [e for e in comm.gather(err) if e]
         if errors:
@@ -283,27 +278,26 @@ class TwoTier:
             small = [f"{ck.RANKS}/rank-{r:05d}.json"] + ([".metadata", ck.META] if self.leader else [])
             files = {n: streamed[n] for n in own if n in streamed}
             files.update(ck.checksum_files(gen, [n for n in own + small if n not in files]))
-            rec = tiers.LocalRecord(job.name, job.step, r, comm.world, mgr.layout, files, time.time())
+            rec = tiers.LocalRecord(job.name, job.step, r, comm.world, ctx.settings.layout, files, time.time())
         except Exception as exc:
-            err = _reason(exc)
+            err = reason(exc)
         errors = [e for e in comm.gather(err) if e]
         if not errors and rec is not None:
             try:
                 tiers.write_record(gen, rec)
             except Exception as exc:
-                err = _write_reason(exc, gen)
+                err = write_reason(exc, gen)
             errors = [e for e in comm.gather(err) if e]  # committed once every record is written
         if errors:
             tiers.drop_local(self.local_dir, job.name, r)
             return None, errors[0]
         return rec, ""
 
-    def _copy(self, job: _Job, rec: tiers.LocalRecord, comm: _Comm) -> SaveOutcome:
+    def _copy(self, job: Job, rec: tiers.LocalRecord, comm: Comm) -> SaveOutcome:
         """Each rank copies what it locally committed (crc32 re-checked on the way); rank 0 then
-        runs the manager's unchanged durable commit. Only rank 0's `.metadata` and meta.json go."""
-        from dslurm.checkpoint.dcp import SaveOutcome, _write_reason
-        mgr, r = self.mgr, comm.rank
-        dgen, src = mgr.gdir / job.name, self.lgdir / job.name
+        runs the unchanged durable commit. Only rank 0's `.metadata` and meta.json go."""
+        ctx, r = self.ctx, comm.rank
+        dgen, src = ctx.gdir / job.name, self.lgdir / job.name
         err, sums = "", {}
         try:
             (dgen / ck.RANKS).mkdir(parents=True, exist_ok=True)
@@ -314,9 +308,9 @@ class TwoTier:
                 if i == 0:
                     faults.ckpt_kill("mid_copy", r, job.nth)
         except Exception as exc:
-            err = _write_reason(exc, dgen)
+            err = write_reason(exc, dgen)
         results = comm.gather((err, sums))
-        verdict = mgr._commit(dgen, job, results) if r == 0 else None
+        verdict = ctx.commit(dgen, job, results) if r == 0 else None
         ok, reason, nbytes = comm.bcast(verdict)
         if not ok:
             reason = f"durable copy: {reason}"
@@ -335,63 +329,62 @@ class TwoTier:
             doomed = tiers.collect_local_garbage(self.local_dir, self.groups[self.node], self.keep_local,
                                                  busy | newer)
             if doomed:
-                log.info("[rank %d] local checkpoint gc in %s: removed %s", self.mgr.rank, self.local_dir,
+                log.info("[rank %d] local checkpoint gc in %s: removed %s", self.ctx.rank, self.local_dir,
                          ", ".join(doomed))
         except OSError as exc:  # pruning must never turn a committed save into a failure
             log.warning("local checkpoint gc in %s failed: %s", self.local_dir, exc)
 
     # ------------------------------------------------------------ restore
 
-    def restore_local(self, state: dict[str, Any], pointer: ck.Pointer | None,
-                      phases: dict[str, float]) -> tuple[str | None, str, list[tuple[str, list[str]]]]:
+    def restore_first(self, state: dict[str, Any], pointer: ck.Pointer | None,
+                      phases: dict[str, float]) -> LocalPick:
         """The newest generation every rank holds locally committed (not older than the durable
-        pointer) that verifies as it loads. -> (its name or None, why, rejected local ones)."""
-        mgr = self.mgr
-        held = tiers.held_generations(self.local_dir, mgr.rank, mgr.world, mgr.layout)
-        cands, why = tiers.local_candidates(mgr._ctl.gather(held), pointer)
+        pointer) that verifies as it loads; its name None when there is none."""
+        ctx = self.ctx
+        held = tiers.held_generations(self.local_dir, ctx.rank, ctx.world, ctx.settings.layout)
+        cands, why = tiers.local_candidates(ctx.comm.gather(held), pointer)
         rejected: list[tuple[str, list[str]]] = []
         for name in cands:
             problems = self._load_local(name, state, phases)
             if not problems:
-                return name, why, rejected
-            log.error("[rank %d] LOCAL CHECKPOINT %s REJECTED: %s", mgr.rank, name, "; ".join(problems[:5]))
-            tiers.drop_local(self.local_dir, name, mgr.rank)
+                return LocalPick(name, self.lgdir, why, rejected)
+            log.error("[rank %d] LOCAL CHECKPOINT %s REJECTED: %s", ctx.rank, name, "; ".join(problems[:5]))
+            tiers.drop_local(self.local_dir, name, ctx.rank)
             rejected.append((name, problems))
         if rejected:
             why = f"local {rejected[0][0]} failed verification ({rejected[0][1][0]})"
-        return None, why, rejected
+        return LocalPick(None, None, why, rejected)
 
     def _load_local(self, name: str, state: dict[str, Any], phases: dict[str, float]) -> list[str]:
-        """Like the manager's _load_checked, per node: each rank checks the files it committed
-        (sizes, small files' crc32s), loads through CrcReader, and checks its own shards' crc32s
-        from what it read plus what it did not (read once more)."""
-        from dslurm.checkpoint.dcp import _reason
-        mgr, gen = self.mgr, self.lgdir / name
+        """Like the manager's checked load (CheckpointManager._load_checked), per node: each rank
+        checks the files it committed (sizes, small files' crc32s), loads through CrcReader, and
+        checks its own shards' crc32s from what it read plus what it did not (read once more)."""
+        ctx, gen = self.ctx, self.lgdir / name
         t = time.perf_counter()
-        rec = tiers.read_record(gen, mgr.rank)
+        rec = tiers.read_record(gen, ctx.rank)
         mine = rec.files if rec is not None else {}
-        full = mgr.verify_on_restore == "full"
-        local = [] if rec is not None else [f"{tiers.record_path(gen, mgr.rank)}: missing"]
+        full = ctx.settings.verify_on_restore == "full"
+        local = [] if rec is not None else [f"{tiers.record_path(gen, ctx.rank)}: missing"]
         local += ck.file_problems(gen, {n: e for n, e in mine.items() if is_shard(n)}, full=False)
         local += ck.file_problems(gen, {n: e for n, e in mine.items() if not is_shard(n)}, full=full)
-        problems = sorted(p for ps in mgr._ctl.gather(local) for p in ps)
+        problems = sorted(p for ps in ctx.comm.gather(local) for p in ps)
         phases["precheck"] = phases.get("precheck", 0.0) + time.perf_counter() - t
         if problems:
             return problems
-        mgr._check_compat(json.loads((gen / ck.META).read_text()), state, gen)
+        ctx.check_compat(json.loads((gen / ck.META).read_text()), state, gen)
         reader = CrcReader(gen)
         t, err = time.perf_counter(), None
         try:
             dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
-                     process_group=mgr._ctl.group, no_dist=mgr._ctl.group is None)
+                     process_group=ctx.comm.group, no_dist=ctx.comm.group is None)
         except (Exception, CheckpointException) as exc:
-            err = _reason(exc)
+            err = reason(exc)
         phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         local = self._own_crc_problems(gen, mine, reader) if full else []
-        problems = sorted(p for ps in mgr._ctl.gather(local) for p in ps)
+        problems = sorted(p for ps in ctx.comm.gather(local) for p in ps)
         phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t
-        errors = [e for e in mgr._ctl.gather(err) if e]
+        errors = [e for e in ctx.comm.gather(err) if e]
         if problems or not errors:
             return problems
         raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the local commit: {errors[0]}")

@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dslurm.errors import UserError
+
+if TYPE_CHECKING:
+    from dslurm.config import CheckpointSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +56,16 @@ def shared(obj: Any) -> Shared:
     return Shared(obj)
 
 
-def manager_for(spec: Any, run_dir: str | Path, *, scratch: str | None, ledger: Any,
+def manager_for(spec: CheckpointSpec, run_dir: str | Path, *, scratch: str | None, ledger: Any,
                 config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
                 layout: dict[str, Any] | None = None, per_rank_state: list[Any] | None = None) -> Any:
-    """The CheckpointManager of a run: `spec` is the job's `checkpoint` section
-    (dslurm.config.CheckpointSpec); `scratch` the site's node-local storage (used with
+    """The CheckpointManager of a run: `spec` is the job's `checkpoint` section, handed over as
+    it is (CheckpointManager.from_spec); `scratch` the site's node-local storage (used with
     tiers: two_tier). Collective: call on every rank."""
     from dslurm.checkpoint.dcp import CheckpointManager
 
-    return CheckpointManager(
-        run_dir, keep=spec.keep, keep_every=spec.keep_every, async_mode=spec.async_save,
-        on_inflight=spec.on_inflight, on_error=spec.on_error, config_hash=config_hash,
-        model_shape=model_shape, layout=layout, ledger=ledger,
-        scratch=scratch if spec.tiers == "two_tier" else None, keep_local=spec.keep_local, on_lag=spec.on_lag,
-        per_rank_state=per_rank_state)
+    return CheckpointManager.from_spec(run_dir, spec, scratch=scratch, ledger=ledger, config_hash=config_hash,
+                                       model_shape=model_shape, layout=layout, per_rank_state=per_rank_state)
 
 
 def final_failure(mgr: Any, step: int) -> Exception | None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from dslurm import checkpoint as ck
 from dslurm.checkpoint import dcp as cdcp
+from dslurm.checkpoint import generation
 from dslurm.checkpoint import io as cio
 from dslurm.checkpoint.dcp import CheckpointManager
 
@@ -45,7 +46,7 @@ def test_all_finite_by_sum_agrees_with_isfinite(dtype):
         cases.append(t)
     cases.append(torch.tensor([float("inf"), -float("inf")], dtype=dtype))  # sums to NaN, not inf
     for t in cases:
-        assert cdcp._all_finite(t) == bool(torch.isfinite(t).all()), t
+        assert generation.all_finite(t) == bool(torch.isfinite(t).all()), t
 
 
 def test_non_finite_state_is_never_committed(tmp_path):
@@ -102,6 +103,32 @@ def test_streamed_sums_equal_the_files_and_zip_crc_setting_is_restored(tmp_path,
         assert sum(1 for n in files if n.endswith(".distcp")) == io_threads
         for rel, want in files.items():
             assert ck.file_crc32(gen / rel) == (want["size"], want["crc32"]), rel
+
+
+def test_large_writes_go_in_pieces_with_writeback_started(tmp_path, monkeypatch):
+    """A tensor's bytes are written in pieces, each piece's writeback started as soon as it is in
+    the page cache (io.write_ahead): the ranges asked for tile every large record exactly, at the
+    offsets the file really has, and the file (fsync'd as before) reads back bit for bit. Were
+    the offsets wrong, the head start would go to the wrong pages and this would show it."""
+    assert cio._SYNC_FILE_RANGE is not None  # Linux/glibc here: the head start is really taken
+    asked: list[tuple[int, int]] = []
+    real = cio.write_ahead
+
+    def spy(fd: int, offset: int, length: int) -> None:
+        asked.append((offset, length))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(cio, "write_ahead", spy)
+    weight = torch.randn(5 * (cio._PIECE // 4) + 12345)  # five pieces and a bit: 20 MiB + 48 kB
+    run_dir = tmp_path / "run"
+    assert _save(run_dir, 1, {"model": {"w": weight, "b": torch.randn(7)}}).ok
+    shard = next(p for p in _gen(run_dir).iterdir() if p.name.endswith(".distcp"))
+    data = shard.read_bytes()
+    assert [n for _, n in asked] == [cio._PIECE] * 5 + [weight.nbytes - 5 * cio._PIECE]
+    start = asked[0][0]
+    assert all(a + n == b for (a, n), (b, _) in zip(asked, asked[1:]))  # contiguous, in order
+    assert data[start:start + weight.nbytes] == weight.numpy().tobytes()  # the offsets are the file's
+    assert ck.verify_generation(_gen(run_dir), full=True) == []
 
 
 @pytest.mark.parametrize("async_mode", [False, True])

@@ -216,3 +216,24 @@ def test_final_blocking_save_reaches_durable(tmp_path, monkeypatch):
         run.step()
         assert mgr.save(2, run.state, run.extra, blocking=True)
         assert ck.read_pointer(tmp_path / "run").step == 2  # before save() returned
+
+
+@pytest.mark.parametrize("tiers_", ["durable", "two_tier"])
+def test_the_manager_takes_the_checkpoint_section_as_is(tmp_path, tiers_):
+    """`CheckpointManager.from_spec` (what `runtime.manager_for` hands over): the job's
+    `checkpoint` section picks the tier strategy and its policies; the site's scratch is used only
+    with `tiers: two_tier`, and a save then commits in both tiers (durable: only in the run dir)."""
+    from dslurm.config import CheckpointSpec
+    spec = CheckpointSpec(keep=3, keep_every=10, async_save=True, on_inflight="skip", on_error="stop",
+                          tiers=tiers_, keep_local=1, on_lag="skip_local")
+    scratch, run = tmp_path / "scratch", tmp_path / "run"
+    with CheckpointManager.from_spec(run, spec, scratch=str(scratch), layout={"dp": 1}) as mgr:
+        assert mgr.tier.kind == tiers_
+        s = mgr.settings
+        assert (s.keep, s.keep_every, s.async_mode, s.on_inflight, s.on_error, s.layout) == \
+            (3, 10, True, "skip", "stop", {"dp": 1})
+        if tiers_ == "two_tier":
+            assert (mgr.tier.keep_local, mgr.tier.on_lag) == (1, "skip_local")
+        assert mgr.save(1, Run().state, {}, blocking=True)
+    assert ck.read_pointer(run).step == 1
+    assert scratch.exists() == (tiers_ == "two_tier")  # durable: the site's scratch is never touched

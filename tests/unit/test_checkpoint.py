@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dslurm import checkpoint as ck
+from dslurm.checkpoint import pointer
 from dslurm.errors import UserError
 
 T0 = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
@@ -52,7 +53,7 @@ def test_generation_names_sort_by_step_then_time_and_parse_back():
     c = ck.generation_name(7, T0 + dt.timedelta(seconds=1), "000000")
     d = ck.generation_name(7, T0, "ffffff")
     assert ck.parse_step(a) == 99_999_999 and ck.parse_step(b) == 100_000_000
-    assert sorted([a, b, c, d], key=ck._sort_key) == [d, c, a, b]
+    assert sorted([a, b, c, d], key=pointer._sort_key) == [d, c, a, b]
     assert ck.parse_step("step-12-foo") is None and ck.parse_step("LATEST") is None
     assert ck.generation_name(1) != ck.generation_name(1)  # random suffix: same-second saves differ
 

@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # In-job modules: they run inside the training processes, where torch is already loaded.
 IN_JOB = {"dslurm/checkpoint/dcp.py", "dslurm/checkpoint/io.py", "dslurm/checkpoint/rng.py",
           "dslurm/checkpoint/twotier.py", "dslurm/checkpoint/staging.py", "dslurm/runtime/state.py",
-          "dslurm/checkpoint/per_rank.py", "dslurm/checkpoint/init_from.py", "dslurm/checkpoint/compat.py"}
+          "dslurm/checkpoint/per_rank.py", "dslurm/checkpoint/init_from.py", "dslurm/checkpoint/compat.py",
+          "dslurm/checkpoint/core.py", "dslurm/checkpoint/generation.py", "dslurm/checkpoint/tier.py",
+          "dslurm/checkpoint/durable_tier.py"}
 
 
 def _top_imports(path: Path) -> set[str]:
