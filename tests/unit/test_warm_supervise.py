@@ -8,7 +8,8 @@ from __future__ import annotations
 import test_supervise as ts
 
 from dslurm import exitcodes as X
-from dslurm.recover.supervise import SrunRunner, Step
+from dslurm.recover.srun import SrunRunner
+from dslurm.recover.supervisor import Step
 
 make = ts.make  # the fixture: a Supervisor over the fake cluster
 crashes, completes = ts.crashes, ts.completes
@@ -70,7 +71,7 @@ def test_warm_pools_start_after_the_first_step_and_run_on_every_allocated_node(m
     from dslurm.launch.warm import ready_path
     from dslurm.observe import events as ev
     from dslurm.observe.ledger import Ledger
-    from dslurm.recover.supervise import WarmPools
+    from dslurm.recover.warm_pools import WarmPools
 
     sup, _c, run = make([completes])
     # An earlier start's first step (before a requeue; a resubmission's job id differs too): the
@@ -103,7 +104,7 @@ def test_warm_pools_start_after_the_first_step_and_run_on_every_allocated_node(m
 def test_warm_pool_step_gets_the_training_steps_share_of_its_node(make):
     """Forked workers inherit the pool step's cgroup and affinity: it must hold the node's CPUs the
     training step holds, the node's memory, and no CPU binding."""
-    from dslurm.recover.supervise import WarmPools, pool_shape_flags
+    from dslurm.recover.warm_pools import WarmPools, pool_shape_flags
     from dslurm.render import cpus_per_task, tasks_per_node
 
     sup, _c, _run = make([completes])
