@@ -37,7 +37,7 @@ class SrunRunner:
 
     def argv(self, step: Step) -> list[str]:
         """`srun ... --nodelist=HOSTS CMD [--set train.grad_accum=N]`. Pure."""
-        from dslurm.render import cpus_per_task, tasks_per_node
+        from dslurm.render import cpus_per_task, step_gpu_flags, tasks_per_node
         from dslurm.render.container import srun_container_flags, with_cwd
 
         extra = ["--set", f"train.grad_accum={step.grad_accum}"] if step.grad_accum is not None else []
@@ -50,6 +50,7 @@ class SrunRunner:
                 f"--nodelist={','.join(step.hosts)}", f"--ntasks={len(step.hosts) * per_node}",
                 f"--ntasks-per-node={per_node}",
                 f"--cpus-per-task={cpus_per_task(self.r)}",
+                *step_gpu_flags(self.r),  # the node's GPUs, as the job asked: the warm pools' too
                 *with_cwd(srun_container_flags(self.r), self.cwd),  # pyxis: on the step's srun, as rendered
                 *self.cmd, *extra]
 

@@ -18,13 +18,16 @@ log = logging.getLogger(__name__)
 
 def pool_shape_flags(r: Resolved) -> list[str]:
     """The pool step's resources on its node: the training step's whole per-node share. The
-    workers it forks inherit its cgroup and CPU affinity, so with task/cgroup or task/affinity a
-    one-CPU pool step would pack every rank onto that CPU (and a default memory limit). So: all the
-    CPUs the training step's tasks get on a node, the node's memory (--mem=0, as the job has it),
-    no binding; GPUs as the training step (it names none: the job's own). Pure."""
-    from dslurm.render import cpus_per_task, tasks_per_node
+    workers it forks inherit its cgroups and CPU affinity, so with task/cgroup or task/affinity a
+    one-CPU pool step would pack every rank onto that CPU (and a default memory limit), and under
+    ConstrainDevices a pool step without the GPUs forks workers that cannot open one (every warm
+    attempt would crash and spend a restart). So: all the CPUs the training step's tasks get on a
+    node, the node's memory (--mem=0, as the job has it), no binding, and the very GPU request
+    of the training step (`render.step_gpu_flags`). Pure."""
+    from dslurm.render import cpus_per_task, step_gpu_flags, tasks_per_node
 
-    return [f"--cpus-per-task={cpus_per_task(r) * tasks_per_node(r)}", "--mem=0", "--cpu-bind=none"]
+    return [f"--cpus-per-task={cpus_per_task(r) * tasks_per_node(r)}", "--mem=0", "--cpu-bind=none",
+            *step_gpu_flags(r)]
 
 
 class WarmPools:
