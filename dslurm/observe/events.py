@@ -65,6 +65,9 @@ class Submit(Event):
     signal_lead_reason: str | None = None
     checkpoint_interval: int | None = None
     via: str | None = None
+    warm: bool | None = None
+    """with spares: whether attempts after a failure start warm (recovery.warm, dslurm/warm_proof.py)"""
+    warm_reason: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from dslurm.errors import UserError
 from dslurm.recover.srun import SrunRunner
 from dslurm.recover.supervisor import Supervisor
 from dslurm.recover.warm_pools import WarmPools
+from dslurm.warm_proof import choice_for
 
 
 def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
@@ -33,7 +34,9 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     r = load(run_dir / "site.yaml", run_dir / "job.yaml")
     alloc = expand_hosts(env.get("SLURM_JOB_NODELIST", ""))
     runner = SrunRunner(r, cmd, env)
-    pools = WarmPools(r, cmd, env, alloc) if r.job.recovery.warm else None
+    # The frozen job.yaml holds the choice made at submit (dslurm/warm_proof.py); auto there means
+    # a run frozen otherwise: then the site's own word, else cold.
+    pools = WarmPools(r, cmd, env, alloc) if choice_for(r.job, r.site, str(run_dir / "site.yaml")).warm else None
     sup = Supervisor(r, runner, env, alloc, pools)
 
     def handler(signum: int, _frame: object) -> None:

@@ -87,7 +87,8 @@ def test_the_pool_step_opens_exactly_the_training_steps_gpus(slurm_cluster, tmp_
 def test_a_warm_attempt_after_a_crash_opens_the_cold_attempts_devices(slurm_cluster, cli, tmp_path):
     run = tmp_path / "run"
     job = {"name": "warm-devices", "nodes": 1, "spares": 1, "time": "00:05:00", "launch": "torchrun",
-           "entry": "dslurm.launch.probe", "preflight": {"enabled": False}, "recovery": {"warm": True},
+           # no recovery.warm: `auto`, and the site says warm (site-configs/local-gpu.yaml)
+           "entry": "dslurm.launch.probe", "preflight": {"enabled": False},
            "checkpoint": {"run_dir": str(run)},
            # rank 0 crashes in the cold step, once both nodes' pools serve (the probe waits for them)
            "env": {"DSLURM_FAULT_CRASH": "1:0@0.0", "DSLURM_FAULT_AWAIT": f"{run}/warm/*.ready:2:120"}}
