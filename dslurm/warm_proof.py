@@ -76,8 +76,8 @@ def choose(job: JobSpec, site: SiteConfig, record: dict[str, Any] | None, site_p
         return Choice(site.recovery.warm, f"site {site.name!r} sets recovery.warm: {str(site.recovery.warm).lower()}")
     where = record_path(site_path).name
     if record is None:
-        return Choice(False, f"no warm restart proven on site {site.name!r} (no {where}: run `dslurm site check "
-                      f"{site_path}` on the cluster, or set recovery.warm in the site)")
+        return Choice(False, f"no warm restart proven on site {site.name!r}: no {where}; run `dslurm site check "
+                      f"{site_path}` on the cluster, or set recovery.warm in the site")
     if record.get("digest") != site_digest(site):
         return Choice(False, f"{where} checked another version of site {site.name!r} (edited or overridden "
                       "since): run `dslurm site check` again")
