@@ -242,7 +242,11 @@ def _warm_row(site: SiteConfig, site_path: str, nodes: int, warm: Submission | N
     row = C.row_warm(site, nodes, endings, modes, records, f"job {job} {state or 'not finished in time'}; "
                      f"{warm.run_dir}", setup_holds)
     if row.status != "skip":
-        write_record(site_path, site, row.status, row.detail, str(job))
+        try:
+            write_record(site_path, site, row.status, row.detail, str(job))
+        except OSError as exc:  # a site file in a read-only place: the row stands, auto cannot read it
+            return C.Row(row.promise, row.status, f"{row.detail}; not recorded: {exc}",
+                         row.fix or "copy the site file where you may write, and check that copy")
     return row
 
 
