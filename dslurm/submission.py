@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.run import CODE, CODE_CURRENT, FROZEN, SCRIPT, RunDir, read_blocklist
+from dslurm.warm_proof import choice_for
 
 if TYPE_CHECKING:
     from dslurm.sbatch_errors import Origin
@@ -51,6 +52,9 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
     site_file, job_file = run.site_yaml, run.job_yaml
     job_data = to_dict(r.job)
     job_data["checkpoint"]["run_dir"] = str(run.path)  # absolute: the same on every node
+    # `recovery.warm: auto` decided now, from the site's word or its check's record (dslurm/warm_proof.py):
+    # every start of the run does what was decided at submit.
+    job_data["recovery"]["warm"] = choice_for(r.job, r.site, r.site_path).warm
     # yaml12.dump quotes what the loader would otherwise retype ('1e3', '12:00:00', 'yes').
     write_atomic(site_file, yaml12.dump(to_dict(r.site)))
     write_atomic(job_file, yaml12.dump(job_data))
@@ -209,13 +213,16 @@ def active_jobs_of_run(run_dir: Path, env: dict[str, str] | None = None) -> list
 
 def record_submission(r: Resolved, ids: list[int], via: str | None = None, logs: list[str] | None = None) -> None:
     """The ledger's submit event: job ids, the effective signal lead and how it was derived,
-    the checkpoint interval (so the report can tell whether the lead was long enough), and the
-    log files when they live outside <run_dir>/logs (`logs`: a sweep's array task)."""
+    the checkpoint interval (so the report can tell whether the lead was long enough), the log
+    files when they live outside <run_dir>/logs (`logs`: a sweep's array task), and whether
+    recoveries inside the allocation start warm, and why."""
     from dslurm.observe import events
     from dslurm.observe.ledger import Ledger
 
     p = r.policy
+    warm = choice_for(r.job, r.site, r.site_path)
     Ledger(r.run_dir).append(events.Submit(
         job_ids=ids, signal_lead_s=p.lead_s if p.enabled else None, signal_lead_setting=p.lead_setting,
         signal_lead_reason=p.lead_reason, checkpoint_interval=r.job.checkpoint.interval, via=via,
-        logs=list(logs or [])))
+        logs=list(logs or []),
+        warm=warm.warm if r.spares else None, warm_reason=warm.reason if r.spares else None))

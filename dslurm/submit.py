@@ -151,6 +151,11 @@ def run_submit(args: argparse.Namespace) -> int:
     print(f"  script : {sub.script}")
     print(f"  run dir: {sub.run_dir}")
     print(f"  logs   : {sub.log_dir}/{r.job.name}-<jobid>.out|.err")
+    if r.spares:  # what recovery.warm (auto by default) chose, as the submit event records it
+        from dslurm.warm_proof import choice_for
+
+        warm = choice_for(r.job, r.site, r.site_path)
+        print(f"  restart: {'warm' if warm.warm else 'cold'} after a failure ({warm.reason})")
     return 0
 
 

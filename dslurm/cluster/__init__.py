@@ -8,8 +8,9 @@ munged, slurmctld and N slurmd daemons (node1..nodeN, each in its own UTS namesp
 (`--gpus-per-node`, `--gres=gpu:N`) are scheduled by the real slurmctld and get Slurm's GPU
 environment (SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES); their processes run on
 the CPU. `--site-shape FILE[:NODES]` adds a never-started partition shaped like that site for
-`sbatch --test-only` (dslurm/cluster/conf.py says how both work; shapes.py reads the site
-file, devices.py makes the placeholder GPU devices).
+`sbatch --test-only`; `--constrain-devices` runs task/cgroup with ConstrainDevices=yes, so a
+step's processes open only the GPUs Slurm gave it (dslurm/cluster/conf.py says how all three
+work; shapes.py reads the site file, devices.py makes the placeholder GPU devices).
 
 State dir (default `$DSLURM_CLUSTER_DIR` or /tmp/dslurm-cluster) holds config, logs, spool,
 controller state, MariaDB data and `cluster.json`: the settings, every PID started (with its
@@ -63,18 +64,20 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------ public API
 
 def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[str] | None = None,
-       cpus: int = 4, gpus: int | None = None, shapes: tuple[cc.NodeShape, ...] | None = None) -> ClusterInfo:
+       cpus: int = 4, gpus: int | None = None, shapes: tuple[cc.NodeShape, ...] | None = None,
+       constrain_devices: bool | None = None) -> ClusterInfo:
     """Start the cluster (or leave a healthy one with the same settings alone).
 
-    `gpus` / `shapes` None: as the recorded cluster has them (none for a fresh one), so a test
-    that brings a killed node back with `up(nodes=3, accounting=True)` keeps the session's GPUs."""
+    `gpus` / `shapes` / `constrain_devices` None: as the recorded cluster has them (none for a fresh
+    one), so a test that brings a killed node back with `up(nodes=3, accounting=True)` keeps the
+    session's GPUs and their device constraint."""
     sdir = state_dir_of(state_dir)
     # A healthy cluster with these settings is left alone without taking the machine lock: a test
     # session run under `flock /tmp/dslurm-cluster.lock` (how sessions sharing the cluster take
     # turns) holds that very lock, and would deadlock here. Reading health outside the lock
     # promises no less than inside it: a `down` may follow either way.
     rec = load(sdir)
-    if rec and _same(rec, nodes, accounting, cpus, gpus, shapes) and healthy(sdir, rec):
+    if rec and _same(rec, nodes, accounting, cpus, gpus, shapes, constrain_devices) and healthy(sdir, rec):
         restore_conf(sdir, rec)
         return info_of(sdir, rec)
     with machine_lock():
@@ -84,6 +87,8 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
         spec = cc.ClusterSpec(state_dir=sdir, nodes=nodes, cpus=cpus, accounting=accounting,
                               gpus=int(old.get("gpus", 0)) if gpus is None else gpus,
                               shapes=cc.shapes_from_settings(old.get("shapes")) if shapes is None else shapes,
+                              constrain_devices=(bool(old.get("constrain_devices")) if constrain_devices is None
+                                                 else constrain_devices),
                               controller_host=socket.gethostname(),
                               first_job_id=first_job_id(sdir))
         wanted = spec.settings()
@@ -118,11 +123,12 @@ def up(nodes: int = 2, accounting: bool = False, state_dir: str | os.PathLike[st
 
 
 def _same(rec: dict[str, Any], nodes: int, accounting: bool, cpus: int, gpus: int | None,
-          shapes: tuple[cc.NodeShape, ...] | None) -> bool:
-    """The recorded cluster has these settings (None: any GPUs / shapes)."""
+          shapes: tuple[cc.NodeShape, ...] | None, constrain_devices: bool | None = None) -> bool:
+    """The recorded cluster has these settings (None: any GPUs / shapes / device constraint)."""
     s = rec.get("settings", {})
     return (s.get("nodes") == nodes and s.get("accounting") == accounting and s.get("cpus") == cpus
             and (gpus is None or s.get("gpus", 0) == gpus)
+            and (constrain_devices is None or bool(s.get("constrain_devices")) == constrain_devices)
             and (shapes is None or cc.shapes_from_settings(s.get("shapes")) == tuple(shapes)))
 
 
@@ -183,6 +189,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             a.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                            help="declare N placeholder GPUs (gres gpu) per node; processes still run "
                                 "on the CPU (default: as the running cluster, else 0)")
+            a.add_argument("--constrain-devices", action=argparse.BooleanOptionalAction, default=None,
+                           help="TaskPlugin=task/cgroup + ConstrainDevices=yes: a step's processes open only "
+                                "the GPUs it was given, as on GPU sites (default: as the running cluster, "
+                                "else off)")
             a.add_argument("--site-shape", action="append", default=None, metavar="FILE[:NODES]",
                            help="add a never-started partition shaped like this site config (its "
                                 f"partition, GPUs, CPUs, memory; NODES nodes, default {DEFAULT_SHAPE_NODES}) "
@@ -195,12 +205,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             shapes = None if args.site_shape is None else tuple(parse_site_shape(a) for a in args.site_shape)
             info = up(nodes=args.nodes, accounting=args.accounting, state_dir=args.state_dir,
-                      cpus=args.cpus, gpus=args.gpus_per_node, shapes=shapes)
+                      cpus=args.cpus, gpus=args.gpus_per_node, shapes=shapes,
+                      constrain_devices=args.constrain_devices)
         except ValueError as exc:
             raise UserError(f"{exc} (flags --nodes, --cpus, --gpus-per-node, --site-shape)") from exc
         print(f"cluster up: {info.nodes} nodes ({','.join(info.node_names)}), partition "
               f"{info.partition}, accounting {'on' if info.accounting else 'off'}, "
-              f"{info.gpus} placeholder GPU(s) per node; SLURM_CONF={info.slurm_conf}")
+              f"{info.gpus} placeholder GPU(s) per node{' (devices constrained)' if info.constrain_devices else ''}; "
+              f"SLURM_CONF={info.slurm_conf}")
         from dslurm.cluster.show import shape_line
 
         for shape in info.shapes:  # status words the same line its own way (show.py)

@@ -152,6 +152,7 @@ def running_spec(sdir: Path, rec: dict[str, Any]) -> cc.ClusterSpec:
     return cc.ClusterSpec(state_dir=sdir, nodes=s["nodes"], cpus=s["cpus"], memory_mb=s["memory_mb"],
                           accounting=s["accounting"], gpus=int(s.get("gpus", 0)),
                           shapes=cc.shapes_from_settings(s.get("shapes")), controller_host=socket.gethostname(),
+                          constrain_devices=bool(s.get("constrain_devices")),
                           first_job_id=cc.first_job_id_of(text) or 1)
 
 
@@ -303,6 +304,7 @@ def _prepare_dirs(spec: cc.ClusterSpec) -> None:
         atomic_write(key, os.urandom(1024), mode=0o400)
     atomic_write(sdir / "etc" / "slurm.conf", cc.render_slurm_conf(spec).encode())
     atomic_write(sdir / "etc" / "gres.conf", cc.render_gres_conf(spec).encode())
+    atomic_write(sdir / "etc" / "cgroup.conf", cc.render_cgroup_conf(spec).encode())
     make_gpu_devices(sdir, spec.nodes, spec.gpus)
     if spec.accounting:
         atomic_write(sdir / "etc" / "slurmdbd.conf", cc.render_slurmdbd_conf(spec).encode(),

@@ -21,8 +21,8 @@ def make_gpu_devices(state_dir: Path, nodes: int, gpus: int) -> None:
     for name in cc.node_names(nodes):
         for dev in cc.gpu_files(state_dir, name, gpus):
             dev.parent.mkdir(parents=True, exist_ok=True)
-            # A character device with /dev/null's numbers: slurmd counts a GPU only if its File exists.
-            os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            # slurmd counts a GPU only if its File exists; the devices cgroup tells GPUs apart by number.
+            os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(*cc.gpu_device_number(int(dev.name.removeprefix("gpu")))))
 
 
 def remove_gpu_devices(state_dir: Path) -> None:

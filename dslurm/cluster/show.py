@@ -42,6 +42,9 @@ def format_status(st: Mapping[str, Any]) -> list[str]:
     if cfg.get("gpus"):
         lines.append(f"  each node declares {cfg['gpus']} placeholder GPU(s) (gres gpu): jobs get Slurm's GPU "
                      "environment, their processes run on the CPU")
+    if cfg.get("constrain_devices"):
+        lines.append("  devices constrained (task/cgroup, ConstrainDevices=yes): a step opens only the GPUs "
+                     "it was given")
     for shape in shapes_from_settings(cfg.get("shapes")):  # `up` prints the same line its own way
         lines.append(f"  {shape_line(shape)}, for sbatch --test-only")
     lines.append("")

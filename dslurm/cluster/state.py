@@ -39,6 +39,8 @@ class ClusterInfo:
     gpus: int = 0
     """placeholder GPUs per node"""
     shapes: tuple[cc.NodeShape, ...] = ()
+    constrain_devices: bool = False
+    """task/cgroup ConstrainDevices=yes: a step opens only its GPUs (dslurm/cluster/conf.py)"""
 
     @property
     def slurm_conf(self) -> Path:
@@ -57,7 +59,8 @@ def info_of(sdir: Path, rec: dict[str, Any]) -> ClusterInfo:
     s = rec["settings"]
     return ClusterInfo(state_dir=sdir, nodes=s["nodes"], accounting=s["accounting"],
                        node_names=tuple(cc.node_names(s["nodes"])), gpus=int(s.get("gpus", 0)),
-                       shapes=cc.shapes_from_settings(s.get("shapes")))
+                       shapes=cc.shapes_from_settings(s.get("shapes")),
+                       constrain_devices=bool(s.get("constrain_devices")))
 
 
 def is_up(state_dir: str | os.PathLike[str] | None = None) -> bool:

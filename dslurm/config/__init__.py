@@ -82,6 +82,13 @@ class SiteRequeueSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class SiteRecoverySpec:
+    warm: bool | Literal["auto"] = field(
+        "auto", help="warm restarts inside the allocation (jobs with spares) on this site: true = they work here, "
+        "false = never, auto = where `dslurm site check` proved one (its record beside this file; docs/site.md)")
+
+
+@dataclass(kw_only=True, slots=True)
 class StorageSpec:
     durable: str = field("checkpoints", help="root of run directories (checkpoints, ledger); shared by all nodes")
     scratch: str | None = field(None, help="node-local fast storage, if any; %n is the node name "
@@ -149,6 +156,7 @@ class SiteConfig:
     python: str = field("python3", help="Python interpreter inside the job (after setup), with any "
                         "arguments, split like a shell: python3 -X dev")
     requeue: SiteRequeueSpec = field(factory=SiteRequeueSpec, help="requeue policy")
+    recovery: SiteRecoverySpec = field(factory=SiteRecoverySpec, help="recovery inside the allocation")
     storage: StorageSpec = field(factory=StorageSpec, help="where run state lives")
     burnin: BurninSpec = field(factory=BurninSpec, help="pre-flight thresholds")
     container: ContainerSpec | None = field(None, help="run the launcher, burn-in and training in a container "
@@ -387,9 +395,11 @@ class PreflightSpec:
 
 @dataclass(kw_only=True, slots=True)
 class RecoverySpec:
-    warm: bool = field(False, help="with spares: keep a preloaded worker pool on every allocated node, so an "
-                       "attempt after a failure forks its workers instead of importing torch again "
-                       "(docs/recovery.md); false = every attempt starts cold")
+    warm: bool | Literal["auto"] = field(
+        "auto", help="with spares: keep a preloaded worker pool on every allocated node, so an attempt after a "
+        "failure forks its workers instead of importing torch again (docs/recovery.md); auto = where the site "
+        "proved it (its recovery.warm, or a passed `dslurm site check` warm row), true = always, false = every "
+        "attempt starts cold")
 
 
 @dataclass(kw_only=True, slots=True)

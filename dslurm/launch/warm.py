@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -54,6 +54,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 WARM_ENV = "DSLURM_WARM"  # "1": `dslurm supervise` offers this job step its nodes' pools
+FORKED_ENV = "DSLURM_WARM_FORKED"  # "1" in a worker a pool forked (the probe records it)
 # What every pool imports before serving: torch with what FSDP2/TP (DTensor) and the checkpoint
 # (DCP) need, and torch._dynamo, which every torch.optim optimizer imports on first use.
 BASE_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
@@ -102,12 +103,16 @@ def tasks() -> int:
 
 def preload(module: str | None, base: Sequence[str] = BASE_PRELOAD) -> list[str]:
     """Import what the workers will need, once. The entry module may name more in its
-    `__main__`'s WARM_PRELOAD (train/__main__.py does). Returns what was imported."""
+    `__main__`'s WARM_PRELOAD (train/__main__.py does). Returns what was imported. A package's
+    entry is its `__main__`; a plain module (`python -m dslurm.launch.probe`) is its own, imported
+    here without running (its `if __name__ == "__main__"` guard), as `runpy` will run it."""
     names = list(base)
     for name in names:
         importlib.import_module(name)
     if module:
-        main = importlib.import_module(f"{module}.__main__")
+        spec = importlib.util.find_spec(module)
+        package = spec is not None and spec.submodule_search_locations is not None
+        main = importlib.import_module(f"{module}.__main__" if package else module)
         for name in getattr(main, "WARM_PRELOAD", ()):
             importlib.import_module(name)
             names.append(name)
@@ -317,6 +322,7 @@ def _worker(req: Mapping[str, object], env: Mapping[str, str], fds: list[int], c
         logging.root.setLevel(logging.WARNING)
         os.environ.clear()
         os.environ.update(env)
+        os.environ[FORKED_ENV] = "1"
         os.chdir(str(req.get("cwd") or "."))
         code = run_entry([str(a) for a in req["argv"]])  # type: ignore[attr-defined]
     except SystemExit as exc:

@@ -68,6 +68,9 @@ class Submit(Event):
     logs: list[str] = field(default_factory=list)
     """this submission's Slurm log files when they are not under <run_dir>/logs (a sweep's array
     task writes <sweep dir>/logs/NAME-ARRAY_TASK.out|.err; `dslurm doctor` reads them too)"""
+    warm: bool | None = None
+    """with spares: whether attempts after a failure start warm (recovery.warm, dslurm/warm_proof.py)"""
+    warm_reason: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

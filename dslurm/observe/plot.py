@@ -60,6 +60,8 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
     if sm.undurable_steps:
         lines.append(f"[red]{sm.undurable_steps} step(s) trained after the last committed checkpoint: in no "
                      "checkpoint (counted as lost)[/red]")
+    if sm.warm is not None:
+        lines.append(f"attempts after a failure inside the allocation start {sm.warm}")
     if sm.recoveries:
         back = [r.resumed_s for r in sm.recoveries if r.resumed_s is not None]
         lines.append(f"recoveries inside the allocation: {len(sm.recoveries)} ("

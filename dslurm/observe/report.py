@@ -290,6 +290,9 @@ class Summary:
     """whether the run finished: the report's first line (`dslurm.observe.completion`)"""
     eval: EvalSummary | None = None
     """evaluations: last loss and perplexity, their time apart from training (`eval_summary`)"""
+    warm: str | None = None
+    """with spares: whether recoveries inside the allocation start warm, and why (the last submit's
+    choice, dslurm/warm_proof.py)"""
 
     def to_dict(self) -> dict[str, Any]:
         """The --json form: the completion's fields (status, complete, target_steps, stopped_at,
@@ -565,7 +568,9 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0, target_steps: int
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
         undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts),
         durability=durability([s.events for s in starts]), health=health_lines(starts),
-        completion=completion(starts, events, target_steps, run_dir), eval=eval_summary(starts))
+        completion=completion(starts, events, target_steps, run_dir), eval=eval_summary(starts),
+        warm=next((f"{'warm' if e.warm else 'cold'} ({e.warm_reason})" for e in reversed(list(ev.of(events, ev.Submit)))
+                   if e.warm is not None), None))
 
 
 def load(run_dir: Path) -> tuple[list[Event], int]:

@@ -69,6 +69,28 @@ def cpus_per_task(r: Resolved) -> int:
     return max(1, r.site.node.cpus // tasks_per_node(r))
 
 
+def gpu_request(r: Resolved) -> tuple[str, str] | None:
+    """The site's GPU request for one node's GPUs as (flag, value), or None (no GPUs, or
+    gpu_directive none): the job's #SBATCH line and every job step dslurm supervise starts (the
+    training steps and the warm pools') ask for the same."""
+    site = r.site
+    if site.node.gpus and site.slurm.gpu_directive == "gpus-per-node":
+        return ("gpus-per-node", str(site.node.gpus))
+    if site.node.gpus and site.slurm.gpu_directive == "gres":
+        return ("gres", f"{site.slurm.gres_name}:{site.node.gpus}")
+    return None
+
+
+def step_gpu_flags(r: Resolved) -> list[str]:
+    """A job step's srun flags for its node's GPUs: the job's own request, explicitly. A step that
+    names none gets the job's GRES by Slurm's default (seen with 22.05 here), but not where
+    SLURM_STEP_GRES or a site's srun defaults say otherwise; and under ConstrainDevices the devices
+    cgroup of the step is what its processes can open: a warm pool's forked workers live in the
+    pool step's, so it must hold exactly the training step's GPUs (docs/recovery.md)."""
+    req = gpu_request(r)
+    return [] if req is None else [f"--{req[0]}={req[1]}"]
+
+
 def directives(r: Resolved, log_dir: str) -> list[tuple[str, str | None]]:
     """The #SBATCH flags, in a fixed order (deterministic output for golden files)."""
     site, job = r.site, r.job
@@ -80,10 +102,9 @@ def directives(r: Resolved, log_dir: str) -> list[tuple[str, str | None]]:
     ]
     if r.spares:
         flags.append(("no-kill", None))  # a failed node must not end the allocation: the spares take over
-    if site.node.gpus and site.slurm.gpu_directive == "gpus-per-node":
-        flags.append(("gpus-per-node", str(site.node.gpus)))
-    elif site.node.gpus and site.slurm.gpu_directive == "gres":
-        flags.append(("gres", f"{site.slurm.gres_name}:{site.node.gpus}"))
+    gpus = gpu_request(r)
+    if gpus is not None:
+        flags.append(gpus)
     flags += [
         ("cpus-per-task", str(cpus_per_task(r))),
         ("mem", "0"),

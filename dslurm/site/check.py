@@ -151,6 +151,7 @@ P_DURABLE = "durable path is shared between nodes"
 P_ALLREDUCE = "the interface carries a 2-node all-reduce"
 P_REQUEUE = "the signal lead arrives and the job requeues once"
 P_CONTAINER = "the container runtime starts the image"
+P_WARM = "a warm restart reaches its first step with the same devices"
 
 
 def failed_lines(site: SiteConfig, setup_failed: Sequence[str]) -> str:
@@ -307,12 +308,79 @@ def row_container(site: SiteConfig, output: str, job_note: str) -> Row:
     return ok(P_CONTAINER, line.removeprefix("DSLURM-SITE-CONTAINER").strip())
 
 
+def _probe_pairs(records: Mapping[str, Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], Mapping[str, Any] | None]]:
+    """Each rank's record of the first job step (the cold one) and of the next (or None)."""
+    by_rank: dict[int, list[tuple[tuple[int, int], Mapping[str, Any]]]] = {}
+    for name, rec in records.items():  # step-<RESTART>.<STEP>-rank-<R>.json
+        start, _, rank = name.removeprefix("step-").removesuffix(".json").partition("-rank-")
+        restart, _, step = start.partition(".")
+        by_rank.setdefault(int(rank), []).append(((int(restart), int(step)), rec))
+    out = []
+    for r in sorted(by_rank):
+        recs = [rec for _, rec in sorted(by_rank[r], key=lambda x: x[0])]
+        out.append((recs[0], recs[1] if len(recs) > 1 else None))
+    return out
+
+
+def row_warm(site: SiteConfig, nodes: int, endings: Sequence[str], modes: Sequence[str],
+             records: Mapping[str, Mapping[str, Any]], note: str, setup_holds: bool = True) -> Row:
+    """From the warm job (1 node + 1 spare, recovery.warm: true, the probe crashing rank 0 once both
+    nodes' pools serve): the next attempt started warm, reached its first step (the probe's
+    all-reduce) and completed, and each rank's worker, forked by the pool, opened exactly the GPU
+    device files the cold attempt's opened, with the same CUDA_VISIBLE_DEVICES (dslurm/launch/devices.py)."""
+    from dslurm.launch.devices import DEFAULT_DEVICES, DEVICES_ENV, same_devices
+
+    if site.container is not None:
+        return skip(P_WARM, "warm restarts are not supported with a container runtime yet: attempts start cold")
+    if nodes < 2:
+        return skip(P_WARM, "needs 2 nodes (--nodes 2): one trains, the other is its spare")
+    if not setup_holds:
+        return skip(P_WARM, f"not judged: the probe needs torch and dslurm after the setup lines ({note})")
+    fix_log = f"read the warm job's log ({note})"
+    if list(modes[:2]) != ["torchrun", "warm"]:
+        started = modes[1] if len(modes) > 1 else "not at all"
+        return fail(P_WARM, f"the attempt after the forced crash started {started} (starts: "
+                    f"{', '.join(modes) or 'none'}; endings: {', '.join(endings) or 'none'}; {note})",
+                    f"{fix_log}: a pool that did not serve says why there (its step's srun, its import of torch)")
+    if list(endings[:2]) != ["crash", "completed"]:
+        return fail(P_WARM, f"the warm attempt did not complete (endings: {', '.join(endings) or 'none'}; {note})",
+                    f"{fix_log}: a warm worker that cannot open its GPUs fails here (ConstrainDevices): the pool "
+                    "step must hold the training step's GPUs (slurm.gpu_directive, slurm.gres_name)")
+    pairs = _probe_pairs(records)
+    if not pairs or any(w is None for _, w in pairs):
+        return fail(P_WARM, f"the probe left no record of the warm attempt on every rank ({note})", fix_log)
+    for cold, warm in pairs:
+        assert warm is not None
+        rank = cold.get("rank")
+        if not warm.get("warm"):
+            return fail(P_WARM, f"rank {rank}'s worker in the warm attempt was not forked by a pool ({note})", fix_log)
+        c, w = cold.get("devices") or {}, warm.get("devices") or {}
+        if not same_devices(c, w):
+            return fail(P_WARM, f"rank {rank} on {cold.get('hostname')}: the cold attempt opened {c.get('reachable')} "
+                        f"(CUDA_VISIBLE_DEVICES={_visible(c)}), the warm one {w.get('reachable')} "
+                        f"(CUDA_VISIBLE_DEVICES={_visible(w)})",
+                        "the pool step must hold the training step's GPUs: check slurm.gpu_directive and "
+                        "slurm.gres_name against `scontrol show node` (dslurm asks for them on both steps)")
+        if site.node.gpus and site.slurm.gpu_directive != "none" and not c.get("files"):
+            pattern = site.env.get(DEVICES_ENV, DEFAULT_DEVICES)
+            return fail(P_WARM, f"on {cold.get('hostname')} no GPU device file matches {pattern}: the devices were "
+                        "not compared", f"set env {DEVICES_ENV} in the site to the glob of the nodes' GPU device files")
+    first = pairs[0][0].get("devices") or {}
+    seen = f"{len(first.get('reachable') or [])} GPU device(s)" if first.get("files") else "no GPU device files"
+    return ok(P_WARM, f"forced crash, then a warm attempt: {len(pairs)} rank(s) forked by the pool reached their first "
+              f"step with the cold attempt's devices ({seen}, CUDA_VISIBLE_DEVICES={_visible(first)}; {note})")
+
+
+def _visible(view: Mapping[str, Any]) -> object:
+    return (view.get("gpu_env") or {}).get("CUDA_VISIBLE_DEVICES")
+
+
 def not_run(promises: Sequence[str], why: str) -> list[Row]:
     return [skip(p, f"not run: {why}") for p in promises]
 
 
 STATIC = (P_PARTITION, P_ACCOUNT, P_MATCH, P_REQUEUE_CONF, P_TEST_ONLY)
-LIVE = (P_SETUP, P_GPUS, P_SCRATCH, P_DURABLE, P_ALLREDUCE, P_REQUEUE, P_CONTAINER)
+LIVE = (P_SETUP, P_GPUS, P_SCRATCH, P_DURABLE, P_ALLREDUCE, P_REQUEUE, P_CONTAINER, P_WARM)
 PROMISES = STATIC + LIVE  # every row of the table, in its order
 
 

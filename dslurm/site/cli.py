@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from dslurm.errors import UserError
+
+if TYPE_CHECKING:
+    from dslurm.site.check import Row
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,4 +60,18 @@ def run(args: argparse.Namespace) -> int:
         return code
     print(table(rows))
     print("every promise holds" if code == 0 else "some promises do not hold: see the fixes above")
+    _warm_note(rows, args.site)
     return code
+
+
+def _warm_note(rows: list[Row], site_path: str) -> None:
+    """Where the warm row went, and what `recovery.warm: auto` (the default) does with it."""
+    from dslurm.site.check import P_WARM
+    from dslurm.warm_proof import record_path
+
+    row = next((r for r in rows if r.promise == P_WARM), None)
+    if row is None or row.status == "skip":
+        return
+    then = "start warm" if row.status == "ok" else "start cold"
+    print(f"warm restart {'proven' if row.status == 'ok' else 'not proven'}: recorded in {record_path(site_path)}; "
+          f"jobs on this site file with spares and recovery.warm: auto (the default) {then} after a failure")

@@ -6,8 +6,12 @@ jobs whose output the rows of dslurm.site.check are decided from.
   last (reads them), and the container's `import torch` when the site has one;
 - the requeue job (1 node, a 1-minute limit, `--signal=B:USR2@LEAD_S --requeue`): its batch shell
   waits for USR2, requeues itself, and the second start exits 0;
-- the burn-in job (2 nodes): `dslurm burnin`'s own job, whose verdict is the all-reduce row.
-All three are submitted at once and waited for with one deadline; a job still running at the
+- the burn-in job (2 nodes): `dslurm burnin`'s own job, whose verdict is the all-reduce row;
+- the warm job (1 node + 1 spare, `recovery.warm: true`, the connectivity probe as its entry): rank 0
+  crashes in the cold step once both nodes' warm pools serve, `dslurm supervise` recovers on the
+  same node, warm; each step's probe records which GPU device files its workers open. Its row is
+  written beside the site file (dslurm/warm_proof.py): `recovery.warm: auto` reads it at submit.
+All four are submitted at once and waited for with one deadline; a job still running at the
 deadline is cancelled. Every Slurm command goes through slurm.run_cmd.
 """
 
@@ -32,6 +36,7 @@ from dslurm.errors import SlurmError
 from dslurm.render import container, directives, q, words
 from dslurm.site import check as C
 from dslurm.site.probe import TAG
+from dslurm.submission import Submission
 
 REQUEUE_TIME = "00:01:00"
 LEAD_S = 40  # slurmctld checks time limits every 30 s: USR2 comes 20-50 s into a 60 s job
@@ -168,6 +173,10 @@ def live_rows(site: SiteConfig, site_path: str, nodes: int, work: Path, timeout:
         rb = resolved(site, site_path, 2, "site-check-burnin", entry="dslurm.preflight.job",
                       preflight={"enabled": True}, checkpoint={"run_dir": str(work / "burnin")}, time="00:10:00")
         burn = submit(rb)
+    warm = None
+    if nodes >= 2 and site.container is None:
+        rw = warm_job(site, site_path, work)
+        warm = submit(rw)
     deadline = time.monotonic() + timeout
     node_state = _wait(node_id, deadline)
     out = _out(logs, "site-check-nodes", node_id)
@@ -195,7 +204,50 @@ def live_rows(site: SiteConfig, site_path: str, nodes: int, work: Path, timeout:
     restarts = int(str(slurm.job_info(rq_id)["restarts"])) if rq_id is not None and rq_state else 0
     rows.append(C.row_requeue(site, rq_state, restarts, _out(logs, "site-check-requeue", rq_id), LEAD_S))
     rows.append(C.row_container(site, out, note))
+    rows.append(_warm_row(site, site_path, nodes, warm, deadline, setup.holds))
     return rows
+
+
+def warm_job(site: SiteConfig, site_path: str, work: Path) -> Resolved:
+    """The warm job: 1 node + 1 spare, the probe, rank 0 crashing in the cold step once both pools
+    serve (DSLURM_FAULT_AWAIT on their ready files), requeue on so that supervise may retry."""
+    run = work / "warm"
+    return resolved(site, site_path, 1, "site-check-warm", spares=1, launch="torchrun", entry="dslurm.launch.probe",
+                    recovery={"warm": True}, requeue={"enabled": True}, checkpoint={"run_dir": str(run)},
+                    env={"DSLURM_FAULT_CRASH": "1:0@0.0", "DSLURM_FAULT_AWAIT": f"{run}/warm/*.ready:2:180"})
+
+
+def _warm_row(site: SiteConfig, site_path: str, nodes: int, warm: Submission | None, deadline: float,
+              setup_holds: bool) -> C.Row:
+    """The warm row from the warm job's ledger and probe records; a decided row (ok or fail) is
+    recorded beside the site file for `recovery.warm: auto`."""
+    from dslurm.observe import events
+    from dslurm.warm_proof import write_record
+
+    if warm is None:
+        return C.row_warm(site, nodes, [], [], {}, "", setup_holds)
+    job = warm.job_ids[0]
+    if not setup_holds:
+        slurm.run_cmd(["scancel", str(job)], check=False)
+    state = _wait(job, deadline) if setup_holds else "CANCELLED"
+    evs = events.read(warm.run_dir)
+    endings = [e.cls for e in events.of(evs, events.Ending)]
+    modes = [str(e.mode) for e in events.of(evs, events.JobStart)]
+    records = {}
+    for p in sorted((warm.run_dir / "probe").glob("step-*-rank-*.json")):
+        try:
+            records[p.name] = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+    row = C.row_warm(site, nodes, endings, modes, records, f"job {job} {state or 'not finished in time'}; "
+                     f"{warm.run_dir}", setup_holds)
+    if row.status != "skip":
+        try:
+            write_record(site_path, site, row.status, row.detail, str(job))
+        except OSError as exc:  # a site file in a read-only place: the row stands, auto cannot read it
+            return C.Row(row.promise, row.status, f"{row.detail}; not recorded: {exc}",
+                         row.fix or "copy the site file where you may write, and check that copy")
+    return row
 
 
 def run_check(site: SiteConfig, site_path: str, nodes: int, timeout: float, work: str | None) -> list[C.Row]:

@@ -8,7 +8,8 @@ everything including sacct. If a cluster with these settings already runs it is 
 The same cluster serves GPU-style jobs: every node declares GPUS placeholder GPUs (gres gpu;
 a CPU job, which asks for none, runs as before), and never-started partitions shaped like the
 shipped GPU sites take `sbatch --test-only` (tests/cluster/test_gpu_gres.py). One cluster for
-both keeps the suite to one start-up.
+both keeps the suite to one start-up. Its devices are constrained as on GPU sites (task/cgroup,
+ConstrainDevices=yes): a step opens only the GPUs it was given (tests/cluster/test_gpu_devices.py).
 
 It is LEFT RUNNING at the end of the session: several pytest sessions (other engineers,
 CI steps) share one cluster per machine, and tearing it down under a concurrent session would
@@ -40,7 +41,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def slurm_cluster() -> Iterator[cluster.ClusterInfo]:
     was_up = cluster.is_up()
     try:
-        info = cluster.up(nodes=NODES, accounting=True, gpus=GPUS, shapes=session_shapes())
+        info = cluster.up(nodes=NODES, accounting=True, gpus=GPUS, shapes=session_shapes(), constrain_devices=True)
     except Exception as exc:  # not root and no cluster running: nothing this session can do
         if os.geteuid() != 0:
             pytest.skip(str(exc))

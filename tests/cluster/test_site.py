@@ -71,11 +71,24 @@ def test_discovered_site_checks_out_and_bad_sites_are_named_with_fixes(slurm_clu
     got = yaml.safe_load(shaped.stdout)["node"]
     assert (got["gpus"], got["cpus"], got["mem_gb"]) == (h100.node.gpus, h100.node.cpus, h100.node.mem_gb)
 
+    # The placeholder GPUs are not at NVIDIA's /dev/nvidiaK: the site names its device files, as
+    # site-configs/local-gpu.yaml does, for the warm row to compare what the workers open.
+    found = yaml.safe_load(out.read_text())
+    found.setdefault("env", {})["DSLURM_GPU_DEVICES"] = f"{slurm_cluster.state_dir}/dev/$SLURMD_NODENAME/gpu*"
+    out.write_text(yaml.safe_dump(found))
     res = cli("site", "check", str(out), "--work-dir", str(tmp_path / "check"), "--timeout", "240", env=env,
               timeout=load_scaled(300))
     assert res.returncode == 0, res.stdout + res.stderr
-    for promise in ("accepted", "importable", "GPU", "scratch", "shared", "all-reduce", "requeues once"):
+    for promise in ("accepted", "importable", "GPU", "scratch", "shared", "all-reduce", "requeues once",
+                    "warm restart"):
         assert any(ln.startswith("OK") and promise in ln for ln in res.stdout.splitlines()), (promise, res.stdout)
+    # the warm row proved a warm restart under the device constraint, with the node's 2 GPU device files,
+    # and recorded it beside the site file: `recovery.warm: auto` (the discovered site's) now chooses warm
+    assert f"{GPUS} GPU device(s)" in _rows(res.stdout)[C.P_WARM][1], res.stdout
+    from dslurm.warm_proof import choice_for
+
+    spares = load_job(data={"name": "w", "nodes": 1, "spares": 1})
+    assert load_site(out).recovery.warm == "auto" and choice_for(spares, load_site(out), str(out)).warm, res.stdout
 
     bad = cli("site", "check", str(out), "--site-set", "slurm.partition=nope", "--work-dir",
               str(tmp_path / "bad"), env=env, timeout=60)

@@ -14,7 +14,8 @@ import pytest
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.recover import shrink_grad_accum
-from dslurm.recover.supervise import SrunRunner, Step
+from dslurm.recover.srun import SrunRunner
+from dslurm.recover.supervisor import Step
 from train_helpers import SITE, run_train, step_records, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]

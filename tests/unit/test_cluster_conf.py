@@ -270,7 +270,7 @@ def test_shape_line_is_the_one_wording_of_up_and_status(capsys, monkeypatch, tmp
                        shapes=(shape,))
     monkeypatch.setattr(cluster, "up", lambda **kw: info)
     args = argparse.Namespace(cluster_command="up", nodes=2, accounting=False, state_dir=None, cpus=4,
-                              gpus_per_node=None, site_shape=None)
+                              gpus_per_node=None, site_shape=None, constrain_devices=None)
     assert cluster.run(args) == 0
     assert f"  --test-only {shape_line(shape)}\n" in capsys.readouterr().out
 
@@ -284,3 +284,20 @@ def test_a_conf_that_differs_only_in_job_requeue_is_a_runtime_change_put_back_by
     assert not cc.changed_keys(on, more) <= cc.RUNTIME_KEYS
     assert cc.first_job_id_of(cc.render_slurm_conf(_spec(first_job_id=4242))) == 4242
     assert cc.first_job_id_of("ClusterName=x\n") is None
+
+
+def test_device_constraint_mode_renders_task_cgroup_and_cgroup_conf() -> None:
+    """`--constrain-devices`: slurmd's task/cgroup with ConstrainDevices only (the tests/cluster GPU
+    tests show a step then opens only its own GPUs); off, the conf is as before."""
+    on, off = _spec(gpus=2, constrain_devices=True), _spec(gpus=2)
+    assert _kv(cc.render_slurm_conf(on))["TaskPlugin"] == "task/cgroup"
+    assert _kv(cc.render_slurm_conf(off))["TaskPlugin"] == "task/none"
+    assert _kv(cc.render_slurm_conf(on))["ProctrackType"] == "proctrack/pgid"  # cleanup as without it
+    kv = _kv(cc.render_cgroup_conf(on))
+    assert kv["ConstrainDevices"] == "yes" and kv["CgroupPlugin"] == "cgroup/v1"
+    assert kv["ConstrainCores"] == kv["ConstrainRAMSpace"] == "no"
+    assert _kv(cc.render_cgroup_conf(off))["ConstrainDevices"] == "no"
+    # the cgroup tells GPUs apart by number: each placeholder its own, never /dev/null's 1:3
+    assert [cc.gpu_device_number(i) for i in range(3)] == [(195, 0), (195, 1), (195, 2)]
+    # recorded only when on: a cluster recorded before the mode existed equals one without it
+    assert "constrain_devices" not in off.settings() and on.settings()["constrain_devices"] is True

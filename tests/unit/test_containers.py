@@ -16,7 +16,8 @@ import yaml
 from dslurm.config import load_site
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
-from dslurm.recover.supervise import SrunRunner, Step
+from dslurm.recover.srun import SrunRunner
+from dslurm.recover.supervisor import Step
 from dslurm.render import RenderRefs, render_sbatch
 from dslurm.render.container import PWD, auto_paths, launcher_prefix, srun_container_flags
 from dslurm.render_cmd import render_files

@@ -161,3 +161,12 @@ def test_a_recovery_ends_when_the_next_starts_first_step_was_done_not_when_its_w
     assert [r.resumed_s for r in summarize(ev.decode_all(no_table)).recoveries] == [3.2]
     bare = [e for i, e in enumerate(no_table) if not (e["event"] == "steps" and i > cut)]
     assert [r.resumed_s for r in summarize(ev.decode_all(bare)).recoveries] == [2.5]
+
+
+def test_the_report_says_whether_attempts_start_warm_and_why():
+    from dslurm.observe import events as evs
+    from dslurm.observe.report import summarize
+
+    sub = evs.Submit(t=1.0, job_ids=[7], warm=False, warm_reason="no warm restart proven on site 'x'")
+    assert summarize([sub]).warm == "cold (no warm restart proven on site 'x')"
+    assert summarize([evs.Submit(t=1.0, job_ids=[7])]).warm is None  # no spares: nothing to say

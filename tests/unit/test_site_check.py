@@ -180,3 +180,79 @@ def test_check_scripts_carry_the_sites_sbatch_lines_and_probe_steps(tmp_path):
                                  requeue={"enabled": True, "signal_lead": 40}), str(tmp_path))
     assert "#SBATCH --signal=B:USR2@40" in rq and "#SBATCH --requeue" in rq and "#SBATCH --time=00:01:00" in rq
     assert 'scontrol requeue "$SLURM_JOB_ID"' in rq and "trap 'got=1' USR2" in rq
+
+
+# ------------------------------------------------------------------ the warm row, and what auto does with it
+
+GPU_SITE = str(ROOT / "site-configs/local-gpu.yaml")
+
+
+def _view(files: dict[str, str], cvd: str | None = "0,1") -> dict:
+    return {"files": files, "reachable": [p for p, v in files.items() if v == "reachable"],
+            "cgroup": "/slurm_node1/uid_0/job_1/step_0/task_0", "gpu_env": {"CUDA_VISIBLE_DEVICES": cvd}}
+
+
+BOTH = {"/d/node1/gpu0": "reachable", "/d/node1/gpu1": "reachable"}
+
+
+def _warm_records(warm_view: dict, warm: bool = True) -> dict:
+    out = {}
+    for rank in (0, 1):
+        out[f"step-0.0-rank-{rank}.json"] = {"rank": rank, "hostname": "node1", "warm": False, "devices": _view(BOTH)}
+        out[f"step-0.1-rank-{rank}.json"] = {"rank": rank, "hostname": "node1", "warm": warm, "devices": warm_view}
+    return out
+
+
+def test_warm_row_holds_when_the_warm_attempt_opened_the_cold_attempts_devices():
+    s = load_site(GPU_SITE)
+    row = C.row_warm(s, 2, ["crash", "completed"], ["torchrun", "warm"], _warm_records(_view(BOTH)), "job 7")
+    assert row.status == "ok" and "2 rank(s)" in row.detail and "2 GPU device(s)" in row.detail, row
+
+
+def test_warm_row_fails_on_a_pool_without_the_gpus_or_no_warm_attempt():
+    s = load_site(GPU_SITE)
+    denied = _view({"/d/node1/gpu0": "denied", "/d/node1/gpu1": "denied"})
+    row = C.row_warm(s, 2, ["crash", "completed"], ["torchrun", "warm"], _warm_records(denied), "job 7")
+    assert row.status == "fail" and "the warm one []" in row.detail and "gpu_directive" in row.fix, row
+    # under ConstrainDevices such a worker usually crashes: the attempt does not complete
+    row = C.row_warm(s, 2, ["crash", "crash"], ["torchrun", "warm"], {}, "job 7")
+    assert row.status == "fail" and "did not complete" in row.detail and "ConstrainDevices" in row.fix
+    row = C.row_warm(s, 2, ["crash", "completed"], ["torchrun", "torchrun"], {}, "job 7")
+    assert row.status == "fail" and "started torchrun" in row.detail
+    row = C.row_warm(s, 2, ["crash", "completed"], ["torchrun", "warm"], _warm_records(_view(BOTH), warm=False), "j")
+    assert row.status == "fail" and "not forked by a pool" in row.detail
+    none = _warm_records(_view({}, cvd="0,1"))
+    for k in none:
+        none[k]["devices"] = _view({})
+    row = C.row_warm(s, 2, ["crash", "completed"], ["torchrun", "warm"], none, "j")
+    assert row.status == "fail" and "DSLURM_GPU_DEVICES" in row.fix  # a GPU site whose device files were not found
+
+
+def test_warm_row_skips_what_it_cannot_judge():
+    assert C.row_warm(site(), 1, [], [], {}, "").status == "skip"  # no spare
+    assert C.row_warm(site(), 2, [], [], {}, "", setup_holds=False).status == "skip"
+    assert C.P_WARM in C.LIVE
+
+
+def test_auto_is_warm_only_where_the_site_or_its_record_says_so(tmp_path):
+    from dslurm.config import load_job
+    from dslurm.warm_proof import choose, read_record, record_path, write_record
+
+    auto = load_job(data={"name": "j", "nodes": 1, "spares": 1})
+    s = site("recovery.warm=auto")
+    path = tmp_path / "mysite.yaml"
+    assert record_path(path) == tmp_path / "mysite.warm-check.json"
+    assert choose(auto, s, None).warm is False  # nothing proven: cold, and the reason names the check
+    assert "dslurm site check" in choose(auto, s, None).reason
+    write_record(path, s, "ok", "proven", "42")
+    assert choose(auto, s, read_record(path), str(path)).warm is True
+    assert "job 42" in choose(auto, s, read_record(path), str(path)).reason
+    other = site("recovery.warm=auto", "node.cpus=3")  # the site file changed since its check
+    assert choose(auto, other, read_record(path), str(path)).warm is False
+    assert choose(auto, site("recovery.warm=auto", "recovery.warm=false"), read_record(path)).warm is False
+    write_record(path, s, "fail", "the warm one []", "43")
+    assert choose(auto, s, read_record(path), str(path)).warm is False
+    assert choose(auto, site("recovery.warm=true"), None).warm is True  # the site says so
+    assert choose(load_job(data={"name": "j", "nodes": 1, "spares": 1, "recovery": {"warm": True}}), s, None).warm
+    assert not choose(load_job(data={"name": "j", "nodes": 1}), site("recovery.warm=true"), None).warm  # no spares
+    assert auto.recovery.warm == "auto" and site().recovery.warm is False  # local.yaml says cold

@@ -20,7 +20,8 @@ from dslurm.config.resolve import resolve
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.observe.report import summarize
-from dslurm.recover.supervise import SrunRunner, Step, Supervisor
+from dslurm.recover.srun import SrunRunner
+from dslurm.recover.supervisor import Step, Supervisor
 from dslurm.run import read_blocklist
 from dslurm.submission import freeze_and_render
 
@@ -422,7 +423,7 @@ def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp
     hangs past the timeout and is killed."""
     import socket
 
-    import dslurm.recover.supervise as S
+    import dslurm.recover.srun as S
     live = socket.socket()
     live.bind(("127.0.0.1", 0))
     live.listen()

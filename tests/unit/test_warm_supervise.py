@@ -5,10 +5,17 @@ nothing changes. The loop is the real one against test_supervise's fake cluster.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import test_supervise as ts
 
 from dslurm import exitcodes as X
-from dslurm.recover.supervise import SrunRunner, Step
+from dslurm.config import load_job, load_site
+from dslurm.recover.srun import SrunRunner
+from dslurm.recover.supervisor import Step
+
+ROOT = Path(__file__).resolve().parents[2]
 
 make = ts.make  # the fixture: a Supervisor over the fake cluster
 crashes, completes = ts.crashes, ts.completes
@@ -70,7 +77,7 @@ def test_warm_pools_start_after_the_first_step_and_run_on_every_allocated_node(m
     from dslurm.launch.warm import ready_path
     from dslurm.observe import events as ev
     from dslurm.observe.ledger import Ledger
-    from dslurm.recover.supervise import WarmPools
+    from dslurm.recover.warm_pools import WarmPools
 
     sup, _c, run = make([completes])
     # An earlier start's first step (before a requeue; a resubmission's job id differs too): the
@@ -103,7 +110,7 @@ def test_warm_pools_start_after_the_first_step_and_run_on_every_allocated_node(m
 def test_warm_pool_step_gets_the_training_steps_share_of_its_node(make):
     """Forked workers inherit the pool step's cgroup and affinity: it must hold the node's CPUs the
     training step holds, the node's memory, and no CPU binding."""
-    from dslurm.recover.supervise import WarmPools, pool_shape_flags
+    from dslurm.recover.warm_pools import WarmPools, pool_shape_flags
     from dslurm.render import cpus_per_task, tasks_per_node
 
     sup, _c, _run = make([completes])
@@ -115,3 +122,28 @@ def test_warm_pool_step_gets_the_training_steps_share_of_its_node(make):
     assert argv[argv.index("--quiet") + 1:argv.index("python")] == flags
     training = SrunRunner(sup.r, ["dslurm", "launch"], {}).argv(Step(index=0, hosts=("node1",), facts_dir=_run))
     assert flags[0] in training or tasks_per_node(sup.r) > 1
+
+
+@pytest.mark.parametrize("directive", ["gpus-per-node", "gres"])
+def test_on_a_gpu_site_the_pool_step_asks_for_the_training_steps_gpus(tmp_path, directive):
+    """Under ConstrainDevices a forked worker opens only the pool step's GPUs: the pool step asks
+    for exactly what the training step asks for, the job's own request (tests/cluster/test_gpu_devices.py
+    shows the devices on the local cluster)."""
+    from dslurm.config.resolve import resolve
+    from dslurm.recover.warm_pools import WarmPools, pool_shape_flags
+    from dslurm.render import directives, step_gpu_flags
+
+    site = load_site(ROOT / "site-configs" / "h100-ib.yaml", [f"slurm.gpu_directive={directive}"])
+    job = load_job(data={"name": "w", "nodes": 2, "spares": 1, "recovery": {"warm": True},
+                         "train": {"global_batch": 64}, "checkpoint": {"run_dir": str(tmp_path)}})
+    r = resolve(site, job, site_path="s", job_path="j", base_dir=str(tmp_path))
+    want = {"gpus-per-node": ["--gpus-per-node=8"], "gres": ["--gres=gpu:8"]}[directive]
+    assert step_gpu_flags(r) == want
+    assert (want[0][2:].split("=")[0], want[0].split("=")[1]) in directives(r, "logs")  # = the #SBATCH line
+    assert pool_shape_flags(r)[-1:] == want
+    training = SrunRunner(r, ["dslurm", "launch"], {}).argv(Step(index=1, hosts=("n1", "n2"), facts_dir=tmp_path))
+    pool = WarmPools(r, ["l", "--", "python", "-m", "train"], {"SLURM_JOB_ID": "1"}, ["n1"]).argv("n1")
+    assert [w for w in training if w in want] == [w for w in pool if w in want] == want
+    cpu = resolve(load_site(ROOT / "site-configs" / "local.yaml"), job, site_path="s", job_path="j",
+                  base_dir=str(tmp_path))
+    assert step_gpu_flags(cpu) == [] and not any("gpu" in w or "gres" in w for w in pool_shape_flags(cpu))
