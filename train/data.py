@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dslurm.config.layout import Layout
 from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
 from train import packing
@@ -71,13 +72,10 @@ class GlobalBatchSampler(DpShare):
     position: int = 0
     padding_repeats: int = 0
     _perm: tuple[int, Permutation] | None = field(default=None, init=False, repr=False)
+    _ahead: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank={self.dp_rank} must be in [0, dp_size={self.dp_size})")
-        if self.global_batch < 1 or self.global_batch % self.dp_size:
-            raise ValueError(f"global_batch({self.global_batch}) must be a positive multiple of "
-                             f"dp_size({self.dp_size})")
+        Layout.dp_share(self.global_batch, self.dp_rank, self.dp_size)
         if self.policy not in ("drop", "pad"):
             raise ValueError(f"policy={self.policy!r} must be 'drop' or 'pad'")
         if self.num_samples < 1 or (self.policy == "drop" and self.num_samples < self.global_batch):
@@ -94,13 +92,16 @@ class GlobalBatchSampler(DpShare):
     def steps_per_epoch(self) -> int:
         return self.epoch_length // self.global_batch
 
+    def _permutation(self, epoch: int) -> Permutation:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, Permutation(self.num_samples, mix_key(self.seed, epoch, 0x6C0B)))
+        return self._perm[1]
+
     def order(self, epoch: int, start: int, count: int) -> np.ndarray:
         """Entries [start, start+count) of the epoch's order after the tail policy, computed per
         index (train/order.py: O(count) time, no n-sized array). Pad slots (at or past
         num_samples) repeat the epoch's first samples, in order."""
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, Permutation(self.num_samples, mix_key(self.seed, epoch, 0x6C0B)))
-        return self._perm[1][np.arange(start, start + count, dtype=np.int64) % self.num_samples]
+        return self._permutation(epoch)[np.arange(start, start + count, dtype=np.int64) % self.num_samples]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The whole epoch's order, listed (tests and small corpora: epoch_length int64)."""
@@ -128,21 +129,29 @@ class GlobalBatchSampler(DpShare):
         """The next global batch (B sample ids) and advance the state."""
         return np.concatenate([self.order(e, s, n) for e, s, n in self._advance()])
 
-    def next_ids(self) -> np.ndarray:
-        """This rank's share of the next global batch, computing only its B/D entries."""
-        lo, hi = self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch
-        out, at = [], 0
-        for e, s, n in self._advance():
-            a, b = max(lo, at), min(hi, at + n)  # the share's overlap with this piece
-            if a < b:
-                out.append(self.order(e, s + a - at, b - a))
-            at += n
-        return np.concatenate(out)
+    def plan_ids(self, steps: int) -> np.ndarray:
+        """[steps, local_batch]: this rank's share of each of the next `steps` global batches, in
+        one vectorised pass and without advancing. The stream is the epochs end to end, each
+        epoch_length long, so entry j of step k is stream index q = stream_position + k*B +
+        dp_rank*B/D + j, i.e. entry q % epoch_length of epoch q // epoch_length."""
+        lb, length = self.local_batch, self.epoch_length
+        q = (self.stream_position + self.dp_rank * lb + np.arange(steps, dtype=np.int64)[:, None] * self.global_batch
+             + np.arange(lb, dtype=np.int64)[None, :])
+        epoch, pos = np.divmod(q, length)
+        out = np.empty_like(q)
+        for e in range(int(epoch[0, 0]), int(epoch[-1, -1]) + 1):
+            sel = epoch == e
+            out[sel] = self._permutation(e)[pos[sel] % self.num_samples]
+        return out
 
     @property
     def stream_position(self) -> int:
         """Samples consumed since epoch 0 began: where the next global batch starts."""
         return self.epoch * self.epoch_length + self.position
+
+    def step(self) -> None:
+        """Advance by one global batch (what `next_global` and `next_ids` do besides their ids)."""
+        self._advance()
 
     def state_dict(self) -> dict[str, Any]:
         """Plain ints and strings: safe for json, torch.save and DCP's non-tensor state."""
@@ -165,6 +174,7 @@ class GlobalBatchSampler(DpShare):
                                 f"{getattr(self, key)!r} now; the saved position does not apply. "
                                 "Fix: restore with the same data file, train.seed and data.policy")
         warn_order(state)
+        self._ahead.clear()
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.padding_repeats = int(state.get("padding_repeats", 0))
         if self.position >= self.epoch_length:  # global_batch changed and the tail moved

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from dslurm.config.layout import Layout
 from dslurm.errors import UserError
 from train.order import ORDER, HashSplit, Permutation, mix_key, warn_order
 
@@ -138,36 +139,62 @@ class MixtureSchedule:
 
     def slots(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw index within that source) of slots [first, first+count)."""
-        srcs, draws, j, end = [], [], first, first + count
-        while j < end:
-            p, off = divmod(j, self.period)
-            take = min(self.period - off, end - j)
-            src, rank = self._period(p)
-            s = src[off:off + take]
-            srcs.append(s)
-            draws.append(p * self.counts[s] + rank[off:off + take])
-            j += take
-        if not srcs:
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-        return np.concatenate(srcs), np.concatenate(draws)
+        return self.at(np.arange(first, first + count, dtype=np.int64))
+
+    def at(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw index within that source) of the given slot numbers (any shape)."""
+        period, off = np.divmod(np.asarray(slots, dtype=np.int64), self.period)
+        src, draw = np.empty_like(period), np.empty_like(period)
+        for p in np.unique(period).tolist():
+            sel = period == p
+            p_src, p_rank = self._period(p)
+            s = p_src[off[sel]]
+            src[sel], draw[sel] = s, p * self.counts[s] + p_rank[off[sel]]
+        return src, draw
+
+
+AHEAD_IDS = 1024
+"""A rank's ids are computed for about this many samples at once (`DpShare.next_ids`): numpy's
+per-call cost, not the hashing, is what a step's few ids would pay one step at a time."""
 
 
 class DpShare:
     """What both global-batch samplers (this module's `MixtureSampler`, train/data.py's
     `GlobalBatchSampler`) do alike: data-parallel rank r of D takes the contiguous share
-    [r*B/D, (r+1)*B/D) of each global batch of B samples."""
+    [r*B/D, (r+1)*B/D) of each global batch of B samples (`Layout.dp_share` checks B and D), and
+    a rank's ids are a pure function of the stream position, so the next steps' ids are computed
+    together (`plan_ids`) and handed out step by step, keyed by the position they belong to."""
 
     __slots__ = ()
     global_batch: int
     dp_rank: int
     dp_size: int
+    _ahead: dict[int, np.ndarray]
+    """stream position -> this rank's ids there, computed ahead (a cache: the state is the position)"""
 
     def next_global(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def plan_ids(self, steps: int) -> np.ndarray:
+        """[steps, local_batch]: this rank's ids of the next `steps` steps, without advancing."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Advance by one global batch."""
+        raise NotImplementedError
+
+    @property
+    def stream_position(self) -> int:
         raise NotImplementedError
 
     @property
     def local_batch(self) -> int:
         return self.global_batch // self.dp_size
+
+    @property
+    def ahead_steps(self) -> int:
+        """Steps whose ids are computed at once (about AHEAD_IDS ids)."""
+        return max(1, AHEAD_IDS // self.local_batch)
 
     def local_share(self, global_ids: np.ndarray) -> np.ndarray:
         """This rank's contiguous slice of a global batch."""
@@ -175,8 +202,18 @@ class DpShare:
         return global_ids[self.dp_rank * b:(self.dp_rank + 1) * b]
 
     def next_ids(self) -> np.ndarray:
-        """This rank's sample ids for the next step."""
-        return self.local_share(self.next_global())
+        """This rank's sample ids for the next step (and advance): the B/D entries of its share
+        only, from `plan_ids` computed for the next `ahead_steps` steps at once."""
+        at = self.stream_position
+        ids = self._ahead.pop(at, None)
+        if ids is None:
+            steps = self.ahead_steps
+            plan = self.plan_ids(steps)
+            self._ahead.clear()  # what was planned from another position (a skip, a restore)
+            self._ahead.update({at + k * self.global_batch: plan[k] for k in range(1, steps)})
+            ids = plan[0]
+        self.step()
+        return ids
 
 
 @dataclass(kw_only=True, slots=True)
@@ -198,13 +235,10 @@ class MixtureSampler(DpShare):
     padding_repeats: int = 0
     schedule: MixtureSchedule = field(init=False)
     _perm: dict[tuple[int, int], Permutation] = field(default_factory=dict, init=False, repr=False)
+    _ahead: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank={self.dp_rank} must be in [0, dp_size={self.dp_size})")
-        if self.global_batch < 1 or self.global_batch % self.dp_size:
-            raise ValueError(f"global_batch({self.global_batch}) must be a positive multiple of "
-                             f"dp_size({self.dp_size})")
+        Layout.dp_share(self.global_batch, self.dp_rank, self.dp_size)
         if len(self.weights) != len(self.space.counts) or min(self.space.counts) < 1:
             raise ValueError(f"{len(self.weights)} weights for sources of {self.space.counts} samples")
         self.schedule = MixtureSchedule(list(self.weights), self.seed)
@@ -224,25 +258,35 @@ class MixtureSampler(DpShare):
 
     def indices(self, first: int, count: int) -> np.ndarray:
         """Space indices of slots [first, first+count): a pure function of (seed, slots)."""
-        src, draw = self.schedule.slots(first, count)
+        return self.indices_at(np.arange(first, first + count, dtype=np.int64))
+
+    def indices_at(self, slots: np.ndarray) -> np.ndarray:
+        """Space indices of the given slot numbers (any shape): one vectorised pass."""
+        src, draw = self.schedule.at(slots)
         n = np.asarray(self.space.counts, dtype=np.int64)[src]
-        epoch, pos = draw // n, draw % n
-        out = np.empty(count, dtype=np.int64)
-        for s, e in {(int(a), int(b)) for a, b in zip(src, epoch)}:
-            sel = (src == s) & (epoch == e)
+        epoch, pos = np.divmod(draw, n)
+        out = np.empty(slots.shape, dtype=np.int64)
+        groups = src * (int(epoch.max(initial=0)) + 1) + epoch  # one group per (source, epoch)
+        for g in np.unique(groups).tolist():
+            sel = groups == g
+            s, e = int(src[sel].flat[0]), int(epoch[sel].flat[0])
             out[sel] = self.space.offsets[s] + self._order(s, e)[pos[sel]]
         return out
 
     def next_global(self) -> np.ndarray:
         out = self.indices(self.slot, self.global_batch)
-        self.slot += self.global_batch
+        self.step()
         return out
 
-    def next_ids(self) -> np.ndarray:
-        """This rank's share only: slots are a pure function of their number."""
-        out = self.indices(self.slot + self.dp_rank * self.local_batch, self.local_batch)
+    def plan_ids(self, steps: int) -> np.ndarray:
+        """This rank's slots of the next `steps` global batches, [steps, local_batch] (slots are a
+        pure function of their number)."""
+        lb = self.local_batch
+        first = self.slot + self.dp_rank * lb + np.arange(steps, dtype=np.int64)[:, None] * self.global_batch
+        return self.indices_at(first + np.arange(lb, dtype=np.int64)[None, :])
+
+    def step(self) -> None:
         self.slot += self.global_batch
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),
@@ -260,6 +304,7 @@ class MixtureSampler(DpShare):
                                 "saved position does not apply. Fix: restore with the same data.sources "
                                 "(paths, weights, val_fraction) and train.seed")
         warn_order(state)
+        self._ahead.clear()
         self.slot = int(state["slot"])
 
 
