@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -50,7 +51,7 @@ from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
 from train import packing
 from train.order import ORDER, Permutation, mix_key, warn_order
-from train.reader import Prefetcher, read_windows, staging_dtype
+from train.reader import Alloc, Planned, Prefetcher, plan_reads, read_planned, staging_dtype
 from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, held_out_split
 
 log = logging.getLogger(__name__)
@@ -290,25 +291,31 @@ class TokenLoader:
     def padding_repeats(self) -> int:
         return int(self.sampler.padding_repeats)
 
-    def read_arrays(self, ids: np.ndarray, alloc: Any = None) -> dict[str, np.ndarray]:
-        """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
+    def plan(self, ids: np.ndarray) -> Planned:
+        """The reads of the windows of these sample ids (space indices with `space`), worked out at once."""
         if self.space is None:
             src, sample = np.zeros(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)
         else:
             src, sample = self.space.locate(ids)
-        if alloc is None:
-            return read_windows(self.sources, src, sample, self.seq_len, self.fields)
-        return read_windows(self.sources, src, sample, self.seq_len, self.fields, alloc)
+        return plan_reads(self.sources, src, sample, self.seq_len, self.fields)
+
+    def read_arrays(self, ids: np.ndarray, alloc: Alloc | None = None) -> dict[str, np.ndarray]:
+        """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
+        return read_planned(self.plan(ids), self.sources, 0, len(ids), alloc)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Token windows [len(ids), seq_len+1] (int64) for the given ids."""
         return self.read_arrays(ids)[DATASET].astype(np.int64, copy=False)
 
     def _stage(self, ids: np.ndarray) -> dict[str, Any]:
-        """One batch, {field: [n, seq_len+1]} (the reader thread's work): numpy arrays for a CPU
-        step, else tensors in pinned host memory, read straight into them (no copy to pin)."""
+        """One batch read in the step (no prefetch): as `_staged`."""
+        return self._staged(self.plan(ids), 0, len(ids))
+
+    def _staged(self, plan: Planned, lo: int, hi: int) -> dict[str, Any]:
+        """Rows [lo, hi) of a plan, {field: [n, seq_len+1]}: numpy arrays for a CPU step, else
+        tensors in pinned host memory, read straight into them (no copy to pin)."""
         if str(self.device) == "cpu":
-            return self.read_arrays(ids)
+            return read_planned(plan, self.sources, lo, hi)
         import torch
 
         pinned: dict[str, Any] = {}
@@ -318,8 +325,25 @@ class TokenLoader:
             pinned[name] = t  # the tensor owns the pinned block; the array is a view of it
             return np.asarray(t.numpy())
 
-        self.read_arrays(ids, alloc)
+        read_planned(plan, self.sources, lo, hi, alloc)
         return pinned
+
+    def batches(self, sampler: Any) -> Iterator[tuple[int, np.ndarray, dict[str, Any]]]:
+        """The background reader's work (train/reader.py `Prefetcher`): the sampler's next batches,
+        read, as (stream position, ids, batch), advancing `sampler` (a private copy). The ids of
+        `ahead_steps` batches (about AHEAD_IDS windows) are located and their reads worked out
+        together, in numpy; each batch is then one gather per (file, field) as it is handed out,
+        so what is read ahead stays the prefetcher's bounded queue."""
+        while True:
+            group = []
+            for _ in range(int(sampler.ahead_steps)):
+                position = int(sampler.stream_position)
+                group.append((position, sampler.next_ids()))
+            plan = self.plan(np.concatenate([ids for _, ids in group]))
+            lo = 0
+            for position, ids in group:
+                yield position, ids, self._staged(plan, lo, lo + len(ids))
+                lo += len(ids)
 
     def to_tensors(self, batch: Any) -> tuple[Any, ...]:
         """(inputs, targets) int64 [n, seq_len] from a batch's windows [n, seq_len+1] of any integer
@@ -338,7 +362,7 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[Any, ...]:
         if self.prefetch and self._pre is None:
-            self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
+            self._pre = Prefetcher(self.batches, dataclasses.replace(self.sampler), self.prefetch)
         position = int(self.sampler.stream_position)
         ids = self.sampler.next_ids()
         staged = None
@@ -349,7 +373,7 @@ class TokenLoader:
                 if staged is None:  # it read another way (or failed): restart it from here
                     self.close()
             if staged is None:
-                self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
+                self._pre = Prefetcher(self.batches, dataclasses.replace(self.sampler), self.prefetch)
         batch = staged if staged is not None else self._stage(ids)
         return self.to_tensors(batch)
 

@@ -1,11 +1,14 @@
-"""A step's windows off the disk: contiguous reads, per-token fields, a background prefetch.
+"""A step's windows off the disk: reads worked out for many batches at once, a background prefetch.
 
-`read_windows` reads the windows of a batch's samples. Samples adjacent in a stream (window
-starts seq_len apart: eval's in-order batches, a corpus smaller than the batch) are read as
-one run of m*seq_len+1 tokens and cut into overlapping windows by a strided view, so a run
-costs one read, not m. Every field is read over the same (source, range) as the tokens: a
-per-token array stored beside the tokens (a dataset of that name in the same HDF5 file) comes
-back with the same [n, seq_len+1] shape, row for row.
+`plan_reads` works out the reads of a group of windows in numpy (no Python per window): each
+window's stream start, its shard, and the byte offset of its span in the file (one chunk, or
+two chunks adjacent on disk: every window but a rare straddle). `read_planned` then reads a
+batch's rows with one `TokenFile.gather` per (file, field): a fancy index over a memory map of
+the file, one copy out of the page cache for the whole batch, the GIL released during it
+(`read_into` reads what `gather` cannot: filtered datasets, unallocated chunks). Every field
+is read over the same (source, range) as the tokens: a per-token array stored beside the
+tokens (a dataset of that name in the same HDF5 file) comes back with the same
+[n, seq_len+1] shape, row for row. `read_windows` is both in one call.
 
 `Prefetcher` is the rank's background reader: a thread that runs a copy of the sampler ahead
 of the step and keeps up to `depth` whole batches ready in a bounded queue. It is speculative
@@ -23,8 +26,9 @@ import atexit
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,74 +41,144 @@ def _empty(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dtype)
 
 
-def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
-                 fields: Mapping[str, np.dtype], alloc: Alloc = _empty) -> dict[str, np.ndarray]:
-    """{field: [n, seq_len+1] array of dtype fields[field]} for samples (source src[k], id sample[k]).
+class Gatherer(Protocol):
+    """A token file as `gather` reads it (dslurm.data.tokenize.TokenFile)."""
 
-    `sources` hold `read_into(start, out, name)` and `dtype_of(name)` (TokenFile, TokenSource);
-    `alloc(field, shape, dtype)` gives each output array (pinned host memory for a GPU). A lone
-    window of the output's own dtype is read straight into its row (no copy).
-    """
+    def extents(self, start: np.ndarray, length: int, name: str = ...) -> np.ndarray: ...
+
+    def gather(self, offsets: np.ndarray, length: int, name: str = ...) -> np.ndarray: ...
+
+
+@dataclass(slots=True)
+class Planned:
+    """The reads of a group of windows, worked out at once (numpy over the whole group): for
+    each field, the file and byte offset `gather` reads each window from, or -1 for a window read
+    through its source's `read_into` (a filtered dataset, an unallocated or a distant chunk, a
+    window across two shards, an id outside the source). Rows [lo, hi) are read by `read_planned`."""
+
+    seq_len: int
+    fields: dict[str, np.dtype]
+    src: np.ndarray
+    """source of each window"""
+    start: np.ndarray
+    """first element of each window in its source's stream"""
+    files: list[Gatherer]
+    file: dict[str, np.ndarray]
+    """field -> index into `files` of each window, -1: `read_into`"""
+    offset: dict[str, np.ndarray]
+    """field -> byte offset of each window in its file"""
+    single: dict[str, int]
+    """field -> the one file every window of the group is gathered from, else -1"""
+
+
+def _files_of(source: Any) -> tuple[list[Gatherer], np.ndarray] | None:
+    """(files, first stream element of each and the end) of a source: a TokenSource's shards, a
+    TokenFile itself; None for a source `gather` cannot read (read_into only)."""
+    files = getattr(source, "files", None)
+    if files is not None and all(hasattr(f, "gather") for f in files):
+        return list(files), np.asarray(source.starts, dtype=np.int64)
+    if hasattr(source, "gather"):
+        return [source], np.array([0, int(source.n_tokens)], dtype=np.int64)
+    return None
+
+
+def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
+               fields: Mapping[str, np.dtype]) -> Planned:
+    """The reads of windows (source src[k], sample id sample[k]); see `Planned`."""
+    src, sample = np.asarray(src, dtype=np.int64), np.asarray(sample, dtype=np.int64)
     n, width = len(sample), seq_len + 1
-    out = {name: alloc(name, (n, width), np.dtype(dt)) for name, dt in fields.items()}
-    if n == 0:
-        return out
-    s_sorted, st_sorted, order, bounds = _runs(np.asarray(src, dtype=np.int64),
-                                               np.asarray(sample, dtype=np.int64) * seq_len, seq_len)
-    for name, dt in fields.items():
-        dst = out[name]
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            source = sources[s_sorted[a]]
-            m = b - a
-            disk = source.dtype_of(name)
-            if m == 1 and disk == dst.dtype:
-                source.read_into(st_sorted[a], dst[order[a]], name)
+    start = sample * seq_len
+    files: list[Gatherer] = []
+    file = {name: np.full(n, -1, dtype=np.int64) for name in fields}
+    offset = {name: np.full(n, -1, dtype=np.int64) for name in fields}
+    for s in np.unique(src).tolist():
+        parts = _files_of(sources[s])
+        if parts is None:
+            continue
+        shards, bounds = parts
+        rows = np.flatnonzero(src == s) if len(sources) > 1 else np.arange(n)
+        t = start[rows]
+        f = np.searchsorted(bounds, t, side="right") - 1
+        ok = (f >= 0) & (f < len(shards))
+        ok[ok] &= t[ok] + width <= bounds[f[ok] + 1]  # within one shard (else: read_into)
+        for fi in np.unique(f[ok]).tolist():
+            mine = ok & (f == fi)
+            at, local = rows[mine], t[mine] - bounds[fi]
+            files.append(shards[fi])
+            for name in fields:
+                o = shards[fi].extents(local, width, name)
+                good = o >= 0
+                file[name][at[good]], offset[name][at[good]] = len(files) - 1, o[good]
+    single = {name: (int(f[0]) if n and int(f.min()) == int(f.max()) else -1) for name, f in file.items()}
+    return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start, files, file, offset, single)
+
+
+def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None
+                 ) -> dict[str, np.ndarray]:
+    """{field: [hi-lo, seq_len+1]} of rows [lo, hi) of a plan: one `gather` per (file, field) for
+    the whole rows (the gathered array itself when it already has the field's dtype and no
+    `alloc` is given), `read_into` for the rest."""
+    n, width = hi - lo, plan.seq_len + 1
+    out: dict[str, np.ndarray] = {}
+    for name, dt in plan.fields.items():
+        g = plan.single[name]
+        if g >= 0:
+            rows = plan.files[g].gather(plan.offset[name][lo:hi], width, name)
+            if alloc is None and rows.dtype == dt:
+                out[name] = rows
                 continue
-            flat = np.empty(m * seq_len + 1, dtype=disk)
-            source.read_into(st_sorted[a], flat, name)
-            if m == 1:
-                dst[order[a]] = flat
-            else:  # m overlapping windows of one run, stride seq_len
-                step = flat.strides[0]
-                dst[order[a:b]] = np.lib.stride_tricks.as_strided(flat, (m, width), (seq_len * step, step))
+            dst = (alloc or _empty)(name, (n, width), dt)
+            dst[...] = rows
+            out[name] = dst
+            continue
+        dst = (alloc or _empty)(name, (n, width), dt)
+        f, o = plan.file[name][lo:hi], plan.offset[name][lo:hi]
+        for gi in np.unique(f).tolist():
+            sel = f == gi
+            if gi >= 0:
+                dst[sel] = plan.files[gi].gather(o[sel], width, name)
+                continue
+            for k in np.flatnonzero(sel).tolist():
+                source = sources[int(plan.src[lo + k])]
+                disk = source.dtype_of(name)
+                row = dst[k] if disk == dst.dtype else np.empty(width, dtype=disk)
+                source.read_into(int(plan.start[lo + k]), row, name)
+                dst[k] = row
+        out[name] = dst
     return out
 
 
-def _runs(src: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[list[int], list[int], Any, list[int]]:
-    """Windows sorted by (source, start) and cut into runs of adjacent ones: (sources, starts,
-    order, run bounds), lists. A step's few windows are sorted in Python (numpy's per-call cost
-    is the larger one below a few hundred); a big batch in numpy."""
-    n = len(starts)
-    if n <= 256:
-        sr, st = src.tolist(), starts.tolist()
-        order_l = sorted(range(n), key=lambda k: (sr[k], st[k]))
-        s_sorted, st_sorted = [sr[k] for k in order_l], [st[k] for k in order_l]
-        bounds = [0] + [k for k in range(1, n) if s_sorted[k] != s_sorted[k - 1]
-                        or st_sorted[k] != st_sorted[k - 1] + seq_len] + [n]
-        return s_sorted, st_sorted, np.asarray(order_l, dtype=np.int64), bounds
-    order = np.lexsort((starts, src))
-    s_np, st_np = src[order], starts[order]
-    # a run breaks where the source changes or the next window does not start seq_len later
-    brk = np.flatnonzero((np.diff(s_np) != 0) | (np.diff(st_np) != seq_len)) + 1
-    return s_np.tolist(), st_np.tolist(), order, np.concatenate([[0], brk, [n]]).tolist()
+def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
+                 fields: Mapping[str, np.dtype], alloc: Alloc | None = None) -> dict[str, np.ndarray]:
+    """{field: [n, seq_len+1] array of dtype fields[field]} for samples (source src[k], id sample[k]).
+
+    `sources` hold `read_into(start, out, name)` and `dtype_of(name)` (TokenFile, TokenSource);
+    `alloc(field, shape, dtype)` gives each output array (pinned host memory for a GPU).
+    """
+    return read_planned(plan_reads(sources, src, sample, seq_len, fields), sources, 0, len(sample), alloc)
 
 
 _DONE = object()
 
 
+Batches = Callable[[Any], Iterator[tuple[int, np.ndarray, Any]]]
+"""sampler -> the batches it gives, read: (stream position, ids, payload), advancing the sampler"""
+
+
 class Prefetcher:
     """A thread keeping up to `depth` batches read ahead; `take(position, ids)` -> its payload or None.
 
-    `stage(ids)` reads (and, on a GPU, pins) one batch; `sampler` is a private copy the thread
-    advances (`stream_position`, `next_ids`): the caller's sampler is never touched here.
+    `batches(sampler)` yields (position, ids, payload) for the sampler's next batches, read (and,
+    on a GPU, pinned): `TokenLoader.batches`, which works out the reads of many batches at once.
+    `sampler` is a private copy the thread advances: the caller's sampler is never touched here.
     """
 
-    def __init__(self, stage: Callable[[np.ndarray], Any], sampler: Any, depth: int) -> None:
+    def __init__(self, batches: Batches, sampler: Any, depth: int) -> None:
         if depth < 1:
             raise ValueError(f"prefetch depth {depth} must be >= 1")
         self._queue: queue.Queue[tuple[int, Any, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(stage, sampler), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(batches, sampler), daemon=True,
                                         name="dslurm-prefetch")
         atexit.register(self.close)  # stop the thread before the interpreter tears down h5py
         self._thread.start()
@@ -115,12 +189,10 @@ class Prefetcher:
         self._queue.put(item)
         return not self._stop.is_set()
 
-    def _run(self, stage: Callable[[np.ndarray], Any], sampler: Any) -> None:
+    def _run(self, batches: Batches, sampler: Any) -> None:
         try:
-            while not self._stop.is_set():
-                position = int(sampler.stream_position)
-                ids = sampler.next_ids()
-                if not self._put((position, ids, stage(ids))):
+            for item in batches(sampler):
+                if self._stop.is_set() or not self._put(item):
                     return
         except BaseException as exc:  # handed to the step, which raises it
             self._put((-1, _DONE, exc))

@@ -21,6 +21,7 @@ sees either no file or a complete one (STYLE.md rule 6); the trainer's
 from __future__ import annotations
 
 import datetime as _dt
+import mmap
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -229,6 +230,20 @@ class _Layout:
             self.offsets[c] = off
         return off
 
+    def extents(self, ds: Any, start: np.ndarray, length: int) -> np.ndarray:
+        """The file byte offset of each span [start, start+length) lying in one contiguous extent
+        of the file (one chunk, or two chunks adjacent on disk, as our writers lay them out; any
+        span of a contiguous dataset); -1 for the others (an unallocated or a distant chunk)."""
+        if not self.chunk:
+            return np.full(start.shape, -1, dtype=np.int64) if self.base < 0 else self.base + start * self.itemsize
+        c0, c1 = start // self.chunk, (start + length - 1) // self.chunk
+        for c in np.unique(np.concatenate([c0, c1])[self.offsets[np.concatenate([c0, c1])] == -2]).tolist():
+            self.chunk_offset(ds, c)  # each chunk looked up once per process
+        o0, o1 = self.offsets[c0], self.offsets[c1]
+        span = self.chunk * self.itemsize
+        whole = (o0 >= 0) & ((c1 == c0) | ((c1 == c0 + 1) & (o1 == o0 + span)))
+        return np.where(whole, o0 + (start - c0 * self.chunk) * self.itemsize, -1)
+
 
 class TokenFile:
     """Lazy reader: opens the file on first use, once per process, reads only windows.
@@ -242,6 +257,8 @@ class TokenFile:
     each), the GIL released during the read, so a background reader overlaps the step.
     Any other dataset (compressed, foreign) is read through h5py. `name` selects another
     1-D per-token dataset of the same file (read over the same range as the tokens).
+    A batch's windows are read together by `extents` + `gather` (a memory map, one numpy
+    copy for all of them: the loader's path, train/reader.py); `read_into` reads the rest.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -250,6 +267,9 @@ class TokenFile:
         self._fd = -1
         self._pid = -1
         self._open: dict[str, tuple[Any, _Layout | None, np.dtype]] = {}
+        self._map: mmap.mmap | None = None
+        self._bytes = np.empty(0, dtype=np.uint8)
+        self._rows: dict[int, np.ndarray] = {}
         self.info = read_info(self.path)
         self._dtype = np.dtype(self.info.dtype)
 
@@ -275,6 +295,7 @@ class TokenFile:
 
             self._file = h5py.File(self.path, "r")
             self._fd = os.open(self.path, os.O_RDONLY)
+            self._map, self._rows = None, {}
             self._pid = os.getpid()
             self._open = {}
         return self._file[name]
@@ -316,6 +337,46 @@ class TokenFile:
                 _pread(self._fd, piece, off + (pos - c * lay.chunk) * size)
             pos += take
 
+    def extents(self, start: np.ndarray, length: int, name: str = DATASET) -> np.ndarray:
+        """For `gather`: the file byte offset of each span [start[k], start[k]+length) of dataset
+        `name`, vectorised; -1 where `gather` cannot read the span (outside the dataset, an
+        unallocated chunk or one apart from its neighbour, a dataset h5py must decode): read
+        those with `read_into`."""
+        start = np.asarray(start, dtype=np.int64)
+        out = np.full(start.shape, -1, dtype=np.int64)
+        ds, lay, dtype = self._layout(name)
+        inside = (start >= 0) & (start + length <= self.n_tokens)
+        if lay is None or not inside.any():
+            return out
+        out[inside] = lay.extents(ds, start[inside], length)
+        out[out + length * dtype.itemsize > self._mapped().size] = -1  # a truncated file
+        return out
+
+    def gather(self, offsets: np.ndarray, length: int, name: str = DATASET) -> np.ndarray:
+        """[len(offsets), length] elements of dataset `name` at these byte offsets (`extents`, all
+        >= 0): one numpy fancy index over a read-only memory map of the file, viewed as one row
+        of `length` elements at every byte offset, so a whole batch of windows is one copy out of
+        the page cache (numpy releases the GIL for it) and no Python runs per window."""
+        dtype = self.dtype_of(name)
+        width = length * dtype.itemsize
+        rows = self._rows.get(width)
+        if rows is None:
+            flat = self._mapped()
+            rows = self._rows[width] = np.lib.stride_tricks.as_strided(
+                flat, (max(0, flat.size - width + 1), width), (1, 1), writeable=False)
+        out: np.ndarray = rows[offsets].view(dtype)
+        return out
+
+    def _mapped(self) -> np.ndarray:
+        """The file's bytes, memory-mapped read-only once per process (after `_dataset` opened it)."""
+        if self._map is not None and self._pid == os.getpid():
+            return self._bytes
+        self._dataset()
+        if self._map is None:
+            self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
+            self._bytes, self._rows = np.frombuffer(self._map, dtype=np.uint8), {}
+        return self._bytes
+
     def window(self, start: int, length: int, name: str = DATASET) -> np.ndarray:
         """Tokens [start, start+length) as int64 (or, by `name`, a dataset beside them)."""
         buf = np.empty(length, dtype=self.dtype_of(name))
@@ -324,9 +385,16 @@ class TokenFile:
 
     def close(self) -> None:
         if self._file is not None and self._pid == os.getpid():
+            self._rows, self._bytes = {}, np.empty(0, dtype=np.uint8)
+            if self._map is not None:
+                try:
+                    self._map.close()
+                except BufferError:  # a caller still holds a view of it: the collector closes it
+                    pass
             self._file.close()
             os.close(self._fd)
-        self._file, self._fd, self._open = None, -1, {}
+        self._file, self._fd, self._open, self._map = None, -1, {}, None
+        self._rows, self._bytes = {}, np.empty(0, dtype=np.uint8)
 
 
 def _pread(fd: int, out: np.ndarray, offset: int) -> None:

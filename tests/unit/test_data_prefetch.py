@@ -51,17 +51,17 @@ def test_direct_reads_equal_h5py_across_chunks_layouts_and_fields(tmp_path):
         tf.read_into(4990, np.empty(17, np.uint16))
 
 
-def test_adjacent_samples_are_one_run_and_every_field_follows_the_tokens(tmp_path, mocker):
+def test_a_batch_is_one_gather_per_field_and_every_field_follows_the_tokens(tmp_path, mocker):
     tokens = np.arange(1000) % 251
     tk._write_atomic(tmp_path / "a.h5", [tokens], vocab_size=256, seq_len=0, source="t")
     with h5py.File(tmp_path / "a.h5", "a") as f:
         f.create_dataset("loss_mask", data=(tokens % 3 == 0).astype(np.uint8))
     src = TokenSource(tmp_path / "a.h5", where="w")
-    spy = mocker.spy(src.files[0], "read_into")
-    sample = np.array([7, 3, 4, 5, 20])  # 3, 4, 5 adjacent: one run
+    gather, read_into = mocker.spy(src.files[0], "gather"), mocker.spy(src.files[0], "read_into")
+    sample = np.array([7, 3, 4, 5, 20])  # 3, 4, 5 adjacent (overlapping by a token)
     got = read_windows([src], np.zeros(5, np.int64), sample, 10, {"tokens": np.dtype(np.int64),
                                                                   "loss_mask": np.dtype(np.uint8)})
-    assert spy.call_count == 2 * 3  # (run 3-5, 7, 20) x 2 fields
+    assert gather.call_count == 2 and read_into.call_count == 0  # the whole batch, per field: one copy
     for row, i in enumerate(sample):
         assert got["tokens"][row].tolist() == tokens[i * 10:i * 10 + 11].tolist()
         assert got["loss_mask"][row].tolist() == (tokens[i * 10:i * 10 + 11] % 3 == 0).tolist()
