@@ -143,6 +143,7 @@ def loader_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[flo
         loader.next_batch()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     loader.close()
+    _close(loader)  # a mapped page is not evicted: the cold reader must not find the first pass's pages
     drop_cache(*evict)
     reader = make_loader(resolved, 3, DP, rank=3)
     if reader.prefetch:
@@ -159,8 +160,43 @@ def loader_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[flo
     for _ in range(steps):
         one()
     r_wall, r_cpu = time.perf_counter() - t1, time.process_time() - c1
+    _close(reader)
     tokens = steps * loader.local_batch * loader.seq_len
     return tokens / wall, tokens / cpu, tokens / r_wall, tokens / r_cpu
+
+
+def _close(loader) -> None:
+    for source in loader.sources:
+        for f in source.files:
+            f.close()
+
+
+def floor_rate(resolved, steps: int) -> float:
+    """The same windows as the single file's reader reads (its first `steps` batches), with nothing
+    but the reads: tokens/s of one bare `os.preadv` per window into a reused buffer, the offsets
+    listed before the clock starts. What random seq_len windows cost this machine's page cache:
+    the floor under any loader that reads them one call each."""
+    import dataclasses
+
+    from train.data import make_loader
+
+    loader = make_loader(resolved, 3, DP, rank=3)
+    sampler = dataclasses.replace(loader.sampler)
+    plan = loader.plan(np.concatenate([sampler.next_ids() for _ in range(steps)]))
+    offsets = plan.offset["tokens"]
+    assert (offsets >= 0).mean() > 0.95, "the floor is of the windows the reader gathers"
+    off, width = offsets[offsets >= 0].tolist(), (loader.seq_len + 1) * 2
+    buf = memoryview(bytearray(width))
+    fd = os.open(loader.sources[0].files[0].path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        for o in off:
+            os.preadv(fd, [buf], o)
+        bare = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    _close(loader)
+    return len(off) * loader.seq_len / bare
 
 
 def _check(loader, item) -> None:
@@ -236,6 +272,8 @@ def main() -> None:
                   for _ in range(args.rounds)]
         raws[name] = tuple(tuple(max(r[i][j] for r in rounds) for j in range(2)) for i in range(2))
         rates[name] = tuple(max(r[2][j] for r in rounds) for j in range(4))
+        if name == "single file, prefetch 2":
+            floor = max(floor_rate(_resolved(tmp, *sets), args.steps) for _ in range(args.rounds))
     read_s = LOCAL * SEQ / rates["single file, prefetch 0 (reads in the step)"][0]
     wait_steps = max(20, args.steps // 10)
     waits = {k: data_wait(_resolved(tmp, f"data.path={single}", f"data.prefetch={k}"), wait_steps, 2 * read_s)
@@ -259,6 +297,10 @@ def main() -> None:
     print(f"| single file from the disk ({evicted:.0%} evicted first), prefetch 2 | {cold[0]:,.0f} / {cold[1]:,.0f} | "
           f"**{cold[0] / GPU_TOKENS_S:,.0f}x** | {cold[2]:,.0f} / {cold[3]:,.0f} | (against the disk read, "
           f"`readinto`) | **{cold[2] / raw_cold[0]:.2f}x** / {cold[3] / raw_cold[1]:.2f}x |")
+    (_, _), (uw, _) = raws["single file, prefetch 2"]
+    print(f"floor, the single file reader's windows with nothing but one bare `os.preadv` each (page-cached): "
+          f"{floor:,.0f} tokens/s, **{floor / uw:.2f}x** raw `readinto`; the reader is "
+          f"**{rates['single file, prefetch 2'][2] / floor:.2f}x** the floor")
     print(f"step's data wait, the step computing {2 * read_s * 1e3:.2f} ms (2x a batch's read): "
           f"prefetch 0 {waits[0] * 1e3:.3f} ms, prefetch 2 {waits[2] * 1e3:.3f} ms per step")
     worst = min(r[0] for name, r in rates.items() if "prefetch 2" in name)

@@ -154,6 +154,19 @@ class GlobalBatchSampler(DpShare):
         """Advance by one global batch (what `next_global` and `next_ids` do besides their ids)."""
         self._advance()
 
+    def advance(self, steps: int) -> None:
+        """`steps` global batches at once, in closed form: the stream moves steps*B on, and the pad
+        repeats consumed are the stream indices passed whose epoch position is >= num_samples."""
+        length, n = self.epoch_length, self.num_samples
+
+        def pads(q: int) -> int:  # pad slots in stream indices [0, q)
+            return q // length * (length - n) + max(0, q % length - n) if length > n else 0
+
+        at = self.stream_position
+        end = at + steps * self.global_batch
+        self.padding_repeats += pads(end) - pads(at)
+        self.epoch, self.position = divmod(end, length)
+
     def state_dict(self) -> dict[str, Any]:
         """Plain ints and strings: safe for json, torch.save and DCP's non-tensor state."""
         return {"epoch": self.epoch, "position": self.position,
@@ -335,15 +348,10 @@ class TokenLoader:
         together, in numpy; each batch is then one gather per (file, field) as it is handed out,
         so what is read ahead stays the prefetcher's bounded queue."""
         while True:
-            group = []
-            for _ in range(int(sampler.ahead_steps)):
-                position = int(sampler.stream_position)
-                group.append((position, sampler.next_ids()))
-            plan = self.plan(np.concatenate([ids for _, ids in group]))
-            lo = 0
-            for position, ids in group:
-                yield position, ids, self._staged(plan, lo, lo + len(ids))
-                lo += len(ids)
+            positions, ids = sampler.take(int(sampler.ahead_steps))
+            plan, lb = self.plan(ids.reshape(-1)), ids.shape[1]
+            for k, position in enumerate(positions):
+                yield position, ids[k], self._staged(plan, k * lb, (k + 1) * lb)
 
     def to_tensors(self, batch: Any) -> tuple[Any, ...]:
         """(inputs, targets) int64 [n, seq_len] from a batch's windows [n, seq_len+1] of any integer

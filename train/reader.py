@@ -3,12 +3,12 @@
 `plan_reads` works out the reads of a group of windows in numpy (no Python per window): each
 window's stream start, its shard, and the byte offset of its span in the file (one chunk, or
 two chunks adjacent on disk: every window but a rare straddle). `read_planned` then reads a
-batch's rows with one `TokenFile.gather` per (file, field): a fancy index over a memory map of
-the file, one copy out of the page cache for the whole batch, the GIL released during it
-(`read_into` reads what `gather` cannot: filtered datasets, unallocated chunks). Every field
-is read over the same (source, range) as the tokens: a per-token array stored beside the
-tokens (a dataset of that name in the same HDF5 file) comes back with the same
-[n, seq_len+1] shape, row for row. `read_windows` is both in one call.
+batch's rows: one `os.preadv` per window straight into its row (`TokenFile.gather`), the GIL
+released during each; `read_into` reads what `gather` cannot (filtered datasets, unallocated
+chunks, a window across two shards). Every field is read over the same (source, range) as
+the tokens: a per-token array stored beside the tokens (a dataset of that name in the same
+HDF5 file) comes back with the same [n, seq_len+1] shape, row for row. `read_windows` is
+both in one call.
 
 `Prefetcher` is the rank's background reader: a thread that runs a copy of the sampler ahead
 of the step and keeps up to `depth` whole batches ready in a bounded queue. It is speculative
@@ -23,6 +23,7 @@ read again after the restore, and none is skipped or trained on twice.
 from __future__ import annotations
 
 import atexit
+import bisect
 import queue
 import threading
 import time
@@ -46,7 +47,9 @@ class Gatherer(Protocol):
 
     def extents(self, start: np.ndarray, length: int, name: str = ...) -> np.ndarray: ...
 
-    def gather(self, offsets: np.ndarray, length: int, name: str = ...) -> np.ndarray: ...
+    def gather(self, offsets: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None: ...
+
+    def dtype_of(self, name: str = ...) -> np.dtype: ...
 
 
 @dataclass(slots=True)
@@ -68,7 +71,9 @@ class Planned:
     offset: dict[str, np.ndarray]
     """field -> byte offset of each window in its file"""
     single: dict[str, int]
-    """field -> the one file every window of the group is gathered from, else -1"""
+    """field -> the file most windows are gathered from (-1: none)"""
+    odd: dict[str, list[int]]
+    """field -> the windows (ascending) not gathered from `single`: a batch without any is one call"""
 
 
 def _files_of(source: Any) -> tuple[list[Gatherer], np.ndarray] | None:
@@ -109,43 +114,56 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
                 o = shards[fi].extents(local, width, name)
                 good = o >= 0
                 file[name][at[good]], offset[name][at[good]] = len(files) - 1, o[good]
-    single = {name: (int(f[0]) if n and int(f.min()) == int(f.max()) else -1) for name, f in file.items()}
-    return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start, files, file, offset, single)
+    single, odd = {}, {}
+    for name, f in file.items():
+        values, counts = np.unique(f, return_counts=True)
+        single[name] = int(values[np.argmax(counts)]) if n else -1
+        odd[name] = np.flatnonzero(f != single[name]).tolist()
+    return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start, files, file, offset,
+                   single, odd)
 
 
 def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None
                  ) -> dict[str, np.ndarray]:
-    """{field: [hi-lo, seq_len+1]} of rows [lo, hi) of a plan: one `gather` per (file, field) for
-    the whole rows (the gathered array itself when it already has the field's dtype and no
-    `alloc` is given), `read_into` for the rest."""
+    """{field: [hi-lo, seq_len+1]} of rows [lo, hi) of a plan: each window read straight into its
+    row by its file's `gather` (through a scratch of the disk's dtype when the field's differs),
+    `read_into` for the rest."""
     n, width = hi - lo, plan.seq_len + 1
     out: dict[str, np.ndarray] = {}
     for name, dt in plan.fields.items():
-        g = plan.single[name]
-        if g >= 0:
-            rows = plan.files[g].gather(plan.offset[name][lo:hi], width, name)
-            if alloc is None and rows.dtype == dt:
-                out[name] = rows
-                continue
-            dst = (alloc or _empty)(name, (n, width), dt)
-            dst[...] = rows
-            out[name] = dst
-            continue
         dst = (alloc or _empty)(name, (n, width), dt)
+        out[name] = dst
+        g, odd = plan.single[name], plan.odd[name]
+        first = bisect.bisect_left(odd, lo)
+        if g >= 0 and (first == len(odd) or odd[first] >= hi):  # the common case: one file, one call
+            _gather(plan.files[g], name, plan.offset[name][lo:hi], dst, None)
+            continue
         f, o = plan.file[name][lo:hi], plan.offset[name][lo:hi]
         for gi in np.unique(f).tolist():
-            sel = f == gi
+            at = np.flatnonzero(f == gi)
             if gi >= 0:
-                dst[sel] = plan.files[gi].gather(o[sel], width, name)
+                _gather(plan.files[gi], name, o[at], dst, at)
                 continue
-            for k in np.flatnonzero(sel).tolist():
+            for k in at.tolist():
                 source = sources[int(plan.src[lo + k])]
                 disk = source.dtype_of(name)
                 row = dst[k] if disk == dst.dtype else np.empty(width, dtype=disk)
                 source.read_into(int(plan.start[lo + k]), row, name)
                 dst[k] = row
-        out[name] = dst
     return out
+
+
+def _gather(file: Gatherer, name: str, offsets: np.ndarray, dst: np.ndarray, rows: np.ndarray | None) -> None:
+    disk = file.dtype_of(name)
+    if disk == dst.dtype:
+        file.gather(offsets, dst, rows)
+        return
+    scratch = np.empty((len(offsets), dst.shape[1]), dtype=disk)
+    file.gather(offsets, scratch)
+    if rows is None:
+        dst[...] = scratch
+    else:
+        dst[rows] = scratch
 
 
 def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,

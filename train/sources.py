@@ -183,6 +183,17 @@ class DpShare:
         """Advance by one global batch."""
         raise NotImplementedError
 
+    def advance(self, steps: int) -> None:
+        """Advance by `steps` global batches at once (as `steps` calls of `step`)."""
+        raise NotImplementedError
+
+    def take(self, steps: int) -> tuple[list[int], np.ndarray]:
+        """The next `steps` steps at once, advancing past them: (the stream position of each,
+        [steps, local_batch] ids). What the background reader takes (its own copy of the sampler)."""
+        at, plan = self.stream_position, self.plan_ids(steps)
+        self.advance(steps)
+        return [at + k * self.global_batch for k in range(steps)], plan
+
     @property
     def stream_position(self) -> int:
         raise NotImplementedError
@@ -287,6 +298,9 @@ class MixtureSampler(DpShare):
 
     def step(self) -> None:
         self.slot += self.global_batch
+
+    def advance(self, steps: int) -> None:
+        self.slot += steps * self.global_batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),
