@@ -153,7 +153,7 @@ class MixtureSchedule:
         return src, draw
 
 
-AHEAD_IDS = 1024
+AHEAD_IDS = 4096
 """A rank's ids are computed for about this many samples at once (`DpShare.next_ids`): numpy's
 per-call cost, not the hashing, is what a step's few ids would pay one step at a time."""
 

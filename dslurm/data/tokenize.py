@@ -354,7 +354,7 @@ class TokenFile:
         (A read-only memory map copied with one fancy index measured slower on a window's first
         touch, its page faults costing more than the calls, and turns an I/O error into SIGBUS.)"""
         width = out.shape[1] * out.dtype.itemsize
-        view = memoryview(out).cast("B")
+        view = memoryview(out.data).cast("B")  # C-contiguous: rows end to end
         if self._pid != os.getpid() or self._file is None:
             self._dataset()  # open in this process (the descriptor of this process)
         fd = self._fd
