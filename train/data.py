@@ -345,7 +345,7 @@ class TokenLoader:
         """The background reader's work (train/reader.py `Prefetcher`): the sampler's next batches,
         read, as (stream position, ids, batch), advancing `sampler` (a private copy). The ids of
         `ahead_steps` batches (about AHEAD_IDS windows) are located and their reads worked out
-        together, in numpy; each batch is then one gather per (file, field) as it is handed out,
+        together, in numpy; each batch is then read (one `os.preadv` per window) as it is handed out,
         so what is read ahead stays the prefetcher's bounded queue."""
         while True:
             positions, ids = sampler.take(int(sampler.ahead_steps))

@@ -3,9 +3,9 @@
 `plan_reads` works out the reads of a group of windows in numpy (no Python per window): each
 window's stream start, its shard, and the byte offset of its span in the file (one chunk, or
 two chunks adjacent on disk: every window but a rare straddle). `read_planned` then reads a
-batch's rows: one `os.preadv` per window straight into its row (`TokenFile.gather`), the GIL
-released during each; `read_into` reads what `gather` cannot (filtered datasets, unallocated
-chunks, a window across two shards). Every field is read over the same (source, range) as
+batch's rows: one `os.preadv` per window straight into its row, whatever shard it is in, the
+GIL released during each; `read_into` reads the rest (filtered datasets, unallocated chunks,
+a window across two shards). Every field is read over the same (source, range) as
 the tokens: a per-token array stored beside the tokens (a dataset of that name in the same
 HDF5 file) comes back with the same [n, seq_len+1] shape, row for row. `read_windows` is
 both in one call.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import os
 import queue
 import threading
 import time
@@ -43,11 +44,11 @@ def _empty(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 class Gatherer(Protocol):
-    """A token file as `gather` reads it (dslurm.data.tokenize.TokenFile)."""
+    """A token file as the planned reads use it (dslurm.data.tokenize.TokenFile)."""
 
     def extents(self, start: np.ndarray, length: int, name: str = ...) -> np.ndarray: ...
 
-    def gather(self, offsets: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None: ...
+    def fileno(self) -> int: ...
 
     def dtype_of(self, name: str = ...) -> np.dtype: ...
 
@@ -55,9 +56,10 @@ class Gatherer(Protocol):
 @dataclass(slots=True)
 class Planned:
     """The reads of a group of windows, worked out at once (numpy over the whole group): for
-    each field, the file and byte offset `gather` reads each window from, or -1 for a window read
-    through its source's `read_into` (a filtered dataset, an unallocated or a distant chunk, a
-    window across two shards, an id outside the source). Rows [lo, hi) are read by `read_planned`."""
+    each field, the descriptor and byte offset of each window's span, for one `os.preadv`, or a
+    window read through its source's `read_into` (`odd`: a filtered dataset, an unallocated or a
+    distant chunk, a window across two shards, an id outside the source). Rows [lo, hi) are
+    read by `read_planned`."""
 
     seq_len: int
     fields: dict[str, np.dtype]
@@ -65,24 +67,23 @@ class Planned:
     """source of each window"""
     start: np.ndarray
     """first element of each window in its source's stream"""
-    files: list[Gatherer]
-    file: dict[str, np.ndarray]
-    """field -> index into `files` of each window, -1: `read_into`"""
-    offset: dict[str, np.ndarray]
-    """field -> byte offset of each window in its file"""
-    single: dict[str, int]
-    """field -> the file most windows are gathered from (-1: none)"""
+    fd: dict[str, list[int]]
+    """field -> each window's file descriptor (-1: `read_into`)"""
+    offset: dict[str, list[int]]
+    """field -> each window's byte offset in its file"""
     odd: dict[str, list[int]]
-    """field -> the windows (ascending) not gathered from `single`: a batch without any is one call"""
+    """field -> the windows (ascending) read by `read_into`: a batch without any is one plain loop"""
+    direct: dict[str, bool]
+    """field -> every file holds it in the field's dtype (else each read goes through a scratch row)"""
 
 
 def _files_of(source: Any) -> tuple[list[Gatherer], np.ndarray] | None:
     """(files, first stream element of each and the end) of a source: a TokenSource's shards, a
     TokenFile itself; None for a source `gather` cannot read (read_into only)."""
     files = getattr(source, "files", None)
-    if files is not None and all(hasattr(f, "gather") for f in files):
+    if files is not None and all(hasattr(f, "extents") for f in files):
         return list(files), np.asarray(source.starts, dtype=np.int64)
-    if hasattr(source, "gather"):
+    if hasattr(source, "extents"):
         return [source], np.array([0, int(source.n_tokens)], dtype=np.int64)
     return None
 
@@ -93,9 +94,9 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
     src, sample = np.asarray(src, dtype=np.int64), np.asarray(sample, dtype=np.int64)
     n, width = len(sample), seq_len + 1
     start = sample * seq_len
-    files: list[Gatherer] = []
-    file = {name: np.full(n, -1, dtype=np.int64) for name in fields}
+    fd = {name: np.full(n, -1, dtype=np.int64) for name in fields}
     offset = {name: np.full(n, -1, dtype=np.int64) for name in fields}
+    direct = {name: True for name in fields}
     for s in np.unique(src).tolist():
         parts = _files_of(sources[s])
         if parts is None:
@@ -108,62 +109,60 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
         ok[ok] &= t[ok] + width <= bounds[f[ok] + 1]  # within one shard (else: read_into)
         for fi in np.unique(f[ok]).tolist():
             mine = ok & (f == fi)
-            at, local = rows[mine], t[mine] - bounds[fi]
-            files.append(shards[fi])
-            for name in fields:
-                o = shards[fi].extents(local, width, name)
+            at, local, shard = rows[mine], t[mine] - bounds[fi], shards[fi]
+            for name, dt in fields.items():
+                o = shard.extents(local, width, name)
                 good = o >= 0
-                file[name][at[good]], offset[name][at[good]] = len(files) - 1, o[good]
-    single, odd = {}, {}
-    for name, f in file.items():
-        values, counts = np.unique(f, return_counts=True)
-        single[name] = int(values[np.argmax(counts)]) if n else -1
-        odd[name] = np.flatnonzero(f != single[name]).tolist()
-    return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start, files, file, offset,
-                   single, odd)
+                fd[name][at[good]], offset[name][at[good]] = shard.fileno(), o[good]
+                direct[name] &= bool(shard.dtype_of(name) == dt)
+    return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start,
+                   {k: v.tolist() for k, v in fd.items()}, {k: v.tolist() for k, v in offset.items()},
+                   {k: np.flatnonzero(v < 0).tolist() for k, v in fd.items()}, direct)
 
 
 def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None
                  ) -> dict[str, np.ndarray]:
-    """{field: [hi-lo, seq_len+1]} of rows [lo, hi) of a plan: each window read straight into its
-    row by its file's `gather` (through a scratch of the disk's dtype when the field's differs),
-    `read_into` for the rest."""
+    """{field: [hi-lo, seq_len+1]} of rows [lo, hi) of a plan: one `os.preadv` per window straight
+    into its row (through a scratch row when a file's dtype is not the field's), `read_into` for
+    the plan's odd windows."""
     n, width = hi - lo, plan.seq_len + 1
     out: dict[str, np.ndarray] = {}
     for name, dt in plan.fields.items():
         dst = (alloc or _empty)(name, (n, width), dt)
         out[name] = dst
-        g, odd = plan.single[name], plan.odd[name]
-        first = bisect.bisect_left(odd, lo)
-        if g >= 0 and (first == len(odd) or odd[first] >= hi):  # the common case: one file, one call
-            _gather(plan.files[g], name, plan.offset[name][lo:hi], dst, None)
-            continue
-        f, o = plan.file[name][lo:hi], plan.offset[name][lo:hi]
-        for gi in np.unique(f).tolist():
-            at = np.flatnonzero(f == gi)
-            if gi >= 0:
-                _gather(plan.files[gi], name, o[at], dst, at)
-                continue
-            for k in at.tolist():
-                source = sources[int(plan.src[lo + k])]
-                disk = source.dtype_of(name)
-                row = dst[k] if disk == dst.dtype else np.empty(width, dtype=disk)
-                source.read_into(int(plan.start[lo + k]), row, name)
-                dst[k] = row
+        odd = plan.odd[name]
+        a, b = bisect.bisect_left(odd, lo), bisect.bisect_left(odd, hi)
+        if plan.direct[name]:
+            _preadv_rows(dst, plan.fd[name][lo:hi], plan.offset[name][lo:hi])
+        else:
+            for k in range(n):
+                if plan.fd[name][lo + k] >= 0:
+                    row = np.empty((1, width), dtype=sources[int(plan.src[lo + k])].dtype_of(name))
+                    _preadv_rows(row, plan.fd[name][lo + k:lo + k + 1], plan.offset[name][lo + k:lo + k + 1])
+                    dst[k] = row[0]
+        for k in odd[a:b]:
+            source = sources[int(plan.src[k])]
+            disk = source.dtype_of(name)
+            row = dst[k - lo] if disk == dst.dtype else np.empty(width, dtype=disk)
+            source.read_into(int(plan.start[k]), row, name)
+            dst[k - lo] = row
     return out
 
 
-def _gather(file: Gatherer, name: str, offsets: np.ndarray, dst: np.ndarray, rows: np.ndarray | None) -> None:
-    disk = file.dtype_of(name)
-    if disk == dst.dtype:
-        file.gather(offsets, dst, rows)
-        return
-    scratch = np.empty((len(offsets), dst.shape[1]), dtype=disk)
-    file.gather(offsets, scratch)
-    if rows is None:
-        dst[...] = scratch
-    else:
-        dst[rows] = scratch
+def _preadv_rows(dst: np.ndarray, fds: list[int], offsets: list[int]) -> None:
+    """Row k of `dst` (C-contiguous) from descriptor fds[k] at byte offsets[k]; fd -1: left alone."""
+    width = dst.shape[1] * dst.dtype.itemsize
+    view = memoryview(dst.data).cast("B")  # rows end to end
+    at = 0
+    for fd, off in zip(fds, offsets):
+        if fd >= 0:
+            piece, got = view[at:at + width], 0
+            while got < width:  # once, but for a short read
+                more = os.preadv(fd, [piece[got:] if got else piece], off + got)
+                if more <= 0:
+                    raise OSError(f"short read: {got} of {width} bytes at offset {off} (a truncated file?)")
+                got += more
+        at += width
 
 
 def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,

@@ -256,8 +256,8 @@ class TokenFile:
     each), the GIL released during the read, so a background reader overlaps the step.
     Any other dataset (compressed, foreign) is read through h5py. `name` selects another
     1-D per-token dataset of the same file (read over the same range as the tokens).
-    A batch's windows are read by `extents` (their file offsets, vectorised over many batches)
-    and `gather` (the loader's path, train/reader.py); `read_into` reads the rest.
+    The loader's batches (train/reader.py) take their windows' file offsets from `extents`,
+    vectorised over many batches, and read each with one `os.preadv` through `fileno()`.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -333,10 +333,14 @@ class TokenFile:
             pos += take
 
     def extents(self, start: np.ndarray, length: int, name: str = DATASET) -> np.ndarray:
-        """For `gather`: the file byte offset of each span [start[k], start[k]+length) of dataset
-        `name`, vectorised; -1 where `gather` cannot read the span (outside the dataset, an
-        unallocated chunk or one apart from its neighbour, a dataset h5py must decode): read
-        those with `read_into`."""
+        """The file byte offset of each span [start[k], start[k]+length) of dataset `name`, for
+        one `os.preadv` each through `fileno()`, vectorised; -1 where one read cannot do (outside
+        the dataset, an unallocated chunk or one apart from its neighbour, a dataset h5py must
+        decode): read those with `read_into`.
+
+        A read-only memory map gathered with one numpy fancy index per batch was measured too:
+        slower here on a window's first touch (its page faults cost more than the calls), and
+        it turns an I/O error into SIGBUS."""
         start = np.asarray(start, dtype=np.int64)
         out = np.full(start.shape, -1, dtype=np.int64)
         ds, lay, _ = self._layout(name)
@@ -346,23 +350,12 @@ class TokenFile:
         out[inside] = lay.extents(ds, start[inside], length)
         return out
 
-    def gather(self, offsets: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
-        """Read the span at byte offset offsets[k] (`extents`, all >= 0) into row rows[k] of `out`
-        (default row k): `out` is [n, length], C-contiguous, of the dataset's dtype. One
-        `os.preadv` per span straight into its row, the GIL released during each; the offsets
-        were worked out for the whole group at once, so no Python runs per window but the call.
-        (A read-only memory map copied with one fancy index measured slower on a window's first
-        touch, its page faults costing more than the calls, and turns an I/O error into SIGBUS.)"""
-        width = out.shape[1] * out.dtype.itemsize
-        view = memoryview(out.data).cast("B")  # C-contiguous: rows end to end
+    def fileno(self) -> int:
+        """The descriptor `extents`' offsets are read through (train/reader.py: one `os.preadv`
+        per window, straight into its row), opened in this process."""
         if self._pid != os.getpid() or self._file is None:
-            self._dataset()  # open in this process (the descriptor of this process)
-        fd = self._fd
-        at = range(len(offsets)) if rows is None else rows.tolist()
-        for r, off in zip(at, offsets.tolist()):
-            piece = view[r * width:(r + 1) * width]
-            if os.preadv(fd, [piece], off) != width:  # a short read: finish it, or say the file is short
-                _pread(fd, np.frombuffer(piece, dtype=np.uint8), off)
+            self._dataset()
+        return self._fd
 
     def window(self, start: int, length: int, name: str = DATASET) -> np.ndarray:
         """Tokens [start, start+length) as int64 (or, by `name`, a dataset beside them)."""

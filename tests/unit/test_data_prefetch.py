@@ -52,17 +52,17 @@ def test_direct_reads_equal_h5py_across_chunks_layouts_and_fields(tmp_path):
         tf.read_into(4990, np.empty(17, np.uint16))
 
 
-def test_a_batch_is_one_gather_per_field_and_every_field_follows_the_tokens(tmp_path, mocker):
+def test_a_batch_reads_past_hdf5_and_every_field_follows_the_tokens(tmp_path, mocker):
     tokens = np.arange(1000) % 251
     tk._write_atomic(tmp_path / "a.h5", [tokens], vocab_size=256, seq_len=0, source="t")
     with h5py.File(tmp_path / "a.h5", "a") as f:
         f.create_dataset("loss_mask", data=(tokens % 3 == 0).astype(np.uint8))
     src = TokenSource(tmp_path / "a.h5", where="w")
-    gather, read_into = mocker.spy(src.files[0], "gather"), mocker.spy(src.files[0], "read_into")
+    extents, read_into = mocker.spy(src.files[0], "extents"), mocker.spy(src.files[0], "read_into")
     sample = np.array([7, 3, 4, 5, 20])  # 3, 4, 5 adjacent (overlapping by a token)
     got = read_windows([src], np.zeros(5, np.int64), sample, 10, {"tokens": np.dtype(np.int64),
                                                                   "loss_mask": np.dtype(np.uint8)})
-    assert gather.call_count == 2 and read_into.call_count == 0  # the whole batch, per field: one copy
+    assert extents.call_count == 2 and read_into.call_count == 0  # per field, the whole batch's offsets at once
     for row, i in enumerate(sample):
         assert got["tokens"][row].tolist() == tokens[i * 10:i * 10 + 11].tolist()
         assert got["loss_mask"][row].tolist() == (tokens[i * 10:i * 10 + 11] % 3 == 0).tolist()
@@ -168,6 +168,6 @@ def test_gathered_batches_equal_h5py_across_chunks_gaps_holes_shards_and_dtypes(
                 assert got["mask"][row].tolist() == (tokens[i * seq:i * seq + seq + 1] % 2).tolist()
         assert got["tokens"].dtype == fields["tokens"]
     plan = plan_reads([src], np.zeros(len(sample), np.int64), sample, seq, {"tokens": np.dtype(np.uint16)})
-    slow = set(sample[plan.file["tokens"] < 0].tolist())
+    slow = set(sample[plan.odd["tokens"]].tolist())
     # to read_into: across chunks 4|5 (apart on disk), into or out of the hole, across the shards
     assert {29, 41, 44, 47, 79} <= slow and not {0, 3, 100} & slow
