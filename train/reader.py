@@ -150,19 +150,26 @@ def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: All
 
 
 def _preadv_rows(dst: np.ndarray, fds: list[int], offsets: list[int]) -> None:
-    """Row k of `dst` (C-contiguous) from descriptor fds[k] at byte offsets[k]; fd -1: left alone."""
+    """Row k of `dst` (C-contiguous) from descriptor fds[k] at byte offsets[k]; fd -1: left alone.
+    The loop is the reader's only Python per window: kept to the call."""
     width = dst.shape[1] * dst.dtype.itemsize
     view = memoryview(dst.data).cast("B")  # rows end to end
-    at = 0
+    preadv, at = os.preadv, 0
     for fd, off in zip(fds, offsets):
-        if fd >= 0:
-            piece, got = view[at:at + width], 0
-            while got < width:  # once, but for a short read
-                more = os.preadv(fd, [piece[got:] if got else piece], off + got)
-                if more <= 0:
-                    raise OSError(f"short read: {got} of {width} bytes at offset {off} (a truncated file?)")
-                got += more
+        if fd >= 0 and preadv(fd, [view[at:at + width]], off) != width:
+            _finish(fd, view[at:at + width], off)
         at += width
+
+
+def _finish(fd: int, piece: memoryview, off: int) -> None:
+    """A short read (a signal, a network file system): read the span again until it is whole,
+    or say the file is short."""
+    got = 0
+    while got < len(piece):
+        more = os.preadv(fd, [piece[got:]], off + got)
+        if more <= 0:
+            raise OSError(f"short read: {got} of {len(piece)} bytes at offset {off} (a truncated file?)")
+        got += more
 
 
 def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
