@@ -184,8 +184,8 @@ def floor_rate(resolved, steps: int) -> float:
     loader = make_loader(resolved, 3, DP, rank=3)
     sampler = dataclasses.replace(loader.sampler)
     plan = loader.plan(np.concatenate([sampler.next_ids() for _ in range(steps)]))
-    offsets = plan.offset["tokens"]
-    assert (offsets >= 0).mean() > 0.95, "the floor is of the windows the reader gathers"
+    offsets = np.asarray(plan.offset["tokens"])
+    assert (offsets >= 0).mean() > 0.95, "the floor is of the windows the reader reads in one call each"
     off, width = offsets[offsets >= 0].tolist(), (loader.seq_len + 1) * 2
     buf = memoryview(bytearray(width))
     fd = os.open(loader.sources[0].files[0].path, os.O_RDONLY)

@@ -150,6 +150,12 @@ class GlobalBatchSampler(DpShare):
         """Samples consumed since epoch 0 began: where the next global batch starts."""
         return self.epoch * self.epoch_length + self.position
 
+    @property
+    def ahead_steps(self) -> int:
+        """As `DpShare.ahead_steps`, within one epoch's steps: a tiny corpus's plan would cover
+        many epochs, a permutation each (numpy's per-call cost again)."""
+        return max(1, min(self.ahead_by_ids(), self.steps_per_epoch))
+
     def step(self) -> None:
         """Advance by one global batch (what `next_global` and `next_ids` do besides their ids)."""
         self._advance()
@@ -289,6 +295,8 @@ class TokenLoader:
         self.prefetch = prefetch
         self.fields = {k: np.dtype(v) for k, v in (fields or {DATASET: staging_dtype(self.sources)}).items()}
         self._pre: Prefetcher | None = None
+        self._step_plans: dict[int, tuple[Planned, np.ndarray, int]] = {}
+        """stream position -> (a plan, that batch's ids, its row block): the step's own reads ahead"""
         # instruction data: batches carry a loss mask and documents (train/packing.py), read as
         # fields over the same windows as the tokens
         self.instruct = packing.detect(self.sources, seq_len) if hasattr(self.sources[0], "files") else False
@@ -382,8 +390,24 @@ class TokenLoader:
                     self.close()
             if staged is None:
                 self._pre = Prefetcher(self.batches, dataclasses.replace(self.sampler), self.prefetch)
-        batch = staged if staged is not None else self._stage(ids)
+        batch = staged if staged is not None else self._read_in_step(position, ids)
         return self.to_tensors(batch)
+
+    def _read_in_step(self, position: int, ids: np.ndarray) -> dict[str, Any]:
+        """The step's own read (prefetch 0, or the reader went another way): rows of the reads
+        worked out for this and the next `ahead_steps` - 1 batches at once (a copy of the sampler,
+        already past this batch, walks them), as the background reader does."""
+        got = self._step_plans.get(position)
+        if got is None or not np.array_equal(got[1], ids):
+            walk = dataclasses.replace(self.sampler)
+            steps = int(walk.ahead_steps) - 1
+            positions, ahead = walk.take(steps) if steps else ([], ids[None, :0])
+            every = np.concatenate([ids[None, :], ahead]) if steps else ids[None, :]
+            plan = self.plan(every.reshape(-1))
+            self._step_plans = {p: (plan, every[k], k) for k, p in enumerate([position, *positions])}
+            got = self._step_plans[position]
+        plan, _, k = got
+        return self._staged(plan, k * len(ids), (k + 1) * len(ids))
 
     def close(self) -> None:
         """Stop the background reader (if any); the next batch starts it again."""
@@ -396,6 +420,7 @@ class TokenLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.close()  # what it read ahead follows the old position
+        self._step_plans = {}
         self.sampler.load_state_dict(state)
 
 

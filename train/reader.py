@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dslurm.data.tokenize import DATASET
+from dslurm.data.tokenize import DATASET, TokenFile
 
 Alloc = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]
 
@@ -75,6 +75,9 @@ class Planned:
     """field -> the windows (ascending) read by `read_into`: a batch without any is one plain loop"""
     direct: dict[str, bool]
     """field -> every file holds it in the field's dtype (else each read goes through a scratch row)"""
+    opened: tuple[int, int] = (-1, -1)
+    """(pid, TokenFile.closes) when the descriptors were taken: a plan read in another process or
+    after a file was closed (its descriptor number maybe reused) reads every window by `read_into`"""
 
 
 def _files_of(source: Any) -> tuple[list[Gatherer], np.ndarray] | None:
@@ -117,7 +120,8 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
                 direct[name] &= bool(shard.dtype_of(name) == dt)
     return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start,
                    {k: v.tolist() for k, v in fd.items()}, {k: v.tolist() for k, v in offset.items()},
-                   {k: np.flatnonzero(v < 0).tolist() for k, v in fd.items()}, direct)
+                   {k: np.flatnonzero(v < 0).tolist() for k, v in fd.items()}, direct,
+                   (os.getpid(), TokenFile.closes))
 
 
 def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None
@@ -127,12 +131,15 @@ def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: All
     the plan's odd windows."""
     n, width = hi - lo, plan.seq_len + 1
     out: dict[str, np.ndarray] = {}
+    stale = plan.opened != (os.getpid(), TokenFile.closes)
     for name, dt in plan.fields.items():
         dst = (alloc or _empty)(name, (n, width), dt)
         out[name] = dst
-        odd = plan.odd[name]
+        odd = list(range(lo, hi)) if stale else plan.odd[name]
         a, b = bisect.bisect_left(odd, lo), bisect.bisect_left(odd, hi)
-        if plan.direct[name]:
+        if stale:
+            pass
+        elif plan.direct[name]:
             _preadv_rows(dst, plan.fd[name][lo:hi], plan.offset[name][lo:hi])
         else:
             for k in range(n):

@@ -202,10 +202,14 @@ class DpShare:
     def local_batch(self) -> int:
         return self.global_batch // self.dp_size
 
+    def ahead_by_ids(self) -> int:
+        """Steps of about AHEAD_IDS ids."""
+        return max(1, AHEAD_IDS // self.local_batch)
+
     @property
     def ahead_steps(self) -> int:
         """Steps whose ids are computed at once (about AHEAD_IDS ids)."""
-        return max(1, AHEAD_IDS // self.local_batch)
+        return self.ahead_by_ids()
 
     def local_share(self, global_ids: np.ndarray) -> np.ndarray:
         """This rank's contiguous slice of a global batch."""
@@ -288,6 +292,14 @@ class MixtureSampler(DpShare):
         out = self.indices(self.slot, self.global_batch)
         self.step()
         return out
+
+    @property
+    def ahead_steps(self) -> int:
+        """As `DpShare.ahead_steps`, within about one epoch of the smallest source (a source of a
+        few samples would otherwise wrap many epochs in one plan, a permutation each)."""
+        share = self.schedule.counts / self.schedule.period * self.global_batch  # draws per step
+        epoch = int(np.min(np.asarray(self.space.counts, dtype=np.float64) / share))
+        return max(1, min(self.ahead_by_ids(), epoch))
 
     def plan_ids(self, steps: int) -> np.ndarray:
         """This rank's slots of the next `steps` global batches, [steps, local_batch] (slots are a

@@ -363,7 +363,12 @@ class TokenFile:
         self.read_into(start, buf, name)
         return buf.astype(np.int64)
 
+    closes = 0
+    """TokenFile closes in this process so far: descriptors taken from `fileno` before one may
+    name another file now (train/reader.py checks it before reading a plan's)."""
+
     def close(self) -> None:
+        TokenFile.closes += 1
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
             os.close(self._fd)

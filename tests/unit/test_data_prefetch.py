@@ -16,7 +16,7 @@ from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.data import tokenize as tk
 from train.data import GlobalBatchSampler, TokenLoader, TokenSource, make_loader
-from train.reader import Prefetcher, plan_reads, read_windows
+from train.reader import Prefetcher, plan_reads, read_planned, read_windows
 
 SITE = Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml"
 
@@ -171,3 +171,9 @@ def test_gathered_batches_equal_h5py_across_chunks_gaps_holes_shards_and_dtypes(
     slow = set(sample[plan.odd["tokens"]].tolist())
     # to read_into: across chunks 4|5 (apart on disk), into or out of the hole, across the shards
     assert {29, 41, 44, 47, 79} <= slow and not {0, 3, 100} & slow
+    other = open(tmp_path / "manifest.json", "rb")  # a close, and a new file that may reuse its descriptor
+    src.files[0].close()
+    got = read_planned(plan, [src], 0, len(sample))  # a stale plan reads by read_into
+    other.close()
+    for row, i in enumerate(sample):
+        assert got["tokens"][row].tolist() == stream[i * seq:i * seq + seq + 1].tolist()

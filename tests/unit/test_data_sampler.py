@@ -141,13 +141,15 @@ def test_dp_coords_follow_the_layout():
 
 
 @pytest.mark.parametrize("policy", ["drop", "pad"])
-def test_ids_computed_ahead_are_the_global_batch_share_across_plans_epochs_a_skip_and_a_batch_change(policy):
+def test_ids_computed_ahead_are_the_global_batch_share_across_plans_epochs_a_skip_and_a_batch_change(
+        policy, monkeypatch):
     """next_ids hands out ids computed for ahead_steps steps at once (plan_ids): past a plan's end,
     over many epochs, after a skipped batch and after a restore under another global batch and dp."""
+    monkeypatch.setattr("train.sources.AHEAD_IDS", 64)  # plans of 32 steps: many plan ends in a few steps
     ref, ranks = samplers(1, policy)[0], samplers(4, policy)
-    steps = ranks[0].ahead_steps + 9  # into the second plan
+    steps = 3 * ranks[0].ahead_steps + 9
     for k in range(steps):
-        if k == 100:  # the loop's skip_positions path: a batch taken by next_global, not next_ids
+        if k == 40:  # the loop's skip_positions path: a batch taken by next_global, not next_ids
             ref.next_global(), [s.next_global() for s in ranks]
         np.testing.assert_array_equal(step_all(ranks), ref.next_global())
         assert {s.padding_repeats for s in ranks} == {ref.padding_repeats}
