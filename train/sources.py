@@ -36,6 +36,7 @@ import numpy as np
 from dslurm.config.layout import Layout
 from dslurm.errors import UserError
 from train.order import ORDER, HashSplit, Permutation, mix_key, warn_order
+from train.sampler import DpShare
 
 MIX_PERIOD = 4096
 """Slots per mixture period: the proportions are exact over each period (to 1/MIX_PERIOD)."""
@@ -153,89 +154,11 @@ class MixtureSchedule:
         return src, draw
 
 
-AHEAD_IDS = 4096
-"""A rank's ids are computed for about this many samples at once (`DpShare.next_ids`): numpy's
-per-call cost, not the hashing, is what a step's few ids would pay one step at a time."""
-
-
-class DpShare:
-    """What both global-batch samplers (this module's `MixtureSampler`, train/data.py's
-    `GlobalBatchSampler`) do alike: data-parallel rank r of D takes the contiguous share
-    [r*B/D, (r+1)*B/D) of each global batch of B samples (`Layout.dp_share` checks B and D), and
-    a rank's ids are a pure function of the stream position, so the next steps' ids are computed
-    together (`plan_ids`) and handed out step by step, keyed by the position they belong to."""
-
-    __slots__ = ()
-    global_batch: int
-    dp_rank: int
-    dp_size: int
-    _ahead: dict[int, np.ndarray]
-    """stream position -> this rank's ids there, computed ahead (a cache: the state is the position)"""
-
-    def next_global(self) -> np.ndarray:
-        raise NotImplementedError
-
-    def plan_ids(self, steps: int) -> np.ndarray:
-        """[steps, local_batch]: this rank's ids of the next `steps` steps, without advancing."""
-        raise NotImplementedError
-
-    def step(self) -> None:
-        """Advance by one global batch."""
-        raise NotImplementedError
-
-    def advance(self, steps: int) -> None:
-        """Advance by `steps` global batches at once (as `steps` calls of `step`)."""
-        raise NotImplementedError
-
-    def take(self, steps: int) -> tuple[list[int], np.ndarray]:
-        """The next `steps` steps at once, advancing past them: (the stream position of each,
-        [steps, local_batch] ids). What the background reader takes (its own copy of the sampler)."""
-        at, plan = self.stream_position, self.plan_ids(steps)
-        self.advance(steps)
-        return [at + k * self.global_batch for k in range(steps)], plan
-
-    @property
-    def stream_position(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.dp_size
-
-    def ahead_by_ids(self) -> int:
-        """Steps of about AHEAD_IDS ids."""
-        return max(1, AHEAD_IDS // self.local_batch)
-
-    @property
-    def ahead_steps(self) -> int:
-        """Steps whose ids are computed at once (about AHEAD_IDS ids)."""
-        return self.ahead_by_ids()
-
-    def local_share(self, global_ids: np.ndarray) -> np.ndarray:
-        """This rank's contiguous slice of a global batch."""
-        b = self.local_batch
-        return global_ids[self.dp_rank * b:(self.dp_rank + 1) * b]
-
-    def next_ids(self) -> np.ndarray:
-        """This rank's sample ids for the next step (and advance): the B/D entries of its share
-        only, from `plan_ids` computed for the next `ahead_steps` steps at once."""
-        at = self.stream_position
-        ids = self._ahead.pop(at, None)
-        if ids is None:
-            steps = self.ahead_steps
-            plan = self.plan_ids(steps)
-            self._ahead.clear()  # what was planned from another position (a skip, a restore)
-            self._ahead.update({at + k * self.global_batch: plan[k] for k in range(1, steps)})
-            ids = plan[0]
-        self.step()
-        return ids
-
-
 @dataclass(kw_only=True, slots=True)
 class MixtureSampler(DpShare):
     """The global-batch sampler of a mixture: indices of `space` (its sources' kept samples).
 
-    The same interface as `GlobalBatchSampler` (train/data.py); `data.policy` does not apply:
+    The same interface as `GlobalBatchSampler` (train/sampler.py); `data.policy` does not apply:
     sources are consumed slot by slot, so no epoch has a tail to drop or pad.
     """
 

@@ -145,7 +145,7 @@ def test_ids_computed_ahead_are_the_global_batch_share_across_plans_epochs_a_ski
         policy, monkeypatch):
     """next_ids hands out ids computed for ahead_steps steps at once (plan_ids): past a plan's end,
     over many epochs, after a skipped batch and after a restore under another global batch and dp."""
-    monkeypatch.setattr("train.sources.AHEAD_IDS", 64)  # plans of 32 steps: many plan ends in a few steps
+    monkeypatch.setattr("train.sampler.AHEAD_IDS", 64)  # plans of 32 steps: many plan ends in a few steps
     ref, ranks = samplers(1, policy)[0], samplers(4, policy)
     steps = 3 * ranks[0].ahead_steps + 9
     for k in range(steps):

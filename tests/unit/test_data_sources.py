@@ -224,7 +224,7 @@ def test_eval_indices_of_a_mixture_follow_its_weights_over_each_held_out_set_in_
 
 
 def test_mixture_ids_computed_ahead_equal_the_global_batches_past_a_plan_and_several_periods(monkeypatch):
-    monkeypatch.setattr("train.sources.AHEAD_IDS", 1024)
+    monkeypatch.setattr("train.sampler.AHEAD_IDS", 1024)
     ref = mixture([4000, 6000, 2500], [1.0, 2.0, 0.5], batch=16)
     ranks = [mixture([4000, 6000, 2500], [1.0, 2.0, 0.5], dp_rank=r, dp_size=8, batch=16) for r in (0, 5)]
     assert ranks[0].ahead_steps * ranks[0].global_batch >= 2 * MIX_PERIOD  # one plan spans periods
