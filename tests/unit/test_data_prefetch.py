@@ -135,8 +135,8 @@ def test_a_read_error_in_the_reader_reaches_the_step(tmp_path):
         Prefetcher(lambda ids: ids, sampler, 0)
 
 
-def test_gathered_batches_equal_h5py_across_chunks_gaps_holes_shards_and_dtypes(tmp_path):
-    """The gather path and its read_into fallback: windows inside a chunk, across two chunks
+def test_planned_reads_equal_h5py_across_chunks_gaps_holes_shards_and_dtypes(tmp_path):
+    """Planned reads (one preadv a window) and their read_into fallback: windows inside a chunk, across two chunks
     adjacent on disk, across a chunk apart from its neighbour, in an unallocated chunk, across
     two shards, of a contiguous dataset, read as the disk dtype and widened."""
     tokens = (np.arange(6000) * 7) % 65521
