@@ -1,27 +1,10 @@
-"""Rank-aware data: a global-batch sampler whose position is training state, and the loader.
+"""Rank-aware data: the token streams, the loader, and the factories that build them for a job.
 
 Samples. Sample i of a token file is the window of seq_len+1 tokens starting at
 i·seq_len (stride seq_len, so consecutive windows share one token and every token
 after the first is a target exactly once). inputs = window[:-1], targets = window[1:].
 
-The global sequence. Epoch e visits the samples in a permutation keyed by (seed, e),
-computed per index (train/order.py), never listed: constant memory at any corpus size.
-The *global batch* of B samples is the unit: step k of the run takes the next B entries
-of the endless stream epoch 0, epoch 1, ... and data-parallel rank r of D gets the
-contiguous share [r·B/D, (r+1)·B/D) of it. Nothing in the stream
-depends on D, so:
-  * every parallel layout sees the same global batch as a single-process run
-    (the parity tests rely on it);
-  * the state (epoch, position), with position counting *global* samples consumed
-    in the epoch, can be saved at any step boundary and restored under another D
-    without a repeat or a skip.
-
-Tail policy when the epoch's N samples are not a multiple of B:
-  * drop: the epoch is cut to N - N % B samples; no sample repeats within an epoch
-    (the cut samples differ from epoch to epoch because the permutation does);
-  * pad:  the epoch is extended to a multiple of B by repeating its first samples;
-    each repeated slot consumed adds one to `padding_repeats` (a global count, the
-    same on every rank, carried in the state so restarts keep counting).
+The global sequence, its tail policies and the samplers' state: train/sampler.py.
 
 Many shards, many sources (train/sources.py has the pure rules). `data.path` may name a
 token file, a manifest.json or a folder holding one (dslurm/data/manifest.py): a
@@ -39,137 +22,21 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
 from train import packing
-from train.order import ORDER, Permutation, mix_key, warn_order
-from train.reader import Prefetcher, read_windows, staging_dtype
-from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, held_out_split
+from train.reader import Alloc, Planned, Prefetcher, plan_reads, read_planned, staging_dtype
+from train.sampler import GlobalBatchSampler
+from train.sources import MixtureSampler, SampleSpace, eval_indices, held_out_split
 
 log = logging.getLogger(__name__)
-
-Policy = Literal["drop", "pad"]
-
-
-@dataclass(kw_only=True, slots=True)
-class GlobalBatchSampler(DpShare):
-    """Sample ids per step for one data-parallel rank; pure (numpy only), no I/O."""
-
-    num_samples: int
-    global_batch: int
-    dp_rank: int = 0
-    dp_size: int = 1
-    seed: int = 0
-    policy: Policy = "drop"
-    epoch: int = 0
-    position: int = 0
-    padding_repeats: int = 0
-    _perm: tuple[int, Permutation] | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank={self.dp_rank} must be in [0, dp_size={self.dp_size})")
-        if self.global_batch < 1 or self.global_batch % self.dp_size:
-            raise ValueError(f"global_batch({self.global_batch}) must be a positive multiple of "
-                             f"dp_size({self.dp_size})")
-        if self.policy not in ("drop", "pad"):
-            raise ValueError(f"policy={self.policy!r} must be 'drop' or 'pad'")
-        if self.num_samples < 1 or (self.policy == "drop" and self.num_samples < self.global_batch):
-            raise ValueError(f"{self.num_samples} samples cannot fill one global batch of "
-                             f"{self.global_batch} under policy {self.policy!r}")
-
-    @property
-    def epoch_length(self) -> int:
-        """Global samples in one epoch after the tail policy."""
-        n, b = self.num_samples, self.global_batch
-        return n - n % b if self.policy == "drop" else -(-n // b) * b
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.epoch_length // self.global_batch
-
-    def order(self, epoch: int, start: int, count: int) -> np.ndarray:
-        """Entries [start, start+count) of the epoch's order after the tail policy, computed per
-        index (train/order.py: O(count) time, no n-sized array). Pad slots (at or past
-        num_samples) repeat the epoch's first samples, in order."""
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, Permutation(self.num_samples, mix_key(self.seed, epoch, 0x6C0B)))
-        return self._perm[1][np.arange(start, start + count, dtype=np.int64) % self.num_samples]
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The whole epoch's order, listed (tests and small corpora: epoch_length int64)."""
-        return self.order(epoch, 0, self.epoch_length)
-
-    def _advance(self) -> list[tuple[int, int, int]]:
-        """Advance the state by one global batch; its (epoch, start, count) pieces of epoch order.
-
-        A batch may straddle an epoch boundary only if global_batch changed on restore.
-        """
-        pieces, need = [], self.global_batch
-        while need:
-            take = min(need, self.epoch_length - self.position)
-            start = self.position
-            pieces.append((self.epoch, start, take))
-            # Slots at or past num_samples are the pad repeats.
-            self.padding_repeats += max(0, start + take - max(start, self.num_samples))
-            self.position += take
-            need -= take
-            if self.position >= self.epoch_length:
-                self.epoch, self.position = self.epoch + 1, 0
-        return pieces
-
-    def next_global(self) -> np.ndarray:
-        """The next global batch (B sample ids) and advance the state."""
-        return np.concatenate([self.order(e, s, n) for e, s, n in self._advance()])
-
-    def next_ids(self) -> np.ndarray:
-        """This rank's share of the next global batch, computing only its B/D entries."""
-        lo, hi = self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch
-        out, at = [], 0
-        for e, s, n in self._advance():
-            a, b = max(lo, at), min(hi, at + n)  # the share's overlap with this piece
-            if a < b:
-                out.append(self.order(e, s + a - at, b - a))
-            at += n
-        return np.concatenate(out)
-
-    @property
-    def stream_position(self) -> int:
-        """Samples consumed since epoch 0 began: where the next global batch starts."""
-        return self.epoch * self.epoch_length + self.position
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain ints and strings: safe for json, torch.save and DCP's non-tensor state."""
-        return {"epoch": self.epoch, "position": self.position,
-                "padding_repeats": self.padding_repeats, "num_samples": self.num_samples,
-                "seed": self.seed, "policy": self.policy, "global_batch": self.global_batch, "order": ORDER}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore (epoch, position); dp_rank/dp_size may differ from the saving run.
-
-        A different corpus size, seed or policy makes the position meaningless, so
-        they must match; a different global_batch is accepted (position is in samples).
-        """
-        if state.get("kind") == "mixture":
-            raise UserError("data state: the checkpoint holds a mixture position (data.sources) but the run "
-                            "now reads one stream. Fix: restore with the data section the run was saved with")
-        for key in ("num_samples", "seed", "policy"):
-            if key in state and state[key] != getattr(self, key):
-                raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but "
-                                f"{getattr(self, key)!r} now; the saved position does not apply. "
-                                "Fix: restore with the same data file, train.seed and data.policy")
-        warn_order(state)
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.padding_repeats = int(state.get("padding_repeats", 0))
-        if self.position >= self.epoch_length:  # global_batch changed and the tail moved
-            self.epoch, self.position = self.epoch + 1, 0
-
 
 class TokenSource:
     """One token stream: a token file, or a manifest's shards read end to end (one stream).
@@ -265,6 +132,8 @@ class TokenLoader:
         self.prefetch = prefetch
         self.fields = {k: np.dtype(v) for k, v in (fields or {DATASET: staging_dtype(self.sources)}).items()}
         self._pre: Prefetcher | None = None
+        self._step_plans: dict[int, tuple[Planned, np.ndarray, int]] = {}
+        """stream position -> (a plan, that batch's ids, its row block): the step's own reads ahead"""
         # instruction data: batches carry a loss mask and documents (train/packing.py), read as
         # fields over the same windows as the tokens
         self.instruct = packing.detect(self.sources, seq_len) if hasattr(self.sources[0], "files") else False
@@ -280,25 +149,31 @@ class TokenLoader:
     def padding_repeats(self) -> int:
         return int(self.sampler.padding_repeats)
 
-    def read_arrays(self, ids: np.ndarray, alloc: Any = None) -> dict[str, np.ndarray]:
-        """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
+    def plan(self, ids: np.ndarray) -> Planned:
+        """The reads of the windows of these sample ids (space indices with `space`), worked out at once."""
         if self.space is None:
             src, sample = np.zeros(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)
         else:
             src, sample = self.space.locate(ids)
-        if alloc is None:
-            return read_windows(self.sources, src, sample, self.seq_len, self.fields)
-        return read_windows(self.sources, src, sample, self.seq_len, self.fields, alloc)
+        return plan_reads(self.sources, src, sample, self.seq_len, self.fields)
+
+    def read_arrays(self, ids: np.ndarray, alloc: Alloc | None = None) -> dict[str, np.ndarray]:
+        """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
+        return read_planned(self.plan(ids), self.sources, 0, len(ids), alloc)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Token windows [len(ids), seq_len+1] (int64) for the given ids."""
         return self.read_arrays(ids)[DATASET].astype(np.int64, copy=False)
 
     def _stage(self, ids: np.ndarray) -> dict[str, Any]:
-        """One batch, {field: [n, seq_len+1]} (the reader thread's work): numpy arrays for a CPU
-        step, else tensors in pinned host memory, read straight into them (no copy to pin)."""
+        """One batch read in the step (no prefetch): as `_staged`."""
+        return self._staged(self.plan(ids), 0, len(ids))
+
+    def _staged(self, plan: Planned, lo: int, hi: int) -> dict[str, Any]:
+        """Rows [lo, hi) of a plan, {field: [n, seq_len+1]}: numpy arrays for a CPU step, else
+        tensors in pinned host memory, read straight into them (no copy to pin)."""
         if str(self.device) == "cpu":
-            return self.read_arrays(ids)
+            return read_planned(plan, self.sources, lo, hi)
         import torch
 
         pinned: dict[str, Any] = {}
@@ -308,8 +183,20 @@ class TokenLoader:
             pinned[name] = t  # the tensor owns the pinned block; the array is a view of it
             return np.asarray(t.numpy())
 
-        self.read_arrays(ids, alloc)
+        read_planned(plan, self.sources, lo, hi, alloc)
         return pinned
+
+    def batches(self, sampler: Any) -> Iterator[tuple[int, np.ndarray, dict[str, Any]]]:
+        """The background reader's work (train/reader.py `Prefetcher`): the sampler's next batches,
+        read, as (stream position, ids, batch), advancing `sampler` (a private copy). The ids of
+        `ahead_steps` batches (about AHEAD_IDS windows) are located and their reads worked out
+        together, in numpy; each batch is then read (one `os.preadv` per window) as it is handed out,
+        so what is read ahead stays the prefetcher's bounded queue."""
+        while True:
+            positions, ids = sampler.take(int(sampler.ahead_steps))
+            plan, lb = self.plan(ids.reshape(-1)), ids.shape[1]
+            for k, position in enumerate(positions):
+                yield position, ids[k], self._staged(plan, k * lb, (k + 1) * lb)
 
     def to_tensors(self, batch: Any) -> tuple[Any, ...]:
         """(inputs, targets) int64 [n, seq_len] from a batch's windows [n, seq_len+1] of any integer
@@ -328,7 +215,7 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[Any, ...]:
         if self.prefetch and self._pre is None:
-            self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
+            self._pre = Prefetcher(self.batches, dataclasses.replace(self.sampler), self.prefetch)
         position = int(self.sampler.stream_position)
         ids = self.sampler.next_ids()
         staged = None
@@ -339,9 +226,25 @@ class TokenLoader:
                 if staged is None:  # it read another way (or failed): restart it from here
                     self.close()
             if staged is None:
-                self._pre = Prefetcher(self._stage, dataclasses.replace(self.sampler), self.prefetch)
-        batch = staged if staged is not None else self._stage(ids)
+                self._pre = Prefetcher(self.batches, dataclasses.replace(self.sampler), self.prefetch)
+        batch = staged if staged is not None else self._read_in_step(position, ids)
         return self.to_tensors(batch)
+
+    def _read_in_step(self, position: int, ids: np.ndarray) -> dict[str, Any]:
+        """The step's own read (prefetch 0, or the reader went another way): rows of the reads
+        worked out for this and the next `ahead_steps` - 1 batches at once (a copy of the sampler,
+        already past this batch, walks them), as the background reader does."""
+        got = self._step_plans.get(position)
+        if got is None or not np.array_equal(got[1], ids):
+            walk = dataclasses.replace(self.sampler)
+            steps = int(walk.ahead_steps) - 1
+            positions, ahead = walk.take(steps) if steps else ([], ids[None, :0])
+            every = np.concatenate([ids[None, :], ahead]) if steps else ids[None, :]
+            plan = self.plan(every.reshape(-1))
+            self._step_plans = {p: (plan, every[k], k) for k, p in enumerate([position, *positions])}
+            got = self._step_plans[position]
+        plan, _, k = got
+        return self._staged(plan, k * len(ids), (k + 1) * len(ids))
 
     def close(self) -> None:
         """Stop the background reader (if any); the next batch starts it again."""
@@ -354,6 +257,7 @@ class TokenLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.close()  # what it read ahead follows the old position
+        self._step_plans = {}
         self.sampler.load_state_dict(state)
 
 

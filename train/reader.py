@@ -1,11 +1,14 @@
-"""A step's windows off the disk: contiguous reads, per-token fields, a background prefetch.
+"""A step's windows off the disk: reads worked out for many batches at once, a background prefetch.
 
-`read_windows` reads the windows of a batch's samples. Samples adjacent in a stream (window
-starts seq_len apart: eval's in-order batches, a corpus smaller than the batch) are read as
-one run of m*seq_len+1 tokens and cut into overlapping windows by a strided view, so a run
-costs one read, not m. Every field is read over the same (source, range) as the tokens: a
-per-token array stored beside the tokens (a dataset of that name in the same HDF5 file) comes
-back with the same [n, seq_len+1] shape, row for row.
+`plan_reads` works out the reads of a group of windows in numpy (no Python per window): each
+window's stream start, its shard, and the byte offset of its span in the file (one chunk, or
+two chunks adjacent on disk: every window but a rare straddle). `read_planned` then reads a
+batch's rows: one `os.preadv` per window straight into its row, whatever shard it is in, the
+GIL released during each; `read_into` reads the rest (filtered datasets, unallocated chunks,
+a window across two shards). Every field is read over the same (source, range) as
+the tokens: a per-token array stored beside the tokens (a dataset of that name in the same
+HDF5 file) comes back with the same [n, seq_len+1] shape, row for row. `read_windows` is
+both in one call.
 
 `Prefetcher` is the rank's background reader: a thread that runs a copy of the sampler ahead
 of the step and keeps up to `depth` whole batches ready in a bounded queue. It is speculative
@@ -20,15 +23,18 @@ read again after the restore, and none is skipped or trained on twice.
 from __future__ import annotations
 
 import atexit
+import bisect
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from dslurm.data.tokenize import DATASET
+from dslurm.data.tokenize import DATASET, TokenFile
 
 Alloc = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]
 
@@ -37,74 +43,173 @@ def _empty(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dtype)
 
 
-def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
-                 fields: Mapping[str, np.dtype], alloc: Alloc = _empty) -> dict[str, np.ndarray]:
-    """{field: [n, seq_len+1] array of dtype fields[field]} for samples (source src[k], id sample[k]).
+class Gatherer(Protocol):
+    """A token file as the planned reads use it (dslurm.data.tokenize.TokenFile)."""
 
-    `sources` hold `read_into(start, out, name)` and `dtype_of(name)` (TokenFile, TokenSource);
-    `alloc(field, shape, dtype)` gives each output array (pinned host memory for a GPU). A lone
-    window of the output's own dtype is read straight into its row (no copy).
-    """
+    def extents(self, start: np.ndarray, length: int, name: str = ...) -> np.ndarray: ...
+
+    def fileno(self) -> int: ...
+
+    def dtype_of(self, name: str = ...) -> np.dtype: ...
+
+
+@dataclass(slots=True)
+class Planned:
+    """The reads of a group of windows, worked out at once (numpy over the whole group): for
+    each field, the descriptor and byte offset of each window's span, for one `os.preadv`, or a
+    window read through its source's `read_into` (`odd`: a filtered dataset, an unallocated or a
+    distant chunk, a window across two shards, an id outside the source). Rows [lo, hi) are
+    read by `read_planned`."""
+
+    seq_len: int
+    fields: dict[str, np.dtype]
+    src: np.ndarray
+    """source of each window"""
+    start: np.ndarray
+    """first element of each window in its source's stream"""
+    fd: dict[str, list[int]]
+    """field -> each window's file descriptor (-1: `read_into`)"""
+    offset: dict[str, list[int]]
+    """field -> each window's byte offset in its file"""
+    odd: dict[str, list[int]]
+    """field -> the windows (ascending) read by `read_into`: a batch without any is one plain loop"""
+    direct: dict[str, bool]
+    """field -> every file holds it in the field's dtype (else each read goes through a scratch row)"""
+    opened: tuple[int, int] = (-1, -1)
+    """(pid, TokenFile.closes) when the descriptors were taken: a plan read in another process or
+    after a file was closed (its descriptor number maybe reused) reads every window by `read_into`"""
+
+
+def _files_of(source: Any) -> tuple[list[Gatherer], np.ndarray] | None:
+    """(files, first stream element of each and the end) of a source: a TokenSource's shards, a
+    TokenFile itself; None for a source `gather` cannot read (read_into only)."""
+    files = getattr(source, "files", None)
+    if files is not None and all(hasattr(f, "extents") for f in files):
+        return list(files), np.asarray(source.starts, dtype=np.int64)
+    if hasattr(source, "extents"):
+        return [source], np.array([0, int(source.n_tokens)], dtype=np.int64)
+    return None
+
+
+def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
+               fields: Mapping[str, np.dtype]) -> Planned:
+    """The reads of windows (source src[k], sample id sample[k]); see `Planned`."""
+    src, sample = np.asarray(src, dtype=np.int64), np.asarray(sample, dtype=np.int64)
     n, width = len(sample), seq_len + 1
-    out = {name: alloc(name, (n, width), np.dtype(dt)) for name, dt in fields.items()}
-    if n == 0:
-        return out
-    s_sorted, st_sorted, order, bounds = _runs(np.asarray(src, dtype=np.int64),
-                                               np.asarray(sample, dtype=np.int64) * seq_len, seq_len)
-    for name, dt in fields.items():
-        dst = out[name]
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            source = sources[s_sorted[a]]
-            m = b - a
+    start = sample * seq_len
+    fd = {name: np.full(n, -1, dtype=np.int64) for name in fields}
+    offset = {name: np.full(n, -1, dtype=np.int64) for name in fields}
+    direct = {name: True for name in fields}
+    for s in np.unique(src).tolist():
+        parts = _files_of(sources[s])
+        if parts is None:
+            continue
+        shards, bounds = parts
+        rows = np.flatnonzero(src == s) if len(sources) > 1 else np.arange(n)
+        t = start[rows]
+        f = np.searchsorted(bounds, t, side="right") - 1
+        ok = (f >= 0) & (f < len(shards))
+        ok[ok] &= t[ok] + width <= bounds[f[ok] + 1]  # within one shard (else: read_into)
+        for fi in np.unique(f[ok]).tolist():
+            mine = ok & (f == fi)
+            at, local, shard = rows[mine], t[mine] - bounds[fi], shards[fi]
+            for name, dt in fields.items():
+                o = shard.extents(local, width, name)
+                good = o >= 0
+                fd[name][at[good]], offset[name][at[good]] = shard.fileno(), o[good]
+                direct[name] &= bool(shard.dtype_of(name) == dt)
+    return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start,
+                   {k: v.tolist() for k, v in fd.items()}, {k: v.tolist() for k, v in offset.items()},
+                   {k: np.flatnonzero(v < 0).tolist() for k, v in fd.items()}, direct,
+                   (os.getpid(), TokenFile.closes))
+
+
+def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None
+                 ) -> dict[str, np.ndarray]:
+    """{field: [hi-lo, seq_len+1]} of rows [lo, hi) of a plan: one `os.preadv` per window straight
+    into its row (through a scratch row when a file's dtype is not the field's), `read_into` for
+    the plan's odd windows."""
+    n, width = hi - lo, plan.seq_len + 1
+    out: dict[str, np.ndarray] = {}
+    stale = plan.opened != (os.getpid(), TokenFile.closes)
+    for name, dt in plan.fields.items():
+        dst = (alloc or _empty)(name, (n, width), dt)
+        out[name] = dst
+        odd = list(range(lo, hi)) if stale else plan.odd[name]
+        a, b = bisect.bisect_left(odd, lo), bisect.bisect_left(odd, hi)
+        if stale:
+            pass
+        elif plan.direct[name]:
+            _preadv_rows(dst, plan.fd[name][lo:hi], plan.offset[name][lo:hi])
+        else:
+            for k in range(n):
+                if plan.fd[name][lo + k] >= 0:
+                    row = np.empty((1, width), dtype=sources[int(plan.src[lo + k])].dtype_of(name))
+                    _preadv_rows(row, plan.fd[name][lo + k:lo + k + 1], plan.offset[name][lo + k:lo + k + 1])
+                    dst[k] = row[0]
+        for k in odd[a:b]:
+            source = sources[int(plan.src[k])]
             disk = source.dtype_of(name)
-            if m == 1 and disk == dst.dtype:
-                source.read_into(st_sorted[a], dst[order[a]], name)
-                continue
-            flat = np.empty(m * seq_len + 1, dtype=disk)
-            source.read_into(st_sorted[a], flat, name)
-            if m == 1:
-                dst[order[a]] = flat
-            else:  # m overlapping windows of one run, stride seq_len
-                step = flat.strides[0]
-                dst[order[a:b]] = np.lib.stride_tricks.as_strided(flat, (m, width), (seq_len * step, step))
+            row = dst[k - lo] if disk == dst.dtype else np.empty(width, dtype=disk)
+            source.read_into(int(plan.start[k]), row, name)
+            dst[k - lo] = row
     return out
 
 
-def _runs(src: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[list[int], list[int], Any, list[int]]:
-    """Windows sorted by (source, start) and cut into runs of adjacent ones: (sources, starts,
-    order, run bounds), lists. A step's few windows are sorted in Python (numpy's per-call cost
-    is the larger one below a few hundred); a big batch in numpy."""
-    n = len(starts)
-    if n <= 256:
-        sr, st = src.tolist(), starts.tolist()
-        order_l = sorted(range(n), key=lambda k: (sr[k], st[k]))
-        s_sorted, st_sorted = [sr[k] for k in order_l], [st[k] for k in order_l]
-        bounds = [0] + [k for k in range(1, n) if s_sorted[k] != s_sorted[k - 1]
-                        or st_sorted[k] != st_sorted[k - 1] + seq_len] + [n]
-        return s_sorted, st_sorted, np.asarray(order_l, dtype=np.int64), bounds
-    order = np.lexsort((starts, src))
-    s_np, st_np = src[order], starts[order]
-    # a run breaks where the source changes or the next window does not start seq_len later
-    brk = np.flatnonzero((np.diff(s_np) != 0) | (np.diff(st_np) != seq_len)) + 1
-    return s_np.tolist(), st_np.tolist(), order, np.concatenate([[0], brk, [n]]).tolist()
+def _preadv_rows(dst: np.ndarray, fds: list[int], offsets: list[int]) -> None:
+    """Row k of `dst` (C-contiguous) from descriptor fds[k] at byte offsets[k]; fd -1: left alone.
+    The loop is the reader's only Python per window: kept to the call."""
+    width = dst.shape[1] * dst.dtype.itemsize
+    view = memoryview(dst.data).cast("B")  # rows end to end
+    preadv, at = os.preadv, 0
+    for fd, off in zip(fds, offsets):
+        if fd >= 0 and preadv(fd, [view[at:at + width]], off) != width:
+            _finish(fd, view[at:at + width], off)
+        at += width
+
+
+def _finish(fd: int, piece: memoryview, off: int) -> None:
+    """A short read (a signal, a network file system): read the span again until it is whole,
+    or say the file is short."""
+    got = 0
+    while got < len(piece):
+        more = os.preadv(fd, [piece[got:]], off + got)
+        if more <= 0:
+            raise OSError(f"short read: {got} of {len(piece)} bytes at offset {off} (a truncated file?)")
+        got += more
+
+
+def read_windows(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
+                 fields: Mapping[str, np.dtype], alloc: Alloc | None = None) -> dict[str, np.ndarray]:
+    """{field: [n, seq_len+1] array of dtype fields[field]} for samples (source src[k], id sample[k]).
+
+    `sources` hold `read_into(start, out, name)` and `dtype_of(name)` (TokenFile, TokenSource);
+    `alloc(field, shape, dtype)` gives each output array (pinned host memory for a GPU).
+    """
+    return read_planned(plan_reads(sources, src, sample, seq_len, fields), sources, 0, len(sample), alloc)
 
 
 _DONE = object()
 
 
+Batches = Callable[[Any], Iterator[tuple[int, np.ndarray, Any]]]
+"""sampler -> the batches it gives, read: (stream position, ids, payload), advancing the sampler"""
+
+
 class Prefetcher:
     """A thread keeping up to `depth` batches read ahead; `take(position, ids)` -> its payload or None.
 
-    `stage(ids)` reads (and, on a GPU, pins) one batch; `sampler` is a private copy the thread
-    advances (`stream_position`, `next_ids`): the caller's sampler is never touched here.
+    `batches(sampler)` yields (position, ids, payload) for the sampler's next batches, read (and,
+    on a GPU, pinned): `TokenLoader.batches`, which works out the reads of many batches at once.
+    `sampler` is a private copy the thread advances: the caller's sampler is never touched here.
     """
 
-    def __init__(self, stage: Callable[[np.ndarray], Any], sampler: Any, depth: int) -> None:
+    def __init__(self, batches: Batches, sampler: Any, depth: int) -> None:
         if depth < 1:
             raise ValueError(f"prefetch depth {depth} must be >= 1")
         self._queue: queue.Queue[tuple[int, Any, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(stage, sampler), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(batches, sampler), daemon=True,
                                         name="dslurm-prefetch")
         atexit.register(self.close)  # stop the thread before the interpreter tears down h5py
         self._thread.start()
@@ -115,12 +220,10 @@ class Prefetcher:
         self._queue.put(item)
         return not self._stop.is_set()
 
-    def _run(self, stage: Callable[[np.ndarray], Any], sampler: Any) -> None:
+    def _run(self, batches: Batches, sampler: Any) -> None:
         try:
-            while not self._stop.is_set():
-                position = int(sampler.stream_position)
-                ids = sampler.next_ids()
-                if not self._put((position, ids, stage(ids))):
+            for item in batches(sampler):
+                if self._stop.is_set() or not self._put(item):
                     return
         except BaseException as exc:  # handed to the step, which raises it
             self._put((-1, _DONE, exc))

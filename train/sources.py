@@ -33,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from dslurm.config.layout import Layout
 from dslurm.errors import UserError
 from train.order import ORDER, HashSplit, Permutation, mix_key, warn_order
+from train.sampler import DpShare
 
 MIX_PERIOD = 4096
 """Slots per mixture period: the proportions are exact over each period (to 1/MIX_PERIOD)."""
@@ -138,52 +140,25 @@ class MixtureSchedule:
 
     def slots(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw index within that source) of slots [first, first+count)."""
-        srcs, draws, j, end = [], [], first, first + count
-        while j < end:
-            p, off = divmod(j, self.period)
-            take = min(self.period - off, end - j)
-            src, rank = self._period(p)
-            s = src[off:off + take]
-            srcs.append(s)
-            draws.append(p * self.counts[s] + rank[off:off + take])
-            j += take
-        if not srcs:
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-        return np.concatenate(srcs), np.concatenate(draws)
+        return self.at(np.arange(first, first + count, dtype=np.int64))
 
-
-class DpShare:
-    """What both global-batch samplers (this module's `MixtureSampler`, train/data.py's
-    `GlobalBatchSampler`) do alike: data-parallel rank r of D takes the contiguous share
-    [r*B/D, (r+1)*B/D) of each global batch of B samples."""
-
-    __slots__ = ()
-    global_batch: int
-    dp_rank: int
-    dp_size: int
-
-    def next_global(self) -> np.ndarray:
-        raise NotImplementedError
-
-    @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.dp_size
-
-    def local_share(self, global_ids: np.ndarray) -> np.ndarray:
-        """This rank's contiguous slice of a global batch."""
-        b = self.local_batch
-        return global_ids[self.dp_rank * b:(self.dp_rank + 1) * b]
-
-    def next_ids(self) -> np.ndarray:
-        """This rank's sample ids for the next step."""
-        return self.local_share(self.next_global())
+    def at(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw index within that source) of the given slot numbers (any shape)."""
+        period, off = np.divmod(np.asarray(slots, dtype=np.int64), self.period)
+        src, draw = np.empty_like(period), np.empty_like(period)
+        for p in np.unique(period).tolist():
+            sel = period == p
+            p_src, p_rank = self._period(p)
+            s = p_src[off[sel]]
+            src[sel], draw[sel] = s, p * self.counts[s] + p_rank[off[sel]]
+        return src, draw
 
 
 @dataclass(kw_only=True, slots=True)
 class MixtureSampler(DpShare):
     """The global-batch sampler of a mixture: indices of `space` (its sources' kept samples).
 
-    The same interface as `GlobalBatchSampler` (train/data.py); `data.policy` does not apply:
+    The same interface as `GlobalBatchSampler` (train/sampler.py); `data.policy` does not apply:
     sources are consumed slot by slot, so no epoch has a tail to drop or pad.
     """
 
@@ -198,13 +173,10 @@ class MixtureSampler(DpShare):
     padding_repeats: int = 0
     schedule: MixtureSchedule = field(init=False)
     _perm: dict[tuple[int, int], Permutation] = field(default_factory=dict, init=False, repr=False)
+    _ahead: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank={self.dp_rank} must be in [0, dp_size={self.dp_size})")
-        if self.global_batch < 1 or self.global_batch % self.dp_size:
-            raise ValueError(f"global_batch({self.global_batch}) must be a positive multiple of "
-                             f"dp_size({self.dp_size})")
+        Layout.dp_share(self.global_batch, self.dp_rank, self.dp_size)
         if len(self.weights) != len(self.space.counts) or min(self.space.counts) < 1:
             raise ValueError(f"{len(self.weights)} weights for sources of {self.space.counts} samples")
         self.schedule = MixtureSchedule(list(self.weights), self.seed)
@@ -224,25 +196,46 @@ class MixtureSampler(DpShare):
 
     def indices(self, first: int, count: int) -> np.ndarray:
         """Space indices of slots [first, first+count): a pure function of (seed, slots)."""
-        src, draw = self.schedule.slots(first, count)
+        return self.indices_at(np.arange(first, first + count, dtype=np.int64))
+
+    def indices_at(self, slots: np.ndarray) -> np.ndarray:
+        """Space indices of the given slot numbers (any shape): one vectorised pass."""
+        src, draw = self.schedule.at(slots)
         n = np.asarray(self.space.counts, dtype=np.int64)[src]
-        epoch, pos = draw // n, draw % n
-        out = np.empty(count, dtype=np.int64)
-        for s, e in {(int(a), int(b)) for a, b in zip(src, epoch)}:
-            sel = (src == s) & (epoch == e)
+        epoch, pos = np.divmod(draw, n)
+        out = np.empty(slots.shape, dtype=np.int64)
+        groups = src * (int(epoch.max(initial=0)) + 1) + epoch  # one group per (source, epoch)
+        for g in np.unique(groups).tolist():
+            sel = groups == g
+            s, e = int(src[sel].flat[0]), int(epoch[sel].flat[0])
             out[sel] = self.space.offsets[s] + self._order(s, e)[pos[sel]]
         return out
 
     def next_global(self) -> np.ndarray:
         out = self.indices(self.slot, self.global_batch)
-        self.slot += self.global_batch
+        self.step()
         return out
 
-    def next_ids(self) -> np.ndarray:
-        """This rank's share only: slots are a pure function of their number."""
-        out = self.indices(self.slot + self.dp_rank * self.local_batch, self.local_batch)
+    @property
+    def ahead_steps(self) -> int:
+        """As `DpShare.ahead_steps`, within about one epoch of the smallest source (a source of a
+        few samples would otherwise wrap many epochs in one plan, a permutation each)."""
+        share = self.schedule.counts / self.schedule.period * self.global_batch  # draws per step
+        epoch = int(np.min(np.asarray(self.space.counts, dtype=np.float64) / share))
+        return max(1, min(self.ahead_by_ids(), epoch))
+
+    def plan_ids(self, steps: int) -> np.ndarray:
+        """This rank's slots of the next `steps` global batches, [steps, local_batch] (slots are a
+        pure function of their number)."""
+        lb = self.local_batch
+        first = self.slot + self.dp_rank * lb + np.arange(steps, dtype=np.int64)[:, None] * self.global_batch
+        return self.indices_at(first + np.arange(lb, dtype=np.int64)[None, :])
+
+    def step(self) -> None:
         self.slot += self.global_batch
-        return out
+
+    def advance(self, steps: int) -> None:
+        self.slot += steps * self.global_batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),
@@ -260,6 +253,7 @@ class MixtureSampler(DpShare):
                                 "saved position does not apply. Fix: restore with the same data.sources "
                                 "(paths, weights, val_fraction) and train.seed")
         warn_order(state)
+        self._ahead.clear()
         self.slot = int(state["slot"])
 
 

@@ -177,6 +177,18 @@ class Layout:
         if self.cp > 1 and not has_gpu:
             raise UserError(f"{where}cp({self.cp}): {CP_NEEDS_GPU}; {machine} has none. Fix: set parallel.cp: 1")
 
+    @staticmethod
+    def dp_share(global_batch: int, dp_rank: int, dp_size: int) -> int:
+        """The samples data-parallel rank `dp_rank` of `dp_size` takes of each global batch, B/D:
+        the rule every global-batch sampler (train/data.py, train/sources.py) is built on. A
+        ValueError, not a UserError: a job reaches the samplers only after `micro_batch` (its
+        stronger form, with grad_accum and microbatches) has told its user; this guards callers."""
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if global_batch < 1 or global_batch % dp_size:
+            raise ValueError(f"global_batch({global_batch}) must be a positive multiple of dp_size({dp_size})")
+        return global_batch // dp_size
+
     def micro_batch(self, global_batch: int, grad_accum: int = 1, *, where: str = "") -> int:
         """Sequences per forward pass under the batch rule (module docstring); UserError naming
         every factor when `global_batch` does not split evenly."""

@@ -4,6 +4,7 @@ queue never leaks into the saved state (a restore neither repeats nor skips a ba
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import h5py
@@ -15,7 +16,7 @@ from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.data import tokenize as tk
 from train.data import GlobalBatchSampler, TokenLoader, TokenSource, make_loader
-from train.reader import Prefetcher, read_windows
+from train.reader import Prefetcher, plan_reads, read_planned, read_windows
 
 SITE = Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml"
 
@@ -51,17 +52,17 @@ def test_direct_reads_equal_h5py_across_chunks_layouts_and_fields(tmp_path):
         tf.read_into(4990, np.empty(17, np.uint16))
 
 
-def test_adjacent_samples_are_one_run_and_every_field_follows_the_tokens(tmp_path, mocker):
+def test_a_batch_reads_past_hdf5_and_every_field_follows_the_tokens(tmp_path, mocker):
     tokens = np.arange(1000) % 251
     tk._write_atomic(tmp_path / "a.h5", [tokens], vocab_size=256, seq_len=0, source="t")
     with h5py.File(tmp_path / "a.h5", "a") as f:
         f.create_dataset("loss_mask", data=(tokens % 3 == 0).astype(np.uint8))
     src = TokenSource(tmp_path / "a.h5", where="w")
-    spy = mocker.spy(src.files[0], "read_into")
-    sample = np.array([7, 3, 4, 5, 20])  # 3, 4, 5 adjacent: one run
+    extents, read_into = mocker.spy(src.files[0], "extents"), mocker.spy(src.files[0], "read_into")
+    sample = np.array([7, 3, 4, 5, 20])  # 3, 4, 5 adjacent (overlapping by a token)
     got = read_windows([src], np.zeros(5, np.int64), sample, 10, {"tokens": np.dtype(np.int64),
                                                                   "loss_mask": np.dtype(np.uint8)})
-    assert spy.call_count == 2 * 3  # (run 3-5, 7, 20) x 2 fields
+    assert extents.call_count == 2 and read_into.call_count == 0  # per field, the whole batch's offsets at once
     for row, i in enumerate(sample):
         assert got["tokens"][row].tolist() == tokens[i * 10:i * 10 + 11].tolist()
         assert got["loss_mask"][row].tolist() == (tokens[i * 10:i * 10 + 11] % 3 == 0).tolist()
@@ -132,3 +133,47 @@ def test_a_read_error_in_the_reader_reaches_the_step(tmp_path):
     loader.close()
     with pytest.raises(ValueError, match="depth"):
         Prefetcher(lambda ids: ids, sampler, 0)
+
+
+def test_planned_reads_equal_h5py_across_chunks_gaps_holes_shards_and_dtypes(tmp_path):
+    """Planned reads (one preadv a window) and their read_into fallback: windows inside a chunk, across two chunks
+    adjacent on disk, across a chunk apart from its neighbour, in an unallocated chunk, across
+    two shards, of a contiguous dataset, read as the disk dtype and widened."""
+    tokens = (np.arange(6000) * 7) % 65521
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    with h5py.File(a, "w") as f:  # 300-token chunks written out of order: some neighbours far apart on disk
+        ds = f.create_dataset(tk.DATASET, shape=(4000,), dtype=np.uint16, chunks=(300,))
+        for c in [0, 1, 2, 5, 3, 4, 6, 8, 9, 10, 11, 12, 13]:  # chunk 7 never written: a hole
+            ds[c * 300:min(4000, (c + 1) * 300)] = tokens[c * 300:min(4000, (c + 1) * 300)]
+        f.create_dataset("mask", data=(tokens[:4000] % 2).astype(np.uint8))  # contiguous layout
+        f.attrs["vocab_size"] = 65536
+    with h5py.File(b, "w") as f:
+        f.create_dataset(tk.DATASET, data=tokens[4000:].astype(np.uint16), chunks=(512,))
+        f.create_dataset("mask", data=(tokens[4000:] % 2).astype(np.uint8), chunks=(512,))
+        f.attrs["vocab_size"] = 65536
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": "dslurm-manifest", "version": 1, "vocab_size": 65536, "dtype": "uint16", "n_tokens": 6000,
+        "shards": [{"path": "a.h5", "n_tokens": 4000}, {"path": "b.h5", "n_tokens": 2000}]}))
+    src = TokenSource(tmp_path / "manifest.json", where="w")
+    stream = tokens.copy()
+    stream[2100:2400] = 0  # the hole reads as the fill value
+    seq = 50
+    sample = np.array([0, 5, 11, 29, 41, 44, 47, 79, 100, 3, 5])  # 5 twice; 79 crosses into b.h5
+    for fields in ({"tokens": np.dtype(np.uint16)}, {"tokens": np.dtype(np.int64), "mask": np.dtype(np.uint8)}):
+        got = read_windows([src], np.zeros(len(sample), np.int64), sample, seq, fields)
+        for row, i in enumerate(sample):
+            want = stream[i * seq:i * seq + seq + 1]
+            assert got["tokens"][row].tolist() == want.tolist(), (row, i)
+            if "mask" in fields:
+                assert got["mask"][row].tolist() == (tokens[i * seq:i * seq + seq + 1] % 2).tolist()
+        assert got["tokens"].dtype == fields["tokens"]
+    plan = plan_reads([src], np.zeros(len(sample), np.int64), sample, seq, {"tokens": np.dtype(np.uint16)})
+    slow = set(sample[plan.odd["tokens"]].tolist())
+    # to read_into: across chunks 4|5 (apart on disk), into or out of the hole, across the shards
+    assert {29, 41, 44, 47, 79} <= slow and not {0, 3, 100} & slow
+    other = open(tmp_path / "manifest.json", "rb")  # a close, and a new file that may reuse its descriptor
+    src.files[0].close()
+    got = read_planned(plan, [src], 0, len(sample))  # a stale plan reads by read_into
+    other.close()
+    for row, i in enumerate(sample):
+        assert got["tokens"][row].tolist() == stream[i * seq:i * seq + seq + 1].tolist()

@@ -138,3 +138,35 @@ def test_dp_coords_follow_the_layout():
     for r in range(0, layout.world_size, 2):  # tp peers are consecutive ranks: same batch
         assert coords[r] == coords[r + 1]
     assert layout.dp_coords(layout.rank_of(dp_replicate=1, dp_shard=0)) == (2, 4)
+
+
+@pytest.mark.parametrize("policy", ["drop", "pad"])
+def test_ids_computed_ahead_are_the_global_batch_share_across_plans_epochs_a_skip_and_a_batch_change(
+        policy, monkeypatch):
+    """next_ids hands out ids computed for ahead_steps steps at once (plan_ids): past a plan's end,
+    over many epochs, after a skipped batch and after a restore under another global batch and dp."""
+    monkeypatch.setattr("train.sampler.AHEAD_IDS", 64)  # plans of 32 steps: many plan ends in a few steps
+    ref, ranks = samplers(1, policy)[0], samplers(4, policy)
+    steps = 3 * ranks[0].ahead_steps + 9
+    for k in range(steps):
+        if k == 40:  # the loop's skip_positions path: a batch taken by next_global, not next_ids
+            ref.next_global(), [s.next_global() for s in ranks]
+        np.testing.assert_array_equal(step_all(ranks), ref.next_global())
+        assert {s.padding_repeats for s in ranks} == {ref.padding_repeats}
+    state = ref.state_dict()
+    ref6, ranks6 = samplers(1, policy, b=6)[0], samplers(3, policy, b=6)
+    for s in (ref6, *ranks6):
+        s.load_state_dict(dict(state))
+    for _ in range(40):  # the tail moved with the batch: batches straddle epochs now
+        np.testing.assert_array_equal(step_all(ranks6), ref6.next_global())
+    assert Layout.dp_share(8, 3, 4) == 2
+
+
+@pytest.mark.parametrize("policy", ["drop", "pad"])
+def test_take_hands_out_the_steps_of_next_ids_and_advances_like_them(policy):
+    one, bulk = samplers(3, policy, b=6)[1], samplers(3, policy, b=6)[1]
+    for steps in (1, 5, 17):
+        positions, ids = bulk.take(steps)
+        want = [(one.stream_position, one.next_ids()) for _ in range(steps)]
+        assert positions == [p for p, _ in want] and ids.tolist() == [i.tolist() for _, i in want]
+        assert (bulk.epoch, bulk.position, bulk.padding_repeats) == (one.epoch, one.position, one.padding_repeats)

@@ -221,3 +221,14 @@ def test_eval_indices_of_a_mixture_follow_its_weights_over_each_held_out_set_in_
     src, sample = space.locate(idx)
     assert np.bincount(src, minlength=2).sum() == 16 and set(sample[src == 0].tolist()) <= {4, 9}
     assert eval_indices(space, 7, None, 0).tolist() == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_mixture_ids_computed_ahead_equal_the_global_batches_past_a_plan_and_several_periods(monkeypatch):
+    monkeypatch.setattr("train.sampler.AHEAD_IDS", 1024)
+    ref = mixture([4000, 6000, 2500], [1.0, 2.0, 0.5], batch=16)
+    ranks = [mixture([4000, 6000, 2500], [1.0, 2.0, 0.5], dp_rank=r, dp_size=8, batch=16) for r in (0, 5)]
+    assert ranks[0].ahead_steps * ranks[0].global_batch >= 2 * MIX_PERIOD  # one plan spans periods
+    assert mixture([40, 60, 25], [1.0, 2.0, 0.5], batch=16).ahead_steps < 10  # within a tiny source's epoch
+    for _ in range(ranks[0].ahead_steps + 5):
+        whole = ref.next_global()
+        assert [m.next_ids().tolist() for m in ranks] == [m.local_share(whole).tolist() for m in ranks]
