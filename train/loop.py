@@ -5,7 +5,8 @@ whenever a worker exits non-zero, so a launcher reads the workers' codes -- torc
 failure report or the ledger's last `exit` event -- not torchrun's):
   0  training complete (`train.steps` reached, final checkpoint committed)
   75 requeue me: a stop was requested (signal), all ranks agreed at a step boundary, a
-     synchronous checkpoint was saved (EX_TEMPFAIL from sysexits.h: "try again later")
+     synchronous checkpoint was saved, unless the start took no step since its restore: then the
+     pointer names this state already (`_stop_exit`) (EX_TEMPFAIL from sysexits.h: "try again later")
   143 stopped by TERM (scancel, preemption; `stop_terminated` set on any rank): saved like 75,
      but not to be requeued by us
   81 the loss diverged under train.nonfinite=stop (no save: the pointer names a finite generation)

@@ -3,7 +3,7 @@ of step 4 stalls (DSLURM_FAULT_DATA_STALL=4:1, a hung file system) while rank 0 
 step's collectives; USR2 to both workers (what the launcher forwards) ends the start with a save
 at step 3 on both, exit 75 -- no rank takes step 4 -- and the resumed start trains step 4 from the
 same batch to the end: 0 steps lost or repeated. Also: a TERM that arrives before the first step
-is agreed before it (no step is taken after a stop seen during start-up)."""
+is agreed before it (no step is taken after a stop seen during start-up) and saves nothing."""
 
 from __future__ import annotations
 
