@@ -5,7 +5,8 @@ whenever a worker exits non-zero, so a launcher reads the workers' codes -- torc
 failure report or the ledger's last `exit` event -- not torchrun's):
   0  training complete (`train.steps` reached, final checkpoint committed)
   75 requeue me: a stop was requested (signal), all ranks agreed at a step boundary, a
-     synchronous checkpoint was saved (EX_TEMPFAIL from sysexits.h: "try again later")
+     synchronous checkpoint was saved, unless the start took no step since its restore: then the
+     pointer names this state already (`_stop_exit`) (EX_TEMPFAIL from sysexits.h: "try again later")
   143 stopped by TERM (scancel, preemption; `stop_terminated` set on any rank): saved like 75,
      but not to be requeued by us
   81 the loss diverged under train.nonfinite=stop (no save: the pointer names a finite generation)
@@ -442,8 +443,11 @@ class Trainer:
         self.metrics.start()
         self.watch.start()
         result = None
+        # Until this start takes a step its state is the durable pointer's generation (or a fresh
+        # start's): a stop then has nothing to save. A node-local or fallback restore is saved again.
+        pristine = res is None or (res.tier == "durable" and not res.fell_back)
         if self.step < self.train.steps and self._stop_before_first_step():
-            return self._stop_exit(self.stop.stop_terminated)
+            return self._stop_exit(self.stop.stop_terminated, pristine=pristine)
         while self.step < self.train.steps:
             if self.profiler.before_step(self.step + 1):  # the profiler's start (seconds on a busy host)
                 self.watch.expect_long()  # is no step time, and no hang
@@ -453,7 +457,8 @@ class Trainer:
                 self._out_of_memory(exc)
                 raise
             if not result.taken:  # a stop during a data stall: save what the last step left
-                return self._stop_exit(result.terminated)
+                return self._stop_exit(result.terminated, pristine=pristine)
+            pristine = False
             self.checks.maybe_flip(self.step, self.params)  # DSLURM_FAULT_BITFLIP
             if not self.clock.finished:
                 self.clock.mark("first_step")
@@ -495,10 +500,15 @@ class Trainer:
         self._event(events.Exit(reason="completed", step=self.step, code=EXIT_COMPLETED))
         return EXIT_COMPLETED
 
-    def _stop_exit(self, terminated: bool) -> int:
-        """The agreed stop: save at this step, the exit event, leave together."""
+    def _stop_exit(self, terminated: bool, *, pristine: bool = False) -> int:
+        """The agreed stop: save at this step, the exit event, leave together. `pristine`: no step
+        taken since the restore (see `run`): no save, the next start restores the same state."""
         self._event(events.Signal(signal="stop_requested", step=self.step))
-        self._save_final()
+        if not pristine:
+            self._save_final()
+        elif self.rank == 0 and self.ckpt is not None:
+            print(f"stopped before this start took a step: nothing new to save; the next start begins at "
+                  f"step {self.step}, as this one did", flush=True)
         self.settled = (time.time(), "")  # the stop's save committed: the ending is decided
         code = EXIT_TERMINATED if terminated else EXIT_REQUEUE
         self._event(events.Exit(reason=exitcodes.NAMES[code], step=self.step, code=code))

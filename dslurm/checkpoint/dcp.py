@@ -54,11 +54,50 @@ if TYPE_CHECKING:
     from dslurm.config import CheckpointSpec
 
 __all__ = ["CheckpointManager", "Ledger", "RestoreResult", "SaveOutcome", "TrainState", "failure_hint",
-           "nonfinite_keys"]
+           "nonfinite_keys", "optimizer_state_dict"]
 
 log = logging.getLogger(__name__)
 # Single-process use (no process group) is deliberate here; DCP warns about it on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+# What Adam/AdamW hold before their first step (all zeros once lazily made): see optimizer_state_dict.
+_FIRST_STEP_ZEROS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+
+
+def _as_never_stepped(sd: Any) -> Any:
+    """`sd` with every step counter and Adam moment of its state replaced by zeros (nested
+    {"state": {fqn: {name: t}}} or flattened "state.<fqn>.<name>" keys; param groups kept)."""
+    if not isinstance(sd, dict):
+        return sd
+    out = {}
+    for k, v in sd.items():
+        if str(k).startswith("param_groups"):
+            out[k] = v
+        elif isinstance(v, torch.Tensor) and str(k).rsplit(".", 1)[-1] in _FIRST_STEP_ZEROS:
+            out[k] = torch.zeros_like(v)
+        else:
+            out[k] = _as_never_stepped(v)
+    return out
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         options: Any = None) -> dict[str, Any]:
+    """`get_optimizer_state_dict`, exact for an optimizer that has not stepped yet (a save before
+    the first step). DCP materializes an empty optimizer's state with a step of zero gradients at
+    lr 0 (torch's `_init_optim_state`): parameters stay, but Adam's step counter becomes 1 (and
+    with coupled weight decay its moments move), so a run resumed from that save -- and the live
+    run itself -- would take its first real step with the bias correction of step 2. Here the
+    saved state is the one a fresh optimizer builds at its first step (counters and moments 0:
+    the same update, bit for bit) and the live optimizer is left empty, as it was."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    never_stepped = not optimizer.state
+    sd = get_optimizer_state_dict(model, optimizer, options=options)
+    if not never_stepped:
+        return sd
+    optimizer.state.clear()
+    return _as_never_stepped(sd)  # type: ignore[no-any-return]
 
 
 class TrainState(Stateful):
@@ -70,12 +109,10 @@ class TrainState(Stateful):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        optims = [self.optimizer] if self.optimizer is not None else []
-        model_sd, optim_sd = get_state_dict(self.model, optims)
-        out: dict[str, Any] = {"model": model_sd}
-        if optims:
-            out["optim"] = optim_sd
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        out: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
+            out["optim"] = optimizer_state_dict(self.model, self.optimizer)
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
         return out

@@ -18,13 +18,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
+from dslurm.checkpoint.dcp import optimizer_state_dict
 from dslurm.checkpoint.per_rank import DictState, Entry, entry_for
 from dslurm.runtime.checkpoint import PerRank, Shared
 
@@ -60,7 +60,7 @@ class OptimizerState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for part, opt in zip(self.parts, self.optimizers):
-            out.update(get_optimizer_state_dict(part, opt, options=_OPTS))
+            out.update(optimizer_state_dict(part, opt, options=_OPTS))  # exact before the first step too
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 
 from dslurm import checkpoint as ck
 from dslurm.checkpoint.dcp import CheckpointManager, TrainState
+from dslurm.runtime.state import train_state
 from testkit import ReadCounter, RecordingLedger
 
 pytestmark = pytest.mark.integration
@@ -84,6 +85,30 @@ def test_resume_is_bit_identical(tmp_path, async_mode):
     assert losses == ref_losses[4:]
     assert all(torch.equal(a, b) for a, b in zip(resumed.params(), ref.params()))
     assert resumed.sched.last_epoch == ref.sched.last_epoch == 8
+
+
+@pytest.mark.parametrize("kind", ["script", "trainer"])
+def test_a_save_before_the_first_step_is_bit_identical(tmp_path, kind):
+    """DCP's get_optimizer_state_dict gives an empty optimizer a zero-gradient lr-0 step (torch's
+    _init_optim_state): AdamW's step counter became 1, so both the run that saved at step 0 and a
+    run resumed from that save took their first real step with the bias correction of step 2."""
+    ref, ref_losses = train(tmp_path / "ref", 3)
+
+    def state(r: Run) -> dict[str, Any]:  # the script API's TrainState, or the trainer's Statefuls
+        return r.state if kind == "script" else train_state([r.model], [r.opt])
+
+    run = Run()
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(0, state(run), run.extra)  # before any optimizer step
+    assert not run.opt.state  # the live optimizer is left as it was
+    assert [run.step() for _ in range(3)] == ref_losses
+    resumed = Run(seed=99)
+    with CheckpointManager(tmp_path / "run") as mgr:
+        res = mgr.restore(state(resumed), resumed.extra)
+    assert res is not None and res.step == 0
+    assert all(float(st["step"]) == 0 for st in resumed.opt.state.values())  # a fresh optimizer's count
+    assert [resumed.step() for _ in range(3)] == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params(), ref.params()))
 
 
 def _two_saves(tmp_path: Path) -> tuple[Path, list[str], list[torch.Tensor]]:

@@ -3,7 +3,7 @@ of step 4 stalls (DSLURM_FAULT_DATA_STALL=4:1, a hung file system) while rank 0 
 step's collectives; USR2 to both workers (what the launcher forwards) ends the start with a save
 at step 3 on both, exit 75 -- no rank takes step 4 -- and the resumed start trains step 4 from the
 same batch to the end: 0 steps lost or repeated. Also: a TERM that arrives before the first step
-is agreed before it (no step is taken after a stop seen during start-up)."""
+is agreed before it (no step is taken after a stop seen during start-up) and saves nothing."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dslurm import checkpoint as ck
 from dslurm.observe.ledger import read_events
 from testkit import LoadDeadline
 from train_helpers import ROOT, SITE, run_train, step_records, write_job
@@ -69,18 +70,41 @@ def test_usr2_during_one_ranks_data_stall_saves_the_last_step_and_resumes_exactl
     assert trained == [0, 1, 2, 3, 4, 5], trained  # each step once: 0 lost, 0 repeated
 
 
-@pytest.mark.timeout(200)
-def test_a_term_during_start_up_is_agreed_before_the_first_step(tmp_path):
-    job = write_job(tmp_path, "early", steps=50)
+@pytest.mark.timeout(300)
+def test_a_term_during_start_up_is_agreed_before_the_first_step_and_saves_nothing(tmp_path):
+    """A stop before a start's first step has nothing to save: a fresh start's next start is the same
+    fresh start, and a start that restored the pointer's generation leaves the pointer as it was.
+    (A save at step 0 used to be written, and its resume trained differently: AdamW's step counter
+    came back as 1, tests/integration/test_checkpoint_local.py.)"""
+    job = write_job(tmp_path, "early", steps=3)
     run = tmp_path / "early"
     # the launcher's stop file: a TERM that reached this start before its handlers were installed
     status = tmp_path / "status"
     status.mkdir()
     (status / "stop").write_text("SIGTERM")
-    res = run_train(None, job, env={"DSLURM_STATUS_DIR": str(status)}, timeout=120)
+    early = {"DSLURM_STATUS_DIR": str(status)}
+
+    def saves() -> list[int]:
+        return [e["step"] for e in read_events(run) if e["event"] == "ckpt_save"]
+
+    res = run_train(None, job, env=early, timeout=120)
     assert res.returncode == 143, res.stderr[-3000:]
     evs = list(read_events(run))
     assert step_records(run) == []  # no step was taken after the stop
     (exit_ev,) = [e for e in evs if e["event"] == "exit"]
     assert exit_ev["reason"] == "terminated" and exit_ev["step"] == 0
-    assert [e["step"] for e in evs if e["event"] == "ckpt_save"] == [0]
+    assert saves() == [] and ck.read_pointer(run) is None, res.stdout[-2000:]
+    assert "nothing new to save; the next start begins at step 0" in res.stdout
+
+    res = run_train(None, job, env={"DSLURM_FAULT_STOP": "1"}, timeout=120)  # fresh again: 1 step, saved
+    assert res.returncode == 75, res.stderr[-3000:]
+    starts = [e for e in read_events(run) if e["event"] == "train_start"]
+    assert [(s["step"], s["generation"]) for s in starts] == [(0, None), (0, None)]
+    pointer = ck.read_pointer(run)
+    assert saves() == [1]
+
+    res = run_train(None, job, env=early, timeout=120)  # restored step 1, stopped before step 2
+    assert res.returncode == 143, res.stderr[-3000:]
+    starts = [e for e in read_events(run) if e["event"] == "train_start"]
+    assert starts[-1]["step"] == 1 and starts[-1]["generation"].startswith("step-00000001")
+    assert saves() == [1] and ck.read_pointer(run) == pointer  # no second copy of step 1
