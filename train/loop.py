@@ -47,6 +47,7 @@ from dslurm import exitcodes, faults, health, trackers
 from dslurm.checkpoint import init_from
 from dslurm.observe import ctl, events
 from dslurm.observe.ledger import Ledger
+from dslurm.run import RunDir
 from dslurm.runtime.checkpoint import final_failure, manager_for
 from dslurm.runtime.state import train_state
 from dslurm.runtime.stop import StopFlags
@@ -237,7 +238,7 @@ class Trainer:
                 total += _local(loss.detach())
                 continue
             losses: list[torch.Tensor] = []
-            kwargs = {"target": mt, "losses": losses} if b.has_last_stage else {}
+            kwargs: dict[str, Any] = {"target": mt, "losses": losses} if b.has_last_stage else {}
             queue_docs(b.parts, md, self.dims.layout.microbatches)
             b.schedule.step(*((mi,) if b.has_first_stage else ()), **kwargs)
             for loss in losses:
@@ -476,7 +477,7 @@ class Trainer:
                 with self.watch.collective("stragglers"):
                     times, hosts, steps = gather_rank_steps(self.metrics, self.rank)
                 self._event(straggler_event(self.step, times, hosts, steps=steps))
-            self.checks.poll_devices(self.step, self.resolved.run_dir)
+            self.checks.poll_devices(self.step, RunDir(self.resolved.run_dir))
             interval = self.resolved.job.checkpoint.interval
             periodic = (self.step % interval == 0 or result.save_now) and self.step < self.train.steps
             saving = result.stop or periodic or self.step == self.train.steps  # every save is checked first
