@@ -48,6 +48,10 @@ TRACKERS = "trackers.json"
 """one run id per tracker, so every start of the run feeds the same tracker run"""
 PREFLIGHT = "preflight"
 """the burn-in's reports: preflight/burnin-<job_id>-r<restart>.json"""
+PROFILES = "profiles"
+"""the trainer's profiles: profiles/<start>/steps-K-L/ (train/profile.py)"""
+DATA = "data"
+"""the synthetic corpora the trainer writes when a job names no data (train/data.py)"""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,14 @@ class RunDir:
     @property
     def trackers(self) -> Path:
         return self.path / TRACKERS
+
+    @property
+    def profiles(self) -> Path:
+        return self.path / PROFILES
+
+    @property
+    def data(self) -> Path:
+        return self.path / DATA
 
     def burnin_report(self, job_id: str, restart: int) -> Path:
         return self.path / PREFLIGHT / f"burnin-{job_id}-r{restart}.json"

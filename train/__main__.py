@@ -97,9 +97,10 @@ def make_watchdog(resolved: Resolved, rank: int, world: int) -> Watchdog | None:
     if not resolved.job.health.watchdog:
         return None
     from dslurm import facts
+    from dslurm.run import RunDir
     from train.watchdog import Watchdog
 
-    return Watchdog(resolved.job.health, rank=rank, world=world, run_dir=resolved.run_dir,
+    return Watchdog(resolved.job.health, rank=rank, world=world, run=RunDir(resolved.run_dir),
                     start_dir=facts.start_dir(run_dir=resolved.run_dir), on_hang=on_hang)
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
+from dslurm.run import RunDir
 from train import packing
 from train.order import ORDER, Permutation, mix_key, warn_order
 from train.reader import Prefetcher, read_windows, staging_dtype
@@ -385,7 +386,7 @@ class EvalData:
 
 def synthetic_path(run_dir: str | Path, n_tokens: int, vocab_size: int, seed: int) -> Path:
     """Name that encodes what the content depends on, so a restart reuses the file."""
-    return Path(run_dir) / "data" / f"synthetic-v{vocab_size}-n{n_tokens}-s{seed}.h5"
+    return RunDir(run_dir).data / f"synthetic-v{vocab_size}-n{n_tokens}-s{seed}.h5"
 
 
 def ensure_synthetic(path: Path, n_tokens: int, vocab_size: int, seed: int, *, rank: int,
