@@ -41,7 +41,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -52,6 +52,11 @@ from train import packing
 from train.order import ORDER, Permutation, mix_key, warn_order
 from train.reader import Prefetcher, read_windows, staging_dtype
 from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, held_out_split
+
+if TYPE_CHECKING:  # torch is imported lazily here: torch-free tools import the data modules
+    import torch
+
+    from dslurm.config.resolve import Resolved
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +434,7 @@ class _Streams:
     held: SampleSpace
 
 
-def _streams(resolved: Any, rank: int, wait_s: float) -> _Streams:
+def _streams(resolved: Resolved, rank: int, wait_s: float) -> _Streams:
     job, shape = resolved.job, resolved.shape
     if job.data.sources:
         paths = [(_expand(s.path), f"data.sources[{i}].path") for i, s in enumerate(job.data.sources)]
@@ -452,7 +457,7 @@ def _streams(resolved: Any, rank: int, wait_s: float) -> _Streams:
     return _Streams(sources, weights, sizes, train, held)
 
 
-def make_loader(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu",
+def make_loader(resolved: Resolved, dp_rank: int, dp_size: int, *, device: torch.device | str = "cpu",
                 rank: int | None = None, wait_s: float = 600.0) -> TokenLoader:
     """The loader for a `dslurm.config.resolve.Resolved` job on one data-parallel rank.
 
@@ -464,7 +469,7 @@ def make_loader(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu
     return _loader(resolved, _streams(resolved, rank, wait_s), dp_rank, dp_size, device)
 
 
-def _loader(resolved: Any, st: _Streams, dp_rank: int, dp_size: int, device: Any) -> TokenLoader:
+def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device: torch.device | str) -> TokenLoader:
     job, shape = resolved.job, resolved.shape
     b = job.train.global_batch
     held = f" (after data.val_fraction {job.data.val_fraction} held some out)" if job.data.val_fraction else ""
@@ -487,8 +492,8 @@ def _loader(resolved: Any, st: _Streams, dp_rank: int, dp_size: int, device: Any
     return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch)
 
 
-def make_data(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu", rank: int | None = None,
-              wait_s: float = 600.0) -> tuple[TokenLoader, EvalData | None]:
+def make_data(resolved: Resolved, dp_rank: int, dp_size: int, *, device: torch.device | str = "cpu",
+              rank: int | None = None, wait_s: float = 600.0) -> tuple[TokenLoader, EvalData | None]:
     """The training loader and, when `train.eval_every` > 0, the evaluation batches."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     st = _streams(resolved, rank, wait_s)
