@@ -336,6 +336,7 @@ class Step:
     def _event(self, ev: events.Event) -> None:
         if self.ledger is not None:
             self.ledger.append(ev)
+
     def _log_window(self, last: StepResult) -> None:
         win = self.metrics.summary()
         if win is not None and self.rank == 0:
