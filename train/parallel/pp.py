@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from dslurm.config.layout import stages_per_rank
 from train.model import Transformer
+
+if TYPE_CHECKING:  # torch's private base classes: for the type checker only
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
