@@ -41,10 +41,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from dslurm.config.resolve import Resolved
 from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
 from dslurm.run import RunDir
@@ -52,11 +53,6 @@ from train import packing
 from train.order import ORDER, Permutation, mix_key, warn_order
 from train.reader import Prefetcher, read_windows, staging_dtype
 from train.sources import DpShare, MixtureSampler, SampleSpace, eval_indices, held_out_split
-
-if TYPE_CHECKING:  # torch is imported lazily here: torch-free tools import the data modules
-    import torch
-
-    from dslurm.config.resolve import Resolved
 
 log = logging.getLogger(__name__)
 
@@ -457,7 +453,7 @@ def _streams(resolved: Resolved, rank: int, wait_s: float) -> _Streams:
     return _Streams(sources, weights, sizes, train, held)
 
 
-def make_loader(resolved: Resolved, dp_rank: int, dp_size: int, *, device: torch.device | str = "cpu",
+def make_loader(resolved: Resolved, dp_rank: int, dp_size: int, *, device: Any = "cpu",
                 rank: int | None = None, wait_s: float = 600.0) -> TokenLoader:
     """The loader for a `dslurm.config.resolve.Resolved` job on one data-parallel rank.
 
@@ -469,7 +465,7 @@ def make_loader(resolved: Resolved, dp_rank: int, dp_size: int, *, device: torch
     return _loader(resolved, _streams(resolved, rank, wait_s), dp_rank, dp_size, device)
 
 
-def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device: torch.device | str) -> TokenLoader:
+def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device: Any) -> TokenLoader:
     job, shape = resolved.job, resolved.shape
     b = job.train.global_batch
     held = f" (after data.val_fraction {job.data.val_fraction} held some out)" if job.data.val_fraction else ""
@@ -492,7 +488,7 @@ def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device
     return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch)
 
 
-def make_data(resolved: Resolved, dp_rank: int, dp_size: int, *, device: torch.device | str = "cpu",
+def make_data(resolved: Resolved, dp_rank: int, dp_size: int, *, device: Any = "cpu",
               rank: int | None = None, wait_s: float = 600.0) -> tuple[TokenLoader, EvalData | None]:
     """The training loader and, when `train.eval_every` > 0, the evaluation batches."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
