@@ -108,16 +108,16 @@ class RunDir:
         return self.path / CODE / CODE_CURRENT
 
     @property
-    def trackers(self) -> Path:
-        return self.path / TRACKERS
-
-    @property
     def profiles(self) -> Path:
         return self.path / PROFILES
 
     @property
     def data(self) -> Path:
         return self.path / DATA
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / TRACKERS
 
     def burnin_report(self, job_id: str, restart: int) -> Path:
         return self.path / PREFLIGHT / f"burnin-{job_id}-r{restart}.json"
