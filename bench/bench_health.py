@@ -56,12 +56,13 @@ def per_step_checks(reps: int) -> tuple[float, float]:
     import torch
 
     from dslurm import faults
+    from dslurm.run import RunDir
     from train.watchdog import Watchdog
 
     class Spec:
         hang_k, hang_floor_s, hang_ceiling_s = 10.0, 120.0, 1800.0
 
-    wd = Watchdog(Spec, rank=0, world=1, start_dir=None, run_dir=".", on_hang=lambda v: None)
+    wd = Watchdog(Spec, rank=0, world=1, start_dir=None, run=RunDir("."), on_hang=lambda v: None)
 
     def python_side() -> None:
         for name in ("forward_backward", "grad_norm", "step_agree"):

@@ -48,6 +48,10 @@ TRACKERS = "trackers.json"
 """one run id per tracker, so every start of the run feeds the same tracker run"""
 PREFLIGHT = "preflight"
 """the burn-in's reports: preflight/burnin-<job_id>-r<restart>.json"""
+PROFILES = "profiles"
+"""the trainer's profiles: profiles/<start>/steps-K-L/ (train/profile.py)"""
+DATA = "data"
+"""the synthetic corpora the trainer writes when a job names no data (train/data.py)"""
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,14 @@ class RunDir:
     @property
     def code_current(self) -> Path:
         return self.path / CODE / CODE_CURRENT
+
+    @property
+    def profiles(self) -> Path:
+        return self.path / PROFILES
+
+    @property
+    def data(self) -> Path:
+        return self.path / DATA
 
     @property
     def trackers(self) -> Path:

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Static checks first: lint (ruff) and types (mypy on the torch-free toolkit, dslurm/).
+# Static checks first: lint (ruff) and types (mypy --strict on the toolkit, dslurm/, and the trainer, train/).
 .venv/bin/ruff check .
 .venv/bin/mypy
 set +e

@@ -20,8 +20,15 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from dslurm.worker_exit import Outcome, leave, report, world_from_env
+
+if TYPE_CHECKING:  # imported where they are used: the config error path stays torch-free
+    import torch
+
+    from dslurm.config.resolve import Resolved
+    from train.watchdog import HangVerdict, Watchdog
 
 T_START = time.time()  # process start, for the ledger's startup_s
 # What a warm pool (dslurm/launch/warm.py) imports once for the workers it forks: what `main`
@@ -43,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
+def resolve_for_world(args: argparse.Namespace, world: int, local_world: int) -> Resolved:
     """Load site + job with the launcher's world; raises UserError with the numbers."""
     from dslurm.config.resolve import load
     from dslurm.errors import UserError
@@ -54,22 +61,24 @@ def resolve_for_world(args: argparse.Namespace, world: int, local_world: int):
     return load(args.site, args.job, args.overrides + env_overrides, args.site_overrides)
 
 
-def init_distributed(resolved, local_rank: int, world: int):
+def init_distributed(resolved: Resolved, local_rank: int, world: int) -> torch.device:
     """Process group + device (dslurm.process_group: the one init every entry point uses).
     A CPU site on a machine with GPUs still trains on the CPU with its own backend."""
     from dslurm import health
     from dslurm.process_group import init_process_group
 
     gpus, spec = resolved.site.node.gpus > 0, resolved.job.health
-    return init_process_group(resolved.site.network.backend, require_cuda=gpus, cpu_only=not gpus,
-                              where=f"{resolved.site_path}: site {resolved.site.name!r}",
-                              timeout_s=health.pg_timeout_s(spec.hang_ceiling_s) if spec.watchdog else None)
+    device: torch.device = init_process_group(
+        resolved.site.network.backend, require_cuda=gpus, cpu_only=not gpus,
+        where=f"{resolved.site_path}: site {resolved.site.name!r}",
+        timeout_s=health.pg_timeout_s(spec.hang_ceiling_s) if spec.watchdog else None)
+    return device
 
 
 OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/worker_exit.py)
 
 
-def on_hang(verdict) -> None:
+def on_hang(verdict: HangVerdict) -> None:
     """The watchdog fired (its thread; the main thread is stuck): report, then end the process
     now -- the finally blocks of a stuck thread would never run."""
     from dslurm import exitcodes
@@ -83,14 +92,15 @@ def on_hang(verdict) -> None:
         os._exit(exitcodes.HANG)
 
 
-def make_watchdog(resolved, rank: int, world: int):
+def make_watchdog(resolved: Resolved, rank: int, world: int) -> Watchdog | None:
     """The hang watchdog of this process (None when health.watchdog is off)."""
     if not resolved.job.health.watchdog:
         return None
     from dslurm import facts
+    from dslurm.run import RunDir
     from train.watchdog import Watchdog
 
-    return Watchdog(resolved.job.health, rank=rank, world=world, run_dir=resolved.run_dir,
+    return Watchdog(resolved.job.health, rank=rank, world=world, run=RunDir(resolved.run_dir),
                     start_dir=facts.start_dir(run_dir=resolved.run_dir), on_hang=on_hang)
 
 

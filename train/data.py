@@ -29,8 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from dslurm.config.resolve import Resolved
 from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
+from dslurm.run import RunDir
 from train import packing
 from train.reader import Alloc, Planned, Prefetcher, plan_reads, read_planned, staging_dtype
 from train.sampler import GlobalBatchSampler
@@ -289,7 +291,7 @@ class EvalData:
 
 def synthetic_path(run_dir: str | Path, n_tokens: int, vocab_size: int, seed: int) -> Path:
     """Name that encodes what the content depends on, so a restart reuses the file."""
-    return Path(run_dir) / "data" / f"synthetic-v{vocab_size}-n{n_tokens}-s{seed}.h5"
+    return RunDir(run_dir).data / f"synthetic-v{vocab_size}-n{n_tokens}-s{seed}.h5"
 
 
 def ensure_synthetic(path: Path, n_tokens: int, vocab_size: int, seed: int, *, rank: int,
@@ -332,7 +334,7 @@ class _Streams:
     held: SampleSpace
 
 
-def _streams(resolved: Any, rank: int, wait_s: float) -> _Streams:
+def _streams(resolved: Resolved, rank: int, wait_s: float) -> _Streams:
     job, shape = resolved.job, resolved.shape
     if job.data.sources:
         paths = [(_expand(s.path), f"data.sources[{i}].path") for i, s in enumerate(job.data.sources)]
@@ -355,7 +357,7 @@ def _streams(resolved: Any, rank: int, wait_s: float) -> _Streams:
     return _Streams(sources, weights, sizes, train, held)
 
 
-def make_loader(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu",
+def make_loader(resolved: Resolved, dp_rank: int, dp_size: int, *, device: Any = "cpu",
                 rank: int | None = None, wait_s: float = 600.0) -> TokenLoader:
     """The loader for a `dslurm.config.resolve.Resolved` job on one data-parallel rank.
 
@@ -367,7 +369,7 @@ def make_loader(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu
     return _loader(resolved, _streams(resolved, rank, wait_s), dp_rank, dp_size, device)
 
 
-def _loader(resolved: Any, st: _Streams, dp_rank: int, dp_size: int, device: Any) -> TokenLoader:
+def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device: Any) -> TokenLoader:
     job, shape = resolved.job, resolved.shape
     b = job.train.global_batch
     held = f" (after data.val_fraction {job.data.val_fraction} held some out)" if job.data.val_fraction else ""
@@ -390,8 +392,8 @@ def _loader(resolved: Any, st: _Streams, dp_rank: int, dp_size: int, device: Any
     return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch)
 
 
-def make_data(resolved: Any, dp_rank: int, dp_size: int, *, device: Any = "cpu", rank: int | None = None,
-              wait_s: float = 600.0) -> tuple[TokenLoader, EvalData | None]:
+def make_data(resolved: Resolved, dp_rank: int, dp_size: int, *, device: Any = "cpu",
+              rank: int | None = None, wait_s: float = 600.0) -> tuple[TokenLoader, EvalData | None]:
     """The training loader and, when `train.eval_every` > 0, the evaluation batches."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     st = _streams(resolved, rank, wait_s)

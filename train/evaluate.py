@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from dslurm.observe import events
 from train.data import EvalData
 from train.model import cross_entropy
 from train.packing import masked_sum, queue_docs
+
+if TYPE_CHECKING:
+    from train.step import Step
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,7 +54,7 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 class Evaluator:
     """Runs one evaluation on behalf of a `train.loop.Trainer` (its model, stop flags, watchdog)."""
 
-    def __init__(self, trainer: Any, data: EvalData) -> None:
+    def __init__(self, trainer: Step, data: EvalData) -> None:
         self.t, self.data = trainer, data
         self._fault_stop = faults.step_fault("DSLURM_FAULT_STOP_IN_EVAL")  # dslurm/faults.py
 
@@ -76,7 +79,7 @@ class Evaluator:
                     total += _local(cross_entropy(out, mt)).float() / accum
                 continue
             losses: list[torch.Tensor] = []  # the schedule's loss_fn is pre-scaled by 1/(accum x microbatches)
-            kwargs = {"target": mt, "losses": losses} if b.has_last_stage else {}
+            kwargs: dict[str, Any] = {"target": mt, "losses": losses} if b.has_last_stage else {}
             queue_docs(b.parts, md, t.dims.layout.microbatches)
             b.schedule.eval(*((mi,) if b.has_first_stage else ()), **kwargs)
             for loss in losses:

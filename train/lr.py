@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dslurm.config import TrainSpec
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -51,7 +54,7 @@ def lr_lambda(*, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Ca
     return factor
 
 
-def schedule_for(train: Any) -> Callable[[int], float]:
+def schedule_for(train: TrainSpec) -> Callable[[int], float]:
     """step -> lr for a `dslurm.config.TrainSpec` (lr, warmup_steps, steps, min_lr_ratio)."""
     def at(step: int) -> float:
         return lr_at(step, lr=train.lr, warmup_steps=train.warmup_steps,

@@ -17,10 +17,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from dslurm.observe import events, slowrank
 from dslurm.runtime import flight
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from dslurm.config import SiteConfig
 
 PHASES = ("data", "compute", "optimizer", "checkpoint")
 """Named parts of a step; the rest of the wall time is reported as "other"."""
@@ -51,7 +56,7 @@ class Peak:
     label: str
 
 
-def peak_for(site: Any, *, procs_per_node: int, cpu_peak_gflops: float | None = None) -> Peak:
+def peak_for(site: SiteConfig, *, procs_per_node: int, cpu_peak_gflops: float | None = None) -> Peak:
     """The peak used for MFU on a `dslurm.config.SiteConfig`.
 
     GPU site: node.peak_tflops_bf16 per device (bf16 is the precision the site states;
@@ -139,16 +144,15 @@ def gather_rank_steps(m: StepMetrics, rank: int) -> tuple[list[float], list[str]
     a, b = m.last_window_ns
     mine = slowrank.RankStep(rank=rank, host=socket.gethostname(), step_s=float(m.last_step_time_s),
                              spans=list(m.last_spans), arrivals=flight.arrivals(a, b))
-    if not (dist.is_available() and dist.is_initialized()):
-        got = [mine]
-    else:
+    got: list[object] = [mine]
+    if dist.is_available() and dist.is_initialized():
         got = [None] * dist.get_world_size()
         dist.all_gather_object(got, mine)
     steps = [s for s in got if isinstance(s, slowrank.RankStep)]
     return [s.step_s for s in steps], [s.host for s in steps], steps
 
 
-def gather_step_times(local_time: float, group: Any = None) -> tuple[list[float], list[str]]:
+def gather_step_times(local_time: float, group: ProcessGroup | None = None) -> tuple[list[float], list[str]]:
     """All ranks' (step time, host), indexed by rank; works without a process group."""
     import torch.distributed as dist
 
@@ -156,8 +160,9 @@ def gather_step_times(local_time: float, group: Any = None) -> tuple[list[float]
     if not (dist.is_available() and dist.is_initialized()):
         pairs = [mine]
     else:
-        pairs = [None] * dist.get_world_size(group)
-        dist.all_gather_object(pairs, mine, group=group)
+        got: list[object] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(got, mine, group=group)
+        pairs = cast(list[tuple[float, str]], got)  # each filled with a rank's `mine`
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 

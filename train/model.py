@@ -119,7 +119,8 @@ class Attention(nn.Module):
         v = v.repeat_interleave(self.n_rep, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, is_causal=mask is None)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        y: torch.Tensor = self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        return y
 
 
 def attention_mask(seq: int, window: int | None, docs: torch.Tensor | None = None,
@@ -148,7 +149,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        y: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return y
 
 
 class TransformerBlock(nn.Module):
@@ -165,12 +167,15 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         # docs as a keyword: TP's PrepareModuleInput lays out the positional (x, rope) only
         h = x + self.attention(self.attention_norm(x), rope, docs=docs)
-        return h + self.feed_forward(self.ffn_norm(h))
+        y: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return y
 
 
 class Transformer(nn.Module):
     """The decoder. `forward(tokens) -> logits` on the full model; on a pipeline stage
     without embedding (or output) it takes (or returns) hidden states."""
+
+    rope: torch.Tensor  # a buffer (register_buffer below): declared for the type checker
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()

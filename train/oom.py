@@ -20,13 +20,18 @@ import json
 import logging
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dslurm.durable import atomic_write_text
 from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
+
+if TYPE_CHECKING:
+    from dslurm.run import RunDir
+    from train.metrics import StepMetrics
+    from train.watchdog import Watch
 
 log = logging.getLogger(__name__)
 GIB = 1024 ** 3
@@ -54,7 +59,7 @@ def _gpu_state(device: torch.device, start_dir: Path | None, rank: int) -> tuple
 
 
 def record(exc: BaseException, *, rank: int, step: int, phase: str, collective: str, device: torch.device,
-           start_dir: Path | None, run_dir: Path) -> events.Oom:
+           start_dir: Path | None, run: RunDir) -> events.Oom:
     """Leave the snapshot, the note and the ledger event of this rank's OOM; returns the event."""
     memory, snap = _gpu_state(device, start_dir, rank)
     ev = events.Oom(rank=rank, step=step, phase=phase, collective=collective, error=str(exc).splitlines()[0][:300],
@@ -68,10 +73,10 @@ def record(exc: BaseException, *, rank: int, step: int, phase: str, collective: 
                               json.dumps({**ev.fields(), "host": socket.gethostname()}) + "\n")
         except OSError as err:
             log.error("[rank %d] OOM note not written: %s", rank, err)
-    return Ledger(run_dir).append(ev)  # type: ignore[return-value]
+    return Ledger(run.path).append(ev)  # type: ignore[return-value]
 
 
-def phase_of(metrics: Any, watch: Any) -> tuple[str, str]:
+def phase_of(metrics: StepMetrics, watch: Watch) -> tuple[str, str]:
     """Where in the step this rank was: the metrics phase (left set by the error) and the last
     trainer collective it entered (its `with` has already been left by the error)."""
     return (getattr(metrics, "current", "") or "other"), str(getattr(watch, "coll_name", "") or "")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,17 +22,22 @@ from torch.distributed.tensor import DTensor
 
 from train.lr import lr_lambda
 
+if TYPE_CHECKING:
+    from dslurm.config import TrainSpec
+
 # full_tensor() of a norm on a 2-D (dp_shard, tp) mesh logs "2 sequential all_reduce
 # operations ... flatten mesh dimensions" on every rank at every step; two tiny all-reduces
 # per step are fine here, and the line would bury the training log.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def build_optimizers(parts: list[nn.Module], train: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+def build_optimizers(parts: list[nn.Module], train: TrainSpec) -> tuple[list[torch.optim.Optimizer],
+                                                                        list[torch.optim.lr_scheduler.LambdaLR]]:
     """One AdamW + LambdaLR per model part (a pipeline rank may hold two stages)."""
     factor = lr_lambda(warmup_steps=train.warmup_steps, total_steps=train.steps,
                        min_lr_ratio=train.min_lr_ratio)
-    opts, scheds = [], []
+    opts: list[torch.optim.Optimizer] = []
+    scheds: list[torch.optim.lr_scheduler.LambdaLR] = []
     for part in parts:
         # foreach (not fused): fused AdamW has no DTensor/CPU path for all placements.
         opt = torch.optim.AdamW(part.parameters(), lr=train.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -42,13 +47,13 @@ def build_optimizers(parts: list[nn.Module], train: Any) -> tuple[list[torch.opt
     return opts, scheds
 
 
-def _group_key(g: torch.Tensor) -> Any:
+def _group_key(g: torch.Tensor) -> Hashable:
     return (g.device_mesh, ) if isinstance(g, DTensor) else ("local", g.device)
 
 
-def grad_norm(params: Iterable[nn.Parameter], pp_group: Any = None) -> torch.Tensor:
+def grad_norm(params: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients (plain fp32 tensor, same value on every rank)."""
-    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
             groups[_group_key(p.grad)].append(p.grad)
@@ -63,7 +68,8 @@ def grad_norm(params: Iterable[nn.Parameter], pp_group: Any = None) -> torch.Ten
     return sq.sqrt()
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: Any = None) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm`; returns the norm before.
 
     The scaling runs on the local shards: multiplying by one scalar commutes with every

@@ -13,13 +13,20 @@ and the documents are read from the same windows, so a resumed run reads the sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from dslurm.data.instruct import DOC_START, MASK
 from dslurm.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported lazily here (see to_tensors)
+    import torch
+    from torch import nn
+
+    from train.model import Transformer
 
 IGNORE = -100  # F.cross_entropy's ignore_index
 
@@ -74,7 +81,7 @@ def to_tensors(w: Windows | dict[str, Any], device: Any) -> tuple[Any, Any, Any]
     return inputs, targets, docs
 
 
-def masked_sum(logits: Any, targets: Any) -> Any:
+def masked_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed loss of the trained (not IGNORE) targets (0 for a micro-batch of prompts only).
     The trainer divides by the global batch's trained targets (`Trainer.weigh_tokens`), so the
     gradient is the same token mean whatever the layout cuts into micro-batches and ranks. Works
@@ -85,10 +92,10 @@ def masked_sum(logits: Any, targets: Any) -> Any:
                            reduction="sum")
 
 
-def queue_docs(parts: list[Any], docs: Any | None, microbatches: int) -> None:
+def queue_docs(parts: Sequence[nn.Module], docs: torch.Tensor | None, microbatches: int) -> None:
     """Hand a pipeline's stages the documents of the microbatches of one `schedule.step`: the
     schedule splits its inputs along dim 0 with tensor_split, and each stage's forward of microbatch
     i takes entry i (train/model.py `Transformer.chunk_docs`, train/parallel/pp.py)."""
     chunks = list(docs.tensor_split(microbatches)) if docs is not None else None
     for part in parts:
-        part.chunk_docs = chunks
+        cast("Transformer", part).chunk_docs = chunks

@@ -17,12 +17,16 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
+
+if TYPE_CHECKING:
+    from dslurm.config.resolve import Resolved
+    from dslurm.run import RunDir
 
 log = logging.getLogger(__name__)
 VIEW = "open the .trace.json.gz at https://ui.perfetto.dev (or chrome://tracing)"
@@ -37,9 +41,9 @@ def trace_name(rank: int) -> str:
 class StepProfiler:
     """The loop calls `before_step(n)` and `after_step(n, requested)` around each 1-based step n."""
 
-    def __init__(self, *, run_dir: Path, start: str, rank: int, world: int, device: torch.device,
+    def __init__(self, *, run: RunDir, start: str, rank: int, world: int, device: torch.device,
                  at: int = 0, steps: int = 3, ledger: Ledger | None = None) -> None:
-        self.run_dir, self.start, self.rank, self.world, self.device = run_dir, start, rank, world, device
+        self.run, self.start, self.rank, self.world, self.device = run, start, rank, world, device
         self.default_steps, self.ledger = steps, ledger
         self.pending: list[tuple[int, int, str]] = [(at, at + steps - 1, "job (health.profile_at)")] if at > 0 else []
         """windows to profile (first, last, why), in step order; the job's, then requests"""
@@ -96,7 +100,7 @@ class StepProfiler:
         return False
 
     def _dir(self) -> Path:
-        return self.run_dir / "profiles" / self.start / f"steps-{self.first}-{self.last}"
+        return self.run.profiles / self.start / f"steps-{self.first}-{self.last}"
 
     def _begin(self) -> None:
         acts = [torch.profiler.ProfilerActivity.CPU]
@@ -143,11 +147,12 @@ class StepProfiler:
             self._end()
 
 
-def make_profiler(resolved: Any, *, rank: int, world: int, device: torch.device, ledger: Ledger | None) -> StepProfiler:
+def make_profiler(resolved: Resolved, run: RunDir, *, rank: int, world: int, device: torch.device,
+                  ledger: Ledger | None) -> StepProfiler:
     """The loop's profiler, with the job's schedule (health.profile_at / profile_steps)."""
     from dslurm.facts import start_dir
 
-    d = start_dir(run_dir=resolved.run_dir)
+    d = start_dir(run_dir=run.path)
     spec = resolved.job.health
-    return StepProfiler(run_dir=resolved.run_dir, start=d.name if d is not None else "local", rank=rank, world=world,
+    return StepProfiler(run=run, start=d.name if d is not None else "local", rank=rank, world=world,
                         device=device, at=spec.profile_at, steps=spec.profile_steps, ledger=ledger)

@@ -16,13 +16,20 @@ rank) and the optimizer state (it shows up in the parameters at a later check).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dslurm import health
+
+if TYPE_CHECKING:
+    from dslurm.config.resolve import Resolved
+    from dslurm.preflight.thresholds import Thresholds
+    from dslurm.run import RunDir
+    from train.parallel.dims import ParallelDims
 
 log = logging.getLogger(__name__)
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -32,14 +39,14 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
+def fingerprint(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """One int64 per parameter: the exact sum of its local shard's words (module doc)."""
     with torch.no_grad():
         sums = [_local(p).detach().view(_WORDS[p.element_size()]).sum(dtype=torch.int64) for p in params]
         return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
-def flip_bit(params: list[torch.Tensor], bit: int = 16) -> str:
+def flip_bit(params: Sequence[torch.Tensor], bit: int = 16) -> str:
     """DSLURM_FAULT_BITFLIP: flip one mantissa bit of the first element of the first non-empty local
     shard (a relative change of ~2^-7 for fp32: no NaN, the loss barely moves). Returns its name."""
     with torch.no_grad():
@@ -55,7 +62,7 @@ def flip_bit(params: list[torch.Tensor], bit: int = 16) -> str:
 class ReplicaCheck:
     """The fingerprint comparison of one rank (collective: every rank calls `check` together)."""
 
-    def __init__(self, params: list[torch.Tensor], names: list[str], group: Any, device: torch.device,
+    def __init__(self, params: Sequence[torch.Tensor], names: list[str], group: dist.ProcessGroup, device: torch.device,
                  host: str, rank: int) -> None:
         self.params, self.names, self.group, self.device = params, names, group, device
         self.host, self.rank = host, rank
@@ -84,9 +91,9 @@ class ReplicaCheck:
             return None
         mine = {"rank": self.rank, "host": self.host, "suspect": me in verdict.odd, "named": verdict.named,
                 "why": "" if verdict.ok else verdict.why, "params": params}
-        reports: list[Any] = [None] * dist.get_world_size()
+        reports: list[object] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, mine)
-        return health.sdc_summary(reports)
+        return health.sdc_summary(cast(list[dict[str, Any]], reports))  # each filled with a rank's `mine`
 
 
 # ------------------------------------------------------------------ the NVML poll
@@ -95,11 +102,11 @@ class DevicePoll:
     """Temperature, hardware throttling, new uncorrected ECC and Xid events of this node's GPUs,
     polled by local rank 0. Without NVML (CPU nodes) it says so once and does nothing."""
 
-    def __init__(self, thresholds: Any) -> None:
+    def __init__(self, thresholds: Thresholds) -> None:
         from dslurm.preflight.nvml import _load_nvml
 
         self.th = thresholds
-        self.nv = _load_nvml()
+        self.nv: Any = _load_nvml()  # the pynvml module (untyped), None without NVML
         self.handles: list[Any] = []
         self.events: Any = None
         self.baseline: dict[int, int | None] = {}
@@ -192,7 +199,7 @@ class RunChecks:
     """The health checks of one rank: the replica check (None where nothing is replicated or
     health.sdc_every is 0) and the device poll (None unless local rank 0 and polling is on)."""
 
-    def __init__(self, resolved: Any, dims: Any, parts: list[torch.nn.Module], device: torch.device,
+    def __init__(self, resolved: Resolved, dims: ParallelDims, parts: list[torch.nn.Module], device: torch.device,
                  rank: int) -> None:
         from dslurm import faults
         from dslurm.checkpoint.tiers import node_name
@@ -218,7 +225,7 @@ class RunChecks:
         """Before every save (no unchecked generation is ever committed) and every sdc_every steps."""
         return self.replicas is not None and (saving or health.due(step, self.spec.sdc_every))
 
-    def poll_devices(self, step: int, run_dir: Any) -> None:
+    def poll_devices(self, step: int, run: RunDir) -> None:
         """The NVML poll when due; what is new goes to the log and the ledger (`device_health`)."""
         if self.poll is None or not self.poll.on or not health.due(step, self.spec.device_poll_every):
             return
@@ -228,9 +235,9 @@ class RunChecks:
             from dslurm.observe.ledger import Ledger
 
             log.warning("[rank %d] device health after step %d: %s", self.rank, step, "; ".join(found))
-            Ledger(run_dir).append(events.DeviceHealth(step=step, findings=found))
+            Ledger(run.path).append(events.DeviceHealth(step=step, findings=found))
 
-    def maybe_flip(self, step: int, params: list[torch.Tensor]) -> None:
+    def maybe_flip(self, step: int, params: Sequence[torch.Tensor]) -> None:
         """DSLURM_FAULT_BITFLIP (dslurm/faults.py): once per process, after optimizer step STEP."""
         if self._flip_at == step:
             self._flip_at = None  # a replay after the rollback must not flip again

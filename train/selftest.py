@@ -19,11 +19,11 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dslurm.config import load_job, load_site
+from dslurm.config import SiteConfig, load_job, load_site
 from dslurm.config.models import shape_from
 from dslurm.config.resolve import resolve
 from dslurm.errors import UserError
@@ -31,10 +31,13 @@ from dslurm.preflight.thresholds import Thresholds
 from dslurm.selftest import parts, sizing
 from dslurm.selftest.report import Report, new_report
 
+if TYPE_CHECKING:
+    from train.loop import Trainer  # imported where it is built: the self-check starts light
+
 # Llama 3 8B's block with Llama 2's 32k vocabulary: a 128k vocabulary would put most of a
 # checkpoint-sized model into the embedding and the output layer, not into the blocks.
 GPU_BASE = ("8b", {"vocab_size": 32000, "seq_len": 4096})
-DRY_BASE = ("tiny", {})
+DRY_BASE: tuple[str, dict[str, int]] = ("tiny", {})
 DRY_MEMORY = 256e6
 """The pretend device memory the dry run sizes its tiny model for (the same code as on GPU)."""
 MAX_OOM_RETRIES = 2
@@ -74,7 +77,7 @@ def _free(device: torch.device) -> None:
 
 
 def measure_trainer(site_path: str, base: tuple[str, dict[str, int]], sz: sizing.Sizing, device: torch.device, *,
-                    compile: bool, steps: int, warmup: int, work: Path) -> tuple[dict[str, Any], Any]:
+                    compile: bool, steps: int, warmup: int, work: Path) -> tuple[dict[str, Any], Trainer]:
     """Build the trainer, run `warmup` steps (compile happens in the first), then `steps` measured
     ones; returns (numbers, the trainer) -- its state is what the checkpoint part saves."""
     from train.loop import Trainer
@@ -125,7 +128,7 @@ def measure_trainer(site_path: str, base: tuple[str, dict[str, int]], sz: sizing
 
 
 def trainer_part(site_path: str, base: tuple[str, dict[str, int]], sz: sizing.Sizing, device: torch.device,
-                 *, keep: bool = False, **kw: Any) -> tuple[dict[str, Any], Any]:
+                 *, keep: bool = False, **kw: Any) -> tuple[dict[str, Any], Trainer | None]:
     """`measure_trainer`, halving the micro-batch after an out-of-memory error (the sizing is an
     estimate); each retry is recorded. The trainer is freed unless `keep`."""
     ooms: list[dict[str, Any]] = []
@@ -143,21 +146,22 @@ def trainer_part(site_path: str, base: tuple[str, dict[str, int]], sz: sizing.Si
         _free(device)  # the failed trainer is garbage once the exception is gone
         sz = dataclasses.replace(sz, micro_batch=max(1, sz.micro_batch // 2))
     out.update(sizing=sz.to_dict(), oom_retries=ooms)
-    if not keep:
-        del trainer
-        _free(device)
-        trainer = None
-    return out, trainer
+    if keep:
+        return out, trainer
+    del trainer
+    _free(device)
+    return out, None
 
 
-def _probe(trainer: Any) -> torch.Tensor:
+def _probe(trainer: Trainer) -> torch.Tensor:
     """The smallest parameter's local tensor (a norm weight), fetched anew on each call: changed
     before the restore, compared after."""
     p = min(trainer.params, key=lambda q: q.numel())
-    return p.to_local() if hasattr(p, "to_local") else p.data
+    local: torch.Tensor = p.to_local() if hasattr(p, "to_local") else p.data
+    return local
 
 
-def start(args: argparse.Namespace) -> tuple[Any, torch.device, Report]:
+def start(args: argparse.Namespace) -> tuple[SiteConfig, torch.device, Report]:
     """Site, process group (a world of one) and the empty report; a UserError if either is wrong."""
     from dslurm.process_group import init_process_group
 
@@ -177,7 +181,7 @@ def start(args: argparse.Namespace) -> tuple[Any, torch.device, Report]:
     return site, device, Report(data, args.out, args.budget_s)
 
 
-def run_parts(args: argparse.Namespace, site: Any, device: torch.device, report: Report) -> None:
+def run_parts(args: argparse.Namespace, site: SiteConfig, device: torch.device, report: Report) -> None:
     from dslurm.runtime.state import train_state
 
     dry = args.dry_run
@@ -191,10 +195,11 @@ def run_parts(args: argparse.Namespace, site: Any, device: torch.device, report:
                min(args.ckpt_gb * 1e9, 0.3 * shutil.disk_usage(args.dir).free))
     report.data["sizing"] = sz.to_dict() if isinstance(sz, sizing.Sizing) else {"error": sz}
     kw = {"steps": args.steps, "warmup": args.warmup, "work": args.dir}
-    held: list[Any] = []
+    held: list[Trainer] = []
 
     def eager() -> dict[str, Any]:
         out, trainer = trainer_part(args.site, base, _sized(sz), device, compile=False, keep=True, **kw)
+        assert trainer is not None  # keep=True
         held.append(trainer)
         return out
 

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from dslurm import faults
 
 
-def install(parts: list[nn.Module], step_now: Callable[[], int]) -> list[Any]:
+def install(parts: list[nn.Module], step_now: Callable[[], int]) -> list[RemovableHandle]:
     """Register the hook when a knob aims at this process; `step_now()`: the 1-based step
     being taken. Returns the hook handles (empty: nothing to do)."""
     stall_at = faults.step_fault("DSLURM_FAULT_STALL")

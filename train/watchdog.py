@@ -34,13 +34,17 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dslurm import health
 from dslurm.durable import atomic_write_text
 from dslurm.observe import events, forensics
 from dslurm.observe.ledger import Ledger
 from dslurm.runtime import flight
+
+if TYPE_CHECKING:
+    from dslurm.config import HealthSpec
+    from dslurm.run import RunDir
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # recent step times the median is taken over
@@ -75,10 +79,10 @@ class _Collective:
 
 
 class Watchdog:
-    def __init__(self, spec: Any, *, rank: int, world: int, start_dir: Path | None, run_dir: Path,
+    def __init__(self, spec: HealthSpec, *, rank: int, world: int, start_dir: Path | None, run: RunDir,
                  on_hang: Callable[[HangVerdict], None]) -> None:
         self.spec, self.rank, self.world = spec, rank, world
-        self.dir, self.run_dir, self.on_hang = start_dir, run_dir, on_hang
+        self.dir, self.run, self.on_hang = start_dir, run, on_hang
         self.seq, self.coll_name, self.inside = 0, "", False
         self.step = 0
         self.times: deque[float] = deque(maxlen=WINDOW)
@@ -216,7 +220,7 @@ class Watchdog:
                idle: float, bound: float, stalls: list[forensics.Stall]) -> None:
         times = list(self.times)
         med = statistics.median(times) if times else None
-        Ledger(self.run_dir).append(events.Hang(
+        Ledger(self.run.path).append(events.Hang(
             step=step, idle_s=round(idle, 3), bound_s=round(bound, 3),
             median_step_s=round(med, 4) if med is not None else None, suspects=who,
             suspect_hosts=sorted({notes[r].host for r in who if r in notes}), why=why,
@@ -260,3 +264,5 @@ class _NoWatchdog:
 
 
 NO_WATCHDOG = _NoWatchdog()
+Watch = Watchdog | _NoWatchdog
+"""what the trainer holds: the watchdog, or NO_WATCHDOG"""

@@ -22,6 +22,7 @@ from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 from dslurm.requeue import decide
 from dslurm.requeue.oom import oom_fix
+from dslurm.run import RunDir
 from dslurm.worker_exit import Outcome, is_oom
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,7 +260,7 @@ def test_profile_windows_queue_in_step_order_and_overlaps_are_dropped(tmp_path):
 
     from train.profile import StepProfiler
 
-    prof = StepProfiler(run_dir=tmp_path, start="1.0", rank=0, world=2, device=torch.device("cpu"), at=4, steps=1)
+    prof = StepProfiler(run=RunDir(tmp_path), start="1.0", rank=0, world=2, device=torch.device("cpu"), at=4, steps=1)
     prof.request(2, after=1, why="dslurm ctl profile")  # steps 2..3, before the job's step 4
     prof.request(3, after=2, why="again")  # 3..5 overlaps both: dropped
     prof.request(0, after=10, why="later")  # 0: the job's profile_steps (1)

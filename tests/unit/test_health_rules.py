@@ -17,6 +17,7 @@ from dslurm.errors import UserError
 from dslurm.facts import StartFacts
 from dslurm.observe import events as ev
 from dslurm.requeue import decide
+from dslurm.run import RunDir
 
 
 def test_hang_bound_is_k_times_the_median_with_a_floor_and_a_ceiling():
@@ -110,7 +111,7 @@ def test_watchdog_fires_dumps_stacks_and_names_itself_when_alone(tmp_path):
     from train.watchdog import Watchdog
 
     got = []
-    wd = Watchdog(Spec, rank=0, world=1, start_dir=tmp_path / "s", run_dir=tmp_path, on_hang=got.append)
+    wd = Watchdog(Spec, rank=0, world=1, start_dir=tmp_path / "s", run=RunDir(tmp_path), on_hang=got.append)
     wd.start()
     wd.beat(1)
     wd.beat(2)  # one step time of ~0 s: the bound is the floor (0.3 s)
@@ -137,7 +138,7 @@ def test_closing_while_the_watchdog_names_suspects_waits_for_its_verdict(tmp_pat
     from train.watchdog import Watchdog
 
     got = []
-    wd = Watchdog(Spec, rank=0, world=2, start_dir=tmp_path / "s", run_dir=tmp_path, on_hang=got.append)
+    wd = Watchdog(Spec, rank=0, world=2, start_dir=tmp_path / "s", run=RunDir(tmp_path), on_hang=got.append)
     wd.start()
     wd.beat(1)
     wd.beat(2)
@@ -152,7 +153,7 @@ def test_closing_while_the_watchdog_names_suspects_waits_for_its_verdict(tmp_pat
     assert h.suspects == [0, 1] and sorted(h.collectives) == ["0"]  # rank 1 left no note: a suspect too
 
     quiet = []
-    wd = Watchdog(Spec, rank=0, world=2, start_dir=tmp_path / "q", run_dir=tmp_path / "q", on_hang=quiet.append)
+    wd = Watchdog(Spec, rank=0, world=2, start_dir=tmp_path / "q", run=RunDir(tmp_path / "q"), on_hang=quiet.append)
     wd.start()
     wd.close()  # before any bound could pass
     time.sleep(1.0)
@@ -162,7 +163,7 @@ def test_closing_while_the_watchdog_names_suspects_waits_for_its_verdict(tmp_pat
 def test_a_save_raises_the_bound_to_the_ceiling():
     from train.watchdog import Watchdog
 
-    wd = Watchdog(Spec, rank=0, world=1, start_dir=None, run_dir=".", on_hang=lambda v: None)
+    wd = Watchdog(Spec, rank=0, world=1, start_dir=None, run=RunDir("."), on_hang=lambda v: None)
     assert wd.bound() == 0.6  # before the first beat
     wd.beat(1)
     wd.beat(2)
@@ -179,7 +180,7 @@ def test_a_paused_wait_is_neither_a_step_time_nor_a_hang_and_leaves_the_state_as
     recorded (or not, before the first beat) and the bound is what it was."""
     from train.watchdog import Watchdog
 
-    wd = Watchdog(Spec, rank=0, world=1, start_dir=None, run_dir=".", on_hang=lambda v: None)
+    wd = Watchdog(Spec, rank=0, world=1, start_dir=None, run=RunDir("."), on_hang=lambda v: None)
     if not first:
         wd.beat(1)
         wd.beat(2)

@@ -9,12 +9,13 @@ CheckpointWrapper's own hooks, so checkpoints keep the unsplit model's names.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from train.model import Transformer
 
 # Ops whose outputs are worth keeping: recomputing them costs FLOPs, not just bandwidth.
 _SAVE_OPS = {
@@ -27,15 +28,15 @@ _SAVE_OPS = {
 }
 
 
-def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context():
+def _selective_context() -> Any:  # (forward, recompute) contexts; torch leaves them untyped
     return create_selective_checkpoint_contexts(_policy)
 
 
-def apply_ac(model: nn.Module, mode: Literal["none", "selective", "full"]) -> None:
+def apply_ac(model: Transformer, mode: Literal["none", "selective", "full"]) -> None:
     """Wrap every block of `model.layers` in place (keys stay the layer indices)."""
     if mode == "none":
         return

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from dslurm.config import JobSpec, TrainSpec
 from dslurm.config.layout import stages_per_rank
 from dslurm.config.models import ModelShape
-from train.model import build_model
+from train.model import Transformer, build_model
 from train.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:  # the pipelining package is imported only by a PP layout (below)
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 # Each parallelism's module is imported where the layout asks for it, never at the top: a
 # pp=1, tp=1, no-compile worker must not pay for torch.distributed.pipelining (which pulls in
@@ -29,12 +33,12 @@ from train.parallel.dims import ParallelDims
 
 
 @dataclass(slots=True)
-class Built:
+class Parts:
     """This rank's share of the model."""
 
     parts: list[nn.Module]
-    """model parts (one without PP; one per owned stage with PP)"""
-    schedule: Any | None
+    """model parts (one without PP; one per owned stage with PP): each a `Transformer`"""
+    schedule: _PipelineSchedule | None
     """the pipeline schedule, or None without PP"""
     has_first_stage: bool
     """this rank feeds tokens (holds the embedding)"""
@@ -42,7 +46,7 @@ class Built:
     """this rank computes the loss (holds the output projection)"""
 
 
-def _parallelize_part(part: nn.Module, dims: ParallelDims, train: Any, fsdp: bool) -> None:
+def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, fsdp: bool) -> None:
     lay = dims.layout
     if lay.tp_enabled:
         from train.parallel.tp import apply_tp
@@ -69,9 +73,9 @@ def meta_init(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.device, *,
+def build_parts(shape: ModelShape, job: JobSpec, dims: ParallelDims, device: torch.device, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                fsdp: bool | None = None) -> Built:
+                fsdp: bool | None = None) -> Parts:
     """Model parts and (with PP) the schedule for this rank. `fsdp=None` applies FSDP when
     there is data parallelism; True forces it (the 1-process overhead benchmark)."""
     train, par, lay = job.train, job.parallel, dims.layout
@@ -84,11 +88,11 @@ def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.d
         pp_rank = dims.get_mesh("pp").get_local_rank()
         n_stages = lay.pp * stages_per_rank(par.pp_schedule)
         ids = stage_ids(pp_rank, lay.pp, par.pp_schedule)
-        parts = [split_stage(full, i, n_stages) for i in ids]
+        stages = [split_stage(full, i, n_stages) for i in ids]
         del full
     else:
-        ids, n_stages, parts = [0], 1, [full]
-    for part in parts:
+        ids, n_stages, stages = [0], 1, [full]
+    for part in stages:
         _parallelize_part(part, dims, train, fsdp)
         if meta:
             part.to_empty(device=device)
@@ -99,8 +103,8 @@ def build_parts(shape: ModelShape, job: Any, dims: ParallelDims, device: torch.d
     if lay.pp_enabled:
         from train.parallel.pp import build_schedule
 
-        schedule = build_schedule(parts, ids, n_stages, pp_group=dims.get_mesh("pp").get_group(),
+        schedule = build_schedule(stages, ids, n_stages, pp_group=dims.get_mesh("pp").get_group(),
                                   device=device, schedule=par.pp_schedule, microbatches=lay.microbatches,
                                   loss_fn=loss_fn)
-    return Built(parts=parts, schedule=schedule, has_first_stage=0 in ids,
+    return Parts(parts=list(stages), schedule=schedule, has_first_stage=0 in ids,
                  has_last_stage=n_stages - 1 in ids)

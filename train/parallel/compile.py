@@ -15,12 +15,14 @@ from typing import Any
 
 from torch import nn
 
+from train.model import Transformer
+
 
 def _clone_output(_module: nn.Module, _inputs: Any, output: Any) -> Any:
     return output.clone()
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: Transformer) -> None:
     """Compile each transformer block in place; guard the embedding gradient."""
     for block in model.layers.values():
         block.compile(fullgraph=True)

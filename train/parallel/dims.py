@@ -12,9 +12,12 @@ flattened (dp_replicate, dp_shard) pair.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dslurm.config.layout import DIM_NAMES, Layout
+
+if TYPE_CHECKING:  # torch is imported when the mesh is first built
+    from torch.distributed.device_mesh import DeviceMesh
 
 FLAT_NAMES = {"dp": ("dp_replicate", "dp_shard")}
 
@@ -27,8 +30,8 @@ class ParallelDims:
     """the degrees (read `dims.layout.tp`, `dims.layout.pp_enabled`, ...)"""
     device_type: str = "cpu"
     """'cpu' (gloo) or 'cuda' (nccl)"""
-    _mesh: Any = field(default=None, repr=False)
-    _flat: dict[str, Any] = field(default_factory=dict, repr=False)
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.layout.check_device(self.device_type != "cpu", machine="this CPU run")
@@ -44,7 +47,7 @@ class ParallelDims:
         return self.layout.world_size
 
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> DeviceMesh:
         """The world DeviceMesh, built on first use (needs an initialised process group)."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
@@ -57,7 +60,7 @@ class ParallelDims:
             self._mesh = mesh
         return self._mesh
 
-    def get_mesh(self, names: str | tuple[str, ...] | list[str]) -> Any:
+    def get_mesh(self, names: str | tuple[str, ...] | list[str]) -> DeviceMesh:
         """The sub-mesh over `names`; a wrong name lists the valid ones."""
         names = (names,) if isinstance(names, str) else tuple(names)
         valid = DIM_NAMES + tuple(FLAT_NAMES)

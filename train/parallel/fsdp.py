@@ -12,11 +12,11 @@ everything stays fp32 (bf16 matmuls on CPU are slow and `dslurm.config.resolve` 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from train.model import Transformer
 
 
 def mp_policy(dtype: str, device_type: str) -> MixedPrecisionPolicy:
@@ -26,7 +26,7 @@ def mp_policy(dtype: str, device_type: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any, *, dtype: str = "fp32", device_type: str = "cpu",
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, dtype: str = "fp32", device_type: str = "cpu",
                pp_enabled: bool = False) -> None:
     """Shard each block, then the root (embedding, final norm, output) in place.
 

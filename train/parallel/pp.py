@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from dslurm.config.layout import stages_per_rank
+from train.model import Transformer
+
+if TYPE_CHECKING:  # torch's private base classes: for the type checker only
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
@@ -31,11 +36,12 @@ class Stage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
                           save_forward_output: bool = True) -> Any:
-        self.submod.chunk = fwd_chunk_id
+        model = cast(Transformer, self.submod)  # split_stage's (sharded in place, same class)
+        model.chunk = fwd_chunk_id
         try:
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         finally:
-            self.submod.chunk = None
+            model.chunk = None
 
 
 def layer_split(n_layers: int, n_stages: int) -> list[range]:
@@ -56,7 +62,7 @@ def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
     return [pp_rank + i * pp for i in range(stages_per_rank(schedule))]
 
 
-def split_stage(full: nn.Module, stage: int, n_stages: int) -> nn.Module:
+def split_stage(full: Transformer, stage: int, n_stages: int) -> Transformer:
     """A copy of `full` holding only what stage `stage` of `n_stages` runs."""
     keep = layer_split(len(full.layers), n_stages)[stage]
     module = copy.deepcopy(full)
@@ -71,9 +77,9 @@ def split_stage(full: nn.Module, stage: int, n_stages: int) -> nn.Module:
     return module
 
 
-def build_schedule(stage_modules: list[nn.Module], ids: list[int], n_stages: int, *, pp_group: Any,
-                   device: torch.device, schedule: str, microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+def build_schedule(stage_modules: list[Transformer], ids: list[int], n_stages: int, *,
+                   pp_group: dist.ProcessGroup, device: torch.device, schedule: str, microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
     """PipelineStages for this rank's modules and the schedule that drives them.
 
     `loss_fn` must already divide by the number of microbatches: `scale_grads=False`, because
@@ -83,8 +89,11 @@ def build_schedule(stage_modules: list[nn.Module], ids: list[int], n_stages: int
     Shapes between stages are inferred at run time (no example inputs): with SP the hidden
     states are (mb, seq/tp, dim) local shards, which the stage learns from the first step.
     """
-    stages = [Stage(m, i, n_stages, device, group=pp_group) for m, i in zip(stage_modules, ids)]
+    stages: list[_PipelineStageBase] = [Stage(m, i, n_stages, device, group=pp_group)
+                                        for m, i in zip(stage_modules, ids)]
     cls = SCHEDULES[schedule]
     if cls is ScheduleInterleaved1F1B:
-        return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        multi: _PipelineSchedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        return multi
+    single: _PipelineSchedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return single

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -25,8 +25,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from train.model import Transformer, TransformerBlock
 
-def apply_tp(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> None:
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool = True) -> None:
     """Shard `model` (a full `Transformer` or a pipeline stage of one) over `tp_mesh` in place."""
     top: dict[str, Any] = {}
     if model.tok_embeddings is not None:
@@ -44,6 +46,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> N
         # serve as both again (the tie train/model.py made before sharding).
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
+        assert isinstance(block, TransformerBlock)  # TP comes first: no wrapper around the block yet
         qk_norm = {}
         if block.attention.q_norm is not None:
             # Qwen3's per-head norms see q/k with the heads (dim 2) split over tp: their weights
