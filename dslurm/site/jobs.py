@@ -4,7 +4,7 @@ jobs whose output the rows of dslurm.site.check are decided from.
 - the node job (N whole nodes, the site's own #SBATCH lines from dslurm.render): the setup lines,
   then the probe on the first node (writes markers in scratch and the durable path) and on the
   last (reads them), and the container's `import torch` when the site has one;
-- the requeue job (1 node, a 1-minute limit, `--signal=B:USR2@LEAD_S --requeue`): its batch shell
+- the requeue job (1 node, a 2-minute limit, `--signal=B:USR2@LEAD_S --requeue`): its batch shell
   waits for USR2, requeues itself, and the second start exits 0;
 - the burn-in job (2 nodes): `dslurm burnin`'s own job, whose verdict is the all-reduce row;
 - the warm job (1 node + 1 spare, `recovery.warm: true`, the connectivity probe as its entry): rank 0
@@ -38,8 +38,11 @@ from dslurm.site import check as C
 from dslurm.site.probe import TAG
 from dslurm.submission import Submission
 
-REQUEUE_TIME = "00:01:00"
-LEAD_S = 40  # slurmctld checks time limits every 30 s: USR2 comes 20-50 s into a 60 s job
+REQUEUE_TIME = "00:02:00"
+# slurmctld sends the B: signal up to a PERIODIC_TIMEOUT (30 s) before LEAD and checks every 30 s, so
+# USR2 comes 30-60 s into this 120 s job. A 60 s job with LEAD 40 drew it as soon as the job ran (the
+# check adds 30 s): on a loaded machine that was before the batch shell set its trap, and it was lost.
+LEAD_S = 60
 _SETUP_FAILED = "DSLURM-SITE-SETUP-FAILED"
 
 

@@ -100,7 +100,7 @@ def test_discovered_site_checks_out_and_bad_sites_are_named_with_fixes(slurm_clu
     # does not exist, then PATH without it; dslurm from the checkout, torch nowhere), scratch no node can
     # write, and a durable path each node has its own copy of. The local nodes share one filesystem, so a
     # node-local directory there is a per-node one (%n, as site-configs/local.yaml's scratch): written on
-    # the first node, absent on the last, as /local or /tmp at a site. Requeue off: no 1-minute job.
+    # the first node, absent on the last, as /local or /tmp at a site. Requeue off: no 2-minute job.
     assert subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode != 0, \
         "this test needs a system python3 without torch: it stands for setup lines that miss the venv"
     broken = yaml.safe_load(out.read_text())
