@@ -36,8 +36,9 @@ LEDGER = "ledger.jsonl"
 """the run's events, one JSON line each (dslurm/observe/ledger.py)"""
 STARTS = "starts"
 """one directory of facts per start: starts/<job_id>.<restart>[.<step>]/ (dslurm/facts.py)"""
-CTL_REQUEST, CTL_TAKEN = "ctl_request.json", "ctl_taken.json"
-"""`dslurm ctl RUN save|stop`: the request waiting for rank 0, and the one it took"""
+CTL_REQUEST, CTL_TAKEN, CTL_STALE = "ctl_request.json", "ctl_taken.json", "ctl_stale.json"
+"""`dslurm ctl RUN save|stop|profile`: the request waiting for rank 0, the one it took, and one it
+set aside as written for another start"""
 LOGS = "logs"
 """the jobs' --output/--error files (Slurm does not create the directory)"""
 CODE = "code"
@@ -96,6 +97,10 @@ class RunDir:
         return self.path / CTL_TAKEN
 
     @property
+    def ctl_stale(self) -> Path:
+        return self.path / CTL_STALE
+
+    @property
     def logs(self) -> Path:
         return self.path / LOGS
 
@@ -126,13 +131,15 @@ class RunDir:
         """Whether `dslurm submit` froze a run here (its job.yaml exists)."""
         return self.job_yaml.is_file()
 
-    def frozen(self) -> tuple[SiteConfig, JobSpec] | None:
-        """(site, job) as `dslurm submit` froze them; None when no run was frozen here."""
-        if not self.is_run():
-            return None
+    def config(self) -> tuple[SiteConfig, JobSpec]:
+        """(site, job) as `dslurm submit` froze them; a missing or bad file is a UserError naming it."""
         from dslurm.config import load_job, load_site
 
         return load_site(self.site_yaml), load_job(self.job_yaml)
+
+    def frozen(self) -> tuple[SiteConfig, JobSpec] | None:
+        """(site, job) as `dslurm submit` froze them; None when no run was frozen here."""
+        return self.config() if self.is_run() else None
 
     def resolved(self, overrides: list[str] | None = None) -> Resolved:
         """The frozen config resolved, as every start of the run sees it (no ledger is read:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.run import RunDir
+from dslurm.run import JOB, SITE, RunDir
 from dslurm.submission import active_jobs_of_run, completed_note, submit
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--site", help="site config YAML (with --job; or use --run-dir)")
     p.add_argument("--job", help="job spec YAML (with --site; or use --run-dir)")
     p.add_argument("--run-dir", type=Path, default=None, metavar="RUN_DIR",
-                   help="submit an existing run again from its frozen site.yaml and job.yaml (--set applies "
+                   help=f"submit an existing run again from its frozen {SITE} and {JOB} (--set applies "
                         "on top); it resumes from the checkpoint pointer and runs the code snapshot it was "
                         "submitted with (unless --code). Run it from the directory of the first submit: relative "
                         "paths in the job resolve there. The local handle of a remote run works too")
@@ -78,12 +78,12 @@ def inputs_of(args: argparse.Namespace) -> tuple[str, str, list[str]]:
         return args.site, args.job, list(args.overrides)
     if args.site or args.job:
         raise UserError(f"dslurm submit --run-dir {run_dir}: --site/--job cannot go with it (the run's frozen "
-                        "site.yaml and job.yaml are used). Fix: drop them, and change a field with --set")
+                        f"{SITE} and {JOB} are used). Fix: drop them, and change a field with --set")
     site, job = RunDir(run_dir).site_yaml, RunDir(run_dir).job_yaml
     for path in (site, job):
         if not path.is_file():
             raise UserError(f"{path}: missing; --run-dir needs a run directory `dslurm submit` wrote (it holds "
-                            "site.yaml and job.yaml). Fix: give that directory, or submit with --site and --job")
+                            f"{SITE} and {JOB}). Fix: give that directory, or submit with --site and --job")
     return str(site), str(job), [f"checkpoint.run_dir={Path(run_dir).resolve()}", *args.overrides]
 
 
@@ -117,7 +117,7 @@ def run_submit(args: argparse.Namespace) -> int:
     if run_dir is not None and (h := handle.read(run_dir)) is not None:  # a run on a cluster: submit it there
         if args.site or args.job:
             raise UserError(f"dslurm submit --run-dir {run_dir}: --site/--job cannot go with it (the run's frozen "
-                            "site.yaml and job.yaml on the cluster are used). Fix: drop them, and change a field "
+                            f"{SITE} and {JOB} on the cluster are used). Fix: drop them, and change a field "
                             "with --set or --site-set")
         return _resubmit_remote(h, args)
     site, job, overrides = inputs_of(args)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Union
 from dslurm.config import JobSpec, SiteConfig
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.run import RunDir
 
 if TYPE_CHECKING:
     import submitit
@@ -185,7 +186,8 @@ def _submit_submitit(r: Resolved, folder: str | Path | None, force: bool) -> sub
                                       max_num_timeout=r.policy.max_restarts)
     executor.job_class = _job_class()  # type: ignore[assignment]
     executor.update_parameters(**executor_parameters(r, exclude=read_blocklist(r.run_dir)))
-    sub = executor.submit(TrainTask(str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")))
+    rd = RunDir(r.run_dir)
+    sub = executor.submit(TrainTask(str(rd.site_yaml), str(rd.job_yaml)))
     record_submission(r, [int(sub.job_id)], via="api")
     sub.run_dir = r.run_dir  # type: ignore[attr-defined]  # handy in a notebook
     return sub
@@ -253,8 +255,8 @@ def sweep(job: str | Path, *, site: str | Path, grid: dict[str, list[Any]] | Non
         executor.update_parameters(**{**params, "additional_parameters": extra},
                                    array_parallelism=max_parallel or len(part.tasks))
         with executor.batch():
-            jobs = [executor.submit(TrainTask(str(sw.tasks[i].r.run_dir / "site.yaml"),
-                                              str(sw.tasks[i].r.run_dir / "job.yaml"))) for i in part.tasks]
+            rds = [RunDir(sw.tasks[i].r.run_dir) for i in part.tasks]
+            jobs = [executor.submit(TrainTask(str(rd.site_yaml), str(rd.job_yaml))) for rd in rds]
         array_id = int(str(jobs[0].job_id).split("_")[0])
         array_ids.append(array_id)
         record = read_map(sw.dir) or {}
@@ -287,9 +289,10 @@ def run_local(job: JobLike, *, site: SiteLike, nproc: int | None = None, overrid
     # An outer allocation's SLURM_* (a notebook on a compute node) must not leak into derive().
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     env.update({**_one_node_env(), **_job_env(r)})
-    log = r.run_dir / "logs" / f"{env['SLURM_JOB_ID']}.log"
+    rd = RunDir(r.run_dir)
+    log = rd.logs / f"{env['SLURM_JOB_ID']}.log"
     with _output_to(log):
-        rc = launch_keeping_handlers(trainer_argv(r, str(r.run_dir / "site.yaml"), str(r.run_dir / "job.yaml")),
+        rc = launch_keeping_handlers(trainer_argv(r, str(rd.site_yaml), str(rd.job_yaml)),
                                      mode="torchrun", nproc_per_node=nproc or r.world_size, env=env)
     if rc == X.OK:
         return summarize(events.read(r.run_dir), env["SLURM_JOB_ID"], r.run_dir, ["localhost"])

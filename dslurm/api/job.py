@@ -31,6 +31,7 @@ from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.launch import FORWARDED, launch, reset_stop
 from dslurm.observe.events import Event
+from dslurm.run import RunDir
 
 
 class TrainerFailed(RuntimeError):
@@ -166,7 +167,7 @@ class TrainTask(submitit.helpers.Checkpointable):
 
             return summarize(events.read(r.run_dir), info.job_id, r.run_dir, info.hosts)
         if rc == X.PREFLIGHT_FAILED:
-            raise TrainerFailed(f"the burn-in failed; bad nodes are in {r.run_dir}/blocklist.txt and the next "
+            raise TrainerFailed(f"the burn-in failed; bad nodes are in {RunDir(r.run_dir).blocklist} and the next "
                                 "dslurm.api.submit of this run excludes them. Fix: resubmit")
         if rc == X.REQUEUE:
             self._requeue(r, env, submitit_usr2)

@@ -22,7 +22,6 @@ from dslurm.errors import UserError
 
 if TYPE_CHECKING:
     from dslurm.data import tokenize as tk
-    from dslurm.data.manifest import Manifest
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             print(_progress(Path(path)))  # a tokenization under way: per task, done / running / not started
             return 0
         if Path(path).is_dir() or str(path).endswith(".json"):
-            from dslurm.data.manifest import read_manifest
+            from dslurm.data.manifest import format_manifest, read_manifest
 
             print(format_manifest(read_manifest(path)))
             return 0
@@ -145,21 +144,4 @@ def format_info(info: tk.TokenFileInfo) -> str:
         lines.append(f"instruct    examples packed for seq_len {info.packed_seq_len}, with loss_mask and doc_start")
     if info.seq_len:
         lines.append(f"samples     {info.samples(info.seq_len):,} windows of {info.seq_len}+1 tokens")
-    return "\n".join(lines)
-
-
-def format_manifest(m: Manifest) -> str:
-    """Human-readable summary of a read (and checked) manifest."""
-    t = m.tokenizer
-    lines = [
-        f"manifest    {m.path}",
-        f"tokens      {m.n_tokens:,} ({m.dtype}) in {len(m.shards)} shards, all present and complete",
-        f"vocab_size  {m.vocab_size}",
-        f"tokenizer   {t.get('path')}  sha256 {str(t.get('hash', ''))[:16]}  bos_id "
-        f"{t.get('bos_id')}  eos_id {t.get('eos_id')}",
-        f"inputs      {len(m.inputs)} files, {sum(int(f.get('size', 0)) for f in m.inputs) / 1e6:.1f} MB",
-    ]
-    lines += [f"  {s.path.name}  {s.n_tokens:,} tokens" for s in m.shards[:20]]
-    if len(m.shards) > 20:
-        lines.append(f"  ... {len(m.shards) - 20} more")
     return "\n".join(lines)

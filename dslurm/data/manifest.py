@@ -143,3 +143,20 @@ def token_sources(path: str | Path) -> list[Shard]:
     from dslurm.data.tokenize import read_info
 
     return [Shard(path=p.resolve(), n_tokens=read_info(p).n_tokens)]
+
+
+def format_manifest(m: Manifest) -> str:
+    """Human-readable summary of a read (and checked) manifest."""
+    t = m.tokenizer
+    lines = [
+        f"manifest    {m.path}",
+        f"tokens      {m.n_tokens:,} ({m.dtype}) in {len(m.shards)} shards, all present and complete",
+        f"vocab_size  {m.vocab_size}",
+        f"tokenizer   {t.get('path')}  sha256 {str(t.get('hash', ''))[:16]}  bos_id "
+        f"{t.get('bos_id')}  eos_id {t.get('eos_id')}",
+        f"inputs      {len(m.inputs)} files, {sum(int(f.get('size', 0)) for f in m.inputs) / 1e6:.1f} MB",
+    ]
+    lines += [f"  {s.path.name}  {s.n_tokens:,} tokens" for s in m.shards[:20]]
+    if len(m.shards) > 20:
+        lines.append(f"  ... {len(m.shards) - 20} more")
+    return "\n".join(lines)

@@ -47,8 +47,7 @@ def _instruct(args: argparse.Namespace, tokenizer: Path) -> dict[str, Any] | Non
 
 
 def tokenize(args: argparse.Namespace) -> int:
-    from dslurm.data.cli import format_manifest
-    from dslurm.data.manifest import read_manifest
+    from dslurm.data.manifest import format_manifest, read_manifest
 
     _check_args(args)
     out = Path(args.out).resolve()

@@ -46,8 +46,9 @@ from pathlib import Path
 
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
+from dslurm.run import CTL_REQUEST, CTL_STALE, CTL_TAKEN, RunDir
 
-REQUEST, TAKEN, STALE = "ctl_request.json", "ctl_taken.json", "ctl_stale.json"
+REQUEST, TAKEN, STALE = CTL_REQUEST, CTL_TAKEN, CTL_STALE  # the run directory's names (dslurm/run.py)
 ACTIONS = ("save", "stop", "profile")
 POLL_S = 5.0
 MAX_AGE_S = 600.0  # a request that names no start expires: it was for a start long gone
@@ -70,8 +71,9 @@ def write_request(run_dir: str | Path, action: str, *, user: str | None = None, 
     run = Path(run_dir)
     if action not in ACTIONS:
         raise UserError(f"dslurm ctl: {action!r} is not an action. Fix: use one of {', '.join(ACTIONS)}")
-    if not (run / "job.yaml").is_file():
-        raise UserError(f"{run}: not a run directory (no job.yaml). Fix: give the directory `dslurm submit` made")
+    if not RunDir(run).is_run():
+        raise UserError(f"{run}: not a run directory (no {RunDir(run).job_yaml.name}). Fix: give the directory "
+                        "`dslurm submit` made")
     if steps < 0:
         raise UserError(f"dslurm ctl profile: --steps {steps} must be at least 1. Fix: e.g. --steps 3")
     req = Request(action=action, id=f"{time.time_ns()}-{os.getpid()}@{socket.gethostname()}",
@@ -237,15 +239,15 @@ def _run(args: argparse.Namespace) -> int:
         return passthrough(h, ["ctl", h.run_dir, args.action, *(["--steps", str(args.steps)] if args.steps else [])])
     if args.steps and args.action != "profile":
         raise UserError(f"dslurm ctl {args.action}: --steps is for profile only. Fix: drop --steps")
-    run = Path(args.run_dir)
-    if (run / "job.yaml").is_file():
+    run, rd = Path(args.run_dir), RunDir(args.run_dir)
+    if rd.is_run():
         from dslurm.config import load_job
 
         try:
-            entry: str | list[str] = load_job(run / "job.yaml").entry
+            entry: str | list[str] = load_job(rd.job_yaml).entry
         except UserError:  # not a frozen job (hand-made): nothing to tell from it
             entry = "train"
-        code = sorted((run / "code").glob("*/")) if (run / "code").is_dir() else []
+        code = sorted(rd.code.glob("*/")) if rd.code.is_dir() else []
         if (why := script_refusal(run, entry, [*code, Path.cwd()], args.action)) is not None:
             raise UserError(f"dslurm ctl {args.action}: {why}")
         start, refusal = running_start(run)

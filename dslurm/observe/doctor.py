@@ -23,6 +23,7 @@ from dslurm.observe import events as E
 from dslurm.observe import perfdoctor
 from dslurm.observe.events import Event
 from dslurm.observe.report import DIED, Start, summarize, suspect_hosts
+from dslurm.run import LEDGER, LOGS
 
 HANG_S = 600.0  # a start this long without a first step is a hang, not a slow startup
 STALL_FRACTION = 0.05  # periodic save stalls (not the save at a stop) above this share of training time
@@ -430,7 +431,7 @@ def read_logs(run_dir: Path, events: Iterable[Event] = ()) -> list[LogLine]:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="symptoms of a run, with evidence, cause and fix (exit 1 if any)",
                        description="Diagnose a run from its ledger and job logs (see docs/report.md).")
-    p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl and logs/, or the local handle "
+    p.add_argument("run_dir", type=Path, help=f"run directory holding {LEDGER} and {LOGS}/, or the local handle "
                                               "of a remote run (docs/remote.md: the doctor runs there)")
     p.set_defaults(func=run)
 

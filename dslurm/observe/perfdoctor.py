@@ -23,6 +23,7 @@ from typing import Any
 from dslurm.observe import events as E
 from dslurm.observe import forensics
 from dslurm.observe.report import Start
+from dslurm.run import JOB, SITE, RunDir
 
 Row = tuple[str, list[str], str, str]
 MAX_EVIDENCE = 6
@@ -98,7 +99,7 @@ def ooms(starts: Sequence[Start]) -> list[Row]:
         out.append((f"out of memory in start {s.index} at step {hits[0].step} ({hits[0].phase})", ev[:MAX_EVIDENCE],
                     "the step's peak memory exceeds the device: the same layout and batch reach it again, so the "
                     "start was not retried",
-                    fix[-1] if fix else "`dslurm plan --site RUN/site.yaml --job RUN/job.yaml` for a layout that "
+                    fix[-1] if fix else f"`dslurm plan --site RUN/{SITE} --job RUN/{JOB}` for a layout that "
                     "fits; or train.activation_checkpoint: full, a smaller micro-batch (raise train.grad_accum)"))
     return out
 
@@ -114,7 +115,8 @@ def dump_rows(run_dir: Path, events: Iterable[E.Event]) -> list[Row]:
     the others waited in. Reads the dumps (the one check here that is not pure)."""
     shown = {h.flight_dir for h in E.of(events, E.Hang)}
     out = []
-    for d in sorted((run_dir / "starts").glob("*/")) if (run_dir / "starts").is_dir() else []:
+    starts = RunDir(run_dir).starts
+    for d in sorted(starts.glob("*/")) if starts.is_dir() else []:
         if not (d / forensics.SUBDIR).is_dir() or str(d / forensics.SUBDIR) in shown:
             continue
         states = forensics.read_dumps(d)

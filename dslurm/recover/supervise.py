@@ -19,24 +19,24 @@ from dslurm.errors import UserError
 from dslurm.recover.srun import SrunRunner
 from dslurm.recover.supervisor import Supervisor
 from dslurm.recover.warm_pools import WarmPools
+from dslurm.run import RunDir
 from dslurm.warm_proof import choice_for
 
 
 def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     """Inside the batch script: the frozen config of the run, the allocation's nodes, the loop."""
-    from dslurm.config.resolve import load
     from dslurm.hosts import expand_hosts
 
     env = dict(os.environ if env is None else env)
     if not cmd:
         raise UserError("dslurm supervise: give the launch command after `--` (the rendered script does)")
-    run_dir = Path(env["DSLURM_RUN_DIR"])
-    r = load(run_dir / "site.yaml", run_dir / "job.yaml")
+    rd = RunDir(env["DSLURM_RUN_DIR"])
+    r = rd.resolved()
     alloc = expand_hosts(env.get("SLURM_JOB_NODELIST", ""))
     runner = SrunRunner(r, cmd, env)
     # The frozen job.yaml holds the choice made at submit (dslurm/warm_proof.py); auto there means
     # a run frozen otherwise: then the site's own word, else cold.
-    pools = WarmPools(r, cmd, env, alloc) if choice_for(r.job, r.site, str(run_dir / "site.yaml")).warm else None
+    pools = WarmPools(r, cmd, env, alloc) if choice_for(r.job, r.site, str(rd.site_yaml)).warm else None
     sup = Supervisor(r, runner, env, alloc, pools)
 
     def handler(signum: int, _frame: object) -> None:

@@ -34,6 +34,7 @@ from dslurm.errors import UserError
 from dslurm.remote import handle as hd
 from dslurm.remote import ssh
 from dslurm.remote.snapshot import MARKER, Snapshot, take, tar_bytes
+from dslurm.run import CODE_CURRENT, JOB, SITE
 
 FETCHED = ("report.txt", "report.json", "report.png", "ckpt-ls.txt")
 
@@ -112,7 +113,7 @@ def submit_body(run_dir: str, code: str, flags: list[str]) -> list[str]:
         f'mv "$tmp/code/{code}" {run}/code/{name}; fi',
         f"cd {run}/code/{name}",
         "set +e",
-        f'{ssh.DSLURM} submit --site "$tmp/submit/site.yaml" --job "$tmp/submit/job.yaml" --code {run}/code/{name} '
+        f'{ssh.DSLURM} submit --site "$tmp/submit/{SITE}" --job "$tmp/submit/{JOB}" --code {run}/code/{name} '
         f'--origin "$tmp/submit/origin.json" --json {ssh.quote_words(flags)}',
     ]
 
@@ -123,9 +124,9 @@ def resubmit_body(run_dir: str, code: str | None, flags: list[str]) -> list[str]
     snapshot the run was last submitted with (code/CURRENT) is named again; submit from that
     snapshot's directory. Pure."""
     run = shlex.quote(run_dir)
-    missing = shlex.quote(f"dslurm submit: error: {run_dir}: no job.yaml there, so no run dslurm submitted. "
+    missing = shlex.quote(f"dslurm submit: error: {run_dir}: no {JOB} there, so no run dslurm submitted. "
                           "Fix: check the handle's run_dir (remote.json), or submit with --site and --job")
-    lines = ["set -e", f"if [ ! -f {run}/job.yaml ]; then echo {missing} >&2; exit 2; fi"]
+    lines = ["set -e", f"if [ ! -f {run}/{JOB} ]; then echo {missing} >&2; exit 2; fi"]
     if code is not None:
         name = shlex.quote(code)
         lines += [
@@ -138,7 +139,7 @@ def resubmit_body(run_dir: str, code: str | None, flags: list[str]) -> list[str]
             f"snap={name}",
         ]
     else:
-        lines += [f'snap=$(cat {run}/code/CURRENT 2>/dev/null || true)']
+        lines += [f'snap=$(cat {run}/code/{CODE_CURRENT} 2>/dev/null || true)']
     lines += [
         'if [ -n "$snap" ] && [ -d ' + f'{run}/code/"$snap" ]; then cd {run}/code/"$snap"; '
         f'code=(--code {run}/code/"$snap"); else cd {run}; code=(); fi',
@@ -192,7 +193,8 @@ def submit(r: Resolved, snap: Snapshot | None = None, *, cwd: str | Path, chain:
     site_data["login"] = None  # there, the site is local
     job_data = to_dict(r.job)
     job_data["checkpoint"]["run_dir"] = there
-    files = {"submit/site.yaml": yaml12.dump(site_data).encode(), "submit/job.yaml": yaml12.dump(job_data).encode()}
+    # the submit inputs there carry the run directory's own names (dslurm/run.py)
+    files = {f"submit/{SITE}": yaml12.dump(site_data).encode(), f"submit/{JOB}": yaml12.dump(job_data).encode()}
     flags = [f"--chain={chain}", *(["--force"] if force else []), *(["--strict"] if strict else []),
              *(["--dry-run"] if dry_run else [])]
     body = submit_body(there, snap.name, flags)

@@ -16,6 +16,7 @@ from dslurm import __version__
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.render import container
+from dslurm.run import STARTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +195,7 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "",
         *_code_lines(refs.code_dir),
         "# This start's facts (dslurm/facts.py): how it ended is decided from them, not from rc.",
-        'export DSLURM_FACTS_DIR="$DSLURM_RUN_DIR/starts/${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"',
+        f'export DSLURM_FACTS_DIR="$DSLURM_RUN_DIR/{STARTS}/${{SLURM_JOB_ID}}.${{SLURM_RESTART_COUNT:-0}}"',
         'mkdir -p "$DSLURM_FACTS_DIR" || true',
         "",
         "# Slurm signals only this batch shell (--signal=B:...). Record it, then forward it to the",

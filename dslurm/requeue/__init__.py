@@ -42,6 +42,7 @@ from dslurm import exitcodes as X
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
 from dslurm.requeue.oom import oom_fix
+from dslurm.run import RunDir
 
 
 @dataclass(frozen=True)
@@ -267,10 +268,9 @@ def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str], acct: _A
 def frozen_policy(run_dir: Path) -> Any:
     """The requeue policy of the run, from the config frozen into the run directory at submit
     (site.yaml, job.yaml): the same `RequeuePolicy` render, submit and the API used."""
-    from dslurm.config import load_job, load_site
     from dslurm.config.resolve import requeue_policy
 
-    return requeue_policy(load_site(run_dir / "site.yaml"), load_job(run_dir / "job.yaml"))
+    return requeue_policy(*RunDir(run_dir).config())
 
 
 def retry_decision(run_dir: Path, job_id: str, ending: E.Ending, policy: Any) -> Decision:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dslurm.errors import UserError
+from dslurm.run import RunDir
 
 
 def run_dir_of(job: str, env: Mapping[str, str] | None = None) -> Path | None:
@@ -37,7 +38,7 @@ def run_dir_of(job: str, env: Mapping[str, str] | None = None) -> Path | None:
     recs = slurm.parse_scontrol_records(proc.stdout) if proc.returncode == 0 else []
     out = recs[0].get("StdOut", "") if recs else ""
     run = Path(out).parent.parent if out else None
-    return run if run is not None and (run / "job.yaml").is_file() else None
+    return run if run is not None and RunDir(run).is_run() else None
 
 
 def _record(run_dir: Path | None, job: str, save: bool, env: Mapping[str, str] | None) -> str | None:
@@ -65,9 +66,10 @@ def cancel(target: str, *, save: bool, env: Mapping[str, str] | None = None) -> 
         jobs, run_dir = [target], run_dir_of(target, env)
     else:
         run_dir = Path(target)
-        if not (run_dir / "ledger.jsonl").is_file():
-            raise UserError(f"dslurm cancel: {target} is neither a job id nor a run directory (no ledger.jsonl "
-                            f"there); pass the job id `dslurm submit` printed, or the run's checkpoint.run_dir")
+        if not RunDir(run_dir).ledger.is_file():
+            raise UserError(f"dslurm cancel: {target} is neither a job id nor a run directory (no "
+                            f"{RunDir(run_dir).ledger.name} there); pass the job id `dslurm submit` printed, "
+                            "or the run's checkpoint.run_dir")
         # later jobs first: a chain's pending link must not start when the running one ends
         jobs = sorted((str(j["job_id"]) for j in active_jobs_of_run(run_dir, dict(env) if env else None)),
                       key=lambda j: [int(x) if x.isdigit() else 0 for x in j.split("_")], reverse=True)

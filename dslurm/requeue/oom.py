@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from dslurm.errors import UserError
+from dslurm.run import RunDir
 
 
 def _sets(degrees: dict[str, int], recompute: str, micro_batch: int | None) -> str:
@@ -26,7 +27,8 @@ def oom_fix(run_dir: Path) -> str:
     from dslurm.plan.choose import propose_layout, validate_layout
     from dslurm.plan.inputs import from_files
 
-    site, job = run_dir / "site.yaml", run_dir / "job.yaml"
+    rd = RunDir(run_dir)
+    site, job = rd.site_yaml, rd.job_yaml
     cmd = f"`dslurm plan --site {site} --job {job}`"
     try:
         ci = from_files(str(site), str(job))

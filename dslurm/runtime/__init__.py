@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes
+from dslurm.run import RunDir
 from dslurm.runtime import flight
 from dslurm.runtime.checkpoint import Checkpoint as _Checkpoint
 from dslurm.runtime.checkpoint import per_rank, shared
@@ -67,11 +68,8 @@ _STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s")
 
 def load_frozen(run_dir: Path | None) -> tuple[Any, Any]:
     """(site, job) as `dslurm submit` froze them into the run directory; (None, None) without."""
-    if run_dir is None or not (run_dir / "job.yaml").is_file():
-        return None, None
-    from dslurm.config import load_job, load_site
-
-    return load_site(run_dir / "site.yaml"), load_job(run_dir / "job.yaml")
+    frozen = None if run_dir is None else RunDir(run_dir).frozen()
+    return (None, None) if frozen is None else frozen
 
 
 class Runtime:
@@ -285,7 +283,7 @@ def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None =
     gpus = bool(site and site.node.gpus)
     rt.device = init_process_group(backend or (site.network.backend if site else None), require_cuda=gpus,
                                    cpu_only=site is not None and not gpus,
-                                   where=f"{rd}/site.yaml: site {site.name!r}" if site else "")
+                                   where=f"{RunDir(rd).site_yaml}: site {site.name!r}" if site and rd else "")
     code = gate_in_process(rt.device, outcome=rt.outcome)  # the burn-in, when the launcher asked for one
     if code:
         rt._end(code, 0)

@@ -21,6 +21,7 @@ from dslurm import __version__
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.job_array import ArrayPart, array_ids
+from dslurm.run import SCRIPT
 from dslurm.sweep.spec import SweepSpec, override_text, task_dir_name
 
 MAP_FILE = "sweep.json"
@@ -154,7 +155,7 @@ def render_array(sw: Sweep, part: ArrayPart, number: int = 1, nparts: int = 1) -
         "set -euo pipefail",
         "",
         "# The sweep's task: this array's offset + the array task id; its run directory from the map",
-        f"# written at submit ({sw.dir / MAP_FILE}). The task runs its own frozen job.sbatch: its own",
+        f"# written at submit ({sw.dir / MAP_FILE}). The task runs its own frozen {SCRIPT}: its own",
         "# config, ledger, checkpoints and requeue chain (requeue-me requeues ARRAYJOB_TASK, not the array).",
         f"TASK=$(( {part.offset} + SLURM_ARRAY_TASK_ID ))",
         'case "$TASK" in',
@@ -162,6 +163,6 @@ def render_array(sw: Sweep, part: ArrayPart, number: int = 1, nparts: int = 1) -
         '  *) echo "dslurm: sweep task $TASK is not in this array" >&2; exit 2 ;;',
         "esac",
         'echo "dslurm: sweep task $TASK (array ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}) in $RUN_DIR" >&2',
-        'exec bash "$RUN_DIR/job.sbatch"',
+        f'exec bash "$RUN_DIR/{SCRIPT}"',
         "",
     ])

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dslurm.durable import atomic_write_text
 from dslurm.observe import events
+from dslurm.run import TRACKERS
 from dslurm.trackers import lane as lanes
 from dslurm.trackers.feed import feed, purge_from, resumed_step
 from dslurm.trackers.lane import Item, Lane
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from dslurm.config import MetricsSpec
 
 log = logging.getLogger(__name__)
-STATE_FILE = "trackers.json"
+STATE_FILE = TRACKERS  # the run directory's name for it (dslurm/run.py)
 BACKENDS = {"tensorboard": "dslurm.trackers.to_tensorboard", "wandb": "dslurm.trackers.to_wandb",
             "mlflow": "dslurm.trackers.to_mlflow"}
 """tracker name -> the module whose `open_run(Start) -> Tracker` opens it (imported when opened) and

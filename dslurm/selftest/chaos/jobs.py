@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from dslurm.errors import UserError
+from dslurm.run import RunDir
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "examples" / "own_script" / "train_safe.py"
@@ -65,7 +66,7 @@ def write_job(spec: dict[str, Any], path: Path) -> Path:
 
 def marker(p: Plan, run_dir: Path) -> str:
     """What every training process of the chaos job names on its command line."""
-    return str(SCRIPT) if p.mode == "script" else str(run_dir / "job.yaml")
+    return str(SCRIPT) if p.mode == "script" else str(RunDir(run_dir).job_yaml)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +92,8 @@ def start_reference(p: Plan, site: Path, work: Path) -> Reference:
         cmd = ["nice", "-n", "15", sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", nproc, "-m", "train", "--site", str(site), "--job", str(path)]
     else:  # a script finds its frozen config in the run dir, as `dslurm submit` leaves it
-        shutil.copy(site, run / "site.yaml")
-        shutil.copy(path, run / "job.yaml")
+        shutil.copy(site, RunDir(run).site_yaml)
+        shutil.copy(path, RunDir(run).job_yaml)
         env["DSLURM_RUN_DIR"] = str(run)
         cmd = ["nice", "-n", "15", sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", nproc, *[str(x) for x in spec["entry"]]]

@@ -168,7 +168,7 @@ def soak(s: Soak) -> int:
     root = mount_durable(s.out / "durable", s.disk_mb)
     run_dir = (root or s.out / "durable") / "run"
     out_pt = s.out / "final.pt" if s.plan.mode == "script" else None
-    spec = jobs.write_job(jobs.job(s.plan, run_dir, out_pt, chaos=True), s.out / "job.yaml")
+    spec = jobs.write_job(jobs.job(s.plan, run_dir, out_pt, chaos=True), s.out / "chaos-spec.yaml")
     record = s.out / "faults.jsonl"
     record.unlink(missing_ok=True)
     t_submit = time.time()
