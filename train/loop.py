@@ -12,7 +12,7 @@ failure report or the ledger's last `exit` event -- not torchrun's):
   81 the loss diverged under train.nonfinite=stop (no save: the pointer names a finite generation)
   2  user error (bad config or layout), raised before any process-group work
   (80: the hang watchdog ended the process; train/watchdog.py, not this function)
-Ledger events written (rank 0 only; typed in dslurm/observe/events.py): TrainStart, Steps (every
+Ledger events written (rank 0 only; typed in dslurm/observe/events/): TrainStart, Steps (every
 log_every), Stragglers (every straggler_every), Eval (every eval_every; train/evaluate.py), Signal,
 NonFinite, Sdc, Exit, Profile (train/profile.py); the checkpoint manager adds Ckpt*; the watchdog
 adds Hang; local rank 0 of each node adds DeviceHealth (train/sdc.py); a rank that runs out of

@@ -2,7 +2,7 @@
 
 The worker (`train/__main__` then `train.loop.Trainer`) calls `mark(name)` at the end of each
 phase; rank 0 writes the phases as one `StartPhases` ledger event right after the first
-step (dslurm/observe/events.py), and `dslurm.observe.phases` turns them into a table with the
+step (dslurm/observe/events/), and `dslurm.observe.phases` turns them into a table with the
 launcher's `job_start` (the spawn phase: job start -> this process exists, which only the
 reader can compute, since it needs the launcher's record). Torch-free: the entry imports it
 before torch. The phase names and their order have one home: `dslurm.observe.phases.PHASES`.

@@ -11,7 +11,7 @@ The file is strict JSON lines: non-finite floats (a NaN loss) are written as the
 even after a torn one, so a kill -9 never costs the next writer its event.
 
 The events themselves, their fields and who writes them, are typed in
-dslurm/observe/events.py: producers construct one and call `Ledger.append(event)`;
+dslurm/observe/events/: producers construct one and call `Ledger.append(event)`;
 readers use `events.read(run_dir)`. This module only stores and reads the lines.
 """
 
