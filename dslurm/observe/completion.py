@@ -18,7 +18,7 @@ from dslurm.observe import events as ev
 from dslurm.observe.events import Event
 
 if TYPE_CHECKING:
-    from dslurm.observe.report import Start
+    from dslurm.observe.starts import Start
 
 COMPLETED, INCOMPLETE, RUNNING, REQUEUED, QUEUED, NOT_STARTED = (
     "completed", "incomplete", "running", "requeued", "queued", "not_started")

@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dslurm.observe import events as ev
-from dslurm.observe.report import Start, first_step_done, summarize
+from dslurm.observe.report import first_step_done, summarize
+from dslurm.observe.starts import Start
 
 ORDER = ("ending", "decided", "job_start", "train_start", "first_step")
 REQUIRED = ("job_start", "train_start", "first_step")

@@ -14,7 +14,8 @@ from dslurm.observe import events as ev
 from dslurm.observe.durability import lines as durability_lines
 
 if TYPE_CHECKING:
-    from dslurm.observe.report import Start, Summary
+    from dslurm.observe.report import Summary
+    from dslurm.observe.starts import Start
 
 # One colour per kind of time, the same in the bands and the legend.
 COLORS = {"queue wait": "#d9d9d9", "startup": "#ffd966", "burn-in": "#f4a261",

@@ -123,7 +123,8 @@ def test_a_ctl_stop_is_an_operators_stop_and_the_job_ends_cancelled(tmp_path, mo
 
 def test_report_and_doctor_name_an_operators_stop(tmp_path):
     from dslurm.observe import doctor
-    from dslurm.observe.report import OPERATOR, summarize
+    from dslurm.observe.report import summarize
+    from dslurm.observe.starts import OPERATOR
 
     led = Ledger(tmp_path)
     led.append(ev.TrainStart(step=0))

@@ -15,7 +15,8 @@ import pytest
 from dslurm.errors import UserError
 from dslurm.observe.events import Event, Steps, TrainStart, decode_all
 from dslurm.observe.plot import plot_timeline
-from dslurm.observe.report import DIED, load, run, split_starts, summarize
+from dslurm.observe.report import load, run, summarize
+from dslurm.observe.starts import DIED, split_starts
 
 
 class Ledger:
@@ -300,7 +301,7 @@ def test_a_slurm_stop_followed_by_a_start_of_the_same_job_was_requeued_by_slurm(
 
 
 def test_outcome_names_what_came_next():
-    from dslurm.observe.report import outcome
+    from dslurm.observe.starts import outcome
 
     assert outcome("stop", requeued_by_slurm=False) == "stopped"  # cancelled, or no budget left
     assert outcome("stop", requeued_by_slurm=True) == "requeued by Slurm"

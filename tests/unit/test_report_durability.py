@@ -8,7 +8,8 @@ import json
 
 from dslurm.observe.durability import durability
 from dslurm.observe.events import decode_all
-from dslurm.observe.report import run, split_starts, summarize
+from dslurm.observe.report import run, summarize
+from dslurm.observe.starts import split_starts
 
 
 def _rec(name: str, t: float, restart: int = 0, **fields) -> dict:
