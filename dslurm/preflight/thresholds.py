@@ -1,7 +1,7 @@
 """Burn-in thresholds: what a healthy node must reach.
 
 The thresholds themselves are defined once, in `BurninSpec` (the `burnin` section of the site
-config, dslurm/config/__init__.py: defaults, help, checks). `Thresholds` is that section plus
+config, dslurm/config/site.py: defaults, help, checks). `Thresholds` is that section plus
 what the burn-in takes from the node description (GPU count, bf16 peak): `Thresholds.from_site`.
 `None` / 0 means "not judged" for checks whose expectation depends on the hardware.
 """

@@ -103,7 +103,7 @@ def test_low_inter_busbw_without_culprit_is_unlocalized():
 
 
 def test_thresholds_are_the_config_burnin_section_with_one_set_of_defaults():
-    # One definition (dslurm/config/__init__.py BurninSpec): every threshold there, same defaults.
+    # One definition (dslurm/config/site.py BurninSpec): every threshold there, same defaults.
     config_fields = {f.name for f in dataclasses.fields(BurninSpec)} - NOT_THRESHOLDS
     assert config_fields | {"expected_gpus_per_node", "gpu_peak_tflops"} == set(Thresholds().to_dict())
     assert {k: getattr(Thresholds(), k) for k in config_fields} == {k: getattr(BurninSpec(), k) for k in config_fields}
