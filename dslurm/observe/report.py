@@ -30,6 +30,7 @@ from dslurm.observe.events import Event
 from dslurm.observe.starts import DIED as DIED  # re-exported: doctor imports it from here
 from dslurm.observe.starts import Start as Start  # re-exported: doctor, perfdoctor, selftest.chaos import it from here
 from dslurm.observe.starts import starts_of
+from dslurm.run import LEDGER
 
 
 @dataclass(slots=True)
@@ -350,7 +351,7 @@ def load(run_dir: Path) -> tuple[list[Event], int]:
     path = Path(run_dir) / FILENAME
     if not path.is_file():
         raise UserError(f"{path}: no ledger. Fix: give the run directory a job wrote to "
-                        "(the one holding ledger.jsonl)")
+                        f"(the one holding {LEDGER})")
     events = ev.read(run_dir)
     lines = sum(1 for raw in path.read_bytes().splitlines() if raw.strip())
     if not events:
@@ -363,7 +364,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("report", help="whether a run finished; goodput, lost work, restarts, MFU, "
                                       "stragglers (+ PNG)",
                        description="Summarize a run's ledger (see docs/report.md).")
-    p.add_argument("run_dir", type=Path, help="run directory holding ledger.jsonl")
+    p.add_argument("run_dir", type=Path, help=f"run directory holding {LEDGER}")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--png", type=Path, default=None, help="timeline PNG (default RUN_DIR/report.png)")
     p.add_argument("--no-png", action="store_true", help="do not draw the timeline")

@@ -95,7 +95,7 @@ class Runtime:
     # ------------------------------------------------------------------ ledger
 
     def event(self, ev: Any) -> None:
-        """Append a typed event (dslurm/observe/events.py) to the run's ledger (rank 0 only)."""
+        """Append a typed event (dslurm/observe/events/) to the run's ledger (rank 0 only)."""
         if self.ledger is not None:
             self.ledger.append(ev)
 

@@ -3,9 +3,11 @@ back, the blocklist. Pure: tmp files, no Slurm, no torch."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from dslurm import facts
+from dslurm import run as run_mod
 from dslurm.config.resolve import load
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import FILENAME, Ledger
@@ -50,3 +52,23 @@ def test_the_blocklist_merges_sorted_and_atomically(tmp_path):
     assert read_blocklist(run.path) == ["node1", "node2", "node3"]
     assert run.blocklist.read_text() == "node1\nnode2\nnode3\n"
     assert sorted(p.name for p in run.path.iterdir()) == ["blocklist.txt"]  # no temp file left
+
+
+def _string_parts(tree: ast.AST) -> list[ast.Constant]:
+    """Every string constant of a module (f-strings' literal parts too), docstrings aside: a docstring
+    may name a file; code that builds a path or a message from the name must take it from dslurm/run.py."""
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs]
+
+
+def test_every_run_file_name_is_spelled_in_dslurm_run_only():
+    names = [v for k, v in vars(run_mod).items() if k.isupper() and isinstance(v, str) and "." in v]
+    assert {"site.yaml", "job.yaml", "job.sbatch", "ledger.jsonl", "trackers.json"} <= set(names)
+    spelled: dict[str, set[str]] = {n: set() for n in names}
+    for f in sorted([*(ROOT / "dslurm").rglob("*.py"), *(ROOT / "train").rglob("*.py")]):
+        for c in _string_parts(ast.parse(f.read_text(), str(f))):
+            for n in names:
+                if n in c.value:
+                    spelled[n].add(str(f.relative_to(ROOT)))
+    assert {n: sorted(m) for n, m in spelled.items() if m != {"dslurm/run.py"}} == {}
