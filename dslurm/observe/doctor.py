@@ -285,6 +285,13 @@ def _stragglers(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
         out.append(Finding("burn-in found bad nodes", [_ev(e, "bad_nodes", "report") for e in bad],
                            "hardware or fabric below the site thresholds",
                            "the nodes were excluded (blocklist); read the burn-in report and tell the admins"))
+    waived = [e for s in starts for e in s.all(E.BlocklistWaived)]
+    if waived:
+        out.append(Finding("blocklisted nodes readmitted on requeue", [e.reason for e in waived][:MAX_EVIDENCE],
+                           "the run's blocklist left its partition fewer schedulable nodes than the job needs; "
+                           "excluded whole, Slurm would have kept the job pending for ever (BadConstraints)",
+                           "if those nodes are bad, have them drained (Slurm then skips them) or submit fewer "
+                           "nodes or spares; else empty the run's blocklist"))
     return out
 
 

@@ -41,6 +41,7 @@ from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
+from dslurm.requeue.exclude import placeable_exclusion, requeue_excluding
 from dslurm.requeue.oom import oom_fix
 from dslurm.run import RunDir
 
@@ -316,8 +317,14 @@ def act_on(dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Pat
         from dslurm.run import read_blocklist
 
         blocked = read_blocklist(run_dir)
-        if blocked:
-            requeue_excluding(job_ref(env), blocked)
+        if blocked:  # an exclusion the partition can spare: never a job pending for ever
+            ex = placeable_exclusion(blocked, _nodes_or_none(), env.get("SLURM_JOB_PARTITION"),
+                                     int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 0))
+            if ex.readmitted:
+                print(f"dslurm: requeue: {ex.reason}", flush=True)
+                Ledger(run_dir).append(ev.BlocklistWaived(hosts=ex.readmitted, excluded=ex.exclude,
+                                                          reason=ex.reason))
+            requeue_excluding(job_ref(env), ex.exclude)  # an empty list clears an earlier ExcNodeList
         else:
             slurm.run_cmd(["scontrol", "requeue", job_ref(env)])
     elif ending.cls in (E.COMPLETED, E.OPERATOR_STOP) and chain:
@@ -351,33 +358,16 @@ def requeue_me(rc: int, env: Mapping[str, str] | None = None) -> int:
     return conclude(run_dir, d, ending, rc, env, acct).exit_code
 
 
-def requeue_excluding(job: str, hosts: list[str]) -> None:
-    """Requeue and keep the job off `hosts`. Slurm refuses ExcNodeList on a running job,
-    so: requeue held, update while pending, release. SIGTERM (Slurm ends the old run as
-    it requeues) is ignored meanwhile: dying between hold and release would strand the
-    job held."""
-    import signal
-    import time
-
+def _nodes_or_none() -> list[dict[str, object]]:
+    """The cluster's nodes for `placeable_exclusion`; [] when sinfo cannot answer (slurmctld
+    restarting): the exclusion then stays whole, as before."""
     from dslurm import slurm
-    from dslurm.errors import SlurmError
 
-    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        slurm.run_cmd(["scontrol", "requeuehold", job])
-        try:
-            for attempt in range(40):  # the job may still be completing for a moment
-                res = slurm.run_cmd(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(hosts)}"],
-                                    check=False)
-                if res.returncode == 0:
-                    break
-                time.sleep(0.25)
-            else:
-                raise SlurmError(f"could not exclude {','.join(hosts)} from job {job}: {res.stderr.strip()}")
-        finally:
-            slurm.run_cmd(["scontrol", "release", job])
-    finally:
-        signal.signal(signal.SIGTERM, old)
+        return slurm.nodes()
+    except Exception as exc:  # noqa: BLE001 - any failure to ask leaves the old rule
+        print(f"dslurm: requeue: sinfo did not answer ({exc}); the blocklist is excluded whole", flush=True)
+        return []
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -13,7 +13,7 @@ from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 from dslurm.selftest.chaos import promises, schedule, table
 from dslurm.selftest.chaos.cli import add_arguments, soak_from
-from dslurm.selftest.chaos.run import replay_command
+from dslurm.selftest.chaos.run import PendingWatch, replay_command
 
 T0 = 1000.0
 
@@ -114,6 +114,26 @@ def test_each_broken_promise_is_named_with_the_fault_before_it():
     assert "'crash'" in budget.detail and budget.fault.startswith("#0 ctld_restart at +8.0 s")
     assert {b.detail.split(":")[0] for b in by["nothing torn"]} >= {"1 garbled line(s) in the ledger", "generation g2"}
     assert by["identical"][0].fault == "-"
+
+
+def test_a_job_left_pending_for_good_is_a_broken_promise_and_a_passing_reason_is_not():
+    w = PendingWatch(bound_s=60)
+    w.see("PENDING", "BadConstraints", T0)
+    w.see("PENDING", "Resources", T0 + 50)  # the reason changed: the clock starts again
+    w.see("PENDING", "BadConstraints", T0 + 55)
+    w.see("PENDING", "BadConstraints", T0 + 100)
+    assert w.stuck is None
+    w.see("PENDING", "Priority", T0 + 120)
+    w.see("RUNNING", "None", T0 + 130)
+    assert w.stuck is None
+    w.see("PENDING", "BadConstraints", T0 + 200)
+    w.see("PENDING", "BadConstraints", T0 + 261)
+    assert w.stuck is not None and w.stuck[0] == T0 + 261 and "BadConstraints" in w.stuck[1]
+    sm = summarize([*_start("1", 0, T0, 0, 20, saves=(10, 20))])
+    broken = promises.check(sm, [], [_fault(0, "requeue", T0 + 150)], steps=20, identical=None,
+                            bad_generations={}, t0=T0, stuck=w.stuck)
+    (b,) = [b for b in broken if b.promise == "placeable"]
+    assert b.at == T0 + 261 and b.fault.startswith("#0 requeue at +150.0 s")
 
 
 def test_a_stopped_worker_is_credited_with_the_crash_it_caused_later():

@@ -44,6 +44,7 @@ from dslurm.observe.events.ckpt import (
 )
 from dslurm.observe.events.health import DeviceHealth, Hang, NonFinite, Oom, Sdc
 from dslurm.observe.events.lifecycle import (
+    BlocklistWaived,
     ChainCancel,
     Ending,
     Exit,
@@ -60,7 +61,8 @@ from dslurm.observe.events.lifecycle import (
 from dslurm.observe.events.training import Eval, Profile, Steps, Stragglers, TrackerDropped, TrackerFailed
 
 __all__ = [
-    "ALIASES", "CATALOGUE", "RESTORES", "ChainCancel", "CkptDurableSkipped", "CkptFallback", "CkptFreshStart",
+    "ALIASES", "CATALOGUE", "RESTORES", "BlocklistWaived", "ChainCancel", "CkptDurableSkipped", "CkptFallback",
+    "CkptFreshStart",
     "CkptLocalCommit", "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
     "DeviceHealth", "E", "Ending", "Eval", "Event", "Exit", "Hang", "InitFrom", "JobStart", "NonFinite", "Oom",
     "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "Sdc", "Signal", "StartPhases", "Steps",
@@ -72,7 +74,7 @@ E = TypeVar("E", bound="Event")
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
-    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel,
+    CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel, BlocklistWaived,
     Sdc, DeviceHealth, Eval,
     InitFrom, TrackerFailed, TrackerDropped, OperatorRequest, Oom, Profile)}
 ALIASES = {"local_start": JobStart}  # older ledgers

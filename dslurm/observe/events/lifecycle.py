@@ -168,6 +168,18 @@ class Recovery(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BlocklistWaived(Event):
+    """A requeue let blocklisted nodes back: excluding them all would have left the job fewer
+    schedulable nodes in its partition than it needs, pending for ever (dslurm/requeue/exclude.py)."""
+    NAME = "blocklist_waived"
+    hosts: list[str] = field(default_factory=list)
+    """the blocklisted nodes readmitted for this requeue"""
+    excluded: list[str] = field(default_factory=list)
+    """what the requeued job is still kept off"""
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChainCancel(Event):
     NAME = "chain_cancel"
     job_ids: list[int] = field(default_factory=list)

@@ -10,6 +10,8 @@ are read by the caller (dslurm/selftest/chaos/run.py) and passed in.
 6. budget: only the run's own failures spend the restart budget: a start that ended in a failure
    (crash, node failure) had a fault of that kind (kill -9, SIGSTOP, a node's step killed) injected
    while it ran; no start was stopped by a spent budget.
+7. placeable: the job is never left pending for a reason no wait clears (BadConstraints: a
+   blocklist that excludes nodes the job needs).
 
 Each broken promise names the fault just before it (kind, index, when) and the moment it was seen.
 """
@@ -116,9 +118,13 @@ def _budget(sm: Summary, done: Sequence[dict[str, Any]]) -> list[Broken]:
 
 
 def check(sm: Summary, events: Sequence[ev.Event], done: Sequence[dict[str, Any]], *, steps: int,
-          identical: str | None, bad_generations: dict[str, list[str]], t0: float) -> list[Broken]:
-    """Every broken promise. `identical`: None when the parameters matched, else what differed."""
+          identical: str | None, bad_generations: dict[str, list[str]], t0: float,
+          stuck: tuple[float, str] | None = None) -> list[Broken]:
+    """Every broken promise. `identical`: None when the parameters matched, else what differed;
+    `stuck`: (when, what) if the job was left pending for good (the soak's `PendingWatch`)."""
     found: list[Broken] = []
+    if stuck is not None:
+        found.append(Broken("placeable", stuck[0], stuck[1], ""))
     last = sm.starts[-1] if sm.starts else None
     if last is None or last.ending != E.COMPLETED or sm.final_step != steps:
         found.append(Broken("complete", last.end if last else None, f"the run ended "

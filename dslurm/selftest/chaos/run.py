@@ -75,12 +75,40 @@ def submit(s: Soak, spec_path: Path, env: dict[str, str]) -> int:
     return int(m.group(1))
 
 
-def job_state(job: int, env: dict[str, str]) -> str:
+def job_state(job: int, env: dict[str, str], watch: PendingWatch | None = None) -> str:
     try:
-        return str(slurm.job_info(job, env=env)["state"])
+        info = slurm.job_info(job, env=env)
     except Exception as exc:  # slurmctld restarting: ask again later  # noqa: BLE001
         log.debug("job state: %s", exc)
         return "UNKNOWN"
+    if watch is not None:
+        watch.see(str(info["state"]), str(info.get("reason") or ""), time.time())
+    return str(info["state"])
+
+
+NEVER_CLEARS = ("BadConstraints", "PartitionConfig", "PartitionNodeLimit", "InvalidAccount", "InvalidQOS")
+"""pending reasons that no time in the queue clears: the job as it stands can never be placed"""
+
+
+@dataclass(slots=True)
+class PendingWatch:
+    """Is the job stuck in the queue for good? `stuck` is set (the moment, in words) once it has
+    pended for a reason in NEVER_CLEARS for `bound_s` without a break (a promise: a run is never
+    left unplaceable; dslurm/requeue/exclude.py). slurmctld re-evaluates such a job at once, so the
+    bound is for a reason seen in passing, not for a scheduler's pace."""
+
+    bound_s: float = 60.0
+    since: float | None = None
+    stuck: tuple[float, str] | None = None
+
+    def see(self, state: str, reason: str, t: float) -> None:
+        if state != "PENDING" or not reason.startswith(NEVER_CLEARS):
+            self.since = None
+            return
+        self.since = t if self.since is None else self.since
+        if self.stuck is None and t - self.since >= self.bound_s:
+            self.stuck = (t, f"the job has pended {t - self.since:.0f} s for a reason no wait clears "
+                             f"({reason}): it can never be placed again")
 
 
 def _hosts_of(run_dir: Path) -> Callable[[], list[str]]:
@@ -102,15 +130,20 @@ def _first_step_t(run_dir: Path, job: int, env: dict[str, str], timeout_s: float
     raise UserError(f"chaos: job {job} trained no step within {timeout_s:.0f} s; its logs: {run_dir / 'logs'}")
 
 
-def inject_all(s: Soak, tg: Target, t0: float, record: Path) -> list[dict[str, Any]]:
-    """Each fault at its time (a held one delays the next); stops when the job has ended."""
+def inject_all(s: Soak, tg: Target, t0: float, record: Path, watch: PendingWatch) -> list[dict[str, Any]]:
+    """Each fault at its time (a held one delays the next); stops when the job has ended or is
+    stuck in the queue for good (`watch`)."""
     done: list[dict[str, Any]] = []
     for f in s.faults:
         if s.timeout_s is not None and t0 + f.at_s > s.started + s.timeout_s:
             break
         while time.time() < t0 + f.at_s:
             time.sleep(min(1.0, t0 + f.at_s - time.time()))
-        state = job_state(tg.job_id, dict(tg.env))
+        state = job_state(tg.job_id, dict(tg.env), watch)
+        if watch.stuck is not None:
+            s.say(f"chaos: job {tg.job_id} stuck at +{time.time() - t0:.0f} s: {watch.stuck[1]}; "
+                  f"{len(s.faults) - f.index} fault(s) not injected")
+            break
         if state in ENDED:
             s.say(f"chaos: job {tg.job_id} {state} at +{time.time() - t0:.0f} s; {len(s.faults) - f.index} "
                   "fault(s) not injected")
@@ -123,14 +156,16 @@ def inject_all(s: Soak, tg: Target, t0: float, record: Path) -> list[dict[str, A
     return done
 
 
-def wait_end(job: int, env: dict[str, str], timeout_s: float) -> str:
+def wait_end(job: int, env: dict[str, str], timeout_s: float, watch: PendingWatch) -> str:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = job_state(job, env)
+    while time.monotonic() < deadline and watch.stuck is None:
+        state = job_state(job, env, watch)
         if state in ENDED:
             return state
         time.sleep(2.0)
     slurm.run_cmd(["scancel", str(job)], check=False, env=env)
+    if watch.stuck is not None:
+        return f"stuck in the queue ({watch.stuck[1]}; cancelled)"
     return f"not ended after {timeout_s:.0f} s (cancelled)"
 
 
@@ -180,11 +215,12 @@ def soak(s: Soak) -> int:
                 training_hosts=_hosts_of(run_dir))
     try:
         t0 = _first_step_t(run_dir, job, env, timeout_s=600 * slurm.load_factor())
-        done = inject_all(s, tg, t0, record)
+        watch = PendingWatch(bound_s=60.0 * slurm.load_factor())
+        done = inject_all(s, tg, t0, record, watch)
         wait_s = max(900.0, 3.0 * s.plan.steps * s.plan.step_sleep_s)
         if s.timeout_s is not None:
             wait_s = max(1.0, min(wait_s, t_submit + s.timeout_s - time.time()))
-        state = wait_end(job, env, timeout_s=wait_s)
+        state = wait_end(job, env, timeout_s=wait_s, watch=watch)
     except BaseException:  # an error, ^C, or TERM (run() turns it into SystemExit): leave nothing behind
         slurm.run_cmd(["scancel", str(job)], check=False, env=env)
         jobs.stop_reference(reference)
@@ -203,7 +239,7 @@ def soak(s: Soak) -> int:
     shutil.copytree(run_dir, saved, symlinks=True)
     if root is not None:
         unmount(root)
-    return judge(s, saved, ref, out_pt, done, t0)
+    return judge(s, saved, ref, out_pt, done, t0, stuck=watch.stuck)
 
 
 def _drained(env: dict[str, str]) -> list[str]:
@@ -212,7 +248,8 @@ def _drained(env: dict[str, str]) -> list[str]:
     return sorted({ln.split("|")[0] for ln in proc.stdout.splitlines() if ln.endswith("|chaos-spare-off")})
 
 
-def judge(s: Soak, run_dir: Path, ref: Path, out_pt: Path | None, done: list[dict[str, Any]], t0: float) -> int:
+def judge(s: Soak, run_dir: Path, ref: Path, out_pt: Path | None, done: list[dict[str, Any]], t0: float,
+          stuck: tuple[float, str] | None = None) -> int:
     events, skipped = load(run_dir)
     sm = summarize(events, skipped_lines=skipped, target_steps=s.plan.steps, run_dir=run_dir)
     try:
@@ -222,7 +259,7 @@ def judge(s: Soak, run_dir: Path, ref: Path, out_pt: Path | None, done: list[dic
     except (OSError, ValueError, RuntimeError) as exc:
         identical = f"the final parameters could not be read: {exc}"
     broken = promises.check(sm, events, done, steps=s.plan.steps, identical=identical,
-                            bad_generations=bad_generations(run_dir), t0=t0)
+                            bad_generations=bad_generations(run_dir), t0=t0, stuck=stuck)
     rows = table.rows(sm, done, t0)
     head = [f"# Chaos soak: seed {s.seed}, {s.plan.mode}, {s.plan.minutes:g} min, a fault every ~{s.every_s:g} s",
             "", f"Replay: `{replay_command(s)}`. {sum(d['injected'] for d in done)} fault(s) injected, "
