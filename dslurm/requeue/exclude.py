@@ -6,7 +6,8 @@ blocklisted one node is excluded from a node it needs, and Slurm keeps it PENDIN
 for ever, silently. (The chaos soak found it: a node whose step was killed did not answer the
 probe and was swapped out as lost; the next requeue left the job unplaceable.) So the exclusion is
 cut to what the partition can spare: `placeable_exclusion` keeps every blocklisted node Slurm
-itself will not schedule (down, drained, failing: excluding it costs nothing) and as many of the
+itself will not schedule (down, drained, failing, not responding: excluding it costs nothing) and
+as many of the
 others as leave the job its nodes; the rest are *readmitted* for this requeue, said in the batch
 log and the ledger (`blocklist_waived`). A readmitted node that is really bad fails its start
 again, which the endings and the restart budget deal with; a job pending for ever is nobody's.
@@ -40,7 +41,8 @@ def schedulable(state: str) -> bool:
 def placeable_exclusion(blocked: Sequence[str], nodes: Sequence[Mapping[str, object]],
                         partition: str | None, need: int) -> Exclusion:
     """The exclusion a requeue of a job needing `need` nodes of `partition` can carry (see the
-    module doc). `nodes` as `dslurm.slurm.nodes()` gives them (name, state, partitions). Pure.
+    module doc). `nodes` as `dslurm.slurm.nodes()` gives them (name, state, responding,
+    partitions). Pure.
 
     With no partition named, or none of its nodes listed, nothing is known to cut by: every
     blocklisted node stays excluded (the old rule). Readmitted first: the blocklisted nodes that
@@ -52,7 +54,8 @@ def placeable_exclusion(blocked: Sequence[str], nodes: Sequence[Mapping[str, obj
     members = [n for n in nodes if partition in (n.get("partitions") or [])]  # type: ignore[operator]
     if not members:
         return Exclusion(blocked)
-    usable = {str(n["name"]) for n in members if schedulable(str(n.get("state", "")))}
+    usable = {str(n["name"]) for n in members
+              if schedulable(str(n.get("state", ""))) and n.get("responding", True)}
     usable_blocked = [b for b in blocked if b in usable]
     room = max(0, len(usable) - need)
     if len(usable_blocked) <= room:

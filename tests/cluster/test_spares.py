@@ -131,8 +131,8 @@ def test_kill9_node_loss_and_shrink_recovered_inside_one_allocation(slurm_cluste
 @pytest.mark.timeout(900)
 def test_spares_exhausted_with_requeue_requeues_without_the_bad_nodes(slurm_cluster, cli, tmp_path):
     """The same 2+1 job with `on_spares_exhausted: requeue`: node2 lost -> the spare takes over;
-    node3 lost -> no spare left: requeued with both lost nodes excluded (the 3-node cluster then
-    has too few nodes for it, so it waits; the test cancels it)."""
+    node3 lost -> no spare left: requeued with the lost nodes excluded (the 3-node cluster then
+    has too few nodes for it, so it waits for them to come back; the test cancels it)."""
     from dslurm import cluster
     from dslurm.hosts import expand_hosts
 
@@ -151,7 +151,12 @@ def test_spares_exhausted_with_requeue_requeues_without_the_bad_nodes(slurm_clus
         rec = slurm.parse_scontrol_records(slurm.run_cmd(["scontrol", "-o", "show", "job", str(job)], env=env).stdout)
         excluded = expand_hosts(rec[0].get("ExcNodeList", "")) if rec[0].get("ExcNodeList") not in (None, "(null)") \
             else []
-        assert {"node2", "node3"} <= set(excluded), rec[0]
+        # node2 is long lost (Slurm has it down): excluded. node3 just died: excluded too, unless Slurm
+        # still scheduled it at the requeue (its loss not noticed yet); then, with only node1 left of
+        # the job's 3, it is readmitted rather than leave the job pending for ever (requeue/exclude.py)
+        waived = [h for e in events(run, "blocklist_waived") for h in e["hosts"]]
+        assert "node2" in excluded and "node2" not in waived, (rec[0], waived)
+        assert ("node3" in excluded) != ("node3" in waived), (rec[0], waived)
         _row("2+1, requeue: node2 lost, then node3 lost", run, job, env)
     finally:
         slurm.run_cmd(["scancel", str(job)], env=env, check=False)

@@ -41,6 +41,11 @@ def test_nodes_slurm_will_not_schedule_stay_excluded_and_do_not_count() -> None:
     # n1 and n4 are out anyway: excluding them costs the job nothing; n2 is needed back
     ex = placeable_exclusion(["n1", "n2", "n4"], nodes, "debug", need=3)
     assert ex.exclude == ["n1", "n4"] and ex.readmitted == ["n2"]
+    # a node slurmctld's pings no longer reach (sinfo's '*': `responding` False) is lost, not readmitted
+    nodes = [*_nodes(("n1", "idle"), ("n2", "idle")), {"name": "n3", "state": "allocated", "responding": False,
+                                                      "partitions": ["debug"]}]
+    ex = placeable_exclusion(["n2", "n3"], nodes, "debug", need=3)
+    assert ex.exclude == ["n3"] and ex.readmitted == ["n2"]
     assert [schedulable(s) for s in ("idle", "mixed", "allocated+", "completing", "down*", "drain",
                                      "draining", "fail", "maint", "idle~", "unknown")] == \
         [True, True, True, True, False, False, False, False, False, True, False]
