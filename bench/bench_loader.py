@@ -12,7 +12,9 @@ reads: a cached page answers them, an evicted one refuses), then the whole file 
 untimed and checked cached before any page-cached figure. Each section (all `make_loader`,
 `data.prefetch` 2 unless said: a single token file, a 4-shard manifest (windows across shard
 boundaries), a mixture 1:3 (manifest, file) with val_fraction 0.01, and the single file with
-prefetch 0, reads in the step) runs `--rounds` times, each round side by side: raw `read`,
+prefetch 0, reads in the step; then the three prefetch sections again with `data.shuffle_block`
+`--block` (4: a rank's 4 windows of a step are one block, one read; the mixture without
+val_fraction, whose split scatters a block's windows)) runs `--rounds` times, each round side by side: raw `read`,
 raw `readinto`, `next_batch` over `--steps` batches, the reader's own work over `--steps`
 batches (`TokenLoader.batches`, what the background thread runs, on a loader of its own), each
 after one warm-up batch, each loader fresh; the best of the rounds is kept on both sides
@@ -21,7 +23,7 @@ stricter side). The batches read are checked against h5py's. A floor: the single
 reader's windows read by nothing but one bare `os.preadv` each. Then the step's `data` wait:
 a consumer that "computes" for 2x a batch's read time per step, with and without prefetch.
 
-    .venv/bin/python bench/bench_loader.py [--steps 300] [--mtokens 64] [--windows 4] [--rounds 3]
+    .venv/bin/python bench/bench_loader.py [--steps 300] [--mtokens 64] [--windows 4] [--rounds 3] [--block 4]
 """
 
 from __future__ import annotations
@@ -239,6 +241,7 @@ def main() -> None:
     p.add_argument("--mtokens", type=int, default=64, help="corpus size in Mi tokens (uint16)")
     p.add_argument("--windows", type=int, default=4, help="windows of seq_len per step per rank (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="side-by-side rounds per section, best kept")
+    p.add_argument("--block", type=int, default=4, help="data.shuffle_block of the block sections (1: none)")
     args = p.parse_args()
     global LOCAL
     LOCAL = args.windows
@@ -258,7 +261,6 @@ def main() -> None:
         raw_read(path, reuse=True)
     cached = min(cached_share(path) for path in (single, *shards))
     assert cached == 1.0, f"the files are not all page-cached ({cached:.0%}): the warm figures would read the disk"
-    short = ("single file", "manifest", "mixture")
     sections = {
         "single file, prefetch 2": (f"data.path={single}",),
         "4-shard manifest, prefetch 2": (f"data.path={manifest}",),
@@ -267,6 +269,15 @@ def main() -> None:
             "data.val_fraction=0.01"),
         "single file, prefetch 0 (reads in the step)": (f"data.path={single}", "data.prefetch=0"),
     }
+    if args.block > 1:  # blocks of adjacent windows: a rank's block is one read (data.shuffle_block)
+        k = args.block
+        sections |= {
+            f"single file, shuffle_block {k}, prefetch 2": (f"data.path={single}", f"data.shuffle_block={k}"),
+            f"4-shard manifest, shuffle_block {k}, prefetch 2": (f"data.path={manifest}", f"data.shuffle_block={k}"),
+            f"mixture 1:3 (manifest, file), shuffle_block {k}, prefetch 2": (
+                f"data.sources=[{{path: {manifest}, weight: 1}}, {{path: {single}, weight: 3}}]",
+                f"data.shuffle_block={k}"),
+        }
     rates, raws = {}, {}
     for name, sets in sections.items():
         rounds = [(raw_read(single, reuse=False), raw_read(single, reuse=True), loader_rate(_resolved(tmp, *sets),
@@ -310,7 +321,8 @@ def main() -> None:
     goal = {name: (rates[name][2] / reuse[0], rates[name][3] / reuse[1]) for name in sections if "prefetch 2" in name}
     print(f"goal >= 20x consumption: {'met' if worst / GPU_TOKENS_S >= 20 else 'NOT met'} "
           f"(worst {worst / GPU_TOKENS_S:,.0f}x); goal >= 0.5x raw read (reader, page-cached, against `readinto`), "
-          f"wall / CPU: " + "; ".join(f"{what} {a:.2f}x / {b:.2f}x" for what, (a, b) in zip(short, goal.values())))
+          f"wall / CPU: " + "; ".join(f"{what.removesuffix(', prefetch 2')} {a:.2f}x / {b:.2f}x"
+                                      for what, (a, b) in goal.items()))
 
 
 if __name__ == "__main__":

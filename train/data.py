@@ -381,13 +381,19 @@ def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device
                             f"{n} samples of seq_len {shape.seq_len}+1{held}, fewer than "
                             f"train.global_batch {b} under policy {job.data.policy!r}. Fix: more tokens, "
                             "a smaller batch or seq_len, or data.policy: pad")
+    if job.data.shuffle_block > 1 and job.data.val_fraction:
+        log.warning("data.shuffle_block %d with data.val_fraction %g: the held-out split scatters the kept "
+                    "samples within each 1024 ids, so a block's windows are not adjacent and are read one "
+                    "call each (the order is still a block shuffle; use data.val for a held-out set and "
+                    "contiguous blocks)", job.data.shuffle_block, job.data.val_fraction)
     if st.weights is not None:
         mix = MixtureSampler(space=st.train, weights=st.weights, global_batch=b, dp_rank=dp_rank,
-                             dp_size=dp_size, seed=job.train.seed)
+                             dp_size=dp_size, seed=job.train.seed, shuffle_block=job.data.shuffle_block)
         return TokenLoader(st.sources, mix, shape.seq_len, device=device, space=st.train,
                            prefetch=job.data.prefetch)
     sampler = GlobalBatchSampler(num_samples=st.train.total, global_batch=b, dp_rank=dp_rank,
-                                 dp_size=dp_size, seed=job.train.seed, policy=job.data.policy)
+                                 dp_size=dp_size, seed=job.train.seed, policy=job.data.policy,
+                                 shuffle_block=job.data.shuffle_block)
     space = st.train if st.train.ids[0] is not None else None
     return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch)
 

@@ -136,6 +136,62 @@ _SMALL = 16
 """Up to this many lookups run on Python ints: numpy's per-call cost dominates a step's few."""
 
 
+class BlockPermutation:
+    """A seeded bijection of [0, n) that moves blocks of k adjacent ids (`data.shuffle_block`).
+
+    The n // k full blocks are ordered by a `Permutation` of their own, each block's ids kept
+    in order; the last n % k positions keep their ids; then every id is rotated by a keyed
+    shift s in [0, n): sample (x + s) mod n. So k consecutive positions starting at a multiple
+    of k are k adjacent samples, one contiguous read (one block per epoch wraps past the end
+    and reads as two); the shift moves the block boundaries and the left-over tail every epoch,
+    so which windows share a block, and which are left over, changes from epoch to epoch.
+    Every sample still comes exactly once per epoch; what a block shuffle gives up is only the
+    independence of the k windows of a block (adjacent windows of the corpus, usually of one
+    document or its neighbours, land in the same global batch).
+    """
+
+    __slots__ = ("n", "k", "full", "shift", "blocks")
+
+    def __init__(self, n: int, key: int, k: int) -> None:
+        if n < 1 or k < 1:
+            raise ValueError(f"a block permutation of {n} elements in blocks of {k}")
+        self.n, self.k, self.full = n, k, n // k
+        self.shift = mix_key(key, 0xB10C) % n
+        self.blocks = Permutation(self.full, key) if self.full else None
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= self.n):
+            raise IndexError(f"positions outside [0, {self.n})")
+        flat = pos.ravel()
+        out = flat.copy()
+        inb = flat < self.full * self.k
+        if self.blocks is not None and inb.any():
+            p = flat[inb]
+            b = p // self.k
+            if b.size > _SMALL:  # a plan's positions come in runs of one block: one lookup per run
+                first = np.empty(b.size, dtype=bool)
+                first[0], first[1:] = True, b[1:] != b[:-1]
+                head = self.blocks[b[first]]
+                out[inb] = head[np.cumsum(first) - 1] * self.k + p % self.k
+            else:
+                out[inb] = self.blocks[b] * self.k + p % self.k
+        moved: np.ndarray = ((out + self.shift) % self.n).reshape(pos.shape)
+        return moved
+
+    def __len__(self) -> int:
+        return self.n
+
+
+Order = Permutation | BlockPermutation
+
+
+def sample_order(n: int, key: int, block: int = 1) -> Order:
+    """The epoch order over n samples: every sample on its own (block 1: the `Permutation`, as
+    every run before `data.shuffle_block`), or blocks of `block` adjacent ones."""
+    return Permutation(n, key) if block <= 1 else BlockPermutation(n, key, block)
+
+
 def _block_perm_one(b: int, r: int, inverse: bool) -> int:
     keys = [_splitmix_int((((b * ROUNDS) & M64) + rnd) & M64 ^ 0x5EED_B10C) for rnd in range(ROUNDS)]
     left, right = r >> 5, r & 31

@@ -2,9 +2,11 @@
 
 `plan_reads` works out the reads of a group of windows in numpy (no Python per window): each
 window's stream start, its shard, and the byte offset of its span in the file (one chunk, or
-two chunks adjacent on disk: every window but a rare straddle). `read_planned` then reads a
-batch's rows: one `os.preadv` per window straight into its row, whatever shard it is in, the
-GIL released during each; `read_into` reads the rest (filtered datasets, unallocated chunks,
+two chunks adjacent on disk: every window but a rare straddle), and which windows run on into
+the next in the same file. `read_planned` then reads a batch's rows: one `os.preadv` per window
+straight into its row, whatever shard it is in, the GIL released during each, or one per run
+of adjacent windows (a `data.shuffle_block` block: the per-call cost, not the copy, is what a
+window read pays beyond a sequential read); `read_into` reads the rest (filtered datasets, unallocated chunks,
 a window across two shards). Every field is read over the same (source, range) as
 the tokens: a per-token array stored beside the tokens (a dataset of that name in the same
 HDF5 file) comes back with the same [n, seq_len+1] shape, row for row. `read_windows` is
@@ -75,6 +77,10 @@ class Planned:
     """field -> the windows (ascending) read by `read_into`: a batch without any is one plain loop"""
     direct: dict[str, bool]
     """field -> every file holds it in the field's dtype (else each read goes through a scratch row)"""
+    run_end: dict[str, list[int]] | None = None
+    """field -> the last window of window k's run: the windows after k whose spans each run on
+    into the next in the same file (adjacent samples, e.g. a `data.shuffle_block` block), read
+    in one call; None: no window of the plan is adjacent to the next (a call each)"""
     opened: tuple[int, int] = (-1, -1)
     """(pid, TokenFile.closes) when the descriptors were taken: a plan read in another process or
     after a file was closed (its descriptor number maybe reused) reads every window by `read_into`"""
@@ -118,9 +124,16 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
                 good = o >= 0
                 fd[name][at[good]], offset[name][at[good]] = shard.fileno(), o[good]
                 direct[name] &= bool(shard.dtype_of(name) == dt)
+    run_end: dict[str, list[int]] = {}
+    for name, dt in fields.items():  # k runs on into k+1: the same file, k+1's span seq_len elements on
+        f, o = fd[name], offset[name]
+        link = (f[:-1] >= 0) & (f[:-1] == f[1:]) & (o[1:] - o[:-1] == seq_len * np.dtype(dt).itemsize)
+        if link.any():
+            ends = np.flatnonzero(~np.append(link, False))  # windows that do not run on: each run's last
+            run_end[name] = ends[np.searchsorted(ends, np.arange(n))].tolist()
     return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start,
                    {k: v.tolist() for k, v in fd.items()}, {k: v.tolist() for k, v in offset.items()},
-                   {k: np.flatnonzero(v < 0).tolist() for k, v in fd.items()}, direct,
+                   {k: np.flatnonzero(v < 0).tolist() for k, v in fd.items()}, direct, run_end or None,
                    (os.getpid(), TokenFile.closes))
 
 
@@ -139,6 +152,8 @@ def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: All
         a, b = bisect.bisect_left(odd, lo), bisect.bisect_left(odd, hi)
         if stale:
             pass
+        elif plan.direct[name] and plan.run_end is not None and name in plan.run_end:
+            _preadv_runs(dst, plan.fd[name], plan.offset[name], plan.run_end[name], lo, hi)
         elif plan.direct[name]:
             _preadv_rows(dst, plan.fd[name][lo:hi], plan.offset[name][lo:hi])
         else:
@@ -166,6 +181,33 @@ def _preadv_rows(dst: np.ndarray, fds: list[int], offsets: list[int]) -> None:
         if fd >= 0 and preadv(fd, [view[at:at + width]], off) != width:
             _finish(fd, view[at:at + width], off)
         at += width
+
+
+def _preadv_runs(dst: np.ndarray, fds: list[int], offsets: list[int], run_end: list[int], lo: int, hi: int) -> None:
+    """Rows [lo, hi) of a plan into `dst` as `_preadv_rows` does, but a run of windows adjacent in
+    one file (run_end[k]: its last window; cut at the batch's end) is one `os.preadv`: the run's
+    bytes scattered into its rows, seq_len elements each and the last row's closing one, then each
+    row's last element (the next window's first: neighbouring windows share one boundary token)
+    copied from the row after it. A short read reads the run again row by row."""
+    width_el = dst.shape[1]
+    item = dst.dtype.itemsize
+    width, stride = width_el * item, (width_el - 1) * item
+    view = memoryview(dst.data).cast("B")
+    preadv, k = os.preadv, lo
+    while k < hi:
+        j = min(run_end[k], hi - 1)
+        fd, off, a, b = fds[k], offsets[k], k - lo, j - lo
+        if fd < 0:
+            pass
+        elif j == k:
+            if preadv(fd, [view[a * width:(a + 1) * width]], off) != width:
+                _finish(fd, view[a * width:(a + 1) * width], off)
+        else:
+            bufs = [view[r * width:r * width + stride] for r in range(a, b)] + [view[b * width:(b + 1) * width]]
+            if preadv(fd, bufs, off) != (b - a) * stride + width:
+                _preadv_rows(dst[a:b + 1], fds[k:j + 1], offsets[k:j + 1])
+            dst[a:b, -1] = dst[a + 1:b + 1, 0]
+        k = j + 1
 
 
 def _finish(fd: int, piece: memoryview, off: int) -> None:

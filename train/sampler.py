@@ -36,7 +36,7 @@ import numpy as np
 
 from dslurm.config.layout import Layout
 from dslurm.errors import UserError
-from train.order import ORDER, Permutation, mix_key, warn_order
+from train.order import ORDER, Order, mix_key, sample_order, warn_order
 
 Policy = Literal["drop", "pad"]
 
@@ -119,6 +119,17 @@ class DpShare:
         return ids
 
 
+def check_block(state: dict[str, Any], block: int) -> None:
+    """A saved position is a place in one order: restoring it under another `data.shuffle_block`
+    would repeat and skip samples within the epoch, so it is refused (a state from before the
+    field was saved under 1)."""
+    saved = int(state.get("shuffle_block", 1))
+    if saved != block:
+        raise UserError(f"data state: saved with data.shuffle_block {saved}, the run now sets {block}; the "
+                        "saved position is a place in the other order. Fix: restore with data.shuffle_block: "
+                        f"{saved} (change it only for a new run)")
+
+
 @dataclass(kw_only=True, slots=True)
 class GlobalBatchSampler(DpShare):
     """Sample ids per step for one data-parallel rank; pure (numpy only), no I/O."""
@@ -132,7 +143,9 @@ class GlobalBatchSampler(DpShare):
     epoch: int = 0
     position: int = 0
     padding_repeats: int = 0
-    _perm: tuple[int, Permutation] | None = field(default=None, init=False, repr=False)
+    shuffle_block: int = 1
+    """`data.shuffle_block`: the epoch's order moves blocks of this many adjacent samples"""
+    _perm: tuple[int, Order] | None = field(default=None, init=False, repr=False)
     _ahead: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -153,9 +166,9 @@ class GlobalBatchSampler(DpShare):
     def steps_per_epoch(self) -> int:
         return self.epoch_length // self.global_batch
 
-    def _permutation(self, epoch: int) -> Permutation:
+    def _permutation(self, epoch: int) -> Order:
         if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, Permutation(self.num_samples, mix_key(self.seed, epoch, 0x6C0B)))
+            self._perm = (epoch, sample_order(self.num_samples, mix_key(self.seed, epoch, 0x6C0B), self.shuffle_block))
         return self._perm[1]
 
     def order(self, epoch: int, start: int, count: int) -> np.ndarray:
@@ -237,7 +250,8 @@ class GlobalBatchSampler(DpShare):
         """Plain ints and strings: safe for json, torch.save and DCP's non-tensor state."""
         return {"epoch": self.epoch, "position": self.position,
                 "padding_repeats": self.padding_repeats, "num_samples": self.num_samples,
-                "seed": self.seed, "policy": self.policy, "global_batch": self.global_batch, "order": ORDER}
+                "seed": self.seed, "policy": self.policy, "global_batch": self.global_batch, "order": ORDER,
+                "shuffle_block": self.shuffle_block}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore (epoch, position); dp_rank/dp_size may differ from the saving run.
@@ -253,6 +267,7 @@ class GlobalBatchSampler(DpShare):
                 raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but "
                                 f"{getattr(self, key)!r} now; the saved position does not apply. "
                                 "Fix: restore with the same data file, train.seed and data.policy")
+        check_block(state, self.shuffle_block)
         warn_order(state)
         self._ahead.clear()
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -35,8 +35,8 @@ import numpy as np
 
 from dslurm.config.layout import Layout
 from dslurm.errors import UserError
-from train.order import ORDER, HashSplit, Permutation, mix_key, warn_order
-from train.sampler import DpShare
+from train.order import ORDER, HashSplit, Order, mix_key, sample_order, warn_order
+from train.sampler import DpShare, check_block
 
 MIX_PERIOD = 4096
 """Slots per mixture period: the proportions are exact over each period (to 1/MIX_PERIOD)."""
@@ -171,27 +171,32 @@ class MixtureSampler(DpShare):
     slot: int = 0
     """slots consumed: where the next global batch starts (the whole state)"""
     padding_repeats: int = 0
+    shuffle_block: int = 1
+    """`data.shuffle_block` k: slots go to sources k at a time (the schedule is over groups of k
+    slots, its period MIX_PERIOD / k groups), and each source's order moves blocks of k adjacent
+    samples, so a group is k adjacent windows of one source: one read"""
     schedule: MixtureSchedule = field(init=False)
-    _perm: dict[tuple[int, int], Permutation] = field(default_factory=dict, init=False, repr=False)
+    _perm: dict[tuple[int, int], Order] = field(default_factory=dict, init=False, repr=False)
     _ahead: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         Layout.dp_share(self.global_batch, self.dp_rank, self.dp_size)
         if len(self.weights) != len(self.space.counts) or min(self.space.counts) < 1:
             raise ValueError(f"{len(self.weights)} weights for sources of {self.space.counts} samples")
-        self.schedule = MixtureSchedule(list(self.weights), self.seed)
+        self.schedule = MixtureSchedule(list(self.weights), self.seed, MIX_PERIOD // self.shuffle_block)
 
     @property
     def stream_position(self) -> int:
         return self.slot
 
-    def _order(self, s: int, epoch: int) -> Permutation:
+    def _order(self, s: int, epoch: int) -> Order:
         """Source s's order in its epoch: a per-index permutation (train/order.py), O(1) memory."""
         key = (s, epoch)
         if key not in self._perm:
             for old in [k for k in self._perm if k[0] == s and k[1] < epoch - 1]:
                 del self._perm[old]
-            self._perm[key] = Permutation(self.space.counts[s], mix_key(self.seed, s, epoch, 0x313C))
+            self._perm[key] = sample_order(self.space.counts[s], mix_key(self.seed, s, epoch, 0x313C),
+                                           self.shuffle_block)
         return self._perm[key]
 
     def indices(self, first: int, count: int) -> np.ndarray:
@@ -200,7 +205,13 @@ class MixtureSampler(DpShare):
 
     def indices_at(self, slots: np.ndarray) -> np.ndarray:
         """Space indices of the given slot numbers (any shape): one vectorised pass."""
-        src, draw = self.schedule.at(slots)
+        k = self.shuffle_block
+        if k > 1:  # the schedule is over groups of k slots; a group's slots are k consecutive draws
+            group, within = np.divmod(np.asarray(slots, dtype=np.int64), k)
+            src, draw = self.schedule.at(group)
+            draw = draw * k + within
+        else:
+            src, draw = self.schedule.at(slots)
         n = np.asarray(self.space.counts, dtype=np.int64)[src]
         epoch, pos = np.divmod(draw, n)
         out = np.empty(slots.shape, dtype=np.int64)
@@ -239,7 +250,8 @@ class MixtureSampler(DpShare):
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixture", "slot": self.slot, "seed": self.seed, "weights": list(self.weights),
-                "num_samples": list(self.space.counts), "global_batch": self.global_batch, "order": ORDER}
+                "num_samples": list(self.space.counts), "global_batch": self.global_batch, "order": ORDER,
+                "shuffle_block": self.shuffle_block}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the slot count; the sources, weights and seed must be the saving run's."""
@@ -252,6 +264,7 @@ class MixtureSampler(DpShare):
                 raise UserError(f"data state: {key}={state[key]!r} in the checkpoint but {value!r} now; the "
                                 "saved position does not apply. Fix: restore with the same data.sources "
                                 "(paths, weights, val_fraction) and train.seed")
+        check_block(state, self.shuffle_block)
         warn_order(state)
         self._ahead.clear()
         self.slot = int(state["slot"])

@@ -155,6 +155,8 @@ class DataSpec:
                                           "evaluation (never trained on)")
     prefetch: int = field(2, help="batches a background reader per rank keeps ready (pinned on a GPU); 0 = read "
                                   "in the step")
+    shuffle_block: int = field(1, help="samples shuffled as blocks of this many adjacent windows (1 = every "
+                                       "window on its own); a rank's block is then one contiguous read")
 
     def __post_init__(self) -> None:
         if self.path is not None and self.sources:
@@ -164,6 +166,14 @@ class DataSpec:
                              "hold out a small fraction, e.g. 0.01, or set data.val")
         if self.val is not None and self.val_fraction:
             raise FieldError(("val", "val_fraction"), "both are set", "give either data.val or data.val_fraction")
+        if not 1 <= self.shuffle_block <= 4096:
+            raise FieldError("shuffle_block", f"{self.shuffle_block} is outside [1, 4096]",
+                             "1 shuffles every window; a few (e.g. 4, a rank's windows per step) read each "
+                             "block in one call")
+        if self.sources and len(self.sources) * self.shuffle_block > 4096:
+            raise FieldError(("sources", "shuffle_block"), f"{len(self.sources)} sources in blocks of "
+                             f"{self.shuffle_block} exceed a mixture period's 4096 slots",
+                             "a smaller data.shuffle_block (or fewer sources)")
         if not 0 <= self.prefetch <= 64:
             raise FieldError("prefetch", f"{self.prefetch} is outside [0, 64]",
                              "keep a few batches ready, e.g. 2 (0 reads in the step)")

@@ -108,3 +108,38 @@ def test_a_rank_starts_on_a_trillion_token_store_in_constant_memory(tmp_path):
         print(f"trillion-token store {data}: first batch after {elapsed:.2f}s, peak {peak / 2**20:.1f} MB")
         assert elapsed < 10.0, f"{data}: {elapsed:.1f}s to the first batch"
         assert peak < 64 << 20, f"{data}: {peak / 2**20:.1f} MB of index memory"
+
+
+@pytest.mark.parametrize("n,k", [(1, 4), (3, 4), (4, 4), (103, 4), (4096, 8), (1000, 7), (77, 1)])
+def test_a_block_shuffle_is_a_bijection_whose_blocks_are_adjacent_samples(n, k):
+    from train.order import BlockPermutation, sample_order
+
+    order = sample_order(n, 1234, k)
+    ids = order[np.arange(n)]
+    assert sorted(ids.tolist()) == list(range(n))  # every sample exactly once
+    if k == 1:  # block 1 is the per-sample order every earlier run has: unchanged
+        assert isinstance(order, Permutation) and ids.tolist() == Permutation(n, 1234)[np.arange(n)].tolist()
+        return
+    assert isinstance(order, BlockPermutation)
+    full = n // k
+    blocks = ids[:full * k].reshape(full, k) if full else np.empty((0, k), np.int64)
+    steps = np.diff(blocks, axis=1)
+    # inside a block consecutive ids, but for the one block the rotation wraps past the end
+    wrapped = [r for r in range(full) if not (steps[r] == 1).all()]
+    assert len(wrapped) <= 1 and all(((steps[r] == 1) | (steps[r] == 1 - n)).all() for r in wrapped)
+    for lookups in ([0], [n - 1], list(range(min(n, 20)))):  # one at a time (Python ints) = all at once
+        assert order[np.array(lookups)].tolist() == ids[lookups].tolist()
+
+
+def test_a_block_shuffle_scatters_blocks_and_moves_their_boundaries_every_epoch():
+    from train.order import mix_key, sample_order
+
+    n, k = 1 << 16, 4
+    e0, e1 = (sample_order(n, mix_key(7, e), k)[np.arange(n)] for e in (0, 1))
+    assert not np.array_equal(e0, e1)
+    # blocks land anywhere: the first positions' blocks are far apart, not in corpus order
+    heads = e0[:4096:k]
+    assert np.corrcoef(np.arange(len(heads)), heads)[0, 1] ** 2 < 0.01
+    # a block's start mod k is the epoch's shift: it changes, so neighbours regroup
+    assert len({int(e0[0]) % k, *(int(sample_order(n, mix_key(7, e), k)[np.array([0])][0]) % k
+                                  for e in range(1, 8))}) > 1

@@ -177,3 +177,47 @@ def test_planned_reads_equal_h5py_across_chunks_gaps_holes_shards_and_dtypes(tmp
     other.close()
     for row, i in enumerate(sample):
         assert got["tokens"][row].tolist() == stream[i * seq:i * seq + seq + 1].tolist()
+
+
+def test_adjacent_windows_are_one_read_and_equal_h5py_with_the_shared_boundary_token(tmp_path, mocker):
+    """A run of windows adjacent in one file (a shuffle block) is one os.preadv; the rows equal h5py's,
+    the boundary token each window shares with the next included; a run crossing into another
+    shard or a chunk far away on disk splits where it must."""
+    import os
+
+    import train.reader as reader
+
+    tokens = (np.arange(6000) * 7) % 65521
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    with h5py.File(a, "w") as f:  # chunk 5 written after 6: the 4|5 and 5|6 neighbours are apart on disk
+        ds = f.create_dataset(tk.DATASET, shape=(4000,), dtype=np.uint16, chunks=(500,))
+        for c in [0, 1, 2, 3, 4, 6, 5, 7]:
+            ds[c * 500:(c + 1) * 500] = tokens[c * 500:(c + 1) * 500]
+        f.attrs["vocab_size"] = 65536
+    with h5py.File(b, "w") as f:
+        f.create_dataset(tk.DATASET, data=tokens[4000:].astype(np.uint16))
+        f.attrs["vocab_size"] = 65536
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": "dslurm-manifest", "version": 1, "vocab_size": 65536, "dtype": "uint16", "n_tokens": 6000,
+        "shards": [{"path": "a.h5", "n_tokens": 4000}, {"path": "b.h5", "n_tokens": 2000}]}))
+    src = TokenSource(tmp_path / "manifest.json", where="w")
+    seq = 20
+    sample = np.array([0, 1, 2, 3, 9, 10, 11, 197, 198, 199, 200, 201, 60, 61, 62, 63, 123, 124, 125, 126])
+    calls = []
+    real = os.preadv
+    mocker.patch.object(reader.os, "preadv",
+                        side_effect=lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+    plan = plan_reads([src], np.zeros(len(sample), np.int64), sample, seq, {"tokens": np.dtype(np.uint16)})
+    assert plan.run_end is not None
+    got = read_planned(plan, [src], 0, len(sample))["tokens"]
+    for row, i in enumerate(sample):
+        assert got[row].tolist() == tokens[i * seq:i * seq + seq + 1].tolist(), (row, i)
+    # 0-3 one call of 4; 9-11 one of 3; 197-198 one of 2 (199's window crosses into b.h5: read_into),
+    # 200-201 one of 2 in b.h5; 60-63 inside chunk 2: one of 4; 123 alone, 124 across chunks 4|5 (apart
+    # on disk: read_into), 125-126 one of 2 in chunk 5 (read_into makes single-buffer calls of its own)
+    assert sorted((c for c in calls if c > 1), reverse=True) == [4, 4, 3, 2, 2, 2], calls
+    # two batches out of one plan: a run never crosses the batch boundary
+    calls.clear()
+    first, second = read_planned(plan, [src], 0, 2)["tokens"], read_planned(plan, [src], 2, 6)["tokens"]
+    assert first.tolist() == got[:2].tolist() and second.tolist() == got[2:6].tolist()
+    assert calls == [2, 2, 2], calls  # rows 0-1 | rows 2-3, then 9-10 (11 is in the next batch)

@@ -170,3 +170,30 @@ def test_take_hands_out_the_steps_of_next_ids_and_advances_like_them(policy):
         want = [(one.stream_position, one.next_ids()) for _ in range(steps)]
         assert positions == [p for p, _ in want] and ids.tolist() == [i.tolist() for _, i in want]
         assert (bulk.epoch, bulk.position, bulk.padding_repeats) == (one.epoch, one.position, one.padding_repeats)
+
+
+@pytest.mark.parametrize("old_dp,new_dp", [(4, 2), (1, 8)])
+def test_a_block_shuffle_resumes_under_another_dp_size_and_refuses_another_block(old_dp, new_dp):
+    def ranks(dp: int, block: int = 4) -> list[GlobalBatchSampler]:
+        return [GlobalBatchSampler(num_samples=203, global_batch=8, dp_rank=r, dp_size=dp, seed=3,
+                                   shuffle_block=block) for r in range(dp)]
+
+    (single,) = ranks(1)
+    want = [single.next_global() for _ in range(60)]  # past two epochs of 25 steps
+    before = ranks(old_dp)
+    got = [step_all(before) for _ in range(7)]
+    state = before[0].state_dict()
+    after = ranks(new_dp)
+    for s in after:
+        s.load_state_dict(state)
+    got += [step_all(after) for _ in range(53)]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    epoch0 = np.concatenate(want[:25])
+    assert len(set(epoch0.tolist())) == 200  # drop: 203 - 3, no sample twice
+    runs = sum(bool((np.diff(w.reshape(-1, 4), axis=1) == 1).all(axis=1).all()) for w in want)
+    assert runs >= 55  # a step's blocks are 4 adjacent samples (but the block the rotation wraps)
+    with pytest.raises(UserError, match="data.shuffle_block 4.*now sets 1"):
+        GlobalBatchSampler(num_samples=203, global_batch=8, seed=3).load_state_dict(state)
+    old = {k: v for k, v in samplers(1)[0].state_dict().items() if k != "shuffle_block"}  # saved before the field
+    samplers(1)[0].load_state_dict(old)
