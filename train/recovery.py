@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dslurm import exitcodes
 from dslurm.observe import events
-from dslurm.runtime.checkpoint import final_failure, manager_for
+from dslurm.runtime.checkpoint import manager_for, save_final
 from dslurm.runtime.state import train_state
 from train import oom
 from train.step import Step, StepResult
@@ -63,11 +63,11 @@ class Recovery(Step):
 
     def _save_final(self) -> None:
         """A save the run's ending depends on (the last step, a stop): it must commit, whatever
-        `on_error` says for periodic saves, or the run ends as a save failure, never as a success."""
+        `on_error` says for periodic saves, or the run ends as a save failure, never as a success;
+        a disk full for seconds is waited out (`save_final`)."""
         if self.ckpt is None:
             return
-        self._save(blocking=True)
-        if (err := final_failure(self.ckpt, self.step)) is not None:
+        if (err := save_final(self.ckpt, lambda: self._save(blocking=True), self.step)) is not None:
             self._event(events.Exit(reason="save_failed", step=self.step, code=exitcodes.SAVE_FAILED))
             raise err
 

@@ -94,7 +94,7 @@ def to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
 
 def failure_hint(reason: str, run_dir: Path) -> str:
     """What a person should do about a failed save, from its reason. Pure."""
-    if "No space left" in reason or "ENOSPC" in reason or "Errno 28" in reason:
+    if ck.full_disk(reason):
         return (f"the disk holding {run_dir} is full (ENOSPC): free space (e.g. `dslurm ckpt gc {run_dir}`) "
                 "or point checkpoint.run_dir at a larger file system, then resubmit; it resumes from the pointer")
     if "non-finite" in reason:

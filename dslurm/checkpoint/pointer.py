@@ -181,6 +181,11 @@ def disk_full_fact(path: Path) -> str:
             f"of {st.f_blocks * st.f_frsize}")
 
 
+def full_disk(reason: str) -> bool:
+    """Does a save's failure reason say the disk was full (ENOSPC, however the writer put it)?"""
+    return "No space left" in reason or "ENOSPC" in reason or "Errno 28" in reason
+
+
 def checksum_files(root: Path, relpaths: Iterable[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for rel in relpaths:

@@ -102,6 +102,8 @@ def _opens_new(cur: list[Event], e: Event) -> bool:
     has = {type(x) for x in cur}
     if isinstance(e, ev.Steps) and _key(e) == _key(cur[0]):
         return False  # a window never begins a start: one after the decision is the dying attempt's
+    if isinstance(e, ev.BlocklistWaived) and _key(e) == _key(cur[0]):
+        return False  # written by requeue-me while it carries its decision out: that start's
     if _key(e) != _key(cur[0]) or ev.Requeue in has or ev.Recovery in has or isinstance(e, ev.JobStart):
         return True  # another job/restart, or the last start already took its decision (or recovered)
     trained = ev.TrainStart in has or ev.Exit in has

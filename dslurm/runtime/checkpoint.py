@@ -4,7 +4,8 @@
 manifest, verification, pointer, retention; sync, async or two tiers) from the job's
 `checkpoint` section; the built-in trainer and `Checkpoint` both use it. `final_failure` is
 the rule both apply to a save the run's ending depends on: it must commit, whatever `on_error`
-says for periodic saves. Torch is imported only when a checkpoint is built (in-job).
+says for periodic saves, and `save_final` waits out a disk full for seconds before it gives up.
+Torch is imported only when a checkpoint is built (in-job).
 """
 
 from __future__ import annotations
@@ -66,6 +67,32 @@ def manager_for(spec: CheckpointSpec, run_dir: str | Path, *, scratch: str | Non
 
     return CheckpointManager.from_spec(run_dir, spec, scratch=scratch, ledger=ledger, config_hash=config_hash,
                                        model_shape=model_shape, layout=layout, per_rank_state=per_rank_state)
+
+
+FINAL_SAVE_TRIES = 6
+"""A save an ending needs that failed on a full disk is tried this many times, a second apart
+(about 10 s with the saves): a disk full for seconds (a neighbour's file, a copy; `dslurm
+selftest chaos` seed 4343: a 3 s full disk during a time-limit stop ended the run as a save
+failure, exit 74, never requeued) otherwise ends a run that loses nothing by waiting. Counted in
+tries, not seconds: the outcome is agreed by every rank, so every rank tries again, or gives up,
+together (a clock would differ by a rank's delay and leave one rank in a collective save alone)."""
+
+
+def save_final(mgr: Any, save: Callable[[], Any], step: int) -> Exception | None:
+    """Run `save` (a blocking save at `step` on every rank) until it commits; on a full disk up
+    to FINAL_SAVE_TRIES times. -> `final_failure`'s error when it never committed, else None."""
+    from dslurm.checkpoint import full_disk
+
+    for attempt in range(1, FINAL_SAVE_TRIES + 1):
+        save()
+        err = final_failure(mgr, step)
+        out = mgr.last_outcome
+        if err is None or out is None or not full_disk(out.reason) or attempt == FINAL_SAVE_TRIES:
+            return err
+        log.warning("the save at step %d the run's ending needs met a full disk (try %d of %d); trying again "
+                    "in 1 s", step, attempt, FINAL_SAVE_TRIES)
+        time.sleep(1.0)
+    return None
 
 
 def final_failure(mgr: Any, step: int) -> Exception | None:
@@ -147,8 +174,12 @@ class Checkpoint:
         save then waits for that one and checks it committed durably."""
         if step == self._saved_step and self._already_saved(step, final):
             return True
-        ok = self.manager.save(step, self._shared, blocking=final)
-        if final and (err := final_failure(self.manager, step)) is not None:
+        if not final:
+            ok = self.manager.save(step, self._shared, blocking=False)
+        elif (err := save_final(self.manager, lambda: self.manager.save(step, self._shared, blocking=True),
+                                step)) is None:
+            ok = True
+        else:
             from dslurm import exitcodes
             from dslurm.observe import events
 

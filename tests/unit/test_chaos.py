@@ -148,6 +148,20 @@ def test_a_stopped_worker_is_credited_with_the_crash_it_caused_later():
     assert "| stop_worker | 1 | 0 |" in md and "| 2 | 30.0 | requeue | 1 | no | skipped |" in md
 
 
+def test_a_readmitted_blocklist_belongs_to_the_start_whose_requeue_wrote_it():
+    """`dslurm selftest chaos` (seed 4343): requeue-me writes `blocklist_waived` after its decision;
+    read as a start of its own, every such requeue left a start "without an ending"."""
+    evs = [*_start("1", 0, T0, 0, 6, saves=(5,), ending="crash"),
+           ev.Requeue(t=T0 + 7, job_id="1", restart=0, decision="requeue", ending="crash"),
+           ev.BlocklistWaived(t=T0 + 7.1, job_id="1", restart=0, hosts=["node1"], reason="3 of 3"),
+           *_start("1", 1, T0 + 20, 5, 10, saves=(10,))]
+    sm = summarize(evs)
+    assert [s.ending for s in sm.starts] == ["crash", "completed"]
+    assert [len(s.all(ev.BlocklistWaived)) for s in sm.starts] == [1, 0]
+    assert promises.check(sm, evs, [_fault(0, "kill_worker", T0 + 4)], steps=10, identical=None,
+                          bad_generations={}, t0=T0) == []
+
+
 def test_a_late_ending_joins_the_last_job_step_of_its_incarnation():
     """`dslurm selftest chaos` (seed 209): a crash recovered in the allocation (step 0 ended, step 1
     started), then `scontrol requeue` killed the batch shell before step 1's ending was written; the
