@@ -3,14 +3,17 @@ Torch-free; re-exported by dslurm.checkpoint."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from dslurm.checkpoint.pointer import HOLDER, LOCK, RunLocked, atomic_write_json, holder_identity
+from dslurm.facts import ENOSPC_RETRY_S
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class RunDirLock:
             if holder and me["job_id"] and holder.get("job_id") == me["job_id"]:
                 log.warning("%s: lock still held by an earlier incarnation of this job (%s); "
                             "continuing as its requeue", self.run_dir, describe_holder(holder))
-                atomic_write_json(self.run_dir / HOLDER, me)
+                self._record(me)
                 return
             raise RunLocked(f"{self.run_dir}: run is being written by {describe_holder(holder)}. "
                             "Wait for it, cancel it, or use another run directory.") from None
@@ -53,7 +56,27 @@ class RunDirLock:
             log.info("%s: previous holder %s is gone; taking the lock", self.run_dir,
                      describe_holder(old))
         self._fd = fd
-        atomic_write_json(self.run_dir / HOLDER, me)
+        self._record(me)
+
+    def _record(self, me: dict[str, Any]) -> None:
+        """Write who holds the lock (the flock is the lock; this says whose it is). A full disk is
+        waited out ENOSPC_RETRY_S, then the record is left unwritten with a warning: a start that
+        fails on a disk full for seconds spends a restart of the run's budget on a fault not its
+        own (`dslurm selftest chaos` seed 4343). Without it, only a requeue of this job that finds
+        the lock still held cannot tell it is its own earlier incarnation."""
+        deadline = time.monotonic() + ENOSPC_RETRY_S
+        while True:
+            try:
+                atomic_write_json(self.run_dir / HOLDER, me)
+                return
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if time.monotonic() >= deadline:
+                    log.warning("%s: the disk is full; the lock is held, its holder record not written (%s)",
+                                self.run_dir, exc)
+                    return
+                time.sleep(0.25)
 
     def holder(self) -> dict[str, Any] | None:
         try:

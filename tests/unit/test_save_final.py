@@ -50,3 +50,29 @@ def test_a_disk_that_stays_full_fails_after_the_tries_and_other_failures_at_once
     assert rc.save_final(m, m.save, 20) is not None and m.saves == 1
     m = Manager([""])
     assert rc.save_final(m, m.save, 20) is None and m.saves == 1
+
+
+def test_the_run_lock_waits_out_a_full_disk_for_its_holder_record(tmp_path, monkeypatch):
+    """`dslurm selftest chaos` seed 4343: the lock's holder record met a 3 s full disk as a start
+    began, and the start crashed (a restart of the budget spent). Now the write is tried again."""
+    import errno
+
+    from dslurm.checkpoint import lock as lk
+
+    real, tries = lk.atomic_write_json, []
+
+    def full_twice(path, obj):
+        tries.append(path)
+        if len(tries) <= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, obj)
+
+    monkeypatch.setattr(lk, "atomic_write_json", full_twice)
+    monkeypatch.setattr(lk.time, "sleep", lambda s: None)
+    with lk.RunDirLock(tmp_path) as held:
+        assert len(tries) == 3 and held.holder() is not None
+    monkeypatch.setattr(lk, "ENOSPC_RETRY_S", 0.0)
+    tries.clear()
+    monkeypatch.setattr(lk, "atomic_write_json", lambda p, o: (tries.append(p), full_twice(p, o)) and None)
+    with lk.RunDirLock(tmp_path) as held:  # still full past the wait: held, the record left unwritten
+        assert held.holder() is None
