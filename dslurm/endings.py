@@ -33,8 +33,9 @@ Rules, first match wins:
      stopped: `scancel JOB` reaches the batch shell, `dslurm cancel` records the request): a
      stray stop, naming who got the TERM and when. Once Slurm says the job is cancelled (or a
      `dslurm cancel` request is on record) and every launcher got the TERM: a cancel.
-  8. No facts at all (nothing could be written): the step's exit code, said plainly; a 143 that
-     nobody asked for (no TERM at the batch shell, Slurm still runs the job) is a crash.
+  8. No facts at all (nothing could be written): a step srun said slurmctld would not create
+     (srun-refused.json) is a crash naming srun's words; otherwise the step's exit code, said plainly; a
+     143 that nobody asked for (no TERM at the batch shell, Slurm still runs the job) is a crash.
 
 A stray stop is requeued within a budget of its own (dslurm/requeue/__init__.py::decide); seen in
 the field ~40 s after the requeue of a hung start, on the node that had been holding it.
@@ -275,6 +276,10 @@ def classify(facts: StartFacts, slurm: SlurmView, step_rc: int | None = None) ->
     if not ranks and not facts.launchers and terms:
         return Ending(_slurm_stop(slurm.state), f"ended by Slurm (TERM) before training reported; state "
                       f"{slurm.state}", evidence=[f"batch shell got TERM at {min(terms):.3f}"])
+    if facts.refused and not ranks and not facts.launchers:
+        # recover/supervisor.py starts a refused step again for a while first: this one stayed refused
+        return Ending(CRASH, f"Slurm would not create the job step: {facts.refused}",
+                      evidence=[f"srun: {facts.refused}", f"step rc {step_rc}", f"slurm: job state {slurm.state}"])
     cls, why = _by_rc(step_rc)
     if cls == CANCELLED and stray_ok:
         # Nobody asked: no TERM at the batch shell and Slurm still runs the job. A step whose processes

@@ -17,6 +17,9 @@ into the same numbers. Each start of a run gets a directory of its own:
                          a start that died with its batch shell, by the next start)
     cancel.json          `dslurm cancel` was asked to stop the run (who, when, --save), written
                          before it signals: a TERM that follows is the user's, not a stray one
+    srun-refused.json    srun's own words when slurmctld would not create the job step for a
+                         reason that says nothing about the nodes (recover/srun.py): the step ran
+                         nothing, so its silence is no node's loss
 
 Writers are torch-free and never raise into the caller's exit path: a fact that cannot be
 written (disk full) is logged and the run goes on ending the way it would have.
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 ENV = "DSLURM_FACTS_DIR"  # set by the batch script; derived the same way when absent
 ENDING = "ending.json"
 CANCEL = "cancel.json"
+REFUSED = "srun-refused.json"
 
 # Kinds a training process reports about itself. "victim" kinds say a peer went away:
 # they mark who was hurt, never where the failure began.
@@ -190,6 +194,11 @@ def write_cancel_request(d: Path, *, save: bool, user: str, via: str = "cancel")
     return _write_json(d / CANCEL, {"t": time.time(), "save": save, "user": user, "via": via})
 
 
+def write_refusal(d: Path, said: str) -> bool:
+    """srun's words when slurmctld would not create the job step (dslurm/recover/srun.py)."""
+    return _write_json(d / REFUSED, {"t": time.time(), "said": said})
+
+
 @dataclass
 class StartFacts:
     """Everything recorded for one start, as read back."""
@@ -200,6 +209,7 @@ class StartFacts:
     ranks: list[dict[str, Any]]
     ending: dict[str, Any] | None
     cancel: dict[str, Any] | None = None  # `dslurm cancel`'s request (cancel.json), if any
+    refused: str | None = None  # srun's words: slurmctld would not create the step (srun-refused.json)
 
 
 def parse_signal_lines(text: str) -> list[tuple[str, float]]:
@@ -225,8 +235,10 @@ def read_start(d: Path) -> StartFacts:
     # A cancel is asked of the start (job.restart); a recovery's later job steps read it there too.
     job, restart, _step = parse_start_name(d.name)
     cancel = _read_json(d / CANCEL) or _read_json(d.parent / start_name(job, restart) / CANCEL)
+    said = _read_json(d / REFUSED)
+    refused = str(said.get("said") or "?") if isinstance(said, dict) else None
     return StartFacts(d.name, sigs, launchers, ranks, ending if isinstance(ending, dict) else None,
-                      cancel if isinstance(cancel, dict) else None)
+                      cancel if isinstance(cancel, dict) else None, refused)
 
 
 def list_starts(run_dir: str | os.PathLike[str]) -> list[Path]:

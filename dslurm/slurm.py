@@ -391,19 +391,34 @@ def down_nodes(hosts: Iterable[str], env: Mapping[str, str] | None = None) -> di
 SLURMD_PORT = 6818  # Slurm's default SlurmdPort, when `scontrol show node` names none
 
 
-def parse_node_addresses(stdout: str) -> dict[str, tuple[str, int]]:
-    """NodeName -> (NodeAddr, slurmd port) from `scontrol -o show node`. Pure."""
+def parse_node_addresses(stdout: str, default_port: int = SLURMD_PORT) -> dict[str, tuple[str, int]]:
+    """NodeName -> (NodeAddr, slurmd port) from `scontrol -o show node`. scontrol names a node's
+    Port only where it differs from the cluster's SlurmdPort: `default_port`. Pure."""
     out = {}
     for rec in parse_scontrol_records(stdout):
         name = rec.get("NodeName")
         port = rec.get("Port", "")
         if name:
-            out[name] = (rec.get("NodeAddr") or name, int(port) if port.isdigit() else SLURMD_PORT)
+            out[name] = (rec.get("NodeAddr") or name, int(port) if port.isdigit() else default_port)
     return out
 
 
+def parse_slurmd_port(config: str) -> int:
+    """SlurmdPort from `scontrol show config` (`SlurmdPort = 6818`); Slurm's default without one. Pure."""
+    m = re.search(r"^SlurmdPort\s*=\s*(\d+)", config, re.M)
+    return int(m.group(1)) if m else SLURMD_PORT
+
+
 def node_addresses(hosts: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, tuple[str, int]]:
+    """Where each host's slurmd listens. The port scontrol leaves out is the cluster's SlurmdPort,
+    not Slurm's default: guessing 6818 on a site (or the local cluster) that moved it found every
+    such node's port closed, and a probe read a live node as lost."""
     if not hosts:
         return {}
     proc = run_cmd(["scontrol", "-o", "show", "node", ",".join(hosts)], check=False, env=env)
-    return parse_node_addresses(proc.stdout) if proc.returncode == 0 else {}
+    if proc.returncode:
+        return {}
+    conf = run_cmd(["scontrol", "show", "config"], check=False, env=env)
+    if conf.returncode:
+        return {}  # no port known: the probe step alone decides
+    return parse_node_addresses(proc.stdout, parse_slurmd_port(conf.stdout))

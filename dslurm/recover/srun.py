@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -61,7 +64,12 @@ class SrunRunner:
 
         env = {**self.env, ENV: str(step.facts_dir), STEP_INDEX_ENV: str(step.index),
                WARM_ENV: "1" if step.warm else "0", **({PENDING_STOP_ENV: step.stop} if step.stop else {})}
-        self.proc = proc = subprocess.Popen(self.argv(step), env=env)
+        # srun's stderr passes through to the job's log line by line; a refusal is recorded as it
+        # is said (facts.write_refusal): the supervisor starts a refused step again instead of reading
+        # the silence of nodes that were never asked as their loss.
+        self.proc = proc = subprocess.Popen(self.argv(step), env=env, stderr=subprocess.PIPE)
+        relay = threading.Thread(target=_relay, args=(proc, step.facts_dir), daemon=True)
+        relay.start()
         try:
             while True:
                 try:
@@ -77,6 +85,7 @@ class SrunRunner:
         finally:
             self.proc = None
             self._state = None  # the step's end: Slurm's state is read afresh
+            relay.join(timeout=5.0)  # srun's last words (a refusal) are in before the step is read
         return 128 - rc if rc < 0 else rc
 
     def signal(self, signum: int) -> None:
@@ -128,29 +137,100 @@ class SrunRunner:
     def probe(self, hosts: Sequence[str], timeout_s: float) -> tuple[str, ...]:
         """The hosts that are gone. First their slurmd's port (from `scontrol show node`): a
         refused or unanswered connection settles it at once (a killed slurmd, a frozen machine).
-        Then the hosts whose slurmd listens run `true` through srun in parallel: failing, or not
-        answering within `timeout_s`, they are gone too (a slurmd that listens but cannot start a
-        task is no use either)."""
+        Then the hosts whose slurmd listens run `true` through `srun -v` in parallel: a step that
+        was created (srun says it launches it) and fails or does not answer within `timeout_s`
+        is a slurmd that cannot start a task, gone too; one Slurm refused for the node (down,
+        drained) likewise. A step slurmctld did not create asked no node: refused for a reason
+        that says nothing about it (`refusal`) it is asked again until the deadline, and still
+        uncreated then (pending, or refused: seen for ~5-15 s after a slurmctld restart) the node
+        is not counted lost: its slurmd listens."""
         from dslurm import slurm
 
         addrs = slurm.node_addresses(hosts, env=self.env)
         silent_port = [h for h in hosts if h in addrs and not _listens(*addrs[h], timeout_s=min(2.0, timeout_s))]
-        rest = [h for h in hosts if h not in silent_port]
         env = {k: v for k, v in self.env.items() if not k.startswith("SLURM_STEP")}
-        procs = {h: subprocess.Popen([*PROBE_ARGV[:-1], f"--nodelist={h}", PROBE_ARGV[-1]], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for h in rest}
         deadline = time.monotonic() + timeout_s
         dead = list(silent_port)
-        for h, p in procs.items():
-            try:
-                rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                rc = None
-            if rc != 0:
-                dead.append(h)
+        ask = [h for h in hosts if h not in silent_port]
+        while ask:
+            # stderr to a file, not a pipe: a killed srun's child may hold a pipe open past the deadline
+            errs = {h: tempfile.TemporaryFile() for h in ask}
+            procs = {h: subprocess.Popen([*PROBE_ARGV[:-1], f"--nodelist={h}", PROBE_ARGV[-1]], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=errs[h]) for h in ask}
+            ask = []
+            for h, p in procs.items():
+                rc = _finish(p, deadline)
+                errs[h].seek(0)
+                err = errs[h].read().decode(errors="replace")
+                errs[h].close()
+                if rc == 0:
+                    continue
+                why = refusal(err)
+                if LAUNCHED.search(err) or (rc is not None and why is None):
+                    dead.append(h)  # created and failed or silent, or refused for the node itself
+                elif why is not None and time.monotonic() + 1.0 < deadline:
+                    ask.append(h)  # slurmctld could not create it yet: the node was never asked
+                else:
+                    log.warning("dslurm supervise: slurmctld did not create a probe step on %s within %.0f s "
+                                "(%s); its slurmd listens: not counted lost", h, timeout_s,
+                                why or "the step pended")
+            if ask:
+                time.sleep(1.0)
         return tuple(h for h in hosts if h in dead)
+
+
+def _finish(p: subprocess.Popen[bytes], deadline: float) -> int | None:
+    """A probe's code by the deadline; killed past it: None."""
+    try:
+        return p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return None
+
+
+# `srun -v` says this once slurmctld created the step and it goes to the node (22.05: "launching
+# StepId=J.S on host ...", 23.02+: "Step created for StepId=J.S").
+LAUNCHED = re.compile(r"launching (StepId=)?\d+|Step created for StepId=")
+
+
+# srun's words when slurmctld will not create a step for a reason that says nothing about the
+# nodes: it restarted and the nodes have not registered again (their memory unknown to it: chaos
+# seed 4444, "Memory required by task is not available" for ~15 s after a restart), or it is not
+# answering. A refusal naming the nodes (down, drained, "Requested node configuration is not
+# available") is not among them: that one is about the node.
+TRANSIENT_REFUSALS = ("Memory required by task is not available", "Unable to confirm allocation",
+                      "Unable to contact slurm controller", "Socket timed out", "Zero Bytes were transmitted",
+                      "Slurm backup controller in standby mode", "Job/step already completing")
+
+
+def refusal(text: str) -> str | None:
+    """The first line of srun's stderr that says slurmctld would not create the step for a
+    reason that says nothing about the nodes (TRANSIENT_REFUSALS), or None. Pure."""
+    for line in text.splitlines():
+        if any(r in line for r in TRANSIENT_REFUSALS) and ("step" in line or "allocation" in line
+                                                           or "controller" in line):
+            return line.strip()[:300]
+    return None
+
+
+def _relay(proc: subprocess.Popen[bytes], facts_dir: Path) -> None:
+    """Copy srun's stderr to ours line by line; the first refusal goes to the facts dir."""
+    import sys
+
+    from dslurm.facts import write_refusal
+
+    assert proc.stderr is not None
+    said = False
+    for raw in iter(proc.stderr.readline, b""):
+        try:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+        except (OSError, ValueError):
+            pass  # a full disk under the job's log: the relay goes on reading, srun never blocks
+        if not said and (why := refusal(raw.decode(errors="replace"))):
+            said = write_refusal(facts_dir, why)
+    proc.stderr.close()
 
 
 def _listens(addr: str, port: int, timeout_s: float) -> bool:
@@ -164,4 +244,4 @@ def _listens(addr: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-PROBE_ARGV = ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--quiet", "true")
+PROBE_ARGV = ("srun", "-v", "--overlap", "--nodes=1", "--ntasks=1", "true")

@@ -106,6 +106,10 @@ class Supervisor:
         # spare swap (bench/bench_warm_spare.py), 0.5 s covers a launcher's report after its peer's.
         self.grace_s = 0.5
         self.unanswered: set[str] = set()  # nodes that failed a probe: down for the plan too
+        # A step slurmctld would not create (it restarted: its nodes register again when it next
+        # pings them, every SlurmdTimeout/3; 5-60 s of refusals here, longer where SlurmdTimeout is
+        # the default 300 s) is started again for this long, stretched by the load (`_run`).
+        self.refused_base_s, self.refused_pause_s = 180.0, 1.0
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded as the batch shell's (it is the batch shell's delegate), and
@@ -156,9 +160,8 @@ class Supervisor:
             log.info("dslurm supervise: step %d on %s%s", index, ",".join(nodes.training), " (warm)" if warm else "")
             # A stop that came while no step ran (before the first, during a recovery) goes with it.
             stop = f"SIG{self.stopping}" if self.stopping else None
-            rc = self.runner.run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum, warm=warm,
-                                      stop=stop),
-                                 self._ticking(self._abandon_when_lost(d, nodes.training)))
+            rc = self._run(Step(index=index, hosts=nodes.training, facts_dir=d, grad_accum=accum, warm=warm,
+                                stop=stop))
             t_end = time.time()
             if self.pools is not None:
                 self.pools.tick(step_over=True)
@@ -175,6 +178,37 @@ class Supervisor:
             accum = shrunk if shrunk is not None else accum
             self._record(d, ending, rc, plan, nodes, index + 1, accum, failed_at(read_start(d), t_end))
             nodes, index = plan.nodes, index + 1
+
+    def _run(self, step: Step) -> int:
+        """Run the step; one slurmctld would not create for a reason that says nothing about the
+        nodes (srun's words in the facts dir: it restarted and they have not registered again) ran
+        nothing, so nothing failed: it is started again after a pause, doubling to 8 s, for up to
+        `refused_s`. Chaos seed 4444: a slurmctld restart as a start began refused its step and
+        the probes; both nodes were read as lost, the restart budget spent, the job requeued."""
+        from dslurm.facts import REFUSED, read_start
+
+        deadline = time.monotonic() + self.refused_s()
+        pause = self.refused_pause_s
+        while True:
+            rc = self.runner.run(step, self._ticking(self._abandon_when_lost(step.facts_dir, step.hosts)))
+            facts = read_start(step.facts_dir)
+            if facts.refused is None or facts.launchers or facts.ranks or self.stopping \
+                    or time.monotonic() + pause > deadline:
+                return rc
+            log.warning("dslurm supervise: slurmctld would not create step %d (%s); trying again in %.1f s",
+                        step.index, facts.refused, pause)
+            (step.facts_dir / REFUSED).unlink(missing_ok=True)
+            until = time.monotonic() + pause
+            while time.monotonic() < until and not self.stopping:  # a stop ends the wait
+                time.sleep(0.1)
+            if self.stopping:
+                return rc
+            pause = min(2 * pause, 8.0)
+
+    def refused_s(self) -> float:
+        from dslurm import slurm
+
+        return self.refused_base_s * slurm.load_factor()
 
     def _ticking(self, abandon: Callable[[], bool]) -> Callable[[], bool]:
         """`abandon`, which also lets the warm pools act once a second while a step runs."""
@@ -220,9 +254,10 @@ class Supervisor:
         from dslurm.facts import read_start
 
         view = self.runner.view(hosts)
-        silent = [h for h in silent_hosts(read_start(d).launchers, hosts) if h not in view.down_nodes]
-        if not silent or self.stopping:
-            return view
+        facts = read_start(d)
+        silent = [h for h in silent_hosts(facts.launchers, hosts) if h not in view.down_nodes]
+        if not silent or self.stopping or (facts.refused and not facts.launchers):
+            return view  # a step slurmctld never created asked no node: their silence says nothing
         unknown = [h for h in silent if h not in self.unanswered]  # the rest were probed while the step ran
         probe_s = self.probe_s()
         dead = (*(h for h in silent if h in self.unanswered),

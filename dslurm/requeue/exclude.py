@@ -5,13 +5,22 @@ job's ExcNodeList. But a blocklist can outgrow the partition: a 2+1 job on a 3-n
 blocklisted one node is excluded from a node it needs, and Slurm keeps it PENDING (BadConstraints)
 for ever, silently. (The chaos soak found it: a node whose step was killed did not answer the
 probe and was swapped out as lost; the next requeue left the job unplaceable.) So the exclusion is
-cut to what the partition can spare: `placeable_exclusion` keeps every blocklisted node Slurm
-itself will not schedule (down, drained, failing, not responding: excluding it costs nothing) and
-as many of the
-others as leave the job its nodes; the rest are *readmitted* for this requeue, said in the batch
-log and the ledger (`blocklist_waived`). A readmitted node that is really bad fails its start
-again, which the endings and the restart budget deal with; a job pending for ever is nobody's.
-The blocklist file itself is left as it is: a larger allocation or another partition still honours it.
+cut to what the partition can spare. Two rooms bound it:
+
+- *ever*: Slurm calls a job never runnable when the partition's nodes, whatever their state, less
+  the excluded ones, are fewer than it needs. No exclusion may exceed `members - need`, not even
+  of nodes Slurm will not schedule now: a down, drained or silent node comes back (resumed, its
+  slurmd re-registered after a slurmctld restart: chaos seed 4444 excluded two nodes that only had
+  not registered yet), and an ExcNodeList is never revisited while the job pends.
+- *now*: a node Slurm schedules today counts against the job's chance to start now; one it will
+  not schedule (down, drained, failing, not responding) costs nothing now. So those are kept
+  excluded first, then schedulable ones while the job still has its nodes now.
+
+The rest are *readmitted* for this requeue, said in the batch log and the ledger
+(`blocklist_waived`). A readmitted node Slurm will not schedule keeps the job waiting for it
+(a reason a wait clears); a readmitted node that is really bad fails its start again, which the
+endings and the restart budget deal with; a job pending for ever is nobody's. The blocklist file
+itself is left as it is: a larger allocation or another partition still honours it.
 """
 
 from __future__ import annotations
@@ -45,8 +54,9 @@ def placeable_exclusion(blocked: Sequence[str], nodes: Sequence[Mapping[str, obj
     partitions). Pure.
 
     With no partition named, or none of its nodes listed, nothing is known to cut by: every
-    blocklisted node stays excluded (the old rule). Readmitted first: the blocklisted nodes that
-    sort last (the list holds no order of finding).
+    blocklisted node stays excluded (the old rule). A blocklisted node outside the partition is
+    kept excluded and counts for nothing. Readmitted first, within each kind: the blocklisted
+    nodes that sort last (the list holds no order of finding).
     """
     blocked = sorted(set(blocked))
     if not blocked or need < 1 or not partition:
@@ -54,17 +64,24 @@ def placeable_exclusion(blocked: Sequence[str], nodes: Sequence[Mapping[str, obj
     members = [n for n in nodes if partition in (n.get("partitions") or [])]  # type: ignore[operator]
     if not members:
         return Exclusion(blocked)
+    names = {str(n["name"]) for n in members}
     usable = {str(n["name"]) for n in members
               if schedulable(str(n.get("state", ""))) and n.get("responding", True)}
+    room_ever = max(0, len(names) - need)
+    room_now = max(0, len(usable) - need)
+    idle_blocked = [b for b in blocked if b in names and b not in usable]  # out of Slurm's use now
     usable_blocked = [b for b in blocked if b in usable]
-    room = max(0, len(usable) - need)
-    if len(usable_blocked) <= room:
+    keep = idle_blocked[:room_ever]
+    keep += usable_blocked[:min(room_now, room_ever - len(keep))]
+    readmit = [b for b in blocked if b in names and b not in keep]
+    if not readmit:
         return Exclusion(blocked)
-    readmit = usable_blocked[room:]
-    keep = [b for b in blocked if b not in readmit]
-    return Exclusion(keep, readmit, (
-        f"partition {partition} has {len(usable)} schedulable node(s) and the job needs {need}: excluding "
-        f"every blocklisted node ({', '.join(blocked)}) would keep it pending for ever (BadConstraints); "
+    exclude = [b for b in blocked if b not in readmit]
+    cost = ("pending for ever (BadConstraints)" if len(idle_blocked) + len(usable_blocked) > room_ever
+            else "from starting on the nodes Slurm schedules now")
+    return Exclusion(exclude, readmit, (
+        f"partition {partition} has {len(names)} node(s), {len(usable)} schedulable now, and the job needs "
+        f"{need}: excluding every blocklisted node ({', '.join(blocked)}) would keep it {cost}; "
         f"{', '.join(readmit)} readmitted for this requeue, the blocklist file unchanged"))
 
 

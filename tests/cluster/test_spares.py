@@ -20,6 +20,7 @@ from dslurm import slurm
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 from dslurm.run import read_blocklist
+from dslurm.selftest.chaos.run import NEVER_CLEARS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs/spares-results.md"
@@ -129,10 +130,12 @@ def test_kill9_node_loss_and_shrink_recovered_inside_one_allocation(slurm_cluste
 
 
 @pytest.mark.timeout(900)
-def test_spares_exhausted_with_requeue_requeues_without_the_bad_nodes(slurm_cluster, cli, tmp_path):
+def test_spares_exhausted_with_requeue_requeues_to_wait_for_the_lost_nodes(slurm_cluster, cli, tmp_path):
     """The same 2+1 job with `on_spares_exhausted: requeue`: node2 lost -> the spare takes over;
-    node3 lost -> no spare left: requeued with the lost nodes excluded (the 3-node cluster then
-    has too few nodes for it, so it waits for them to come back; the test cancels it)."""
+    node3 lost -> no spare left: requeued. Both lost nodes are blocklisted, but the 3-node cluster
+    cannot spare either for a 3-node job: excluded, they would make it "never runnable" even once
+    they are back (BadConstraints for ever). So both are readmitted and the job waits for them,
+    pending for a reason a wait clears (the test cancels it)."""
     from dslurm import cluster
     from dslurm.hosts import expand_hosts
 
@@ -151,12 +154,15 @@ def test_spares_exhausted_with_requeue_requeues_without_the_bad_nodes(slurm_clus
         rec = slurm.parse_scontrol_records(slurm.run_cmd(["scontrol", "-o", "show", "job", str(job)], env=env).stdout)
         excluded = expand_hosts(rec[0].get("ExcNodeList", "")) if rec[0].get("ExcNodeList") not in (None, "(null)") \
             else []
-        # node2 is long lost (Slurm has it down): excluded. node3 just died: excluded too, unless Slurm
-        # still scheduled it at the requeue (its loss not noticed yet); then, with only node1 left of
-        # the job's 3, it is readmitted rather than leave the job pending for ever (requeue/exclude.py)
         waived = [h for e in events(run, "blocklist_waived") for h in e["hosts"]]
-        assert "node2" in excluded and "node2" not in waived, (rec[0], waived)
-        assert ("node3" in excluded) != ("node3" in waived), (rec[0], waived)
+        assert excluded == [] and sorted(waived) == ["node2", "node3"], (rec[0], waived)
+        # past the requeue's BeginTime a scheduling pass names Slurm's reason: one a wait clears
+        def reason() -> str | None:
+            r = slurm.parse_scontrol_records(slurm.run_cmd(["scontrol", "-o", "show", "job", str(job)],
+                                                           env=env).stdout)[0]
+            return None if r.get("Reason") in (None, "None", "BeginTime") else f"{r.get('JobState')} {r['Reason']}"
+        why = wait_for(reason, 120, "Slurm's reason for the requeued job")
+        assert why.startswith("PENDING") and not why.split()[1].startswith(NEVER_CLEARS), why
         _row("2+1, requeue: node2 lost, then node3 lost", run, job, env)
     finally:
         slurm.run_cmd(["scancel", str(job)], env=env, check=False)

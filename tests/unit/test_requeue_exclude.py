@@ -29,7 +29,8 @@ def test_a_blocklist_that_would_keep_the_job_pending_for_ever_readmits_just_enou
     nodes = _nodes(("node1", "idle"), ("node2", "idle"), ("node3", "idle"))
     ex = placeable_exclusion(["node1"], nodes, "debug", need=3)
     assert ex.exclude == [] and ex.readmitted == ["node1"]
-    assert "partition debug has 3 schedulable node(s) and the job needs 3" in ex.reason
+    assert "partition debug has 3 node(s), 3 schedulable now, and the job needs 3" in ex.reason
+    assert "pending for ever (BadConstraints)" in ex.reason
     # 5 nodes, 4 needed, 3 blocklisted: one stays out, the two that sort last come back
     nodes = _nodes(*[(f"n{i}", "idle") for i in range(1, 6)])
     ex = placeable_exclusion(["n5", "n1", "n3"], nodes, "debug", need=4)
@@ -41,11 +42,36 @@ def test_nodes_slurm_will_not_schedule_stay_excluded_and_do_not_count() -> None:
     # n1 and n4 are out anyway: excluding them costs the job nothing; n2 is needed back
     ex = placeable_exclusion(["n1", "n2", "n4"], nodes, "debug", need=3)
     assert ex.exclude == ["n1", "n4"] and ex.readmitted == ["n2"]
-    # a node slurmctld's pings no longer reach (sinfo's '*': `responding` False) is lost, not readmitted
-    nodes = [*_nodes(("n1", "idle"), ("n2", "idle")), {"name": "n3", "state": "allocated", "responding": False,
-                                                      "partitions": ["debug"]}]
+    # a node slurmctld's pings no longer reach (sinfo's '*': `responding` False) is out of use now:
+    # kept excluded while the partition has a node to spare for it...
+    silent = {"name": "n3", "state": "allocated", "responding": False, "partitions": ["debug"]}
+    nodes = [*_nodes(("n1", "idle"), ("n2", "idle"), ("n4", "idle")), silent]
     ex = placeable_exclusion(["n2", "n3"], nodes, "debug", need=3)
     assert ex.exclude == ["n3"] and ex.readmitted == ["n2"]
+    # ... and a schedulable one is readmitted while the job could not start now without it
+    nodes = [*_nodes(("n1", "idle"), ("n2", "idle"), ("n4", "idle"), ("n5", "down")), silent]
+    ex = placeable_exclusion(["n2", "n3"], nodes, "debug", need=3)
+    assert ex.exclude == ["n3"] and ex.readmitted == ["n2"]
+    assert "from starting on the nodes Slurm schedules now" in ex.reason
+
+
+def test_nodes_out_of_use_now_are_readmitted_when_the_partition_cannot_spare_them() -> None:
+    # chaos seed 4444: slurmctld restarted, node1 and node2 had not registered again (not responding)
+    # and node3 was drained for a while; excluding node1 and node2 from the 2+1 job on 3 nodes left
+    # it "never runnable" once all three were back. Slurm's never-runnable test counts every node of
+    # the partition, whatever its state: no exclusion may exceed members - need.
+    silent = [{"name": f"node{i}", "state": "allocated", "responding": False, "partitions": ["debug"]}
+              for i in (1, 2)]
+    nodes = [*silent, *_nodes(("node3", "drained"))]
+    ex = placeable_exclusion(["node1", "node2"], nodes, "debug", need=3)
+    assert ex.exclude == [] and ex.readmitted == ["node1", "node2"]
+    # down and drained nodes likewise: the job waits for them (a reason a wait clears), never for ever
+    nodes = _nodes(("n1", "down*"), ("n2", "drained"), ("n3", "idle"), ("n4", "idle"))
+    ex = placeable_exclusion(["n1", "n2"], nodes, "debug", need=3)
+    assert ex.exclude == ["n1"] and ex.readmitted == ["n2"]
+    # a blocklisted node outside the partition is excluded and takes no room
+    ex = placeable_exclusion(["n1", "x9"], nodes, "debug", need=3)
+    assert ex.exclude == ["n1", "x9"] and ex.readmitted == []
     assert [schedulable(s) for s in ("idle", "mixed", "allocated+", "completing", "down*", "drain",
                                      "draining", "fail", "maint", "idle~", "unknown")] == \
         [True, True, True, True, False, False, False, False, False, True, False]

@@ -191,6 +191,15 @@ def test_node_addresses_come_from_scontrol_with_the_default_port_when_none_is_na
     out = ("NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=node1 Port=16821 State=IDLE\n"
            "NodeName=gpu7 NodeAddr=10.0.0.7 State=ALLOCATED\n\n")
     assert parse_node_addresses(out) == {"node1": ("127.0.0.1", 16821), "gpu7": ("10.0.0.7", SLURMD_PORT)}
+    # scontrol leaves the Port out where it is the cluster's SlurmdPort (the local cluster's node1: 16820)
+    assert parse_node_addresses(out, 16820)["gpu7"] == ("10.0.0.7", 16820)
+
+
+def test_the_slurmd_port_comes_from_the_config_else_slurms_default():
+    from dslurm.slurm import SLURMD_PORT, parse_slurmd_port
+
+    assert parse_slurmd_port("SlurmctldPort           = 16817\nSlurmdPort              = 16820\n") == 16820
+    assert parse_slurmd_port("SlurmctldPort = 6817\n") == SLURMD_PORT == 6818
 
 
 def test_the_array_task_that_kept_the_arrays_id_reads_only_its_own_incarnations():

@@ -419,8 +419,9 @@ def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp
     """SrunRunner.probe with srun and scontrol replaced by scripts on PATH (no Slurm here). node1's
     slurmd port (a real listening socket) accepts and srun answers; node4's port refuses (nothing
     listens there), so node4 is gone without an srun (the fake srun would say it answers); node2
-    and node3 have no address (scontrol says nothing) and go to srun: node2 fails at once, node3
-    hangs past the timeout and is killed."""
+    and node3 have no address (scontrol says nothing) and go to srun: node2 fails at once, node3's
+    step is launched and hangs past the timeout (killed); node5's step is never created (it pends
+    at slurmctld, as after its restart): no node was asked, so node5 is not lost."""
     import socket
 
     import dslurm.recover.srun as S
@@ -432,7 +433,8 @@ def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/bin/sh\ncase "$*" in *node1*|*node4*) exit 0;; *node2*) exit 1;; '
-                                  '*) sleep 30;; esac\n')
+                                  '*node5*) sleep 30;; '
+                                  '*) echo "srun: launching StepId=1.1 on host node3" >&2; sleep 30;; esac\n')
     (bin_dir / "scontrol").write_text(
         f"#!/bin/sh\necho 'NodeName=node1 Arch=x86_64 NodeAddr=127.0.0.1 Port={live.getsockname()[1]}'\n"
         f"echo 'NodeName=node4 NodeAddr=127.0.0.1 Port={closed.getsockname()[1]}'\n")
@@ -442,7 +444,7 @@ def test_the_real_probe_names_hosts_that_fail_or_do_not_answer_in_time(make, tmp
     runner = S.SrunRunner(sup.r, ["true"], {"PATH": f"{bin_dir}:/usr/bin:/bin"})
     t0 = time.monotonic()
     try:
-        assert runner.probe(["node1", "node2", "node3", "node4"], 1.0) == ("node2", "node3", "node4")
+        assert runner.probe(["node1", "node2", "node3", "node4", "node5"], 1.0) == ("node2", "node3", "node4")
     finally:
         live.close()
         closed.close()
@@ -475,3 +477,89 @@ def test_the_runners_job_state_is_slurmctlds_running_else_accountings(make, tmp_
     runner = SrunRunner(sup.r, ["launch"], {**__import__("os").environ, "SLURM_JOB_ID": "4242"})
     assert runner.view(["node1"]).state == want
     assert (tmp_path / "sacct-asked").exists() == (want != "RUNNING")
+
+
+REFUSED = "srun: error: Unable to create step for job 4242: Memory required by task is not available"
+
+
+def refused_then(then):
+    """slurmctld refuses the step (as after its restart, chaos seed 4444) the first time, then `then` plays."""
+    calls = []
+
+    def play(c: FakeCluster, step: Step) -> int:
+        calls.append(step.index)
+        if len(calls) == 1:
+            assert F.write_refusal(step.facts_dir, REFUSED)
+            return 1
+        return then(c, step)
+    return play
+
+
+def test_a_step_slurmctld_refused_is_started_again_and_spends_nothing(make):
+    sup, c, run = make([refused_then(completes)])
+    sup.refused_pause_s = 0.01
+    assert sup.loop() == 0
+    assert [s.index for s in c.steps] == [0, 0]  # the same step again, no recovery
+    assert c.probed == [] and not _events(run, ev.Recovery) and read_blocklist(run) == []
+    assert [e.cls for e in _events(run, ev.Ending)] == [E.COMPLETED]
+    assert F.read_start(sup.step_dir(0)).refused is None  # the retry's facts are its own
+
+
+def test_a_step_refused_for_longer_than_the_wait_is_a_crash_in_srun_s_words_with_no_node_blamed(make):
+    def refused(c, step):
+        F.write_refusal(step.facts_dir, REFUSED)
+        return 1
+    sup, c, run = make([refused, completes])
+    sup.refused_base_s, sup.refused_pause_s = 0.3, 0.01
+    sup.loop()
+    assert len([s for s in c.steps if s.index == 0]) >= 2 and c.probed == []  # nobody asked a node
+    end = _events(run, ev.Ending)[0]
+    assert end.cls == E.CRASH and "Slurm would not create the job step" in end.reason and "Memory" in end.reason
+    assert read_blocklist(run) == []  # no node at fault
+    assert [(r.mode, r.removed) for r in _events(run, ev.Recovery)] == [("same_nodes", [])]
+
+
+def test_srun_s_refusals_that_say_nothing_about_the_nodes():
+    from dslurm.recover.srun import refusal
+
+    assert refusal(f"some task output\n{REFUSED}\n") == REFUSED
+    assert refusal("srun: error: Unable to confirm allocation for job 7: Job is pending execution")
+    assert refusal("srun: error: Unable to create step for job 7: Required node not available (down, drained "
+                   "or reserved)") is None  # about the node: its loss is the probe's to settle
+    assert refusal("Memory required by task is not available") is None  # a task's own line, not srun's
+    assert refusal("") is None
+
+
+def test_the_real_runner_relays_srun_s_stderr_and_records_a_refusal(make, tmp_path, monkeypatch, capfd):
+    sup, _, run = make([completes])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "a task said this" >&2\necho "{REFUSED}" >&2\nexit 1\n')
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    runner = SrunRunner(sup.r, ["launch"], dict(__import__("os").environ))
+    d = sup.step_dir(0)
+    assert runner.run(Step(index=0, hosts=("node1", "node2"), facts_dir=d), lambda: False) == 1
+    assert F.read_start(d).refused == REFUSED
+    err = capfd.readouterr().err
+    assert "a task said this" in err and REFUSED in err  # the job's log keeps every line
+
+
+def test_the_real_probe_asks_again_while_slurmctld_refuses_and_blames_no_node_for_it(make, tmp_path):
+    """Stand-in srun: node1's probe is refused twice then answers; node2's is refused throughout
+    (its slurmd listens: not counted lost); node3's step is created and fails: lost."""
+    import dslurm.recover.srun as S
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        f'#!/bin/sh\ncase "$*" in\n*node1*) n=$(cat {tmp_path}/n 2>/dev/null || echo 0); echo $((n+1)) > {tmp_path}/n\n'
+        f'  [ "$n" -ge 2 ] && exit 0; echo "{REFUSED}" >&2; exit 1;;\n'
+        f'*node2*) echo "{REFUSED}" >&2; exit 1;;\n*) echo "srun: error: node3: task 0: Exited with exit code 1" >&2; '
+        'exit 1;;\nesac\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    sup, c, run = make([completes])
+    runner = S.SrunRunner(sup.r, ["true"], {"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert runner.probe(["node1", "node2", "node3"], 4.0) == ("node3",)
+    assert (tmp_path / "n").read_text().strip() == "3"

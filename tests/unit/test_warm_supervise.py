@@ -60,8 +60,9 @@ def test_warm_step_env_tells_the_launchers(make, tmp_path, monkeypatch):
     seen = []
 
     class Proc:
-        def __init__(self, argv, env):
+        def __init__(self, argv, env, stderr=None):
             seen.append(env["DSLURM_WARM"])
+            self.stderr = __import__("io").BytesIO()  # srun said nothing
 
         def wait(self, timeout=None):
             return 0
