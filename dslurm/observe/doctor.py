@@ -288,10 +288,11 @@ def _stragglers(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     waived = [e for s in starts for e in s.all(E.BlocklistWaived)]
     if waived:
         out.append(Finding("blocklisted nodes readmitted on requeue", [e.reason for e in waived][:MAX_EVIDENCE],
-                           "the run's blocklist left its partition fewer schedulable nodes than the job needs; "
-                           "excluded whole, Slurm would have kept the job pending for ever (BadConstraints)",
-                           "if those nodes are bad, have them drained (Slurm then skips them) or submit fewer "
-                           "nodes or spares; else empty the run's blocklist"))
+                           "excluding the run's whole blocklist would have left the job fewer nodes than it needs: "
+                           "in its partition (Slurm keeps it pending for ever, BadConstraints), or among those "
+                           "Slurm schedules now",
+                           "if those nodes are bad, have them drained (Slurm skips them; the job waits for good "
+                           "ones) or submit fewer nodes or spares; else empty the run's blocklist"))
     return out
 
 
