@@ -156,20 +156,33 @@ class _Forwarder:
         SIGNALS.append((name, time.time()))
         log.warning("dslurm launch: got %s, forwarding to the training processes", name)
         _note_stop(name, self.status_dir)  # before the kill: see _note_stop
+        # A TERM goes with a SIGCONT, as slurmstepd sends its own process group: torchrun and
+        # each worker lead sessions of their own, out of stepd's reach. A worker frozen by SIGSTOP
+        # then never saw the TERM, kept the step's output open past stepd's KILL (which reaches
+        # only this launcher's group), and Slurm drained the node "Kill task failed" (chaos seed
+        # 4444: a 3-node job then pended for ever). Woken, it acts on the TERM pending for it.
+        sigs = with_cont(signum)
         if self.attempt is not None:
-            self.attempt.signal_all(signum)
+            for sig in sigs:
+                self.attempt.signal_all(sig)
             self.sent = len(SIGNALS)
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
         for pgid in [proc.pid, *_child_pids(proc.pid)]:
-            try:
-                os.killpg(pgid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for sig in sigs:
+                try:
+                    os.killpg(pgid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
 
 FORWARDER = _Forwarder()
+
+
+def with_cont(signum: int) -> tuple[int, ...]:
+    """The signals a forwarded `signum` is: a TERM with a SIGCONT after it (see `_on_signal`)."""
+    return (signum, signal.SIGCONT) if signum == signal.SIGTERM else (signum,)
 
 
 def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
@@ -224,7 +237,8 @@ def _run_warm(path: Path, info: LaunchInfo, cmd: Sequence[str], env: dict[str, s
     missed, FORWARDER.sent = SIGNALS[FORWARDER.sent:], len(SIGNALS)
     for name, _t in missed:
         log.warning("dslurm launch: forwarding %s, which came while the pool forked the workers", name)
-        attempt.signal_all(signal.Signals[name])
+        for sig in with_cont(signal.Signals[name]):
+            attempt.signal_all(sig)
 
     timer = threading.Timer(TEARDOWN_GRACE_S, attempt.signal_all, (signal.SIGKILL,))
     timer.daemon = True  # never keeps the launcher from exiting

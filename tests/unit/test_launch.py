@@ -183,7 +183,46 @@ def test_a_signal_while_the_pool_forks_reaches_the_warm_workers_once(monkeypatch
         info = derive({**ENV, "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1"},
                       nproc_per_node=1)
         assert L._run_warm(tmp_path / "s.sock", info, ["python", "-m", "x"], {}) == 0
-        assert sent == [sg.SIGTERM, sg.SIGTERM]
+        assert sent == [sg.SIGTERM, sg.SIGCONT] * 2  # a TERM wakes a frozen worker (with_cont)
     finally:
         L.reset_stop()
         L.FORWARDER.attempt = None
+
+
+def test_a_forwarded_term_wakes_a_frozen_worker_in_a_session_of_its_own(tmp_path):
+    """torchrun's workers lead sessions of their own (as torchrun itself does under the launcher):
+    slurmstepd's SIGCONT + TERM + KILL reach only the launcher's group. A worker frozen by SIGSTOP
+    (chaos seed 4444) would keep its TERM pending for ever, and the step's output open: the
+    launcher sends a SIGCONT with each TERM it forwards, so the worker acts on it."""
+    from dslurm.launch import FORWARDER
+
+    pidfile = tmp_path / "worker.pid"
+    agent = textwrap.dedent(f"""
+        import subprocess, sys, time
+        w = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        open({str(pidfile)!r}, "w").write(str(w.pid))
+        sys.exit(w.wait() and 0)  # like torchrun: outlives its worker only briefly
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", agent], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker = int(pidfile.read_text())
+        os.kill(worker, signal.SIGSTOP)
+        FORWARDER.proc = proc
+        FORWARDER._on_signal(signal.SIGTERM, None)
+        proc.wait(timeout=20)  # the agent ends of its TERM (torchrun would TERM its workers and wait)
+
+        def gone() -> bool:
+            try:
+                return Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+            except OSError:
+                return True
+        deadline = time.monotonic() + 10
+        while not gone() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(), "the frozen worker still holds on: its TERM never acted"
+    finally:
+        FORWARDER.proc = None
+        proc.kill()
