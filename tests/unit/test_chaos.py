@@ -146,6 +146,9 @@ def test_a_stopped_worker_is_credited_with_the_crash_it_caused_later():
         ("stop_worker", True, "cold"), ("disk_full", False, "absorbed"), ("requeue", False, "skipped")]
     md = table.markdown(rows, summarize(evs), ["# head"])
     assert "| stop_worker | 1 | 0 |" in md and "| 2 | 30.0 | requeue | 1 | no | skipped |" in md
+    header = next(line for line in md.splitlines() if line.startswith("| kind |"))
+    assert header.count("skipped") == 1, header  # a column of its own, not a path too
+    assert "| requeue | 0 | 1 | 0 | 0 | 0 | - |" in md, md
 
 
 def test_a_readmitted_blocklist_belongs_to_the_start_whose_requeue_wrote_it():

@@ -132,7 +132,7 @@ def _s(x: float | None) -> str:
 
 def markdown(table: Sequence[Row], sm: Summary, head: Sequence[str]) -> str:
     kinds = by_kind(table)
-    paths = sorted({r.path for r in table})
+    paths = sorted({r.path for r in table} - {"skipped"})  # skipped has its own column
     lines = [*head, "", "## Faults by kind", "",
              "| kind | injected | skipped | " + " | ".join(paths) + " | lost steps | median s to next step |",
              "|---|---|---|" + "---|" * len(paths) + "---|---|"]
