@@ -44,6 +44,7 @@ SITE = ROOT / "site-configs" / "local.yaml"
 SEQ, DP = 8192, 8
 LOCAL = 4  # windows per step per rank (--windows)
 GPU_TOKENS_S = 8500.0
+COLD_THREADS = 8  # a from-the-disk section with this many read threads: the queue depth a device serves
 VOCAB = 32000
 
 
@@ -149,24 +150,41 @@ def loader_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[flo
     _close(loader)  # a mapped page is not evicted: the cold reader must not find the first pass's pages
     drop_cache(*evict)
     reader = make_loader(resolved, 3, DP, rank=3)
+    rows = [0]  # windows read: the reader reads a group of batches per call, handed out one by one
+    staged = reader._staged
+
+    def counted(plan, lo: int, hi: int):
+        rows[0] += hi - lo
+        return staged(plan, lo, hi)
+
+    reader._staged = counted  # type: ignore[method-assign]
+    handed = [0]
     if reader.prefetch:
-        batches = reader.batches(dataclasses.replace(reader.sampler))
-        _check(reader, next(batches))
+        warm = reader.batches(dataclasses.replace(reader.sampler))
+        _check(reader, next(warm))  # the first call's costs, untimed, and the batch checked
+        batches = reader.batches(dataclasses.replace(reader.sampler))  # the clock starts at a group's start
 
         def one() -> None:
             next(batches)
+            handed[0] += 1
     else:
         def one() -> None:  # what next_batch reads in the step
             position = int(reader.sampler.stream_position)
             reader._read_in_step(position, reader.sampler.next_ids())
+            handed[0] += 1
         one()
-    t1, c1 = time.perf_counter(), time.process_time()
+    t1, c1, before, handed[0] = time.perf_counter(), time.process_time(), rows[0], 0
     for _ in range(steps):
         one()
+    while handed[0] * reader.local_batch < rows[0] - before:  # to the end of the group last read
+        one()
     r_wall, r_cpu = time.perf_counter() - t1, time.process_time() - c1
+    # every window read inside the clock was handed out inside it, and none read before it was
+    assert handed[0] * reader.local_batch == rows[0] - before, (handed[0], rows[0] - before)
+    r_tokens = (rows[0] - before) * reader.seq_len
     _close(reader)
     tokens = steps * loader.local_batch * loader.seq_len
-    return tokens / wall, tokens / cpu, tokens / r_wall, tokens / r_cpu
+    return tokens / wall, tokens / cpu, r_tokens / r_wall, r_tokens / r_cpu
 
 
 def _close(loader) -> None:
@@ -242,6 +260,8 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=4, help="windows of seq_len per step per rank (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="side-by-side rounds per section, best kept")
     p.add_argument("--block", type=int, default=4, help="data.shuffle_block of the block sections (1: none)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="data.read_threads of every section that does not say (default 2, the default)")
     args = p.parse_args()
     global LOCAL
     LOCAL = args.windows
@@ -255,12 +275,14 @@ def main() -> None:
     drop_cache(single)
     evicted = 1 - cached_share(single)
     raw_cold = raw_read(single, reuse=True)
-    cold = loader_rate(_resolved(tmp, f"data.path={single}"), args.steps, evict=(single,))
+    colds = {k: loader_rate(_resolved(tmp, f"data.path={single}", f"data.read_threads={k}"), args.steps,
+                            evict=(single,)) for k in (1, args.threads, COLD_THREADS)}
     # page-cached from here on: every file read once, untimed, and checked
     for path in (single, *shards):
         raw_read(path, reuse=True)
     cached = min(cached_share(path) for path in (single, *shards))
     assert cached == 1.0, f"the files are not all page-cached ({cached:.0%}): the warm figures would read the disk"
+    threads = f"data.read_threads={args.threads}"
     sections = {
         "single file, prefetch 2": (f"data.path={single}",),
         "4-shard manifest, prefetch 2": (f"data.path={manifest}",),
@@ -268,11 +290,14 @@ def main() -> None:
             f"data.sources=[{{path: {manifest}, weight: 1}}, {{path: {single}, weight: 3}}]",
             "data.val_fraction=0.01"),
         "single file, prefetch 0 (reads in the step)": (f"data.path={single}", "data.prefetch=0"),
+        "single file, read_threads 1, prefetch 2": (f"data.path={single}", "data.read_threads=1"),
     }
     if args.block > 1:  # blocks of adjacent windows: a rank's block is one read (data.shuffle_block)
         k = args.block
         sections |= {
             f"single file, shuffle_block {k}, prefetch 2": (f"data.path={single}", f"data.shuffle_block={k}"),
+            f"single file, shuffle_block {k}, read_threads 1, prefetch 2": (
+                f"data.path={single}", f"data.shuffle_block={k}", "data.read_threads=1"),
             f"4-shard manifest, shuffle_block {k}, prefetch 2": (f"data.path={manifest}", f"data.shuffle_block={k}"),
             f"mixture 1:3 (manifest, file), shuffle_block {k}, prefetch 2": (
                 f"data.sources=[{{path: {manifest}, weight: 1}}, {{path: {single}, weight: 3}}]",
@@ -280,8 +305,8 @@ def main() -> None:
         }
     rates, raws = {}, {}
     for name, sets in sections.items():
-        rounds = [(raw_read(single, reuse=False), raw_read(single, reuse=True), loader_rate(_resolved(tmp, *sets),
-                                                                                              args.steps))
+        rounds = [(raw_read(single, reuse=False), raw_read(single, reuse=True),
+                   loader_rate(_resolved(tmp, threads, *sets), args.steps))
                   for _ in range(args.rounds)]
         raws[name] = tuple(tuple(max(r[i][j] for r in rounds) for j in range(2)) for i in range(2))
         rates[name] = tuple(max(r[2][j] for r in rounds) for j in range(4))
@@ -308,13 +333,16 @@ def main() -> None:
         (pw, pc), (uw, uc) = plain, reuse
         print(f"| {name} | {wall:,.0f} / {cpu:,.0f} | **{wall / GPU_TOKENS_S:,.0f}x** | {r_wall:,.0f} / {r_cpu:,.0f} "
               f"| **{r_wall / pw:.2f}x** / {r_cpu / pc:.2f}x | **{r_wall / uw:.2f}x** / {r_cpu / uc:.2f}x |")
-    print(f"| single file from the disk ({evicted:.0%} evicted first), prefetch 2 | {cold[0]:,.0f} / {cold[1]:,.0f} | "
-          f"**{cold[0] / GPU_TOKENS_S:,.0f}x** | {cold[2]:,.0f} / {cold[3]:,.0f} | (against the disk read, "
-          f"`readinto`) | **{cold[2] / raw_cold[0]:.2f}x** / {cold[3] / raw_cold[1]:.2f}x |")
+    for k, cold in colds.items():
+        print(f"| single file from the disk ({evicted:.0%} evicted first), read_threads {k}, prefetch 2 | "
+              f"{cold[0]:,.0f} / {cold[1]:,.0f} | **{cold[0] / GPU_TOKENS_S:,.0f}x** | {cold[2]:,.0f} / {cold[3]:,.0f} "
+              f"| (against the disk read, `readinto`) | **{cold[2] / raw_cold[0]:.2f}x** / "
+              f"{cold[3] / raw_cold[1]:.2f}x |")
     uw = reuse[0]
     print(f"floor, the single file reader's windows with nothing but one bare `os.preadv` each (page-cached): "
-          f"{floor:,.0f} tokens/s, **{floor / uw:.2f}x** raw `readinto`; the reader is "
-          f"**{rates['single file, prefetch 2'][2] / floor:.2f}x** the floor")
+          f"{floor:,.0f} tokens/s, **{floor / uw:.2f}x** raw `readinto`; the reader with one thread is "
+          f"**{rates['single file, read_threads 1, prefetch 2'][2] / floor:.2f}x** the floor, with "
+          f"{args.threads} **{rates['single file, prefetch 2'][2] / floor:.2f}x**")
     print(f"step's data wait, the step computing {2 * read_s * 1e3:.2f} ms (2x a batch's read): "
           f"prefetch 0 {waits[0] * 1e3:.3f} ms, prefetch 2 {waits[2] * 1e3:.3f} ms per step")
     worst = min(r[0] for name, r in rates.items() if "prefetch 2" in name)

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from dslurm.data.tokenize import DATASET, TokenFile, write_synthetic
 from dslurm.errors import UserError
 from dslurm.run import RunDir
 from train import packing
-from train.reader import Alloc, Planned, Prefetcher, plan_reads, read_planned, staging_dtype
+from train.reader import Alloc, Planned, Prefetcher, ReadPool, plan_reads, read_group, read_planned, staging_dtype
 from train.sampler import GlobalBatchSampler
 from train.sources import MixtureSampler, SampleSpace, eval_indices, held_out_split
 
@@ -122,18 +123,22 @@ class TokenLoader:
     sampler here stays the step's own and its state is what a checkpoint saves. `fields`
     names the per-token arrays a batch reads ({dataset name: dtype}; default the tokens in
     `staging_dtype`, widened to int64 in `to_tensors` after the move to the device):
-    `read_arrays` returns them all, row for row over the same windows.
+    `read_arrays` returns them all, row for row over the same windows. `read_threads` > 1 shares
+    the reads of a group of batches among that many threads (train/reader.py `ReadPool`).
     """
 
     def __init__(self, tokens: Any, sampler: Any, seq_len: int, *, device: Any = "cpu",
                  space: SampleSpace | None = None, prefetch: int = 0,
-                 fields: dict[str, Any] | None = None) -> None:
+                 fields: dict[str, Any] | None = None, read_threads: int = 1) -> None:
         self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self.tokens, self.sampler, self.seq_len, self.device = self.sources[0], sampler, seq_len, device
         self.space = space
         self.prefetch = prefetch
         self.fields = {k: np.dtype(v) for k, v in (fields or {DATASET: staging_dtype(self.sources)}).items()}
         self._pre: Prefetcher | None = None
+        self._pool = ReadPool(read_threads) if read_threads > 1 else None
+        if self._pool is not None:  # its idle threads leave with the loader
+            weakref.finalize(self, self._pool.close)
         self._step_plans: dict[int, tuple[Planned, np.ndarray, int]] = {}
         """stream position -> (a plan, that batch's ids, its row block): the step's own reads ahead"""
         # instruction data: batches carry a loss mask and documents (train/packing.py), read as
@@ -161,7 +166,7 @@ class TokenLoader:
 
     def read_arrays(self, ids: np.ndarray, alloc: Alloc | None = None) -> dict[str, np.ndarray]:
         """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
-        return read_planned(self.plan(ids), self.sources, 0, len(ids), alloc)
+        return read_planned(self.plan(ids), self.sources, 0, len(ids), alloc, self._pool)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Token windows [len(ids), seq_len+1] (int64) for the given ids."""
@@ -175,7 +180,7 @@ class TokenLoader:
         """Rows [lo, hi) of a plan, {field: [n, seq_len+1]}: numpy arrays for a CPU step, else
         tensors in pinned host memory, read straight into them (no copy to pin)."""
         if str(self.device) == "cpu":
-            return read_planned(plan, self.sources, lo, hi)
+            return read_planned(plan, self.sources, lo, hi, pool=self._pool)
         import torch
 
         pinned: dict[str, Any] = {}
@@ -185,20 +190,26 @@ class TokenLoader:
             pinned[name] = t  # the tensor owns the pinned block; the array is a view of it
             return np.asarray(t.numpy())
 
-        read_planned(plan, self.sources, lo, hi, alloc)
+        read_planned(plan, self.sources, lo, hi, alloc, self._pool)
         return pinned
 
     def batches(self, sampler: Any) -> Iterator[tuple[int, np.ndarray, dict[str, Any]]]:
         """The background reader's work (train/reader.py `Prefetcher`): the sampler's next batches,
         read, as (stream position, ids, batch), advancing `sampler` (a private copy). The ids of
         `ahead_steps` batches (about AHEAD_IDS windows) are located and their reads worked out
-        together, in numpy; each batch is then read (one `os.preadv` per window) as it is handed out,
-        so what is read ahead stays the prefetcher's bounded queue."""
+        together, in numpy; the batches are then read a group at a time (`read_group`: about
+        READ_GROUP_BYTES, one `os.preadv` per window or run of adjacent windows, into one block)
+        and handed out as views of it, so what is read ahead is the prefetcher's bounded queue
+        plus the group being handed out."""
         while True:
             positions, ids = sampler.take(int(sampler.ahead_steps))
             plan, lb = self.plan(ids.reshape(-1)), ids.shape[1]
-            for k, position in enumerate(positions):
-                yield position, ids[k], self._staged(plan, k * lb, (k + 1) * lb)
+            group = read_group(lb * sum(dt.itemsize for dt in self.fields.values()) * (self.seq_len + 1))
+            for g in range(0, len(positions), group):
+                staged = self._staged(plan, g * lb, min(len(positions), g + group) * lb)
+                for k in range(g, min(len(positions), g + group)):
+                    a = (k - g) * lb
+                    yield positions[k], ids[k], {name: rows[a:a + lb] for name, rows in staged.items()}
 
     def to_tensors(self, batch: Any) -> tuple[Any, ...]:
         """(inputs, targets) int64 [n, seq_len] from a batch's windows [n, seq_len+1] of any integer
@@ -390,12 +401,13 @@ def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device
         mix = MixtureSampler(space=st.train, weights=st.weights, global_batch=b, dp_rank=dp_rank,
                              dp_size=dp_size, seed=job.train.seed, shuffle_block=job.data.shuffle_block)
         return TokenLoader(st.sources, mix, shape.seq_len, device=device, space=st.train,
-                           prefetch=job.data.prefetch)
+                           prefetch=job.data.prefetch, read_threads=job.data.read_threads)
     sampler = GlobalBatchSampler(num_samples=st.train.total, global_batch=b, dp_rank=dp_rank,
                                  dp_size=dp_size, seed=job.train.seed, policy=job.data.policy,
                                  shuffle_block=job.data.shuffle_block)
     space = st.train if st.train.ids[0] is not None else None
-    return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch)
+    return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch,
+                       read_threads=job.data.read_threads)
 
 
 def make_data(resolved: Resolved, dp_rank: int, dp_size: int, *, device: Any = "cpu",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import functools
 import os
 import queue
 import threading
@@ -137,11 +138,12 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
                    (os.getpid(), TokenFile.closes))
 
 
-def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None
-                 ) -> dict[str, np.ndarray]:
+def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None,
+                 pool: ReadPool | None = None) -> dict[str, np.ndarray]:
     """{field: [hi-lo, seq_len+1]} of rows [lo, hi) of a plan: one `os.preadv` per window straight
     into its row (through a scratch row when a file's dtype is not the field's), `read_into` for
-    the plan's odd windows."""
+    the plan's odd windows. With a `pool`, the direct reads of many rows are shared among its
+    threads (contiguous slices of rows, each its own loop of calls)."""
     n, width = hi - lo, plan.seq_len + 1
     out: dict[str, np.ndarray] = {}
     stale = plan.opened != (os.getpid(), TokenFile.closes)
@@ -152,10 +154,22 @@ def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: All
         a, b = bisect.bisect_left(odd, lo), bisect.bisect_left(odd, hi)
         if stale:
             pass
-        elif plan.direct[name] and plan.run_end is not None and name in plan.run_end:
-            _preadv_runs(dst, plan.fd[name], plan.offset[name], plan.run_end[name], lo, hi)
         elif plan.direct[name]:
-            _preadv_rows(dst, plan.fd[name][lo:hi], plan.offset[name][lo:hi])
+            runs = plan.run_end[name] if plan.run_end is not None and name in plan.run_end else None
+            fds, offsets = plan.fd[name], plan.offset[name]
+
+            def direct(x: int, y: int, dst: np.ndarray = dst, runs: list[int] | None = runs,
+                       fds: list[int] = fds, offsets: list[int] = offsets) -> None:
+                # rows [x, y): a run cut at y reads its last row whole, so slices need no stitching
+                if runs is not None:
+                    _preadv_runs(dst[x - lo:y - lo], fds, offsets, runs, x, y)
+                else:
+                    _preadv_rows(dst[x - lo:y - lo], fds[x:y], offsets[x:y])
+
+            if pool is None:
+                direct(lo, hi)
+            else:
+                pool.share(direct, lo, hi)
         else:
             for k in range(n):
                 if plan.fd[name][lo + k] >= 0:
@@ -169,6 +183,78 @@ def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: All
             source.read_into(int(plan.start[k]), row, name)
             dst[k - lo] = row
     return out
+
+
+class ReadPool:
+    """Threads that share a group's reads (`data.read_threads`): `share(fn, lo, hi)` splits rows
+    [lo, hi) into contiguous slices, runs fn on each (the caller's thread takes the first) and
+    returns when all are read, raising the first error. `os.preadv` releases the GIL, so the
+    threads' calls are in flight together: on a parallel file system or an NVMe drive, whose
+    latency a single thread of random window reads waits out one at a time, that is the queue
+    depth; page-cached, it is the copies on more cores. Daemon threads: a read stuck in the file
+    system does not hold the interpreter's exit (the prefetcher's thread is one too)."""
+
+    MIN_ROWS = 4
+    """rows below which a slice is not worth a hand-off (a few us each)"""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 2:
+            raise ValueError(f"a read pool of {threads} thread(s): 1 reads in the caller alone")
+        self.threads = threads
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], None], list[BaseException], threading.Event] | None] = (
+            queue.SimpleQueue())
+        self._workers = [threading.Thread(target=self._work, daemon=True, name=f"dslurm-read-{i}")
+                         for i in range(threads - 1)]
+        for t in self._workers:
+            t.start()
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            fn, errors, done = task
+            try:
+                fn()
+            except BaseException as exc:  # raised in the caller's thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+    def share(self, fn: Callable[[int, int], None], lo: int, hi: int) -> None:
+        parts = max(1, min(self.threads, (hi - lo) // self.MIN_ROWS))
+        if parts == 1:
+            fn(lo, hi)
+            return
+        cuts = [lo + (hi - lo) * i // parts for i in range(parts + 1)]
+        errors: list[BaseException] = []
+        dones = []
+        for x, y in zip(cuts[1:-1], cuts[2:]):
+            done = threading.Event()
+            self._tasks.put((functools.partial(fn, x, y), errors, done))
+            dones.append(done)
+        try:
+            fn(cuts[0], cuts[1])
+        finally:
+            for done in dones:  # every slice finished before the block is handed out (or freed)
+                done.wait()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Let the threads go (idempotent; a thread in a stuck read leaves when it returns)."""
+        for _ in self._workers:
+            self._tasks.put(None)
+        self._workers = []
+
+
+READ_GROUP_BYTES = 1 << 20
+"""The background reader reads about this many bytes of batches per `read_planned` call (one
+block, handed out as views): the call's own Python (the block, the field loop, the odd windows'
+search) is paid per group, not per batch, which at a few 16 KB windows a batch was as much as
+the reads. The read-ahead resident beyond the prefetch queue is at most this (or one batch)."""
+
+
+def read_group(batch_bytes: int) -> int:
+    """Batches read together by the background reader: about READ_GROUP_BYTES of them, at least one."""
+    return max(1, READ_GROUP_BYTES // max(1, batch_bytes))
 
 
 def _preadv_rows(dst: np.ndarray, fds: list[int], offsets: list[int]) -> None:
@@ -194,6 +280,7 @@ def _preadv_runs(dst: np.ndarray, fds: list[int], offsets: list[int], run_end: l
     width, stride = width_el * item, (width_el - 1) * item
     view = memoryview(dst.data).cast("B")
     preadv, k = os.preadv, lo
+    joined: list[int] = []  # rows whose last element is the next row's first (fixed at the end, at once)
     while k < hi:
         j = min(run_end[k], hi - 1)
         fd, off, a, b = fds[k], offsets[k], k - lo, j - lo
@@ -203,11 +290,15 @@ def _preadv_runs(dst: np.ndarray, fds: list[int], offsets: list[int], run_end: l
             if preadv(fd, [view[a * width:(a + 1) * width]], off) != width:
                 _finish(fd, view[a * width:(a + 1) * width], off)
         else:
-            bufs = [view[r * width:r * width + stride] for r in range(a, b)] + [view[b * width:(b + 1) * width]]
+            bufs = [view[r * width:r * width + stride] for r in range(a, b)]
+            bufs.append(view[b * width:(b + 1) * width])
             if preadv(fd, bufs, off) != (b - a) * stride + width:
                 _preadv_rows(dst[a:b + 1], fds[k:j + 1], offsets[k:j + 1])
-            dst[a:b, -1] = dst[a + 1:b + 1, 0]
+            joined.extend(range(a, b))
         k = j + 1
+    if joined:
+        rows = np.asarray(joined, dtype=np.intp)
+        dst[rows, -1] = dst[rows + 1, 0]
 
 
 def _finish(fd: int, piece: memoryview, off: int) -> None:

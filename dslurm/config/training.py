@@ -155,6 +155,8 @@ class DataSpec:
                                           "evaluation (never trained on)")
     prefetch: int = field(2, help="batches a background reader per rank keeps ready (pinned on a GPU); 0 = read "
                                   "in the step")
+    read_threads: int = field(2, help="threads per rank sharing the background reader's reads (calls in flight "
+                                      "together: the queue depth a parallel file system or NVMe needs); 1 = one")
     shuffle_block: int = field(1, help="samples shuffled as blocks of this many adjacent windows (1 = every "
                                        "window on its own); a rank's block is then one contiguous read")
 
@@ -177,6 +179,9 @@ class DataSpec:
         if not 0 <= self.prefetch <= 64:
             raise FieldError("prefetch", f"{self.prefetch} is outside [0, 64]",
                              "keep a few batches ready, e.g. 2 (0 reads in the step)")
+        if not 1 <= self.read_threads <= 64:
+            raise FieldError("read_threads", f"{self.read_threads} is outside [1, 64]",
+                             "a few threads per rank, e.g. 2 (8-16 on a parallel file system whose reads wait)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -221,3 +221,59 @@ def test_adjacent_windows_are_one_read_and_equal_h5py_with_the_shared_boundary_t
     first, second = read_planned(plan, [src], 0, 2)["tokens"], read_planned(plan, [src], 2, 6)["tokens"]
     assert first.tolist() == got[:2].tolist() and second.tolist() == got[2:6].tolist()
     assert calls == [2, 2, 2], calls  # rows 0-1 | rows 2-3, then 9-10 (11 is in the next batch)
+
+
+@pytest.mark.parametrize("block,threads", [(1, 1), (4, 1), (1, 2), (4, 2)])  # 2 threads: 6-row slices cut runs of 4
+def test_the_reader_reads_groups_of_batches_and_hands_out_each_as_a_read_in_the_step_would(
+        tmp_path, monkeypatch, block, threads):
+    """`TokenLoader.batches` reads about READ_GROUP_BYTES of batches per call (one block, views handed
+    out), shared among `data.read_threads` threads: groups that cut a plan anywhere, and slices that
+    cut a run of adjacent windows anywhere, give the batches of one read per batch, boundary tokens
+    included, and no group holds more than its bound."""
+    import train.data as data
+    import train.reader as reader
+
+    ld = make_loader(resolved_for(tmp_path, shuffle_block=block, read_threads=threads), 1, 2, rank=0)
+    assert (ld._pool is None) == (threads == 1)
+    batch_bytes = ld.local_batch * (ld.seq_len + 1) * 2  # uint16 tokens
+    monkeypatch.setattr(reader, "READ_GROUP_BYTES", 3 * batch_bytes + 1)  # 3 batches a group
+    assert reader.read_group(batch_bytes) == 3 and reader.read_group(10**9) == 1
+    sizes = []
+    real = data.TokenLoader._staged
+    monkeypatch.setattr(data.TokenLoader, "_staged", lambda self, plan, lo, hi: sizes.append(hi - lo) or
+                        real(self, plan, lo, hi))
+    import dataclasses
+    it = ld.batches(dataclasses.replace(ld.sampler))
+    for _ in range(40):  # past an epoch (4095 tokens: 255 samples, 31 steps of 8)
+        position, ids, batch = next(it)
+        assert batch["tokens"].shape == (ld.local_batch, ld.seq_len + 1)
+        np.testing.assert_array_equal(batch["tokens"], ld.read_arrays(ids)["tokens"])
+    assert set(sizes) <= {3 * ld.local_batch, 1 * ld.local_batch, 2 * ld.local_batch} and sizes[0] == 12, sizes
+
+
+def test_a_read_pool_waits_for_every_slice_and_raises_a_threads_error_in_the_caller():
+    from train.reader import ReadPool
+
+    pool = ReadPool(3)
+    seen: list[tuple[int, int]] = []
+
+    def fn(x: int, y: int) -> None:
+        import time
+        time.sleep(0.02 if x else 0)  # the caller's own slice ends first: share still waits
+        seen.append((x, y))
+
+    pool.share(fn, 0, 30)
+    assert sorted(seen) == [(0, 10), (10, 20), (20, 30)]
+    seen.clear()
+    pool.share(fn, 0, 7)  # too few rows to be worth a hand-off: one slice, the caller's
+    assert seen == [(0, 7)]
+
+    def bad(x: int, y: int) -> None:
+        if x == 10:
+            raise OSError(f"EIO at row {x}")
+
+    with pytest.raises(OSError, match="EIO at row 10"):
+        pool.share(bad, 0, 30)
+    pool.close()
+    with pytest.raises(ValueError, match="1 reads in the caller"):
+        ReadPool(1)
