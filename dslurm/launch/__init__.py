@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -150,6 +150,28 @@ class _Forwarder:
     def install(self) -> None:
         for sig in FORWARDED:
             signal.signal(sig, self._on_signal)
+
+    def take_recorded(self, env: Mapping[str, str]) -> None:
+        """The stops this step's batch.signals holds, as if this launcher had received them (once
+        its handlers are set). It starts with USR2 ignored (dslurm.render.LAUNCHER_WRAP): a
+        warning forwarded before its handler existed was dropped, never fatal, and the batch
+        shell's trap and supervise record each stop there before they forward it. A stop the
+        handler already took is not taken twice."""
+        from dslurm import facts
+
+        if not env.get(facts.ENV):  # set by the rendered script (and supervise, per step): else none
+            return
+        try:
+            recorded = facts.parse_signal_lines((Path(env[facts.ENV]) / "batch.signals").read_text())
+        except OSError:
+            return
+        for name, t in recorded:
+            sig = f"SIG{name}"
+            if sig in ("SIGUSR2", "SIGTERM") and sig not in (n for n, _ in SIGNALS):
+                log.warning("dslurm launch: %s was recorded for this step at %.3f (before this launcher "
+                            "could take it)", sig, t)
+                SIGNALS.append((sig, t))
+                _note_stop(sig, self.status_dir)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
@@ -345,6 +367,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _run_launch(args: argparse.Namespace) -> int:
     FORWARDER.install()  # first thing: a signal during start-up must not kill the launcher
+    FORWARDER.take_recorded(os.environ)  # and one forwarded before it (ignored meanwhile) is not lost
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]

@@ -160,6 +160,15 @@ def trainer_args(r: Resolved, refs: RenderRefs) -> list[str]:
     return args
 
 
+LAUNCHER_WRAP = """sh -c 'trap "" USR2; exec "$@"' dslurm-launch"""
+"""The words before each node's launcher: it starts with USR2 ignored (a disposition exec keeps).
+Slurm's warning forwarded to a launcher whose interpreter has not yet set its handler killed it
+(exit 140: no facts, read as a crash that spent a restart; `dslurm selftest chaos` seed 4444).
+Ignored instead, and not lost where it was recorded: the launcher takes the stops in its step's
+batch.signals (the batch shell's trap and supervise write them before forwarding) once its
+handlers are set (dslurm.launch `_Forwarder.take_recorded`)."""
+
+
 def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
     """The whole sbatch script as text."""
     log_dir = refs.log_dir or r.site.slurm.log_dir
@@ -168,7 +177,7 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
     preflight = ["--preflight", "--site", q(refs.site)] if r.job.preflight.enabled else []
     trainer = " ".join(q(a) for a in trainer_args(r, refs))
     prefix = container.launcher_prefix(r)  # apptainer/singularity exec IMAGE: the launcher runs inside
-    launch = ((_one_per_line(prefix) + " \\\n  " if prefix else "")
+    launch = ((_one_per_line(prefix) + " \\\n  " if prefix else "") + LAUNCHER_WRAP + " "
               + f'{py} -m dslurm launch --mode {launch_mode} --nproc-per-node "$NPROC_PER_NODE" '
               + " ".join(preflight) + (" " if preflight else ""))
     lines = [

@@ -264,7 +264,7 @@ def test_time_from_the_site_default_is_blamed_on_the_site(tmp_path):
 def test_python_with_arguments_is_split_and_each_word_quoted(tmp_path):
     p = job_file(tmp_path, TINY)
     text = render_files(LOCAL, str(p), site_overrides=["python=python3 -X dev"])
-    assert "  python3 -X dev -m dslurm launch --mode torchrun" in text
+    assert "dslurm-launch python3 -X dev -m dslurm launch --mode torchrun" in text
     assert "-- python3 -X dev -m train --site" in text
     assert "\npython3 -X dev -m dslurm requeue-me" in text
     text = render_files(LOCAL, str(p), site_overrides=["python='/opt/my env/bin/python3' -u"])

@@ -6,6 +6,7 @@ rendered scripts run under bash with stand-ins for srun and python that record t
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 import subprocess
 from pathlib import Path
@@ -18,7 +19,7 @@ from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.recover.srun import SrunRunner
 from dslurm.recover.supervisor import Step
-from dslurm.render import RenderRefs, render_sbatch
+from dslurm.render import LAUNCHER_WRAP, RenderRefs, render_sbatch
 from dslurm.render.container import PWD, auto_paths, launcher_prefix, srun_container_flags
 from dslurm.render_cmd import render_files
 from testkit import shellcheck
@@ -210,7 +211,10 @@ def test_apptainer_words_arrive_verbatim_through_bash(tmp_path):
     start = srun.index("apptainer")
     expected = [w.replace(PWD, cwd) for w in launcher_prefix(r)]
     assert srun[start:start + len(expected)] == expected and f"/img/{evil}.sif" in expected
-    assert srun[start + len(expected):start + len(expected) + 4] == ["python", "-m", "dslurm", "launch"]
+    wrap = shlex.split(LAUNCHER_WRAP)  # inside the container: the launcher starts with USR2 ignored
+    at = start + len(expected)
+    assert srun[at:at + len(wrap)] == wrap and srun[at + len(wrap):at + len(wrap) + 4] == [
+        "python", "-m", "dslurm", "launch"]
     assert not owned.exists()
     # The trainer after `--` is started by the launcher inside the container: not wrapped again.
     assert srun[srun.index("--") + 1:srun.index("--") + 4] == ["python", "-m", "train"]
@@ -225,8 +229,9 @@ def test_pyxis_flags_arrive_verbatim_on_the_launchers_srun_only(tmp_path):
     srun, after = _run_script(tmp_path, text)
     cwd = str(tmp_path / "submit dir")
     flags = [w.replace(PWD, cwd) for w in srun_container_flags(r)]
-    launch = srun.index("python")
+    launch = srun.index("sh")  # the wrapper (LAUNCHER_WRAP), then the launcher
     assert srun[launch - 3:launch] == flags and srun[0] == "--kill-on-bad-exit=1"
+    assert srun[launch + 4:launch + 8] == ["python", "-m", "dslurm", "launch"]
     assert flags[0] == f"--container-image=nvcr.io#{evil}" and flags[2] == f"--container-workdir=/w/{evil}"
     assert flags[1].startswith(f"--container-mounts={cwd}:{cwd},")
     assert not owned.exists()
@@ -271,7 +276,8 @@ def test_container_goldens_wrap_only_the_launcher():
     assert (ROOT / "sbatch/llama1b-a100-srun.a100-apptainer.sbatch").read_text() == apptainer
     lines = apptainer.splitlines()
     i = lines.index('  apptainer exec --nv --pwd "$PWD" \\')
-    assert lines[i - 2].startswith("srun ") and lines[i + 8].startswith("  python -m dslurm launch --mode srun")
+    assert lines[i - 2].startswith("srun ")
+    assert lines[i + 8].startswith(f"  {LAUNCHER_WRAP} python -m dslurm launch --mode srun")
     assert "    --bind '/nfs/vision/hf cache:/hf-cache' \\" in lines
     pyxis = render_files("site-configs/h100-ib-pyxis.yaml", "examples/jobs/llama8b-h100.yaml")
     assert (ROOT / "sbatch/llama8b-h100.h100-ib-pyxis.sbatch").read_text() == pyxis

@@ -226,3 +226,51 @@ def test_a_forwarded_term_wakes_a_frozen_worker_in_a_session_of_its_own(tmp_path
     finally:
         FORWARDER.proc = None
         proc.kill()
+
+
+def _sig_masks(pid: int) -> tuple[int, int, str]:
+    """(SigIgn, SigCgt, the executable's name) of a live process, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    field = {k: v.strip() for k, v in (ln.split(":", 1) for ln in status.splitlines() if ":" in ln)}
+    return int(field["SigIgn"], 16), int(field["SigCgt"], 16), field["Name"]
+
+
+def test_a_warning_before_the_launchers_handler_is_dropped_not_fatal_and_taken_from_batch_signals(tmp_path):
+    """Chaos seed 4444 (+137 s): supervise forwarded Slurm's warning to a launcher still starting,
+    which died of it (exit 140, no facts: read as a crash that spent a restart). The rendered
+    wrapper (dslurm.render.LAUNCHER_WRAP) starts it with USR2 ignored; the stop, which the batch
+    shell (or supervise) recorded in batch.signals before forwarding it, is taken once the
+    handlers are set: training is not started, exit 75, the signal in the launcher's facts.
+    The USR2 is sent exactly in the window: the process has exec'd Python, USR2 ignored, no
+    handler yet (read from /proc)."""
+    import json
+    import shlex
+
+    from dslurm.render import LAUNCHER_WRAP
+
+    usr2 = 1 << (signal.SIGUSR2 - 1)
+    facts = tmp_path / "starts" / "5.0"
+    facts.mkdir(parents=True)
+    (facts / "batch.signals").write_text(f"USR2 {time.time():.6f}\n")
+    env = {**os.environ, "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1",
+           "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+           "SLURM_TASKS_PER_NODE": "1", "DSLURM_FACTS_DIR": str(facts)}
+    argv = [sys.executable, "-m", "dslurm", "launch", "--mode", "srun", "--", sys.executable, "-c",
+            "import sys; sys.exit(9)"]  # 9: training was started
+    root = Path(__file__).parents[2]
+    # the premise: a bare launcher dies of a USR2 that comes this early
+    bare = subprocess.Popen(argv, env=env, cwd=root)
+    bare.send_signal(signal.SIGUSR2)
+    assert bare.wait(timeout=60) == -signal.SIGUSR2
+    wrapped = subprocess.Popen([*shlex.split(LAUNCHER_WRAP), *argv], env=env, cwd=root)
+    deadline = time.time() + 30
+    while True:
+        ign, cgt, name = _sig_masks(wrapped.pid)
+        if name.startswith("python") and ign & usr2 and not cgt & usr2:
+            break
+        assert not cgt & usr2 and time.time() < deadline, "missed the window before the launcher's handler"
+        time.sleep(0.001)
+    wrapped.send_signal(signal.SIGUSR2)
+    assert wrapped.wait(timeout=60) == 75
+    (report,) = [json.loads(p.read_text()) for p in facts.glob("launcher-*.json")]
+    assert [s[0] for s in report["signals"]] == ["SIGUSR2"] and report["code"] == 75, report

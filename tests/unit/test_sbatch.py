@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dslurm.config.resolve import load
-from dslurm.render import RenderRefs, render_sbatch
+from dslurm.render import LAUNCHER_WRAP, RenderRefs, render_sbatch
 from dslurm.render_cmd import EXAMPLES, examples, golden_path, render_files
 from testkit import sbatch_flags, shellcheck
 
@@ -133,7 +133,7 @@ def test_spares_allocate_more_nodes_with_no_kill_and_supervise_the_steps():
     text = render_files("site-configs/local.yaml", "examples/jobs/tiny-spares.yaml")
     d = sbatch_flags(text)
     assert d["nodes"] == "3" and "no-kill" in d and "requeue" in d  # 2 training + 1 spare
-    assert "-m dslurm supervise -- python -m dslurm launch --mode torchrun" in text
+    assert "-m dslurm supervise -- " + LAUNCHER_WRAP + " python -m dslurm launch --mode torchrun" in text
     # USR2 ignored across exec until supervise's handler exists (dslurm selftest chaos, seed 1)
     assert "( trap '' USR2; exec python -m dslurm supervise -- " in text
     assert not [ln for ln in text.splitlines() if ln.startswith("srun")]  # supervise runs srun itself
