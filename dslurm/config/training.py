@@ -155,8 +155,9 @@ class DataSpec:
                                           "evaluation (never trained on)")
     prefetch: int = field(2, help="batches a background reader per rank keeps ready (pinned on a GPU); 0 = read "
                                   "in the step")
-    read_threads: int = field(2, help="threads per rank sharing the background reader's reads (calls in flight "
-                                      "together: the queue depth a parallel file system or NVMe needs); 1 = one")
+    read_threads: int = field(1, help="threads per rank sharing the background reader's reads (calls in flight "
+                                      "together, for a file system whose reads wait: Lustre, NFS, a cold NVMe); "
+                                      "page-cached reads are fastest with 1")
     shuffle_block: int = field(1, help="samples shuffled as blocks of this many adjacent windows (1 = every "
                                        "window on its own); a rank's block is then one contiguous read")
 
@@ -181,7 +182,7 @@ class DataSpec:
                              "keep a few batches ready, e.g. 2 (0 reads in the step)")
         if not 1 <= self.read_threads <= 64:
             raise FieldError("read_threads", f"{self.read_threads} is outside [1, 64]",
-                             "a few threads per rank, e.g. 2 (8-16 on a parallel file system whose reads wait)")
+                             "1, or a few threads per rank where reads wait on the file system (e.g. 8 on Lustre)")
 
 
 @dataclass(kw_only=True, slots=True)
