@@ -46,6 +46,7 @@ SITE = ROOT / "site-configs" / "local.yaml"
 SEQ, DP = 8192, 8
 LOCAL = 4  # windows per step per rank (--windows)
 GPU_TOKENS_S = 8500.0
+PER_BATCH = "a batch per read call"  # sections read as before batches were read in groups
 COLD_THREADS = 8  # a from-the-disk section with this many read threads: the queue depth a device serves
 VOCAB = 32000
 
@@ -289,6 +290,7 @@ def main() -> None:
     threads = f"data.read_threads={args.threads}"
     sections = {
         "single file, prefetch 2": (f"data.path={single}",),
+        f"single file, prefetch 2, {PER_BATCH}": (f"data.path={single}",),
         "4-shard manifest, prefetch 2": (f"data.path={manifest}",),
         "mixture 1:3 (manifest, file), val_fraction 0.01, prefetch 2": (
             f"data.sources=[{{path: {manifest}, weight: 1}}, {{path: {single}, weight: 3}}]",
@@ -300,6 +302,8 @@ def main() -> None:
         k = args.block
         sections |= {
             f"single file, shuffle_block {k}, prefetch 2": (f"data.path={single}", f"data.shuffle_block={k}"),
+            f"single file, shuffle_block {k}, prefetch 2, {PER_BATCH}": (
+                f"data.path={single}", f"data.shuffle_block={k}"),
             f"single file, shuffle_block {k}, read_threads 2, prefetch 2": (
                 f"data.path={single}", f"data.shuffle_block={k}", "data.read_threads=2"),
             f"4-shard manifest, shuffle_block {k}, prefetch 2": (f"data.path={manifest}", f"data.shuffle_block={k}"),
@@ -308,10 +312,19 @@ def main() -> None:
                 f"data.shuffle_block={k}"),
         }
     rates, raws = {}, {}
+    import train.reader as reader
+
     for name, sets in sections.items():
-        rounds = [(raw_read(single, reuse=False), raw_read(single, reuse=True),
-                   loader_rate(_resolved(tmp, threads, *sets), args.steps))
-                  for _ in range(args.rounds)]
+        # "a batch per read call": the reader as it was before it read groups of batches (READ_GROUP_BYTES)
+        group = 1 if name.endswith(PER_BATCH) else reader.READ_GROUP_BYTES
+        rounds = []
+        for _ in range(args.rounds):
+            reader.READ_GROUP_BYTES, kept = group, reader.READ_GROUP_BYTES
+            try:
+                rounds.append((raw_read(single, reuse=False), raw_read(single, reuse=True),
+                               loader_rate(_resolved(tmp, threads, *sets), args.steps)))
+            finally:
+                reader.READ_GROUP_BYTES = kept
         raws[name] = tuple(tuple(max(r[i][j] for r in rounds) for j in range(2)) for i in range(2))
         rates[name] = tuple(max(r[2][j] for r in rounds) for j in range(4))
         if name == "single file, prefetch 2":

@@ -12,6 +12,8 @@ from typing import Any
 
 from dslurm.slurm import load_factor
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def sbatch_flags(text: str) -> dict[str, str | None]:
     """The `#SBATCH --key[=value]` lines of a script as {key: value or None}."""
@@ -264,3 +266,11 @@ def conversations(n: int) -> list[list[dict[str, str]]]:
         out.append([{"role": "system", "content": "answer"}, {"role": "user", "content": q},
                     {"role": "assistant", "content": a}])
     return out
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 120,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m dslurm ARGS` as a user would, capturing output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dslurm", *args], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, input=input)

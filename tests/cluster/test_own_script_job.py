@@ -19,8 +19,8 @@ STEPS = 60
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "own_script"
 
 
-def script_job(tmp_path: Path, name: str, script: str, **extra: object) -> str:
-    entry = [str(EXAMPLES / script), "--steps", str(STEPS), "--step-sleep", "0.4",
+def script_job(tmp_path: Path, name: str, script: str, sleep: float = 0.4, **extra: object) -> str:
+    entry = [str(EXAMPLES / script), "--steps", str(STEPS), "--step-sleep", str(sleep),
              "--out", str(tmp_path / f"{name}.pt")]
     return job_spec(tmp_path, name, entry=entry, **extra)
 
@@ -33,11 +33,21 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.timeout(1200)
-def test_own_script_preempted_twice_ends_bit_identical(slurm_cluster, cli, tmp_path):
-    env = slurm_cluster.env()
-    ref_id = submit(cli, env, script_job(tmp_path, "ref", "train_safe.py"))
+@pytest.fixture(scope="module")
+def safe_reference(slurm_cluster, tmp_path_factory) -> Path:
+    """train_safe.py uninterrupted, once for both tests (the same job each would run): its parameters."""
+    from testkit import run_cli
+
+    env, tmp = slurm_cluster.env(), tmp_path_factory.mktemp("safe-ref")
+    ref_id = submit(run_cli, env, script_job(tmp, "ref", "train_safe.py", sleep=0.0))  # a sleep changes no number
     assert slurm.wait_job(ref_id, timeout=300, env=env) == "COMPLETED"
+    assert events(tmp / "ref", "exit")[-1]["code"] == 0
+    return tmp / "ref.pt"
+
+
+@pytest.mark.timeout(1200)
+def test_own_script_preempted_twice_ends_bit_identical(slurm_cluster, cli, tmp_path, safe_reference):
+    env = slurm_cluster.env()
 
     # Time limit 2 min with a 100 s lead: Slurm sends USR2 to the batch shell ~20 s in.
     job = submit(cli, env, script_job(tmp_path, "rq", "train_safe.py", time="00:02:00",
@@ -59,7 +69,7 @@ def test_own_script_preempted_twice_ends_bit_identical(slurm_cluster, cli, tmp_p
         assert nxt["step"] == prev_exit["step"] > 0, (prev_exit, nxt)
     trained = [e["last"] for e in events(run, "steps")]
     assert sorted(trained) == list(range(STEPS))  # each step exactly once: nothing lost, nothing redone
-    assert same(params(tmp_path / "rq.pt"), params(tmp_path / "ref.pt"))
+    assert same(params(tmp_path / "rq.pt"), params(safe_reference))
 
     report = cli("report", str(run), "--json", "--no-png", env=env)
     assert report.returncode == 0, report.stderr
@@ -68,7 +78,7 @@ def test_own_script_preempted_twice_ends_bit_identical(slurm_cluster, cli, tmp_p
 
 
 @pytest.mark.timeout(600)
-def test_unmodified_plain_script_runs_under_dslurm(slurm_cluster, cli, tmp_path):
+def test_unmodified_plain_script_runs_under_dslurm(slurm_cluster, cli, tmp_path, safe_reference):
     env = slurm_cluster.env()
     job = submit(cli, env, script_job(tmp_path, "plain", "train_plain.py", preflight={"enabled": True},
                                       requeue={"enabled": False}))
@@ -78,7 +88,5 @@ def test_unmodified_plain_script_runs_under_dslurm(slurm_cluster, cli, tmp_path)
     assert len(gate) == 1 and gate[0]["passed"], gate  # the burn-in ran, in front of the script
     assert [(e["mode"], e["nproc_per_node"], len(e["hosts"])) for e in events(run, "job_start")] == [
         ("torchrun", 2, 2)]
-    safe = tmp_path / "safe"  # the same training through dslurm.runtime, for the parameters
-    ref = submit(cli, env, script_job(tmp_path, "safe", "train_safe.py"))
-    assert slurm.wait_job(ref, timeout=300, env=env) == "COMPLETED" and events(safe, "exit")[-1]["code"] == 0
-    assert same(params(tmp_path / "plain.pt"), params(tmp_path / "safe.pt"))
+    # the same training through dslurm.runtime (the module's reference), for the parameters
+    assert same(params(tmp_path / "plain.pt"), params(safe_reference))

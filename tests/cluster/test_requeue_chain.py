@@ -46,7 +46,7 @@ def final_params(run: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
 def test_two_requeues_lose_nothing(slurm_cluster, cli, tmp_path):
     env = slurm_cluster.env()
     # Reference first: the same job, never interrupted.
-    ref_id = submit(cli, env, job_spec(tmp_path, "ref"))
+    ref_id = submit(cli, env, job_spec(tmp_path, "ref", sleep=0.0))  # the step sleep changes no number
     assert slurm.wait_job(ref_id, timeout=300, env=env) == "COMPLETED"
 
     # Time limit 2 min with a 100 s lead: Slurm sends USR2 to the batch shell ~20 s in.
