@@ -2,11 +2,13 @@
 
 Two jobs on the local Slurm cluster, one after the other, the same but for `recovery.warm`:
 1 training node (2 processes, tiny model, tp 2) + 1 spare, a checkpoint every 2 steps, and a
-fault on rank 1 before step 9 of the first job step (the pools, started after the first step,
-have finished preloading by then) (a kill -9 by default; `--fault crash`: a
+fault on rank 1 before step 9 of the first job step (a kill -9 by default; `--fault crash`: a
 Python exception, whose rank cleans up first, ~1 s more before its peers notice). The job step
 after it is a warm restart in the first job (workers forked by the node's preloaded pool) and a
-cold one (torchrun) in the second. From the ledger (`dslurm report`'s numbers):
+cold one (torchrun) in the second. In the warm job the fault waits until both nodes' pools serve
+(DSLURM_FAULT_AWAIT on their ready files, as `dslurm site check`'s warm job does): the pools
+start after the first step, and on a loaded machine their preloading outlasts 9 steps, when
+supervise rightly starts the next step cold and there is no warm restart to time. From the ledger (`dslurm report`'s numbers):
 
   cold start     job start -> first step of the warm job's first job step (phase table total)
   warm restart   failure -> first step of its next job step (Recovery.failed_t -> first step)
@@ -56,7 +58,8 @@ def one(tmp: Path, fault: str, warm: bool, env: dict[str, str], steps: int = 12
            "parallel": {"tp": 2}, "preflight": {"enabled": False}, "recovery": {"warm": warm},
            "requeue": {"max_restarts": 4, "no_progress_limit": 0},
            "train": {"steps": steps, "global_batch": 8, "log_every": 1, "step_sleep_s": 0.2},
-           "checkpoint": {"run_dir": str(run), "interval": 2}, "env": {KNOB[fault]: "9:1@0.0"}}
+           "checkpoint": {"run_dir": str(run), "interval": 2},
+           "env": {KNOB[fault]: "9:1@0.0", **({"DSLURM_FAULT_AWAIT": f"{run}/warm/*.ready:2:180"} if warm else {})}}
     spec = tmp / f"job-{warm}.yaml"
     spec.write_text(yaml.safe_dump(job))
     out = subprocess.run([sys.executable, "-m", "dslurm", "submit", "--site", str(ROOT / "site-configs/local.yaml"),
