@@ -47,6 +47,7 @@ SEQ, DP = 8192, 8
 LOCAL = 4  # windows per step per rank (--windows)
 GPU_TOKENS_S = 8500.0
 PER_BATCH = "a batch per read call"  # sections read as before batches were read in groups
+KEPT = 0.0  # the share of the file's pages an eviction leaves cached here (a file system may keep them all)
 COLD_THREADS = 8  # a from-the-disk section with this many read threads: the queue depth a device serves
 VOCAB = 32000
 
@@ -142,7 +143,7 @@ def loader_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[flo
 
     from train.data import make_loader
 
-    drop_cache(*evict)
+    _evict(evict)
     loader = make_loader(resolved, 3, DP, rank=3)
     loader.next_batch()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -151,7 +152,7 @@ def loader_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[flo
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     loader.close()
     _close(loader)  # a mapped page is not evicted: the cold reader must not find the first pass's pages
-    drop_cache(*evict)
+    _evict(evict)
     reader = make_loader(resolved, 3, DP, rank=3)
     rows = [0]  # windows read: the reader reads a group of batches per call, handed out one by one
     staged = reader._staged
@@ -190,18 +191,39 @@ def loader_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[flo
     return tokens / wall, tokens / cpu, r_tokens / r_wall, r_tokens / r_cpu
 
 
+def _evict(paths: tuple[Path, ...]) -> None:
+    """drop_cache, checked: a page still mapped (a map not yet gone), or locked under a read-ahead
+    still in flight when the last part ended, stays cached; the latter goes when its read ends."""
+    for _ in range(50):
+        drop_cache(*paths)
+        left = max((cached_share(path) for path in paths), default=0.0)
+        if left <= KEPT + 0.05:
+            break
+        time.sleep(0.1)
+    assert left <= KEPT + 0.05, (f"{left:.0%} of the pages still cached after the eviction ({KEPT:.0%} the first "
+                                 "time): the cold part would not be cold")
+
+
 def _close(loader) -> None:
+    """Close the loader's files, its memory maps (`data.read: mmap`) with them: the plans that hold
+    a view of a map go first, so that the map (and the pin on its pages) goes."""
+    import gc
+
+    loader._step_plans = {}
+    gc.collect()
     for source in loader.sources:
         for f in source.files:
             f.close()
 
 
-def floor_rate(resolved, steps: int) -> float:
+def floor_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[float, float]:
     """The same windows as the single file's reader reads (its first `steps` batches), with nothing
-    but the reads: tokens/s of one bare `os.preadv` per window into a reused buffer, the offsets
-    listed before the clock starts. What random seq_len windows cost this machine's page cache:
-    the floor under any loader that reads them one call each."""
+    but the reads, the offsets listed before the clock starts: tokens/s of one bare `os.preadv` per
+    window into a reused buffer, then of one bare slice copy per window from a fresh read-only memory
+    map of the file (`data.read: mmap`, its first touches included). What random seq_len windows cost
+    this machine: the floor under any loader that reads them one at a time. `evict`: from the disk."""
     import dataclasses
+    import mmap
 
     from train.data import make_loader
 
@@ -211,17 +233,29 @@ def floor_rate(resolved, steps: int) -> float:
     offsets = np.asarray(plan.offset["tokens"])
     assert (offsets >= 0).mean() > 0.95, "the floor is of the windows the reader reads in one call each"
     off, width = offsets[offsets >= 0].tolist(), (loader.seq_len + 1) * 2
+    path = loader.sources[0].files[0].path
+    _close(loader)
     buf = memoryview(bytearray(width))
-    fd = os.open(loader.sources[0].files[0].path, os.O_RDONLY)
+    row = np.empty(width, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
     try:
+        _evict(evict)
         t0 = time.perf_counter()
         for o in off:
             os.preadv(fd, [buf], o)
-        bare = time.perf_counter() - t0
+        called = time.perf_counter() - t0
+        _evict(evict)
+        t0 = time.perf_counter()
+        mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        view = np.frombuffer(mm, dtype=np.uint8)
+        for o in off:
+            row[:] = view[o:o + width]
+        copied = time.perf_counter() - t0
+        del view
+        mm.close()
     finally:
         os.close(fd)
-    _close(loader)
-    return len(off) * loader.seq_len / bare
+    return len(off) * loader.seq_len / called, len(off) * loader.seq_len / copied
 
 
 def _check(loader, item) -> None:
@@ -279,9 +313,12 @@ def main() -> None:
     # cold: from the disk, checked evicted (a file system that keeps it cached is said so)
     drop_cache(single)
     evicted = 1 - cached_share(single)
+    global KEPT
+    KEPT = 1 - evicted
     raw_cold = raw_read(single, reuse=True)
     colds = {k: loader_rate(_resolved(tmp, f"data.path={single}", f"data.read_threads={k}"), args.steps,
                             evict=(single,)) for k in (args.threads, 2, COLD_THREADS)}
+    cold_floor = floor_rate(_resolved(tmp, f"data.path={single}"), args.steps, evict=(single,))
     # page-cached from here on: every file read once, untimed, and checked
     for path in (single, *shards):
         raw_read(path, reuse=True)
@@ -297,6 +334,14 @@ def main() -> None:
             "data.val_fraction=0.01"),
         "single file, prefetch 0 (reads in the step)": (f"data.path={single}", "data.prefetch=0"),
         "single file, read_threads 2, prefetch 2": (f"data.path={single}", "data.read_threads=2"),
+        # data.read: mmap, a copy per window from the file's memory map instead of a call
+        "single file, mmap, prefetch 2": (f"data.path={single}", "data.read=mmap"),
+        "4-shard manifest, mmap, prefetch 2": (f"data.path={manifest}", "data.read=mmap"),
+        "mixture 1:3 (manifest, file), val_fraction 0.01, mmap, prefetch 2": (
+            f"data.sources=[{{path: {manifest}, weight: 1}}, {{path: {single}, weight: 3}}]",
+            "data.val_fraction=0.01", "data.read=mmap"),
+        "single file, mmap, read_threads 2, prefetch 2": (f"data.path={single}", "data.read=mmap",
+                                                          "data.read_threads=2"),
     }
     if args.block > 1:  # blocks of adjacent windows: a rank's block is one read (data.shuffle_block)
         k = args.block
@@ -328,7 +373,8 @@ def main() -> None:
         raws[name] = tuple(tuple(max(r[i][j] for r in rounds) for j in range(2)) for i in range(2))
         rates[name] = tuple(max(r[2][j] for r in rounds) for j in range(4))
         if name == "single file, prefetch 2":
-            floor = max(floor_rate(_resolved(tmp, *sets), args.steps) for _ in range(args.rounds))
+            floors = [floor_rate(_resolved(tmp, *sets), args.steps) for _ in range(args.rounds)]
+            floor, mapped_floor = max(f[0] for f in floors), max(f[1] for f in floors)
     read_s = LOCAL * SEQ / rates["single file, prefetch 0 (reads in the step)"][0]
     wait_steps = max(20, args.steps // 10)
     waits = {k: data_wait(_resolved(tmp, f"data.path={single}", f"data.prefetch={k}"), wait_steps, 2 * read_s)
@@ -360,6 +406,12 @@ def main() -> None:
           f"{floor:,.0f} tokens/s, **{floor / uw:.2f}x** raw `readinto`; the reader ({args.threads} read thread(s)) is "
           f"**{rates['single file, prefetch 2'][2] / floor:.2f}x** the floor, with 2 "
           f"**{rates['single file, read_threads 2, prefetch 2'][2] / floor:.2f}x**")
+    print(f"mmap floor, the same windows with nothing but one slice copy each from a fresh memory map: "
+          f"{mapped_floor:,.0f} tokens/s, **{mapped_floor / uw:.2f}x** raw `readinto`, **{mapped_floor / floor:.2f}x** "
+          f"the call floor; the mmap reader is **{rates['single file, mmap, prefetch 2'][2] / mapped_floor:.2f}x** "
+          f"its floor; from the disk ({evicted:.0%} evicted first) a copy per window is "
+          f"**{cold_floor[1] / cold_floor[0]:.2f}x** a call per window ({cold_floor[0]:,.0f} vs {cold_floor[1]:,.0f} "
+          f"tokens/s)")
     print(f"step's data wait, the step computing {2 * read_s * 1e3:.2f} ms (2x a batch's read): "
           f"prefetch 0 {waits[0] * 1e3:.3f} ms, prefetch 2 {waits[2] * 1e3:.3f} ms per step")
     worst = min(r[0] for name, r in rates.items() if "prefetch 2" in name)

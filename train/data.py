@@ -124,16 +124,18 @@ class TokenLoader:
     names the per-token arrays a batch reads ({dataset name: dtype}; default the tokens in
     `staging_dtype`, widened to int64 in `to_tensors` after the move to the device):
     `read_arrays` returns them all, row for row over the same windows. `read_threads` > 1 shares
-    the reads of a group of batches among that many threads (train/reader.py `ReadPool`).
+    the reads of a group of batches among that many threads (train/reader.py `ReadPool`); `read`
+    "mmap" copies the windows from the files' memory maps instead of a call each (`data.read`).
     """
 
     def __init__(self, tokens: Any, sampler: Any, seq_len: int, *, device: Any = "cpu",
                  space: SampleSpace | None = None, prefetch: int = 0,
-                 fields: dict[str, Any] | None = None, read_threads: int = 1) -> None:
+                 fields: dict[str, Any] | None = None, read_threads: int = 1, read: str = "preadv") -> None:
         self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self.tokens, self.sampler, self.seq_len, self.device = self.sources[0], sampler, seq_len, device
         self.space = space
         self.prefetch = prefetch
+        self.mapped = read == "mmap"
         self.fields = {k: np.dtype(v) for k, v in (fields or {DATASET: staging_dtype(self.sources)}).items()}
         self._pre: Prefetcher | None = None
         self._pool = ReadPool(read_threads) if read_threads > 1 else None
@@ -162,7 +164,7 @@ class TokenLoader:
             src, sample = np.zeros(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)
         else:
             src, sample = self.space.locate(ids)
-        return plan_reads(self.sources, src, sample, self.seq_len, self.fields)
+        return plan_reads(self.sources, src, sample, self.seq_len, self.fields, self.mapped)
 
     def read_arrays(self, ids: np.ndarray, alloc: Alloc | None = None) -> dict[str, np.ndarray]:
         """{field: [len(ids), seq_len+1]} for the given sample ids (space indices with `space`)."""
@@ -401,13 +403,13 @@ def _loader(resolved: Resolved, st: _Streams, dp_rank: int, dp_size: int, device
         mix = MixtureSampler(space=st.train, weights=st.weights, global_batch=b, dp_rank=dp_rank,
                              dp_size=dp_size, seed=job.train.seed, shuffle_block=job.data.shuffle_block)
         return TokenLoader(st.sources, mix, shape.seq_len, device=device, space=st.train,
-                           prefetch=job.data.prefetch, read_threads=job.data.read_threads)
+                           prefetch=job.data.prefetch, read_threads=job.data.read_threads, read=job.data.read)
     sampler = GlobalBatchSampler(num_samples=st.train.total, global_batch=b, dp_rank=dp_rank,
                                  dp_size=dp_size, seed=job.train.seed, policy=job.data.policy,
                                  shuffle_block=job.data.shuffle_block)
     space = st.train if st.train.ids[0] is not None else None
     return TokenLoader(st.sources, sampler, shape.seq_len, device=device, space=space, prefetch=job.data.prefetch,
-                       read_threads=job.data.read_threads)
+                       read_threads=job.data.read_threads, read=job.data.read)
 
 
 def make_data(resolved: Resolved, dp_rank: int, dp_size: int, *, device: Any = "cpu",

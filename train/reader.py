@@ -82,6 +82,9 @@ class Planned:
     """field -> the last window of window k's run: the windows after k whose spans each run on
     into the next in the same file (adjacent samples, e.g. a `data.shuffle_block` block), read
     in one call; None: no window of the plan is adjacent to the next (a call each)"""
+    maps: dict[int, np.ndarray] | None = None
+    """`data.read: mmap`: descriptor -> its file's bytes (`TokenFile.mapped`), each window's span
+    copied from there instead of read by a call; None: `os.preadv`"""
     opened: tuple[int, int] = (-1, -1)
     """(pid, TokenFile.closes) when the descriptors were taken: a plan read in another process or
     after a file was closed (its descriptor number maybe reused) reads every window by `read_into`"""
@@ -99,14 +102,16 @@ def _files_of(source: Any) -> tuple[list[Gatherer], np.ndarray] | None:
 
 
 def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len: int,
-               fields: Mapping[str, np.dtype]) -> Planned:
-    """The reads of windows (source src[k], sample id sample[k]); see `Planned`."""
+               fields: Mapping[str, np.dtype], mapped: bool = False) -> Planned:
+    """The reads of windows (source src[k], sample id sample[k]); see `Planned`. `mapped`: from
+    the files' memory maps (`data.read: mmap`)."""
     src, sample = np.asarray(src, dtype=np.int64), np.asarray(sample, dtype=np.int64)
     n, width = len(sample), seq_len + 1
     start = sample * seq_len
     fd = {name: np.full(n, -1, dtype=np.int64) for name in fields}
     offset = {name: np.full(n, -1, dtype=np.int64) for name in fields}
     direct = {name: True for name in fields}
+    maps: dict[int, np.ndarray] | None = {} if mapped else None
     for s in np.unique(src).tolist():
         parts = _files_of(sources[s])
         if parts is None:
@@ -125,6 +130,8 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
                 good = o >= 0
                 fd[name][at[good]], offset[name][at[good]] = shard.fileno(), o[good]
                 direct[name] &= bool(shard.dtype_of(name) == dt)
+            if maps is not None and shard.fileno() not in maps:
+                maps[shard.fileno()] = shard.mapped()
     run_end: dict[str, list[int]] = {}
     for name, dt in fields.items():  # k runs on into k+1: the same file, k+1's span seq_len elements on
         f, o = fd[name], offset[name]
@@ -135,7 +142,7 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
     return Planned(seq_len, {k: np.dtype(v) for k, v in fields.items()}, src, start,
                    {k: v.tolist() for k, v in fd.items()}, {k: v.tolist() for k, v in offset.items()},
                    {k: np.flatnonzero(v < 0).tolist() for k, v in fd.items()}, direct, run_end or None,
-                   (os.getpid(), TokenFile.closes))
+                   maps, (os.getpid(), TokenFile.closes))
 
 
 def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: Alloc | None = None,
@@ -156,12 +163,15 @@ def read_planned(plan: Planned, sources: list[Any], lo: int, hi: int, alloc: All
             pass
         elif plan.direct[name]:
             runs = plan.run_end[name] if plan.run_end is not None and name in plan.run_end else None
-            fds, offsets = plan.fd[name], plan.offset[name]
+            fds, offsets, maps = plan.fd[name], plan.offset[name], plan.maps
 
             def direct(x: int, y: int, dst: np.ndarray = dst, runs: list[int] | None = runs,
-                       fds: list[int] = fds, offsets: list[int] = offsets) -> None:
+                       fds: list[int] = fds, offsets: list[int] = offsets,
+                       maps: dict[int, np.ndarray] | None = maps) -> None:
                 # rows [x, y): a run cut at y reads its last row whole, so slices need no stitching
-                if runs is not None:
+                if maps is not None:
+                    _copy_rows(dst[x - lo:y - lo], maps, fds[x:y], offsets[x:y])
+                elif runs is not None:
                     _preadv_runs(dst[x - lo:y - lo], fds, offsets, runs, x, y)
                 else:
                     _preadv_rows(dst[x - lo:y - lo], fds[x:y], offsets[x:y])
@@ -269,6 +279,21 @@ def _preadv_rows(dst: np.ndarray, fds: list[int], offsets: list[int]) -> None:
         at += width
 
 
+def _copy_rows(dst: np.ndarray, maps: dict[int, np.ndarray], fds: list[int], offsets: list[int]) -> None:
+    """`_preadv_rows` from memory maps: row k of `dst` is a copy of fds[k]'s bytes at offsets[k]
+    (`data.read_threads` share the rows as they share the calls).
+    A span past the map's end (an offset beyond the file as mapped) is the short read's error; a
+    file cut short after it was mapped is a SIGBUS on the lost pages (the price of `data.read: mmap`)."""
+    rows = dst.view(np.uint8).reshape(len(dst), -1)
+    width = rows.shape[1]
+    for k, (fd, off) in enumerate(zip(fds, offsets)):
+        if fd >= 0:
+            span = maps[fd][off:off + width]
+            if len(span) != width:
+                raise OSError(f"short read: {len(span)} of {width} bytes at offset {off} (a truncated file?)")
+            rows[k] = span
+
+
 def _preadv_runs(dst: np.ndarray, fds: list[int], offsets: list[int], run_end: list[int], lo: int, hi: int) -> None:
     """Rows [lo, hi) of a plan into `dst` as `_preadv_rows` does, but a run of windows adjacent in
     one file (run_end[k]: its last window; cut at the batch's end) is one `os.preadv`: the run's
@@ -354,12 +379,15 @@ class Prefetcher:
         return not self._stop.is_set()
 
     def _run(self, batches: Batches, sampler: Any) -> None:
+        it = batches(sampler)
         try:
-            for item in batches(sampler):
+            for item in it:
                 if self._stop.is_set() or not self._put(item):
                     return
         except BaseException as exc:  # handed to the step, which raises it
             self._put((-1, _DONE, exc))
+        finally:
+            it.close()
 
     def take(self, position: int, ids: np.ndarray) -> Any | None:
         """The payload read for (position, ids); None when the reader went another way."""

@@ -158,6 +158,10 @@ class DataSpec:
     read_threads: int = field(1, help="threads per rank sharing the background reader's reads (calls in flight "
                                       "together, for a file system whose reads wait: Lustre, NFS, a cold NVMe); "
                                       "page-cached reads are fastest with 1")
+    read: Literal["preadv", "mmap"] = field(
+        "preadv", help="how windows leave the token files: preadv (a call per window, or per run of adjacent "
+        "ones) or mmap (a copy per window from a read-only memory map: faster when the corpus is page-cached, "
+        "slower from a cold disk; its pages count in a rank's RSS, and a file cut short under it is a SIGBUS)")
     shuffle_block: int = field(1, help="samples shuffled as blocks of this many adjacent windows (1 = every "
                                        "window on its own); a rank's block is then one contiguous read")
 

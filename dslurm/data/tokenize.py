@@ -21,6 +21,7 @@ sees either no file or a complete one (STYLE.md rule 6); the trainer's
 from __future__ import annotations
 
 import datetime as _dt
+import mmap
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -266,6 +267,7 @@ class TokenFile:
         self._fd = -1
         self._pid = -1
         self._open: dict[str, tuple[Any, _Layout | None, np.dtype]] = {}
+        self._map: tuple[int, mmap.mmap, np.ndarray] | None = None
         self.info = read_info(self.path)
         self._dtype = np.dtype(self.info.dtype)
 
@@ -338,9 +340,9 @@ class TokenFile:
         the dataset, an unallocated chunk or one apart from its neighbour, a dataset h5py must
         decode): read those with `read_into`.
 
-        A read-only memory map gathered with one numpy fancy index per batch was measured too:
-        slower here on a window's first touch (its page faults cost more than the calls), and
-        it turns an I/O error into SIGBUS."""
+        The same offsets index `mapped()` (`data.read: mmap`: a slice copied per window). A
+        memory map gathered with one numpy fancy index per batch was measured too: slower here on
+        a window's first touch (its page faults cost more than the calls)."""
         start = np.asarray(start, dtype=np.int64)
         out = np.full(start.shape, -1, dtype=np.int64)
         ds, lay, _ = self._layout(name)
@@ -356,6 +358,17 @@ class TokenFile:
         if self._pid != os.getpid() or self._file is None:
             self._dataset()
         return self._fd
+
+    def mapped(self) -> np.ndarray:
+        """The whole file as bytes (uint8) through a read-only memory map made in this process, for
+        `data.read: mmap` (train/reader.py copies each window's span at `extents`' offset from it: no
+        call per window). A page-cached file reads faster so, a cold one slower (each first touch a
+        fault and a read-around); a file cut short under the map is a SIGBUS on its lost pages."""
+        if self._map is None or self._map[0] != os.getpid():
+            with open(self.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            self._map = (os.getpid(), mm, np.frombuffer(mm, dtype=np.uint8))
+        return self._map[2]
 
     def window(self, start: int, length: int, name: str = DATASET) -> np.ndarray:
         """Tokens [start, start+length) as int64 (or, by `name`, a dataset beside them)."""
@@ -373,6 +386,14 @@ class TokenFile:
             self._file.close()
             os.close(self._fd)
         self._file, self._fd, self._open = None, -1, {}
+        if self._map is not None:
+            pid, mm = self._map[:2]
+            self._map = None  # our own view (an export of the map) first, else the map cannot close
+            if pid == os.getpid():
+                try:
+                    mm.close()
+                except BufferError:  # a plan still holds a view: the map goes with the last one
+                    pass
 
 
 def _pread(fd: int, out: np.ndarray, offset: int) -> None:

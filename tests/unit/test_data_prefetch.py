@@ -223,18 +223,21 @@ def test_adjacent_windows_are_one_read_and_equal_h5py_with_the_shared_boundary_t
     assert calls == [2, 2, 2], calls  # rows 0-1 | rows 2-3, then 9-10 (11 is in the next batch)
 
 
-@pytest.mark.parametrize("block,threads", [(1, 1), (4, 1), (1, 2), (4, 2)])  # 2 threads: 6-row slices cut runs of 4
+@pytest.mark.parametrize("block,threads,read", [(1, 1, "preadv"), (4, 1, "preadv"), (1, 2, "preadv"),
+                                               (4, 2, "preadv"), (1, 1, "mmap"), (4, 2, "mmap")])
 def test_the_reader_reads_groups_of_batches_and_hands_out_each_as_a_read_in_the_step_would(
-        tmp_path, monkeypatch, block, threads):
+        tmp_path, monkeypatch, block, threads, read):
     """`TokenLoader.batches` reads about READ_GROUP_BYTES of batches per call (one block, views handed
-    out), shared among `data.read_threads` threads: groups that cut a plan anywhere, and slices that
-    cut a run of adjacent windows anywhere, give the batches of one read per batch, boundary tokens
-    included, and no group holds more than its bound."""
+    out), shared among `data.read_threads` threads (2 threads: 6-row slices cut runs of 4): groups
+    that cut a plan anywhere, and slices that cut a run of adjacent windows anywhere, give the
+    batches of one read per batch (`data.read: mmap`: of the call-per-window reader), boundary
+    tokens included, and no group holds more than its bound."""
     import train.data as data
     import train.reader as reader
 
-    ld = make_loader(resolved_for(tmp_path, shuffle_block=block, read_threads=threads), 1, 2, rank=0)
-    assert (ld._pool is None) == (threads == 1)
+    ld = make_loader(resolved_for(tmp_path, shuffle_block=block, read_threads=threads, read=read), 1, 2, rank=0)
+    ref = make_loader(resolved_for(tmp_path, shuffle_block=block), 1, 2, rank=0)
+    assert (ld._pool is None) == (threads == 1) and ld.mapped == (read == "mmap") and not ref.mapped
     batch_bytes = ld.local_batch * (ld.seq_len + 1) * 2  # uint16 tokens
     monkeypatch.setattr(reader, "READ_GROUP_BYTES", 3 * batch_bytes + 1)  # 3 batches a group
     assert reader.read_group(batch_bytes) == 3 and reader.read_group(10**9) == 1
@@ -247,8 +250,53 @@ def test_the_reader_reads_groups_of_batches_and_hands_out_each_as_a_read_in_the_
     for _ in range(40):  # past an epoch (4095 tokens: 255 samples, 31 steps of 8)
         position, ids, batch = next(it)
         assert batch["tokens"].shape == (ld.local_batch, ld.seq_len + 1)
-        np.testing.assert_array_equal(batch["tokens"], ld.read_arrays(ids)["tokens"])
+        np.testing.assert_array_equal(batch["tokens"], ref.read_arrays(ids)["tokens"])
     assert set(sizes) <= {3 * ld.local_batch, 1 * ld.local_batch, 2 * ld.local_batch} and sizes[0] == 12, sizes
+
+
+def test_mapped_reads_equal_h5py_copy_every_direct_window_and_leave_the_odd_ones_to_read_into(tmp_path, mocker):
+    """`data.read: mmap`: the windows a call would read are copied from the files' memory maps
+    (no call for them: the call paths raise here), the odd ones (across shards, chunks apart on
+    disk) still go through read_into, every row equals h5py's, every field follows the tokens;
+    an offset past a map is the short read's error; a file closes with a plan's view alive and
+    maps again."""
+    import train.reader as reader
+
+    tokens = (np.arange(6000) * 7) % 65521
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    with h5py.File(a, "w") as f:  # chunk 5 written after 6: windows across 4|5 and 5|6 are odd
+        ds = f.create_dataset(tk.DATASET, shape=(4000,), dtype=np.uint16, chunks=(500,))
+        for c in [0, 1, 2, 3, 4, 6, 5, 7]:
+            ds[c * 500:(c + 1) * 500] = tokens[c * 500:(c + 1) * 500]
+        f.create_dataset("mask", data=(tokens[:4000] % 2).astype(np.uint8))
+        f.attrs["vocab_size"] = 65536
+    with h5py.File(b, "w") as f:
+        f.create_dataset(tk.DATASET, data=tokens[4000:].astype(np.uint16))
+        f.create_dataset("mask", data=(tokens[4000:] % 2).astype(np.uint8))
+        f.attrs["vocab_size"] = 65536
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": "dslurm-manifest", "version": 1, "vocab_size": 65536, "dtype": "uint16", "n_tokens": 6000,
+        "shards": [{"path": "a.h5", "n_tokens": 4000}, {"path": "b.h5", "n_tokens": 2000}]}))
+    src = TokenSource(tmp_path / "manifest.json", where="w")
+    seq, sample = 20, np.array([0, 1, 2, 3, 9, 124, 125, 199, 200, 201, 60, 61, 126, 5, 5, 298])
+    fields = {"tokens": np.dtype(np.uint16), "mask": np.dtype(np.uint8)}
+    mocker.patch.object(reader, "_preadv_rows", side_effect=AssertionError("a call for a mapped window"))
+    mocker.patch.object(reader, "_preadv_runs", side_effect=AssertionError("a call for a mapped window"))
+    plan = plan_reads([src], np.zeros(len(sample), np.int64), sample, seq, fields, mapped=True)
+    assert plan.maps is not None and len(plan.maps) == 2 and plan.odd["tokens"]
+    got = read_planned(plan, [src], 0, len(sample))
+    for row, i in enumerate(sample):
+        assert got["tokens"][row].tolist() == tokens[i * seq:i * seq + seq + 1].tolist(), (row, i)
+        assert got["mask"][row].tolist() == (tokens[i * seq:i * seq + seq + 1] % 2).tolist(), (row, i)
+    fd = plan.fd["tokens"][0]
+    plan.offset["tokens"][0] = len(plan.maps[fd]) - 3
+    with pytest.raises(OSError, match="short read: 3 of 42 bytes"):
+        read_planned(plan, [src], 0, 1)
+    view = src.files[0].mapped()
+    src.files[0].close()  # a live view: the map stays until it goes
+    assert int(view[:8].sum()) >= 0
+    again = plan_reads([src], np.zeros(2, np.int64), np.array([0, 1]), seq, fields, mapped=True)
+    assert read_planned(again, [src], 0, 2)["tokens"][1].tolist() == tokens[seq:2 * seq + 1].tolist()
 
 
 def test_a_read_pool_waits_for_every_slice_and_raises_a_threads_error_in_the_caller():
@@ -277,3 +325,22 @@ def test_a_read_pool_waits_for_every_slice_and_raises_a_threads_error_in_the_cal
     pool.close()
     with pytest.raises(ValueError, match="1 reads in the caller"):
         ReadPool(1)
+
+
+def test_a_mapped_file_unmaps_on_close_once_no_plan_holds_a_view(tmp_path):
+    """TokenFile.close unmaps the file (its pages no longer pinned by the map: they can be evicted),
+    and a view still held keeps the map until it goes, without an error."""
+    tk._write_atomic(tmp_path / "a.h5", [np.arange(4096) % 251], vocab_size=256, seq_len=0, source="t")
+    tf = tk.TokenFile(tmp_path / "a.h5")
+
+    def mapped() -> bool:
+        return any(str(tmp_path / "a.h5") in line for line in open("/proc/self/maps"))
+
+    assert tf.mapped() is tf.mapped() and mapped()
+    tf.close()
+    assert not mapped()
+    view = tf.mapped()
+    tf.close()
+    assert mapped() and bytes(view[:4]) == b"\x89HDF"  # still readable: an HDF5 file's signature
+    del view
+    assert not mapped()
