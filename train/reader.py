@@ -6,7 +6,9 @@ two chunks adjacent on disk: every window but a rare straddle), and which window
 the next in the same file. `read_planned` then reads a batch's rows: one `os.preadv` per window
 straight into its row, whatever shard it is in, the GIL released during each, or one per run
 of adjacent windows (a `data.shuffle_block` block: the per-call cost, not the copy, is what a
-window read pays beyond a sequential read); `read_into` reads the rest (filtered datasets, unallocated chunks,
+window read pays beyond a sequential read), or with `data.read: mmap` a slice copied per window
+from the file's read-only memory map (no call: faster page-cached, slower from a cold disk);
+`read_into` reads the rest (filtered datasets, unallocated chunks,
 a window across two shards). Every field is read over the same (source, range) as
 the tokens: a per-token array stored beside the tokens (a dataset of that name in the same
 HDF5 file) comes back with the same [n, seq_len+1] shape, row for row. `read_windows` is
