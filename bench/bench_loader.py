@@ -43,6 +43,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 SITE = ROOT / "site-configs" / "local.yaml"
+
+from dslurm.data.tokenize import cached_share  # noqa: E402
+
 SEQ, DP = 8192, 8
 LOCAL = 4  # windows per step per rank (--windows)
 GPU_TOKENS_S = 8500.0
@@ -97,21 +100,13 @@ def drop_cache(*paths: Path) -> None:
             os.close(fd)
 
 
-def cached_share(path: Path, probes: int = 256) -> float:
-    """The share of `probes` 4 KB pages spread over the file that are in the page cache: a read
-    with RWF_NOWAIT returns data for a cached page and refuses (EAGAIN) otherwise."""
-    size, buf, hits = path.stat().st_size, bytearray(4096), 0
+def _cached(path: Path) -> float:
+    """The share of the file's pages in the page cache (sampled: dslurm.data.tokenize.cached_share)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        for k in range(probes):
-            try:
-                hits += os.preadv(fd, [buf], (size - 4096) * k // max(1, probes - 1) // 4096 * 4096,
-                                  os.RWF_NOWAIT) > 0
-            except BlockingIOError:
-                pass
+        return cached_share(fd)
     finally:
         os.close(fd)
-    return hits / probes
 
 
 def raw_read(path: Path, reuse: bool) -> tuple[float, float]:
@@ -196,7 +191,7 @@ def _evict(paths: tuple[Path, ...]) -> None:
     still in flight when the last part ended, stays cached; the latter goes when its read ends."""
     for _ in range(50):
         drop_cache(*paths)
-        left = max((cached_share(path) for path in paths), default=0.0)
+        left = max((_cached(path) for path in paths), default=0.0)
         if left <= KEPT + 0.05:
             break
         time.sleep(0.1)
@@ -216,12 +211,14 @@ def _close(loader) -> None:
             f.close()
 
 
-def floor_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[float, float]:
+def floor_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[float, float, float, float]:
     """The same windows as the single file's reader reads (its first `steps` batches), with nothing
     but the reads, the offsets listed before the clock starts: tokens/s of one bare `os.preadv` per
     window into a reused buffer, then of one bare slice copy per window from a fresh read-only memory
-    map of the file (`data.read: mmap`, its first touches included). What random seq_len windows cost
-    this machine: the floor under any loader that reads them one at a time. `evict`: from the disk."""
+    map of the file (its first touches included), then the same copies again (the pages mapped), and
+    the seconds to map the whole file at once (MAP_POPULATE). What random seq_len windows cost this
+    machine: the floor under any loader that reads them one at a time. `evict`: from the disk (the
+    first two)."""
     import dataclasses
     import mmap
 
@@ -251,11 +248,20 @@ def floor_rate(resolved, steps: int, evict: tuple[Path, ...] = ()) -> tuple[floa
         for o in off:
             row[:] = view[o:o + width]
         copied = time.perf_counter() - t0
+        t0 = time.perf_counter()  # again: every page now mapped (a later epoch over a page-cached corpus)
+        for o in off:
+            row[:] = view[o:o + width]
+        again = time.perf_counter() - t0
         del view
+        mm.close()
+        t0 = time.perf_counter()  # the whole file mapped at once, as `TokenFile.mapped` does a page-cached one
+        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        populate = time.perf_counter() - t0
         mm.close()
     finally:
         os.close(fd)
-    return len(off) * loader.seq_len / called, len(off) * loader.seq_len / copied
+    tokens = len(off) * loader.seq_len
+    return tokens / called, tokens / copied, tokens / again, populate
 
 
 def _check(loader, item) -> None:
@@ -312,7 +318,7 @@ def main() -> None:
     shards = sorted(manifest.parent.glob("*.h5"))
     # cold: from the disk, checked evicted (a file system that keeps it cached is said so)
     drop_cache(single)
-    evicted = 1 - cached_share(single)
+    evicted = 1 - _cached(single)
     global KEPT
     KEPT = 1 - evicted
     raw_cold = raw_read(single, reuse=True)
@@ -322,7 +328,7 @@ def main() -> None:
     # page-cached from here on: every file read once, untimed, and checked
     for path in (single, *shards):
         raw_read(path, reuse=True)
-    cached = min(cached_share(path) for path in (single, *shards))
+    cached = min(_cached(path) for path in (single, *shards))
     assert cached == 1.0, f"the files are not all page-cached ({cached:.0%}): the warm figures would read the disk"
     threads = f"data.read_threads={args.threads}"
     sections = {
@@ -374,7 +380,8 @@ def main() -> None:
         rates[name] = tuple(max(r[2][j] for r in rounds) for j in range(4))
         if name == "single file, prefetch 2":
             floors = [floor_rate(_resolved(tmp, *sets), args.steps) for _ in range(args.rounds)]
-            floor, mapped_floor = max(f[0] for f in floors), max(f[1] for f in floors)
+            floor, mapped_floor, remapped = (max(f[i] for f in floors) for i in range(3))
+            populate_s = min(f[3] for f in floors)
     read_s = LOCAL * SEQ / rates["single file, prefetch 0 (reads in the step)"][0]
     wait_steps = max(20, args.steps // 10)
     waits = {k: data_wait(_resolved(tmp, f"data.path={single}", f"data.prefetch={k}"), wait_steps, 2 * read_s)
@@ -406,10 +413,14 @@ def main() -> None:
           f"{floor:,.0f} tokens/s, **{floor / uw:.2f}x** raw `readinto`; the reader ({args.threads} read thread(s)) is "
           f"**{rates['single file, prefetch 2'][2] / floor:.2f}x** the floor, with 2 "
           f"**{rates['single file, read_threads 2, prefetch 2'][2] / floor:.2f}x**")
-    print(f"mmap floor, the same windows with nothing but one slice copy each from a fresh memory map: "
+    print(f"mmap floor, the same windows with nothing but one slice copy each from a fresh memory map, mapped as "
+          f"touched: "
           f"{mapped_floor:,.0f} tokens/s, **{mapped_floor / uw:.2f}x** raw `readinto`, **{mapped_floor / floor:.2f}x** "
-          f"the call floor; the mmap reader is **{rates['single file, mmap, prefetch 2'][2] / mapped_floor:.2f}x** "
-          f"its floor; from the disk ({evicted:.0%} evicted first) a copy per window is "
+          f"the call floor; the same copies again, the pages mapped: **{remapped / floor:.2f}x** the call floor, "
+          f"which the mmap reader is at (the file page-cached, `TokenFile.mapped` maps it whole at its start: "
+          f"{populate_s * 1e3:.0f} ms, {populate_s * reuse[0] * 2 / single.stat().st_size:.2f}x a sequential read "
+          f"of it), **{rates['single file, mmap, prefetch 2'][2] / remapped:.2f}x**; "
+          f"from the disk ({evicted:.0%} evicted first) a copy per window is "
           f"**{cold_floor[1] / cold_floor[0]:.2f}x** a call per window ({cold_floor[0]:,.0f} vs {cold_floor[1]:,.0f} "
           f"tokens/s)")
     print(f"step's data wait, the step computing {2 * read_s * 1e3:.2f} ms (2x a batch's read): "

@@ -8,7 +8,8 @@ after it is a warm restart in the first job (workers forked by the node's preloa
 cold one (torchrun) in the second. In the warm job the fault waits until both nodes' pools serve
 (DSLURM_FAULT_AWAIT on their ready files, as `dslurm site check`'s warm job does): the pools
 start after the first step, and on a loaded machine their preloading outlasts 9 steps, when
-supervise rightly starts the next step cold and there is no warm restart to time. From the ledger (`dslurm report`'s numbers):
+supervise rightly starts the next step cold and there is no warm restart to time. From the
+ledger (`dslurm report`'s numbers):
 
   cold start     job start -> first step of the warm job's first job step (phase table total)
   warm restart   failure -> first step of its next job step (Recovery.failed_t -> first step)

@@ -132,8 +132,10 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
                 good = o >= 0
                 fd[name][at[good]], offset[name][at[good]] = shard.fileno(), o[good]
                 direct[name] &= bool(shard.dtype_of(name) == dt)
-            if maps is not None and shard.fileno() not in maps:
-                maps[shard.fileno()] = shard.mapped()
+                if maps is not None:  # a span past the map's end (a file cut short): read_into says so
+                    size = len(maps.setdefault(shard.fileno(), shard.mapped()))
+                    past = at[good][o[good] + width * shard.dtype_of(name).itemsize > size]
+                    fd[name][past] = -1
     run_end: dict[str, list[int]] = {}
     for name, dt in fields.items():  # k runs on into k+1: the same file, k+1's span seq_len elements on
         f, o = fd[name], offset[name]
@@ -282,18 +284,19 @@ def _preadv_rows(dst: np.ndarray, fds: list[int], offsets: list[int]) -> None:
 
 
 def _copy_rows(dst: np.ndarray, maps: dict[int, np.ndarray], fds: list[int], offsets: list[int]) -> None:
-    """`_preadv_rows` from memory maps: row k of `dst` is a copy of fds[k]'s bytes at offsets[k]
-    (`data.read_threads` share the rows as they share the calls).
-    A span past the map's end (an offset beyond the file as mapped) is the short read's error; a
-    file cut short after it was mapped is a SIGBUS on the lost pages (the price of `data.read: mmap`)."""
-    rows = dst.view(np.uint8).reshape(len(dst), -1)
-    width = rows.shape[1]
-    for k, (fd, off) in enumerate(zip(fds, offsets)):
+    """`_preadv_rows` from memory maps: row k of `dst` (C-contiguous) is a copy of fds[k]'s bytes
+    at offsets[k] (a memoryview slice assignment: a memcpy, ~10% less per row than numpy's).
+    `plan_reads` sent any span past its map's end to `read_into`; a file cut short after it was
+    mapped is a SIGBUS on the lost pages (the price of `data.read: mmap`)."""
+    view = memoryview(dst.data).cast("B")  # rows end to end
+    width = dst.shape[1] * dst.dtype.itemsize
+    at, last, src = 0, -1, memoryview(b"")
+    for fd, off in zip(fds, offsets):
         if fd >= 0:
-            span = maps[fd][off:off + width]
-            if len(span) != width:
-                raise OSError(f"short read: {len(span)} of {width} bytes at offset {off} (a truncated file?)")
-            rows[k] = span
+            if fd != last:
+                last, src = fd, maps[fd].data
+            view[at:at + width] = src[off:off + width]
+        at += width
 
 
 def _preadv_runs(dst: np.ndarray, fds: list[int], offsets: list[int], run_end: list[int], lo: int, hi: int) -> None:
@@ -388,8 +391,10 @@ class Prefetcher:
                     return
         except BaseException as exc:  # handed to the step, which raises it
             self._put((-1, _DONE, exc))
-        finally:
-            it.close()
+        finally:  # a generator's frame (its plans, their maps) goes now, not when collected
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
 
     def take(self, position: int, ids: np.ndarray) -> Any | None:
         """The payload read for (position, ids); None when the reader went another way."""

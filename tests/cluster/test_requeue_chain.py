@@ -1,7 +1,9 @@
 """The requeue chain on the real local Slurm (issue 6): a 2-node x 2-process FSDP x TP job
 is stopped twice while training — once by Slurm's own time-limit signal
 (--signal=B:USR2@LEAD), once by an external `scontrol requeue` (TERM) — and ends with the
-same losses and bit-identical parameters as an uninterrupted run, with no step redone."""
+same losses and bit-identical parameters as an uninterrupted run, with no step redone. The
+interrupted run reads its windows from the token file's memory map (`data.read: mmap`), the
+reference by a call each: the two read paths give the same batches."""
 
 from __future__ import annotations
 
@@ -50,7 +52,10 @@ def test_two_requeues_lose_nothing(slurm_cluster, cli, tmp_path):
     assert slurm.wait_job(ref_id, timeout=300, env=env) == "COMPLETED"
 
     # Time limit 2 min with a 100 s lead: Slurm sends USR2 to the batch shell ~20 s in.
-    spec = job_spec(tmp_path, "rq", time="00:02:00", requeue={"signal_lead": 100, "max_restarts": 4})
+    # ... read through the token file's memory map (data.read: mmap), the reference by a call per
+    # window: the same batches, across both requeues, or the parameters differ
+    spec = job_spec(tmp_path, "rq", time="00:02:00", requeue={"signal_lead": 100, "max_restarts": 4},
+                    data={"read": "mmap"})
     job = submit(cli, env, spec)
     run = tmp_path / "rq"
     first = wait_for(lambda: [e for e in read_events(run) if e["event"] == "requeue"], 240, "the first requeue")

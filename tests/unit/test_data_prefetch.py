@@ -5,6 +5,7 @@ queue never leaks into the saved state (a restore neither repeats nor skips a ba
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import h5py
@@ -258,8 +259,8 @@ def test_mapped_reads_equal_h5py_copy_every_direct_window_and_leave_the_odd_ones
     """`data.read: mmap`: the windows a call would read are copied from the files' memory maps
     (no call for them: the call paths raise here), the odd ones (across shards, chunks apart on
     disk) still go through read_into, every row equals h5py's, every field follows the tokens;
-    an offset past a map is the short read's error; a file closes with a plan's view alive and
-    maps again."""
+    a span past a map (a file cut short) is read_into's short-read error; a file closes with a
+    plan's view alive and maps again."""
     import train.reader as reader
 
     tokens = (np.arange(6000) * 7) % 65521
@@ -288,10 +289,17 @@ def test_mapped_reads_equal_h5py_copy_every_direct_window_and_leave_the_odd_ones
     for row, i in enumerate(sample):
         assert got["tokens"][row].tolist() == tokens[i * seq:i * seq + seq + 1].tolist(), (row, i)
         assert got["mask"][row].tolist() == (tokens[i * seq:i * seq + seq + 1] % 2).tolist(), (row, i)
-    fd = plan.fd["tokens"][0]
-    plan.offset["tokens"][0] = len(plan.maps[fd]) - 3
-    with pytest.raises(OSError, match="short read: 3 of 42 bytes"):
-        read_planned(plan, [src], 0, 1)
+    # a file cut short before it is mapped: its spans past the end go to read_into, which says so
+    tk._write_atomic(tmp_path / "c.h5", [np.arange(3000) % 251], vocab_size=256, seq_len=0, source="t")
+    cut = tk.TokenFile(tmp_path / "c.h5")
+    cut.fileno()  # open, at full length
+    os.truncate(tmp_path / "c.h5", int(cut.extents(np.array([2500]), 1)[0]))  # tokens 2500 on gone
+    short = plan_reads([cut], np.zeros(2, np.int64), np.array([0, 140]), seq, {"tokens": np.dtype(np.uint16)},
+                       mapped=True)
+    assert short.fd["tokens"][0] >= 0 and short.odd["tokens"] == [1]
+    assert read_planned(short, [cut], 0, 1)["tokens"][0].tolist() == (np.arange(seq + 1) % 251).tolist()
+    with pytest.raises(OSError, match="short read"):
+        read_planned(short, [cut], 1, 2)
     view = src.files[0].mapped()
     src.files[0].close()  # a live view: the map stays until it goes
     assert int(view[:8].sum()) >= 0
