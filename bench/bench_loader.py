@@ -19,8 +19,13 @@ raw `readinto`, `next_batch` over `--steps` batches, the reader's own work over 
 batches (`TokenLoader.batches`, what the background thread runs, on a loader of its own), each
 after one warm-up batch, each loader fresh; the best of the rounds is kept on both sides
 (the least disturbed by the machine's other load), the raw read's over all sections (the
-stricter side). The batches read are checked against h5py's. A floor: the single file
-reader's windows read by nothing but one bare `os.preadv` each. Then the step's `data` wait:
+stricter side). The batches read are checked against h5py's. Four sections read with
+`data.read: mmap` (a copy per window from the file's memory map: the single file, the manifest,
+the mixture, the single file with 2 read threads; each loader maps its page-cached file whole
+in its untimed warm-up batch, a one-time cost the mmap floor line reports). Floors: the single file reader's windows read
+by nothing but one bare `os.preadv` each; by one slice copy each from a fresh map (mapped as
+touched), then again (the pages mapped), with the time to map the file whole; and the call and
+the copy from the disk. Then the step's `data` wait:
 a consumer that "computes" for 2x a batch's read time per step, with and without prefetch.
 
     .venv/bin/python bench/bench_loader.py [--steps 300] [--mtokens 64] [--windows 4] [--rounds 3] [--block 4]
