@@ -22,8 +22,8 @@ after one warm-up batch, each loader fresh; the best of the rounds is kept on bo
 stricter side). The batches read are checked against h5py's. Four sections read with
 `data.read: mmap` (a copy per window from the file's memory map: the single file, the manifest,
 the mixture, the single file with 2 read threads; each loader maps its page-cached file whole
-in its untimed warm-up batch, a one-time cost the mmap floor line reports). Floors: the single file reader's windows read
-by nothing but one bare `os.preadv` each; by one slice copy each from a fresh map (mapped as
+in its untimed warm-up batch, a one-time cost the mmap floor line reports). Floors: the single
+file reader's windows read by nothing but one bare `os.preadv` each; by one slice copy each from a fresh map (mapped as
 touched), then again (the pages mapped), with the time to map the file whole; and the call and
 the copy from the disk. Then the step's `data` wait:
 a consumer that "computes" for 2x a batch's read time per step, with and without prefetch.
