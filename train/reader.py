@@ -7,7 +7,7 @@ the next in the same file. `read_planned` then reads a batch's rows: one `os.pre
 straight into its row, whatever shard it is in, the GIL released during each, or one per run
 of adjacent windows (a `data.shuffle_block` block: the per-call cost, not the copy, is what a
 window read pays beyond a sequential read), or with `data.read: mmap` a slice copied per window
-from the file's read-only memory map (no call: faster page-cached, slower from a cold disk);
+from the file's read-only memory map (no call; docs/data.md measures both ways);
 `read_into` reads the rest (filtered datasets, unallocated chunks,
 a window across two shards). Every field is read over the same (source, range) as
 the tokens: a per-token array stored beside the tokens (a dataset of that name in the same
@@ -127,13 +127,13 @@ def plan_reads(sources: list[Any], src: np.ndarray, sample: np.ndarray, seq_len:
         for fi in np.unique(f[ok]).tolist():
             mine = ok & (f == fi)
             at, local, shard = rows[mine], t[mine] - bounds[fi], shards[fi]
+            size = len(maps.setdefault(shard.fileno(), shard.mapped())) if maps is not None else -1
             for name, dt in fields.items():
                 o = shard.extents(local, width, name)
                 good = o >= 0
                 fd[name][at[good]], offset[name][at[good]] = shard.fileno(), o[good]
                 direct[name] &= bool(shard.dtype_of(name) == dt)
                 if maps is not None:  # a span past the map's end (a file cut short): read_into says so
-                    size = len(maps.setdefault(shard.fileno(), shard.mapped()))
                     past = at[good][o[good] + width * shard.dtype_of(name).itemsize > size]
                     fd[name][past] = -1
     run_end: dict[str, list[int]] = {}

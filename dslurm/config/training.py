@@ -161,7 +161,7 @@ class DataSpec:
     read: Literal["preadv", "mmap"] = field(
         "preadv", help="how windows leave the token files: preadv (a call per window, or per run of adjacent "
         "ones) or mmap (a copy per window from a read-only memory map, a page-cached file of <= 8 GiB mapped "
-        "whole at the start: 1.4-1.8x the reader's tokens/s here; its pages count in each rank's RSS, and a "
+        "whole at the start: 1.4-1.9x the reader's tokens/s here; its pages count in each rank's RSS, and a "
         "file cut short while mapped is a SIGBUS; docs/data.md)")
     shuffle_block: int = field(1, help="samples shuffled as blocks of this many adjacent windows (1 = every "
                                        "window on its own); a rank's block is then one contiguous read")
