@@ -59,14 +59,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _wanted_modules(argv):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            # A link of the chain that is not built yet; only its own absence is tolerated.
-            if not (exc.name and (name + ".").startswith(exc.name + ".")):
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

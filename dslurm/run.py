@@ -163,11 +163,6 @@ class RunDir:
         return merged
 
 
-def blocklist_path(run_dir: Path) -> Path:
-    """Nodes the run's burn-in found bad; later submissions of the run --exclude them."""
-    return RunDir(run_dir).blocklist
-
-
 def read_blocklist(run_dir: Path) -> list[str]:
     return RunDir(run_dir).read_blocklist()
 
