@@ -200,7 +200,7 @@ TINY_BENCHES: dict[str, tuple[list[str], str, bool]] = {
     "bench_checkpoint.py": (["--dir", "TMP", "--mb", "8", "--reps", "1"], "raw fsync'd write / save", False),
     "bench_health.py": (["--reps", "200", "--steps", "2", "--checks", "5"], "recording / step time:", False),
     "bench_launch_exit.py": (["--reps", "1"], "torchrun exit:", False),
-    "bench_loader.py": (["--steps", "10", "--mtokens", "4", "--rounds", "1"], "step's data wait, the step computing", False),
+    "bench_loader.py": (["--steps", "10", "--mtokens", "4", "--rounds", "1"], "step's data wait, the step", False),
     "bench_init_from.py": (["--dir", "TMP", "--reps", "1", "--tiny"], "init_from / raw read", False),
     "bench_trackers.py": (["--preset", "tiny", "--steps", "2", "--blocks", "1"],
                           "outage lanes still waiting at the end:", False),
