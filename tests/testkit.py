@@ -15,6 +15,23 @@ from dslurm.slurm import load_factor
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def mount_tmpfs(mnt: Path, size: str) -> None:
+    """A real size-limited tmpfs at `mnt` (a disk that fills). Where it cannot be mounted: skipped
+    for a user who is not root; as root (CI) a failure, as tests/cluster/conftest.py fails a
+    cluster that root cannot start: a skip there would hide the test for good."""
+    import pytest
+
+    mnt.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                         text=True)
+    if res.returncode == 0:
+        return
+    why = f"cannot mount a {size} tmpfs at {mnt}: {res.stderr.strip() or f'mount exit {res.returncode}'}"
+    if os.geteuid() != 0:
+        pytest.skip(f"{why} (needs root)")
+    pytest.fail(f"{why} (as root)")
+
+
 def sbatch_flags(text: str) -> dict[str, str | None]:
     """The `#SBATCH --key[=value]` lines of a script as {key: value or None}."""
     out: dict[str, str | None] = {}

@@ -23,6 +23,7 @@ from dslurm import slurm
 from dslurm.cluster.disrupt import job_pids, signal_pids
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
+from testkit import mount_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / os.environ.get("DSLURM_FAULT_MATRIX_DOC", "docs/fault-matrix.md")
@@ -256,11 +257,7 @@ def tiny_disks(tmp_path):
 
     def make(name: str) -> Path:
         mnt = tmp_path / name
-        mnt.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+        mount_tmpfs(mnt, "3m")  # a failure as root, as the cluster is
         mounts.append(mnt)
         return mnt
 
