@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import checkpoint as ck
-from dslurm.checkpoint import hf_layout
+from dslurm.checkpoint import hf_layout, unpickle
 from dslurm.config import families
 from dslurm.config.models import ModelShape
 from dslurm.durable import fsync_dir
@@ -173,12 +173,17 @@ def _check_out(out: Path) -> None:
 
 
 def _entries(gen: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = dcp.FileSystemReader(gen).read_metadata()
-    return {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
-            for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    from dslurm.checkpoint.io import SafeReader
+
+    try:
+        md = SafeReader(gen).read_metadata()
+        return {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
+                for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    except (AttributeError, TypeError, ValueError) as exc:  # a pickle, but not DCP's metadata
+        raise UserError(f"{gen / '.metadata'}: not DCP metadata ({type(exc).__name__}: {exc}); fix: export "
+                        "another generation with --generation (`dslurm ckpt ls --full` lists them)") from None
 
 
 def _load(gen: Path, items: list[Item]) -> dict[str, Any]:
@@ -188,10 +193,12 @@ def _load(gen: Path, items: list[Item]) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from dslurm.checkpoint.io import SafeLoadPlanner, SafeReader
+
     bufs = {it.key: torch.empty(it.shape, dtype=getattr(torch, it.src_dtype)) for it in items}
     with warnings.catch_warnings():  # single-process use is the point here; DCP warns about it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(bufs, storage_reader=dcp.FileSystemReader(gen), no_dist=True)
+        dcp.load(bufs, storage_reader=SafeReader(gen), planner=SafeLoadPlanner(), no_dist=True)
     out = {}
     for it in items:
         t = bufs.pop(it.key)
@@ -230,6 +237,10 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
         raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     _check_out(out)
     progress(f"verifying {gen.name} (every file's crc32)")
+    unpickle.refuse_unsafe(gen / ".metadata")  # exit 2 naming the class before anything else
+    if md_problems := ck.metadata_problems(gen):
+        raise UserError(f"{md_problems[0]}; fix: export another generation with --generation "
+                        "(`dslurm ckpt ls --full` lists them)")
     if problems := _problems(gen, pointer_crc):
         raise ck.CheckpointError(f"refusing to export {gen}, it fails verification: " + "; ".join(problems)
                                  + "; pick a sound one with --generation (`dslurm ckpt ls --full`)")

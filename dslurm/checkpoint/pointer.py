@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes as X
+from dslurm.checkpoint import unpickle
 from dslurm.durable import atomic_write_bytes as atomic_write_bytes  # re-exported: other modules use it
 from dslurm.durable import fsync_dir as fsync_dir
 from dslurm.errors import UserError
@@ -253,7 +254,20 @@ def file_problems(gen_dir: Path, entries: dict[str, dict[str, Any]], full: bool 
 def verify_generation(gen_dir: Path, full: bool = True, pointer_crc: str | None = None) -> list[str]:
     """All problems of one generation; empty means sound."""
     problems, entries = manifest_problems(gen_dir, pointer_crc)
-    return problems + file_problems(gen_dir, entries, full)
+    problems += file_problems(gen_dir, entries, full)
+    return problems or metadata_problems(gen_dir)
+
+
+def metadata_problems(gen_dir: Path) -> list[str]:
+    """DCP's `.metadata` read with stand-ins (dslurm.checkpoint.unpickle): a class no checkpoint
+    holds, or bytes that are no pickle, is a problem, found without loading anything."""
+    if not (gen_dir / ".metadata").is_file():  # absent: the manifest's REQUIRED check names it
+        return []
+    try:
+        why = unpickle.check_file(gen_dir / ".metadata")
+    except unpickle.UnsafePickle as exc:
+        return [str(exc)]
+    return [why] if why else []
 
 
 # ---------------------------------------------------------------- pointer

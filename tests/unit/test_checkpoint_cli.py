@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,8 @@ T0 = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 def make_gen(run: Path, step: int, commit: bool = True) -> Path:
     gen = ck.generations_dir(run) / ck.generation_name(step, T0 + dt.timedelta(minutes=step), "abcdef")
     gen.mkdir(parents=True)
-    files = {".metadata": b"m" * 50, "__0_0.distcp": os.urandom(5000), ck.META: b"{}"}
+    files = {".metadata": pickle.dumps("m" * 40, protocol=2),  # 50 bytes, a plain pickle
+             "__0_0.distcp": os.urandom(5000), ck.META: b"{}"}
     for rel, data in files.items():
         (gen / rel).write_bytes(data)
     if commit:
