@@ -31,10 +31,13 @@ EXAMPLES = (
 
 def render_files(site_path: str, job_path: str, overrides: list[str] | None = None,
                  site_overrides: list[str] | None = None) -> str:
+    from dslurm.config.envvars import env_warnings
     from dslurm.observe.lead import load
     from dslurm.render import RenderRefs, render_sbatch
 
     r = load(site_path, job_path, overrides, site_overrides)
+    for line in env_warnings(r.site.env, r.job.env, r.site_path, r.job_path):
+        print(line, file=sys.stderr)
     refs = RenderRefs(site=site_path, job=job_path, overrides=tuple(overrides or ()),
                       site_overrides=tuple(site_overrides or ()))
     return render_sbatch(r, refs)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dslurm.config.envvars import env_warnings
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.run import JOB, SITE, RunDir
@@ -122,6 +123,8 @@ def run_submit(args: argparse.Namespace) -> int:
         return _resubmit_remote(h, args)
     site, job, overrides = inputs_of(args)
     r = load(site, job, overrides, args.site_overrides, base_dir=os.getcwd())
+    for line in env_warnings(r.site.env, r.job.env, r.site_path, r.job_path):
+        print(line, file=sys.stderr)
     as_json = getattr(args, "json", False)
     if r.site.login is not None:
         return _submit_remote(r, args, site, job)

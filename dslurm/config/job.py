@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from dslurm.config.envvars import check_env
 from dslurm.config.schema import FieldError, field
 from dslurm.config.training import CheckpointSpec, DataSpec, ModelSpec, ParallelSpec, TrainSpec
 
@@ -157,10 +158,7 @@ class JobSpec:
         if self.dependency is not None and not re.fullmatch(_DEPENDENCY, self.dependency):
             raise FieldError("dependency", f"{self.dependency!r} is not a Slurm dependency",
                              "write it as Slurm does, e.g. afterany:1234 or afterok:12:13")
-        for key in self.env:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise FieldError("env", f"{key!r} is not a valid environment variable name",
-                                 "use letters, digits and '_', not starting with a digit")
+        check_env(self.env)
 
     @property
     def builtin_entry(self) -> bool:
@@ -200,3 +198,4 @@ def _check_entry(entry: str | list[str]) -> None:
     elif not head.endswith(".py") or head.startswith("-"):
         raise FieldError("entry", f"the first item {head!r} is not a script path ending in .py",
                          "start the list with your script, e.g. [my_train.py, --lr, '3e-4'], or with -m MODULE")
+

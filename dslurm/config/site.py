@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dslurm.config.container import ContainerSpec
+from dslurm.config.envvars import check_env
 from dslurm.config.schema import FieldError, field
 
 
@@ -157,6 +158,9 @@ class SiteConfig:
                               "login node (your ssh config and agent are used); docs/remote.md")
     remote: RemoteSpec = field(factory=RemoteSpec, help="with `login`: where runs live on the cluster and how "
                                "dslurm runs there")
+
+    def __post_init__(self) -> None:
+        check_env(self.env)
 
     @property
     def procs_per_node(self) -> int:

@@ -17,9 +17,9 @@ from typing import Any
 
 from dslurm.errors import UserError
 from dslurm.plan.recovery_sim import Draws, max_in_repair
-from dslurm.plan.simulate import Accumulator, SimConfig, SimResult, SparesSizing, segments_per_trial, draw_failures
+from dslurm.plan.simulate import Accumulator, SimConfig, SimResult, SparesSizing, draw_failures, segments_per_trial
 
-CELLS = 4_000_000  # failure draws held at once (~32 MB of float64; the timeline holds a few such arrays)
+CELLS = 1_000_000  # failure draws held at once (8 MB of float64; the timeline holds a few such arrays)
 MAX_TRIALS = 100_000  # the goodput's standard error at 1000 trials is already ~0.1 %
 
 
