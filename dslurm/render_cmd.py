@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from dslurm.errors import UserError
+from dslurm.errors import UserError, check_output_file
 
 # The shipped examples: (site config, job spec) -> sbatch/<job>.<site>.sbatch
 EXAMPLES = (
@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         return run_render(args)
     if not args.site or not args.job:
         raise UserError("render needs --site FILE and --job FILE (or --examples check|write)")
+    if args.output:
+        check_output_file(Path(args.output), "-o")
     text = render_files(args.site, args.job, args.overrides, args.site_overrides)
     if args.output:
         write_atomic(Path(args.output), text, 0o755)

@@ -4,11 +4,13 @@ the field, the value and the fix, never a traceback (issue 54)."""
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 
 import pytest
 
 from dslurm.cli import build_parser, main
-from testkit import ROOT
+from testkit import ROOT, chat_tokenizer
 
 SITE, JOB = str(ROOT / "site-configs/local.yaml"), str(ROOT / "examples/jobs/tiny-2node.yaml")
 
@@ -59,3 +61,80 @@ def test_no_parser_accepts_abbreviations(capsys):
     assert len(every) > 30 and all(not p.allow_abbrev for p in every), \
         [p.prog for p in every if p.allow_abbrev]
     refused(capsys, ["render", "--sit", SITE, "--jo", JOB], "unrecognized arguments: --sit")
+
+
+# ---------------------------------------------------------------- config files and render -o
+
+
+def test_a_config_that_is_not_utf8_or_not_text_names_the_line_and_the_fix(capsys, tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes((ROOT / "examples/jobs/tiny-2node.yaml").read_bytes() + "# café\n".encode("latin-1"))
+    lines = latin.read_bytes().count(b"\n")
+    refused(capsys, ["render", "--site", SITE, "--job", str(latin)],
+            f"{latin}: not UTF-8 text: byte 0xe9 at line {lines}", "Fix: save the file as UTF-8")
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\xd0\xff" * 20)
+    refused(capsys, ["render", "--site", str(binary), "--job", JOB], f"{binary}: not a text file", "Fix:")
+
+
+def test_render_output_must_be_a_file_in_a_directory_that_exists(capsys, tmp_path):
+    refused(capsys, ["render", "--site", SITE, "--job", JOB, "-o", str(tmp_path)],
+            f"-o {tmp_path}: is a directory", "Fix: name the file")
+    missing = tmp_path / "no" / "such" / "x.sbatch"
+    refused(capsys, ["render", "--site", SITE, "--job", JOB, "-o", str(missing)],
+            f"the directory {missing.parent} does not exist", "mkdir -p")
+    assert not (tmp_path / "no").exists()  # nothing created on the way
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_data_synth_into_a_folder_is_refused_and_files_follow_the_umask(capsys, tmp_path):
+    refused(capsys, ["data", "synth", str(tmp_path), "--tokens", "100", "--vocab", "50"],
+            f"OUT {tmp_path}: is a folder", "Fix:")
+    old = os.umask(0o022)
+    try:
+        assert main(["data", "synth", str(tmp_path / "s.h5"), "--tokens", "100", "--vocab", "50"]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "s.h5").stat().st_mode) == 0o644  # teammates can read a shared dataset
+
+
+@pytest.fixture
+def tok(tmp_path):
+    d = tmp_path / "tok"
+    d.mkdir()
+    chat_tokenizer(d)
+    return d
+
+
+def test_tokenize_refuses_a_file_as_out_an_empty_corpus_and_shards_out_of_range(capsys, tmp_path, tok):
+    existing = tmp_path / "existing"
+    existing.write_text("x")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "the cat sat"}\n{"text": "the dog ran"}\n')
+    refused(capsys, ["data", "tokenize", "--tokenizer", str(tok), str(corpus), "--out", str(existing)],
+            f"--out {existing}: is a file, not a folder", "Fix:")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    refused(capsys, ["data", "tokenize", "--tokenizer", str(tok), str(empty), "--out", str(tmp_path / "e")],
+            "the inputs hold no documents (0 tokens", "no manifest was written", "Fix:")
+    assert not (tmp_path / "e" / "manifest.json").exists()
+    refused(capsys, ["data", "tokenize", "--tokenizer", str(tok), str(corpus), "--out", str(tmp_path / "s"),
+                     "--shards", "50"], "--shards 50: must be in 1..2")
+    refused(capsys, ["data", "tokenize", "--tokenizer", str(tok), str(corpus), "--out", str(tmp_path / "s"),
+                     "--shards", "0"], "--shards 0: must be at least 1")
+
+
+def test_tokenize_with_eos_does_not_warn_and_its_shards_follow_the_umask(capsys, caplog, tmp_path, tok):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "the cat sat"}\n{"text": "the dog ran"}\n')
+    old = os.umask(0o022)
+    try:
+        assert main(["data", "tokenize", "--tokenizer", str(tok), str(corpus), "--out", str(tmp_path / "o"),
+                     "--eos", "</s>", "--shards", "2"]) == 0
+    finally:
+        os.umask(old)
+    assert "adds no BOS/EOS" not in caplog.text + capsys.readouterr().err
+    shards = sorted((tmp_path / "o").glob("shard-*.h5"))
+    assert len(shards) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in shards)
