@@ -209,11 +209,18 @@ def read_manifest(gen_dir: Path) -> dict[str, Any]:
         files = doc["files"]
         if not isinstance(files, dict):
             raise TypeError("files is not a mapping")
+        for name, entry in files.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0 \
+                    or not isinstance(entry.get("crc32"), str):
+                raise TypeError(f"entry {name!r} is {entry!r}, not {{\"size\": BYTES, \"crc32\": HEX}}")
         return doc
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (partial or in-flight generation)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc.strerror})") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+        raise CheckpointError(f"{path}: unreadable manifest ({exc}); this generation cannot be trusted: "
+                              "use another (`dslurm ckpt ls`)") from None
 
 
 def manifest_problems(gen_dir: Path, pointer_crc: str | None = None) -> tuple[list[str], dict[str, Any]]:
@@ -287,6 +294,9 @@ def read_pointer(run_dir: str | os.PathLike[str]) -> Pointer | None:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:  # a directory, unreadable
+        raise CheckpointError(f"{path}: not the pointer file ({exc.strerror}). Fix: move it away; the restore "
+                              "then falls back to the newest verified generation") from None
     try:
         doc = json.loads(raw)
         ptr = Pointer(str(doc["generation"]), int(doc["step"]), doc.get("manifest_crc32"))
