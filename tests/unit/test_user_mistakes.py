@@ -4,13 +4,15 @@ the field, the value and the fix, never a traceback (issue 54)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import stat
 
 import pytest
 
 from dslurm.cli import build_parser, main
-from testkit import ROOT, chat_tokenizer
+from testkit import ROOT, chat_tokenizer, one_start_ended
 
 SITE, JOB = str(ROOT / "site-configs/local.yaml"), str(ROOT / "examples/jobs/tiny-2node.yaml")
 
@@ -138,3 +140,29 @@ def test_tokenize_with_eos_does_not_warn_and_its_shards_follow_the_umask(capsys,
     assert "adds no BOS/EOS" not in caplog.text + capsys.readouterr().err
     shards = sorted((tmp_path / "o").glob("shard-*.h5"))
     assert len(shards) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in shards)
+
+
+# ---------------------------------------------------------------- doctor and report
+
+
+def test_a_ledger_time_of_1e300_is_skipped_by_doctor_and_report(capsys, tmp_path):
+    one_start_ended(tmp_path, "completed", 10)
+    led = tmp_path / "ledger.jsonl"
+    lines = led.read_text().splitlines()
+    rec = json.loads(lines[2])
+    rec["t"] = 1e300
+    led.write_text("\n".join([*lines[:2], json.dumps(rec), *lines[3:]]) + "\n")
+    assert main(["doctor", str(tmp_path)]) == 0
+    assert main(["report", str(tmp_path), "--no-png"]) == 0
+    out = capsys.readouterr().out
+    wall = re.search(r"/ wall (\S+)", out)
+    assert wall is not None and len(wall.group(1)) < 12, out  # no 200-digit wall time
+
+
+def test_report_png_must_be_a_png_file_name_not_a_directory(capsys, tmp_path, monkeypatch):
+    one_start_ended(tmp_path, "completed", 10)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pics").mkdir()
+    refused(capsys, ["report", str(tmp_path), "--png", "pics"], "--png pics: is a directory", "Fix:")
+    refused(capsys, ["report", str(tmp_path), "--png", "timeline"], "not a .png file name", "--png timeline.png")
+    assert not list(tmp_path.glob("*.png")) and not list((tmp_path / "pics").iterdir())
