@@ -166,3 +166,14 @@ def test_report_png_must_be_a_png_file_name_not_a_directory(capsys, tmp_path, mo
     refused(capsys, ["report", str(tmp_path), "--png", "pics"], "--png pics: is a directory", "Fix:")
     refused(capsys, ["report", str(tmp_path), "--png", "timeline"], "not a .png file name", "--png timeline.png")
     assert not list(tmp_path.glob("*.png")) and not list((tmp_path / "pics").iterdir())
+
+
+def test_a_rendered_script_says_it_reads_the_live_files_and_render_o_creates_its_logs_dir(capsys, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["render", "--site", SITE, "--job", JOB, "-o", "job.sbatch"]) == 0
+    text = (tmp_path / "job.sbatch").read_text()
+    head = "\n".join(text.splitlines()[:6])
+    assert f"reads {SITE} and {JOB} as they are then" in head and "frozen into the run directory" in head
+    assert "#SBATCH --output=logs/%x-%j.out" in text and (tmp_path / "logs").is_dir()
+    assert f"sbatch it from {tmp_path}" in capsys.readouterr().err
