@@ -20,7 +20,7 @@ class SlurmError(UserError):
     exit_code = 1
 
 
-def check_output_file(out: Path, flag: str, example: str = "job.sbatch") -> None:
+def check_output_file(out: Path, flag: str, example: str = "script.sbatch") -> None:
     """A file a command is told to write (`flag` names the option): a file to create or replace,
     in a directory that exists. Nothing is created on the way, so a typo in the path leaves no
     directories behind."""

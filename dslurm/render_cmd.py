@@ -41,12 +41,12 @@ def render_files(site_path: str, job_path: str, overrides: list[str] | None = No
 def render_resolved(site_path: str, job_path: str, overrides: list[str] | None = None,
                     site_overrides: list[str] | None = None) -> tuple[Resolved, str]:
     """(the resolved job, its script as `dslurm render` writes it)."""
-    from dslurm.config.envvars import env_warnings
+    from dslurm.config.resolve import warnings
     from dslurm.observe.lead import load
     from dslurm.render import RenderRefs, render_sbatch
 
     r = load(site_path, job_path, overrides, site_overrides)
-    for line in env_warnings(r.site.env, r.job.env, r.site_path, r.job_path):
+    for line in warnings(r):
         print(line, file=sys.stderr)
     refs = RenderRefs(site=site_path, job=job_path, overrides=tuple(overrides or ()),
                       site_overrides=tuple(site_overrides or ()))

@@ -76,6 +76,16 @@ class RequeueSpec:
     max_stray_stops: int | None = field(None, help="requeues after stray stops (a TERM that reached only the "
                                                    "job step); null = the site's")
 
+    def __post_init__(self) -> None:
+        if isinstance(self.signal_lead, int) and self.signal_lead < 1:
+            raise FieldError("signal_lead", f"{self.signal_lead} seconds gives the job no warning before the time "
+                             "limit (it is killed mid-step, nothing saved)",
+                             "give the seconds a step plus a save need (e.g. 120), or auto")
+        for name in ("max_restarts", "no_progress_limit", "max_stray_stops"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise FieldError(name, f"{getattr(self, name)} must not be negative",
+                                 "give 0 (none) or more, or remove it for the site's")
+
 
 @dataclass(kw_only=True, slots=True)
 class MetricsSpec:

@@ -8,12 +8,13 @@ that lands in the script goes through `shlex.quote`.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
 
 from dslurm import __version__
-from dslurm.config.resolve import Resolved
+from dslurm.config.resolve import Resolved, raw_run_dir
 from dslurm.errors import UserError
 from dslurm.render import container
 from dslurm.run import STARTS
@@ -143,7 +144,20 @@ def job_env(r: Resolved, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _env_lines(r: Resolved, refs: RenderRefs) -> list[str]:
-    return [f"export {k}={q(v)}" for k, v in job_env(r, refs.extra_env).items()]
+    lines = [f"export {k}={q(v)}" for k, v in job_env(r, refs.extra_env).items()]
+    shell = None if refs.frozen else shell_path(raw_run_dir(r.site, r.job))
+    return [f"export DSLURM_RUN_DIR={shell}" if shell and ln.startswith("export DSLURM_RUN_DIR=") else ln
+            for ln in lines]
+
+
+def shell_path(raw: str) -> str | None:
+    """A run directory written with `~` as shell words that expand on the node, not on the machine
+    that renders (a laptop's home is not the cluster's): `~/runs/x` -> "$HOME"'/runs/x' (the rest
+    expanded as `resolve` does, then single-quoted). None without a leading `~` (`submit` renders
+    where the job runs, and `resolve` expanded it already)."""
+    if not (raw.startswith("~") and raw[1:2] in ("", "/")):
+        return None
+    return '"$HOME"' + (q(os.path.expandvars(raw[1:])) if raw[1:] else "")
 
 
 def trainer_args(r: Resolved, refs: RenderRefs) -> list[str]:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import stat
+import subprocess
 
 import pytest
 
@@ -177,3 +178,38 @@ def test_a_rendered_script_says_it_reads_the_live_files_and_render_o_creates_its
     assert f"reads {SITE} and {JOB} as they are then" in head and "frozen into the run directory" in head
     assert "#SBATCH --output=logs/%x-%j.out" in text and (tmp_path / "logs").is_dir()
     assert f"sbatch it from {tmp_path}" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- loose checks: requeue, storage, ~
+
+
+@pytest.mark.parametrize(("flag", "field", "needle"), [
+    ("--set", "requeue.signal_lead=-5", "-5 seconds gives the job no warning"),
+    ("--set", "requeue.signal_lead=0", "0 seconds gives the job no warning"),
+    ("--site-set", "requeue.signal_lead_s=-5", "-5 seconds gives jobs no warning"),  # was raised to 60 silently
+    ("--set", "requeue.max_restarts=-1", "-1 must not be negative"),
+    ("--site-set", "requeue.max_restarts=-1", "-1 must not be negative"),
+    ("--site-set", "storage.durable=", "is empty"),
+])
+def test_requeue_and_storage_values_that_mean_nothing_are_refused(capsys, flag, field, needle):
+    refused(capsys, ["render", "--site", SITE, "--job", JOB, flag, field], f"{flag} {field}", needle, "Fix:")
+
+
+def test_a_lead_that_takes_most_of_the_job_is_warned(capsys):
+    assert main(["render", "--site", SITE, "--job", JOB, "--set", "time=00:06:00",
+                 "--set", "requeue.signal_lead=300"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "300s before the 360s limit" in err and "at most 60s" in err
+
+
+def test_home_in_the_run_dir_expands_on_the_node_not_where_render_runs(capsys, monkeypatch):
+    monkeypatch.setenv("HOME", "/home/on-the-laptop")
+    monkeypatch.setenv("USER", "me")
+    assert main(["render", "--site", SITE, "--job", JOB, "--set", "checkpoint.run_dir=~/runs/${USER}/a b"]) == 0
+    out = capsys.readouterr().out
+    assert "/home/on-the-laptop" not in out
+    line = """export DSLURM_RUN_DIR="$HOME"'/runs/me/a b'"""
+    assert line in out
+    got = subprocess.run(["bash", "-c", f'{line}; echo "$DSLURM_RUN_DIR"'],
+                         env={"HOME": "/cluster/me", "USER": "me"}, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "/cluster/me/runs/me/a b"
