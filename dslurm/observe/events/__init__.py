@@ -140,7 +140,7 @@ def decode(record: Any) -> Event | None:
         return None
     cls = CATALOGUE.get(str(record.get("event"))) or ALIASES.get(str(record.get("event")))
     t = record.get("t")
-    if cls is None or not _matches(t, float) or not 0 <= t < LATEST_T:
+    if cls is None or not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < LATEST_T:
         return None
     kwargs = {}
     for name, tp in _hints(cls).items():
