@@ -219,7 +219,10 @@ def goodput_per_trial(cfg: SimConfig, interval_s: float, line: Any) -> Any:
     return (kept * line.speed).sum(axis=1) * interval_s / (cfg.horizon_h * 3600.0)
 
 
-def default_intervals(cfg: SimConfig, points: int = 41) -> list[float]:
+GRID_POINTS = 41  # log-spaced intervals scored from Young/Daly / 8 to x 8 (plan simulate's search)
+
+
+def default_intervals(cfg: SimConfig, points: int = GRID_POINTS) -> list[float]:
     """Log-spaced candidates from Young/Daly ÷ 8 to × 8, plus Young/Daly itself and the durable
     write time (below it a shorter interval gains nothing: one write in flight at a time)."""
     yd = cfg.young_daly_s

@@ -3,6 +3,8 @@ same draws, and a refusal (exit 2) past MAX_TRIALS instead of an OOM on a login 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -54,3 +56,14 @@ def test_trials_past_the_cap_are_refused_with_exit_2_and_1e3_is_a_count():
     assert r.returncode == 0, r.stderr
     r = run_cli("plan", "simulate", "--gpus", "8", "--trials", "2.5", timeout=30)
     assert r.returncode == 2 and "not a whole number" in r.stderr
+
+
+def test_simulate_says_how_it_chose_the_best_interval():
+    r = run_cli("plan", "simulate", "--gpus", "1024", "--trials", "50", "--mechanism", "requeue", "--save", "sync",
+                "--json", timeout=60)
+    out = json.loads(r.stdout)
+    assert out["best_interval_from"].startswith("searched: the best mean goodput among the scored intervals, 41 ")
+    assert len(out["results"][0]["intervals"]) >= 41  # it did score them
+    r = run_cli("plan", "simulate", "--gpus", "1024", "--trials", "50", "--mechanism", "requeue", "--save", "sync",
+                "--interval-s", "600", "--interval-s", "1200", "--json", timeout=60)
+    assert json.loads(r.stdout)["best_interval_from"] == "the best mean goodput of the 2 --interval-s given"

@@ -213,3 +213,21 @@ def test_home_in_the_run_dir_expands_on_the_node_not_where_render_runs(capsys, m
     got = subprocess.run(["bash", "-c", f'{line}; echo "$DSLURM_RUN_DIR"'],
                          env={"HOME": "/cluster/me", "USER": "me"}, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "/cluster/me/runs/me/a b"
+
+
+# ---------------------------------------------------------------- plan
+
+
+def test_plan_refuses_a_zero_peak_and_a_negative_or_unusable_throughput(capsys):
+    refused(capsys, ["plan", "--model", "8b", "--peak-tflops", "0"], "--peak-tflops 0: must be greater than 0", "Fix:")
+    refused(capsys, ["plan", "--model", "8b", "--tokens-per-s", "-5"], "--tokens-per-s -5: must be greater than 0")
+    refused(capsys, ["plan", "--model", "8b", "--tokens-per-s", "5000"], "needs the GPUs' peak", "--peak-tflops")
+    assert main(["plan", "--model", "8b"]) == 0
+    out = capsys.readouterr().out
+    assert "the site gives" not in out and "no peak TFLOP/s given" in out  # no site was given
+
+
+def test_no_layout_fits_advice_lowers_memory_not_raises_the_batch(capsys):
+    err = refused(capsys, ["plan", "--model", "70b", "--nodes", "1", "--gpu-mem-gb", "20"], "no layout fits",
+                  "Fix: more nodes or GPUs with more memory")
+    assert "global_batch" not in err.split("Fix:")[1]
