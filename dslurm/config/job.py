@@ -140,7 +140,8 @@ class JobSpec:
     recovery: RecoverySpec = field(factory=RecoverySpec, help="recovery inside the allocation (jobs with spares)")
     metrics: MetricsSpec = field(factory=MetricsSpec, help="experiment trackers (TensorBoard, W&B, MLflow)")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
-    env: dict[str, str] = field(factory=dict, help="extra environment for this job")
+    env: dict[str, str] = field(factory=dict, help="extra environment for this job (SLURM_*, dslurm's own DSLURM_* "
+                                "and what the launcher sets, RANK, MASTER_ADDR, ..., are refused)")
     spares: int = field(0, help="spare whole nodes allocated beyond `nodes` (with --no-kill): a failed "
                         "node is swapped for one inside the allocation, without the queue (docs/recovery.md)")
     on_spares_exhausted: Literal["requeue", "shrink"] = field(
