@@ -145,3 +145,14 @@ def test_a_flight_recorder_dump_naming_a_class_is_skipped_unrun(tmp_path):
     (tmp_path / "fr" / "rank-00000").write_bytes(pickle.dumps({"entries": [Hostile(marker)]}))
     assert read_dumps(tmp_path) == {}
     assert not marker.exists()
+
+
+def test_init_from_reads_no_pickle_a_torch_weights_file_is_refused_unread(tmp_path):
+    """model.init_from takes safetensors only (its header is JSON, its data raw bytes)."""
+    from dslurm.checkpoint.init_from import open_dir
+
+    marker = tmp_path / "ran"
+    torch.save({"w": Hostile(marker)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(UserError, match="pytorch_model.bin: re-export with `dslurm ckpt export --format safetensors`"):
+        open_dir(tmp_path)
+    assert not marker.exists()
