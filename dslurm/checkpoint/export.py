@@ -172,7 +172,7 @@ def _check_out(out: Path) -> None:
         raise UserError(f"-o {out}: its parent directory {out.parent} does not exist; create it first")
 
 
-def _entries(gen: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+def entries(gen: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from dslurm.checkpoint.io import SafeReader
@@ -186,7 +186,7 @@ def _entries(gen: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                         "another generation with --generation (`dslurm ckpt ls --full` lists them)") from None
 
 
-def _load(gen: Path, items: list[Item]) -> dict[str, Any]:
+def load_items(gen: Path, items: list[Item]) -> dict[str, Any]:
     """Full tensors of these items (output names, output dtype and row order), resharded by DCP."""
     import warnings
 
@@ -252,7 +252,7 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
                             "trainer's model can be mapped (export without --hf)")
         shape = ModelShape.from_record(meta["model_shape"])
     out_dtype = DTYPES[dtype] if dtype else (shape.dtype if shape is not None else None)
-    items = plan_items(_entries(gen), key, out_dtype, shape)
+    items = plan_items(entries(gen), key, out_dtype, shape)
     shards = plan_shards([(it.name, it.out_bytes) for it in items], max_shard_bytes)
     files = file_names(fmt, len(shards))
     by_name = {it.name: it for it in items}
@@ -261,7 +261,7 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
     try:
         for names, fname in zip(shards, files):
             progress(f"writing {fname} ({len(names)} tensors)")
-            _write_file(fmt, _load(gen, [by_name[n] for n in names]), tmp / fname)
+            _write_file(fmt, load_items(gen, [by_name[n] for n in names]), tmp / fname)
         total = sum(it.out_bytes for it in items)
         if len(files) > 1:
             ck.atomic_write_json(tmp / INDEX[fmt], index_doc(shards, files, total))

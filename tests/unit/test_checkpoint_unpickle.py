@@ -156,3 +156,19 @@ def test_init_from_reads_no_pickle_a_torch_weights_file_is_refused_unread(tmp_pa
     with pytest.raises(UserError, match="pytorch_model.bin: re-export with `dslurm ckpt export --format safetensors`"):
         open_dir(tmp_path)
     assert not marker.exists()
+
+
+def test_the_chaos_selftest_reads_final_parameters_through_the_gate(run, tmp_path):
+    from types import SimpleNamespace
+
+    from dslurm.selftest.chaos.jobs import final_params
+
+    run_dir, gen = run
+    want = build_model(TINY, 0).state_dict()  # the fixture saved this model untrained
+    got = final_params(SimpleNamespace(mode="builtin"), run_dir, None, tmp_path)  # type: ignore[arg-type]
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    marker = tmp_path / "ran"
+    (gen / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
+    with pytest.raises(unpickle.UnsafePickle, match="posix.system"):
+        final_params(SimpleNamespace(mode="builtin"), run_dir, None, tmp_path)  # type: ignore[arg-type]
+    assert not marker.exists()
