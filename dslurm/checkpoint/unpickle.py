@@ -37,6 +37,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),  # Python 3.13+
     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
 })
 
