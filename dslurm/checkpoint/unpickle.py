@@ -28,7 +28,7 @@ from dslurm.errors import UserError
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
 
-# (module, name) of every class DCP's `.metadata` holds (torch 2.4 .. 2.13): the metadata
+# (module, name) of every class DCP's `.metadata` holds (checked on torch 2.13 and 2.14): the metadata
 # dataclasses, the storage records, tensor sizes, dtypes and layouts, and StorageMeta's path.
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_DCP_MD, "Metadata"), (_DCP_MD, "MetadataIndex"), (_DCP_MD, "StorageMeta"),
