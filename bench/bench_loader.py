@@ -299,7 +299,7 @@ def data_wait(resolved, steps: int, compute_s: float) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2000, help="batches timed per section")
     p.add_argument("--mtokens", type=int, default=256, help="corpus size in Mi tokens (uint16; default 256: an "
                    "epoch of 1,024 steps holds the reader's whole plan of ~4,096 windows, as a real corpus does)")

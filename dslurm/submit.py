@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dslurm.config.resolve import Resolved
+from dslurm.config.resolve import Resolved, warnings
 from dslurm.errors import UserError
 from dslurm.run import JOB, SITE, RunDir
 from dslurm.submission import active_jobs_of_run, completed_note, submit
@@ -125,6 +125,8 @@ def run_submit(args: argparse.Namespace) -> int:
         return _resubmit_remote(h, args)
     site, job, overrides = inputs_of(args)
     r = load(site, job, overrides, args.site_overrides, base_dir=os.getcwd())
+    for line in warnings(r):
+        print(line, file=sys.stderr)
     as_json = getattr(args, "json", False)
     if r.site.login is not None:
         return _submit_remote(r, args, site, job)

@@ -37,7 +37,7 @@ from dslurm.checkpoint.compat import writer_streams
 from dslurm.checkpoint.core import Comm, Job, SaveOutcome, reason, to_state_dict, write_reason
 from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
 from dslurm.checkpoint.generation import prepare_generation
-from dslurm.checkpoint.io import CrcFileSystem, CrcReader
+from dslurm.checkpoint.io import CrcFileSystem, CrcReader, SafeLoadPlanner, SafeReader
 from dslurm.checkpoint.tier import Context, LocalPick, thread_outcome
 from dslurm.observe import events
 
@@ -367,6 +367,7 @@ class TwoTier:
         local = [] if rec is not None else [f"{tiers.record_path(gen, ctx.rank)}: missing"]
         local += ck.file_problems(gen, {n: e for n, e in mine.items() if is_shard(n)}, full=False)
         local += ck.file_problems(gen, {n: e for n, e in mine.items() if not is_shard(n)}, full=full)
+        local += ck.metadata_problems(gen)
         problems = sorted(p for ps in ctx.comm.gather(local) for p in ps)
         phases["precheck"] = phases.get("precheck", 0.0) + time.perf_counter() - t
         if problems:
@@ -375,7 +376,7 @@ class TwoTier:
         reader = CrcReader(gen)
         t, err = time.perf_counter(), None
         try:
-            dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
+            dcp.load(state, storage_reader=reader if full else SafeReader(gen), planner=SafeLoadPlanner(),
                      process_group=ctx.comm.group, no_dist=ctx.comm.group is None)
         except (Exception, CheckpointException) as exc:
             err = reason(exc)
