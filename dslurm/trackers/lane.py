@@ -174,8 +174,13 @@ class Lane:
                     return
                 backoff = min(2 * backoff, BACKOFF_MAX_S)
                 continue
+            if self.missed_full and self._q.empty():  # the queue overflowed: the ledger has what it missed
+                self._connect()
+                continue
             item = self._q.get()
             if item.kind == "close":
+                if self.missed_full and not self._connect():  # what overflowed, before the run's last word
+                    return
                 if self._call("close", lambda: self.tracker.close(item.ending), self.close_s):
                     self.closed_ok = True
                 return
@@ -190,13 +195,15 @@ class Lane:
             self.tracker = self._result
             self.opened.set()
         was_down, down_for = self.in_outage, time.monotonic() - self.down_since
+        overflowed = self.missed_full > 0
         if self._catch_up is None:
             self.down = self.in_outage = False
             return True
         self.down = False  # offers queue again from here: the catch-up's ledger read covers the rest
         self.missed_full = self.missed_down = 0
         catch_up = self._catch_up
-        if not self._call("catch-up", lambda: self._send_late(catch_up(self.tracker), was_down), self.timeout_s):
+        if not self._call("catch-up", lambda: self._send_late(catch_up(self.tracker), was_down or overflowed),
+                          self.timeout_s):
             return False
         late = int(self._result or 0)
         self.in_outage = False
