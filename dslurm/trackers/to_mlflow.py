@@ -29,12 +29,15 @@ from typing import TYPE_CHECKING, Any
 from dslurm.durable import atomic_write_text
 from dslurm.trackers import Start
 from dslurm.trackers.backlog import Held
+from dslurm.trackers.lane import Item
 
 if TYPE_CHECKING:
     from dslurm.config import MetricsSpec
 
 PACKAGE = "mlflow.tracking"
 SUBDIR = "mlruns"
+BATCH = 1000
+"""metrics per log_batch (MLflow's limit)"""
 _STATUS = {"completed": "FINISHED", "requeue": "KILLED", "terminated": "KILLED", None: "KILLED"}
 
 
@@ -70,7 +73,7 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.client: Any = MlflowClient(tracking_uri=uri)
-        self.start = ctx.start
+        self.start, self.sync = ctx.start, ctx.sync
         run_id = ctx.state.get("run_id")
         if isinstance(run_id, str):
             self.run_id = run_id
@@ -114,11 +117,22 @@ class MlflowTracker:
         ts = int((t or time.time()) * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v in values.items()])
 
+    def log_many(self, items: list[Item]) -> None:
+        """Many points in few calls (a sync): MLflow takes at most 1000 metrics a batch."""
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, v, int((i.t or time.time()) * 1000), i.step) for i in items
+                   for k, v in (i.values or {}).items()]
+        for at in range(0, len(metrics), BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[at:at + BATCH])
+
     def event(self, text: str, step: int) -> None:
         key = f"dslurm.event.{step:09d}.{zlib.crc32(text.encode()):08x}"
         self.client.set_tag(self.run_id, key, f"step {step}: {text}")
 
     def close(self, ending: str | None) -> None:
+        if self.sync and ending is None:
+            return  # a sync while a start may be training: the status is the start's to give
         self.client.set_terminated(self.run_id, status=_STATUS.get(ending, "FAILED"))
 
 
