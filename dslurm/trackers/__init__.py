@@ -264,6 +264,7 @@ class Trackers:
                 break
             time.sleep(0.01)
         for lane in self.lanes.values():
+            lane.abandoned = not lane.finished.is_set()
             if not lane.finished.is_set() and not lane.down:
                 self._lane_failed(lane, lane.doing, TimeoutError(
                     f"left at the start's end after {time.monotonic() - t0:.1f} s ({lane.doing} with {lane.what} "

@@ -30,6 +30,7 @@ Torch-free; no tracker package is imported here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -98,6 +99,7 @@ class Lane:
         """the start's opening event's time: a first catch-up sends items from then on as live"""
         self.down = False
         """offers are counted, not queued (a failed call; until a catch-up begins)"""
+        self._late_in_outage = 0
         self.in_outage = False
         """from a failure to the end of the catch-up that healed it (reported once each)"""
         self.down_since = 0.0
@@ -107,6 +109,8 @@ class Lane:
         """set once the backend's open answered"""
         self.finished = threading.Event()
         self.closing = threading.Event()
+        self.abandoned = False
+        """the start's close left it: it sends nothing more (the ledger keeps it for the next start)"""
         self.tracker: Any = None
         self._q: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -162,7 +166,7 @@ class Lane:
     def _run(self) -> None:
         backoff = BACKOFF_S
         first = True
-        while True:
+        while not self.abandoned:
             if self.tracker is None or self.down:
                 if self.closing.is_set() and not first and (self.down or self.tracker is None):
                     return  # never hold an exit for a tracker that is down
@@ -178,6 +182,8 @@ class Lane:
                 self._connect()
                 continue
             item = self._q.get()
+            if self.abandoned:
+                return
             if item.kind == "close":
                 if self.missed_full and not self._connect():  # what overflowed, before the run's last word
                     return
@@ -202,28 +208,25 @@ class Lane:
         self.down = False  # offers queue again from here: the catch-up's ledger read covers the rest
         self.missed_full = self.missed_down = 0
         catch_up = self._catch_up
-        if not self._call("catch-up", lambda: self._send_late(catch_up(self.tracker), was_down or overflowed),
-                          self.timeout_s):
+        if not self._call("catch-up", lambda: catch_up(self.tracker), self.timeout_s):
             return False
-        late = int(self._result or 0)
-        self.in_outage = False
-        if was_down and self._healed is not None:
-            self._healed(self, down_for, late)
-        return True
-
-    def _send_late(self, items: list[Item], was_down: bool) -> int:
-        """Send what a catch-up found missing; returns how many went late (after an outage all of
-        them; at an opening, those from before this start)."""
-        late = 0
-        for item in items:
-            self.since = time.monotonic()  # each send is progress, not a stall
-            if self._send(self.tracker, item, True):
-                if was_down or item.t < self.live_from:
+        late_all = was_down or overflowed
+        for item in list(self._result or []):  # one bounded call each: a long catch-up is progress
+            if self.abandoned:
+                return False
+            if not self._call("catch-up", functools.partial(self._send, self.tracker, item, True), self.timeout_s):
+                return False
+            if self._result:
+                if late_all or item.t < self.live_from:
                     self.backfilled += 1
-                    late += 1
+                    self._late_in_outage += 1
                 else:
                     self.delivered += 1
-        return late
+        self.in_outage = False
+        if was_down and self._healed is not None:
+            self._healed(self, down_for, self._late_in_outage)
+        self._late_in_outage = 0
+        return True
 
     _result: Any = None
 

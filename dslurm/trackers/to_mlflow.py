@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from urllib.parse import urlsplit, urlunsplit
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +43,24 @@ _STATUS = {"completed": "FINISHED", "requeue": "KILLED", "terminated": "KILLED",
 
 
 def tracking_uri(ctx: Start) -> str:
-    return _uri(ctx.spec, ctx.run_dir)
+    """The job's, else the environment's, else the one the run's MLflow run lives on (trackers.json:
+    a sync of a run whose job is not frozen here), else the run directory's file store."""
+    if ctx.spec.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or not isinstance(ctx.state.get("uri"), str):
+        return _uri(ctx.spec, ctx.run_dir)
+    return str(ctx.state["uri"])
 
 
 def _uri(spec: MetricsSpec, run_dir: Path) -> str:
     uri = spec.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     return uri or (run_dir / SUBDIR).resolve().as_uri()
+
+
+def _no_userinfo(uri: str) -> str:
+    """`uri` without user:password@ (credentials stay in the environment, never in the run directory)."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    return urlunsplit(parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else "")))
 
 
 def remote(spec: MetricsSpec, run_dir: Path) -> bool:
@@ -91,6 +104,7 @@ class MlflowTracker:
             ctx.note("create_run")
             self.run_id = self.client.create_run(exp_id, run_name=ctx.job).info.run_id
             ctx.state["run_id"] = self.run_id
+            ctx.state["uri"] = _no_userinfo(uri)
             ctx.save()
 
     def _purge(self, experiment_id: str, purge_from: int) -> None:
