@@ -23,9 +23,9 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from urllib.parse import urlsplit, urlunsplit
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from dslurm.durable import atomic_write_text
 from dslurm.trackers import Start

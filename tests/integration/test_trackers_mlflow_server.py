@@ -137,7 +137,8 @@ def test_frozen_at_the_end_the_exit_leaves_at_once_and_the_next_start_and_sync_c
     led2.append(ev.Exit(reason="completed", step=25, code=0))
     got, status = history(server, run)
     assert sorted(got) == list(range(1, 26)), sorted(got)
-    assert all(len(v) == 1 for v in got.values()), {s: v for s, v in got.items() if len(v) > 1}  # replayed steps are not logged twice
+    # replayed steps are not logged twice
+    assert all(len(v) == 1 for v in got.values()), {s: v for s, v in got.items() if len(v) > 1}
     # what the chart shows: 1..10 as the first start logged them, 12..25 as the second trained them;
     # 11 was in flight when the server froze, and it lands when it thaws (the process has no say)
     assert all(got[s] == [pytest.approx(loss(s - 1))] for s in range(1, 11)), got
