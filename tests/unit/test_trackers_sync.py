@@ -115,3 +115,26 @@ def test_sync_refuses_what_it_cannot_do_with_exit_2(run, tmp_path, capsys):
     assert main(["trackers", "sync", str(run), "--to", "tensorboard"]) == 2
     err = capsys.readouterr().err
     assert "no ledger.jsonl" in err and "--to" in err and "cannot be read" in err, err
+
+
+def test_report_has_a_tracker_line_delivered_late_missing(run, capsys):
+    """`dslurm report` sums the starts' and syncs' tracker_delivery events (pure lines, then the CLI)."""
+    from dslurm.observe import trackerlines
+
+    t = 1.0e9
+    evs = [ev.TrackerFailed(t=t, tracker="mlflow", error="NoAnswer: ...", during="log"),
+           ev.TrackerDelivery(t=t + 1, tracker="mlflow", delivered=60, late=0, missing=140, closed=False,
+                              outages=1),
+           ev.TrackerDelivery(t=t + 2, tracker="mlflow", delivered=20, late=140, missing=0, closed=True)]
+    (line,) = trackerlines.lines(evs, "/runs/a")
+    assert line == ("tracker mlflow: 80 item(s) delivered, 140 late-delivered (backfilled from the ledger after "
+                    "1 outage(s)), 0 still missing"), line
+    (line,) = trackerlines.lines(evs[:2], "/runs/a")
+    assert "140 still missing" in line and "`dslurm trackers sync /runs/a --to mlflow`" in line, line
+    write_run(run, n=5, crash_at=None)
+    assert main(["trackers", "sync", str(run), "--to", "tensorboard"]) == 0
+    capsys.readouterr()
+    main(["report", str(run)])
+    out = capsys.readouterr().out
+    assert "tracker tensorboard: 0 item(s) delivered, 7 late-delivered (backfilled from the ledger), " \
+           "0 still missing" in out, out
