@@ -64,7 +64,9 @@ a server; `PACKAGE`: the tracker package it loads"""
 
 
 STALL_S = 0.5
-"""the start's end leaves a lane whose call has waited this long (or that is down): exit first"""
+"""a stop's end leaves a lane whose call has waited this long (or that is down): exit first. A
+completed run's end gives a slow (not down) lane its call bound, metrics.tracker_timeout_s, for
+the run's final status: nothing is pressing then"""
 
 
 class Tracker(Protocol):
@@ -246,8 +248,9 @@ class Trackers:
     def close(self, ending: str | None = None) -> None:
         """End every lane: what is queued is sent and the backends close, within
         metrics.tracker_close_s in all; a lane that is down or stalled (its call waiting over
-        STALL_S) is left at once, its unsent points kept in the ledger for the next start or
-        `dslurm trackers sync`. Then one `tracker_delivery` per tracker."""
+        STALL_S; a completed run: over its call bound) is left at once, its unsent points kept in
+        the ledger for the next start or `dslurm trackers sync`. Then one `tracker_delivery` per
+        tracker."""
         with self._lock:
             if self.closed:
                 return
@@ -257,9 +260,10 @@ class Trackers:
         for lane in self.lanes.values():
             lane.offer(Item("close", ending=ending))
         left: set[str] = set()
+        stall_s = self.spec.tracker_timeout_s if ending == "completed" else STALL_S
         while time.monotonic() < deadline:
             waiting = [lane for lane in self.lanes.values() if not lane.finished.is_set() and lane.name not in left]
-            left.update(lane.name for lane in waiting if lane.stalled(STALL_S))
+            left.update(lane.name for lane in waiting if lane.stalled(stall_s))
             if not [lane for lane in waiting if lane.name not in left]:
                 break
             time.sleep(0.01)

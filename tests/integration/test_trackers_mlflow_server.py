@@ -68,6 +68,11 @@ def history(server: Server, run_dir) -> tuple[dict[int, list[float]], str]:
     return got, client.get_run(run_id).info.status
 
 
+def up_with(lane_, n: int) -> bool:
+    """The lane is up and has sent `n` items (a loaded machine's server may answer its first calls late)."""
+    return lane_.opened.is_set() and not lane_.in_outage and lane_.delivered + lane_.backfilled >= n
+
+
 def of(run_dir, cls):
     return [e for e in ev.read(run_dir) if isinstance(e, cls)]
 
@@ -80,28 +85,29 @@ def test_frozen_mid_run_the_server_ends_with_every_ledger_step_once_in_a_finishe
     assert trk is not None
     led.append(ev.TrainStart(step=0))
     worst = steps(led, 0, 10)
-    wait_for(lambda: trk.lanes["mlflow"].delivered >= 11, 60, "the first steps delivered", poll=0.05)
+    wait_for(lambda: up_with(trk.lanes["mlflow"], 11), 120, "the first steps delivered", poll=0.05)
     server.freeze()
     try:
         worst = max(worst, steps(led, 10, 40, pause_s=0.05))  # ~1.5 s of training against a frozen server
-        wait_for(lambda: of(run, ev.TrackerFailed), 30, "the lane's tracker_failed", poll=0.1)
+        wait_for(lambda: [f for f in of(run, ev.TrackerFailed) if f.during == "log"], 30, "the lane's tracker_failed",
+                 poll=0.1)
         worst = max(worst, steps(led, 40, 50, pause_s=0.05))
     finally:
         server.thaw()
     worst = max(worst, steps(led, 50, 60))
-    wait_for(lambda: of(run, ev.TrackerHealed), 60, "the lane healed", poll=0.1)
+    wait_for(lambda: not trk.lanes["mlflow"].in_outage and of(run, ev.TrackerHealed), 60, "the lane healed", poll=0.1)
     led.append(ev.Exit(reason="completed", step=60, code=0))
     assert worst < 0.25, worst  # the ledger's fsync, never the tracker
     got, status = history(server, run)
     assert sorted(got) == list(range(1, 61)), sorted(got)
     assert all(v == [pytest.approx(loss(s - 1))] for s, v in got.items()), got  # once each, the ledger's value
     assert status == "FINISHED"
-    (failed,) = of(run, ev.TrackerFailed)
-    assert failed.during == "log" and "no answer within 2 s" in failed.error, failed
-    (healed,) = of(run, ev.TrackerHealed)
+    failed = [f for f in of(run, ev.TrackerFailed) if f.during == "log"]
+    assert failed and "no answer within 2 s" in failed[0].error, failed
+    healed = of(run, ev.TrackerHealed)[-1]
     assert healed.late >= 20 and healed.down_s > 0.5, healed
     (d,) = of(run, ev.TrackerDelivery)
-    assert d.missing == 0 and d.closed and d.outages == 1 and d.late >= 20, d
+    assert d.missing == 0 and d.closed and d.outages >= 1 and d.late >= 20, d
 
 
 def test_frozen_at_the_end_the_exit_leaves_at_once_and_the_next_start_and_sync_complete_it(server, tmp_path):
@@ -112,7 +118,7 @@ def test_frozen_at_the_end_the_exit_leaves_at_once_and_the_next_start_and_sync_c
     assert trk is not None
     led.append(ev.TrainStart(step=0))
     steps(led, 0, 10)
-    wait_for(lambda: trk.lanes["mlflow"].delivered >= 11, 60, "the first steps delivered", poll=0.05)
+    wait_for(lambda: up_with(trk.lanes["mlflow"], 11), 120, "the first steps delivered", poll=0.05)
     server.freeze()
     try:
         steps(led, 10, 20)

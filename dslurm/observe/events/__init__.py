@@ -54,6 +54,7 @@ from dslurm.observe.events.lifecycle import (
     Recovery,
     Requeue,
     Signal,
+    StartEnv,
     StartPhases,
     Submit,
     TrainStart,
@@ -74,7 +75,8 @@ __all__ = [
     "CkptFreshStart",
     "CkptLocalCommit", "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
     "DeviceHealth", "E", "Ending", "Eval", "Event", "Exit", "Hang", "InitFrom", "JobStart", "NonFinite", "Oom",
-    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "Sdc", "Signal", "StartPhases", "Steps",
+    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "Sdc", "Signal", "StartEnv", "StartPhases",
+    "Steps",
     "Stragglers", "Submit", "TrackerDelivery", "TrackerDropped", "TrackerFailed", "TrackerHealed", "TrainStart",
     "decode", "decode_all", "of", "read",
 ]
@@ -82,7 +84,7 @@ __all__ = [
 E = TypeVar("E", bound="Event")
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
-    JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
+    JobStart, Submit, Preflight, StartEnv, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel, BlocklistWaived,
     Sdc, DeviceHealth, Eval,
