@@ -258,6 +258,7 @@ class Trackers:
         t0 = time.monotonic()
         deadline = t0 + self.spec.tracker_close_s
         for lane in self.lanes.values():
+            lane.final_try = ending == "completed"
             lane.offer(Item("close", ending=ending))
         left: set[str] = set()
         stall_s = self.spec.tracker_timeout_s if ending == "completed" else STALL_S

@@ -109,6 +109,11 @@ class Lane:
         """set once the backend's open answered"""
         self.finished = threading.Event()
         self.closing = threading.Event()
+        self.final_try = False
+        """a completed run's close: a lane that is down tries once more at once (nothing is pressing)"""
+        self._final_tried = False
+        self.stuck = False
+        """a call that did not answer is still running: nothing else can go before it"""
         self.abandoned = False
         """the start's close left it: it sends nothing more (the ledger keeps it for the next start)"""
         self.tracker: Any = None
@@ -148,9 +153,11 @@ class Lane:
         if self.finished.is_set():
             return False
         if not self.remote:
-            return self.down
+            return self.down and (not self.final_try or self.stuck)
+        if self.down and (not self.final_try or self.stuck):
+            return True
         importing = self.doing.endswith(": import")  # loading the package is not waiting on a server
-        return self.down or (not importing and time.monotonic() - self.since > stall_s)
+        return not importing and time.monotonic() - self.since > stall_s
 
     def left_queued(self) -> int:
         return max(0, self._q.qsize() - (0 if self.finished.is_set() else 1))
@@ -168,14 +175,16 @@ class Lane:
         first = True
         while not self.abandoned:
             if self.tracker is None or self.down:
-                if self.closing.is_set() and not first and (self.down or self.tracker is None):
-                    return  # never hold an exit for a tracker that is down
+                if self.closing.is_set() and not first:
+                    if not self.final_try or self._final_tried or self.stuck:
+                        return  # never hold an exit for a tracker that is down
+                    self._final_tried = True
                 first = False
                 if self._connect():
                     backoff = BACKOFF_S
                     continue
                 if self.closing.wait(backoff):
-                    return
+                    continue
                 backoff = min(2 * backoff, BACKOFF_MAX_S)
                 continue
             if self.missed_full and self._q.empty():  # the queue overflowed: the ledger has what it missed
@@ -238,9 +247,11 @@ class Lane:
         box: Box = self._caller.run(fn, bound_s)
         if not box.done.is_set():
             self._go_down(self.doing, NoAnswer(self._no_answer(bound_s)))
+            self.stuck = True
             while not box.done.wait(0.2):
                 if self.closing.is_set():
                     return False
+            self.stuck = False
             return False
         if box.error is not None:
             self._go_down(during, box.error)
