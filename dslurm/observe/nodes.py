@@ -131,7 +131,8 @@ def record_run(durable: str | Path, run_dir: Path) -> int:
 
 
 def weight(items: Sequence[Evidence], now: float, half_life_h: float) -> float:
-    """Recent evidence counts: each piece weighs 1, halved every `half_life_h` hours. Pure."""
+    """Recent evidence counts: each piece weighs 1, halved every `half_life_h` hours. Pure. Compared
+    and shown to one decimal (two pieces of the last hour weigh 2.0)."""
     return float(sum(0.5 ** (max(0.0, now - x.t) / 3600.0 / half_life_h) for x in items))
 
 
@@ -143,15 +144,15 @@ def excluded(store: dict[str, list[Evidence]], *, exclude_after: int, half_life_
         return {}
     now = time.time() if now is None else now
     keep = set(use)
-    return {n: round(w, 2) for n, xs in sorted(store.items())
-            if n not in keep and (w := weight(xs, now, half_life_h)) >= exclude_after}
+    return {n: w for n, xs in sorted(store.items())
+            if n not in keep and (w := round(weight(xs, now, half_life_h), 1)) >= exclude_after}
 
 
 def suggestion(node: str, items: Sequence[Evidence], w: float, exclude_after: int) -> tuple[str, str | None]:
     """(what to do, the admin's command or None). Pure."""
     kinds = sorted({x.kind for x in items})
     reason = f"dslurm: {'+'.join(kinds)} x{len(items)}"
-    if exclude_after and w >= exclude_after:
+    if exclude_after and round(w, 1) >= exclude_after:
         return ("drain it and have it checked (new jobs leave it out)",
                 f"scontrol update nodename={node} state=drain reason=\"{reason}\"")
     if {"xid", "sdc"} & set(kinds):
