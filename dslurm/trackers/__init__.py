@@ -178,7 +178,8 @@ class Trackers:
         for name in self.spec.trackers:
             self.lanes[name] = Lane(name, self._opener(name), timeout_s=self.spec.tracker_timeout_s,
                                     close_s=self.spec.tracker_close_s, fail=self._lane_failed,
-                                    send=self._sender(name), catch_up=self._catch_up(name), healed=self._healed)
+                                    send=self._sender(name), catch_up=self._catch_up(name), healed=self._healed,
+                                    send_many=self._many_sender(name))
             self.lanes[name].live_from = self._live_from
             self.lanes[name].remote = importlib.import_module(BACKENDS[name]).remote(self.spec, self.run_dir)
 
@@ -235,6 +236,24 @@ class Trackers:
             tracker.event(fresh.text, fresh.step)
         held.took(fresh)
         return True
+
+    def _many_sender(self, name: str) -> Callable[[Any, list[Item]], list[bool]]:
+        def send_many(tracker: Any, items: list[Item]) -> list[bool]:
+            """Several items in few calls where the backend can (MLflow's log_batch); True per item sent."""
+            held = self.held.setdefault(name, Held())
+            fresh = [held.fresh(i) for i in items]
+            logs = [f for f in fresh if f is not None and f.kind == "log"]
+            if logs and hasattr(tracker, "log_many"):
+                tracker.log_many(logs)
+                for f in logs:
+                    held.took(f)
+                rest = [f for f in fresh if f is not None and f.kind != "log"]
+            else:
+                rest = [f for f in fresh if f is not None]
+            for f in rest:
+                self._send(name, tracker, f)
+            return [f is not None for f in fresh]
+        return send_many
 
     def _sender(self, name: str) -> Callable[[Any, Item, bool], bool]:
         return lambda tracker, item, late: self._send(name, tracker, item)

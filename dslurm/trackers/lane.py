@@ -48,6 +48,8 @@ QUEUE_MAX = 4096
 BACKOFF_S = 1.0
 """the first wait before a down lane tries again; doubled after each try that fails"""
 BACKOFF_MAX_S = 30.0
+CHUNK = 100
+"""items a catch-up hands the backend in one bounded call (MLflow sends them as one batch)"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +80,12 @@ class Lane:
                  fail: Callable[[Lane, str, BaseException], None],
                  send: Callable[[Any, Item, bool], bool] | None = None,
                  catch_up: Callable[[Any], list[Item]] | None = None,
+                 send_many: Callable[[Any, list[Item]], list[bool]] | None = None,
                  healed: Callable[[Lane, float, int], None] | None = None) -> None:
         self.name, self.opener, self.timeout_s, self.close_s, self._fail_cb = name, opener, timeout_s, close_s, fail
         self._send = send or _plain_send
         self._catch_up = catch_up
+        self._send_many = send_many or (lambda tracker, items: [self._send(tracker, i, True) for i in items])
         self._healed = healed
         self.what = name
         """what the lane talks to (the backend says: a server's URI, a directory), for the error"""
@@ -220,12 +224,16 @@ class Lane:
         if not self._call("catch-up", lambda: catch_up(self.tracker), self.timeout_s):
             return False
         late_all = was_down or overflowed
-        for item in list(self._result or []):  # one bounded call each: a long catch-up is progress
+        items = list(self._result or [])
+        for at in range(0, len(items), CHUNK):  # a bounded call per chunk: a long catch-up is progress
             if self.abandoned:
                 return False
-            if not self._call("catch-up", functools.partial(self._send, self.tracker, item, True), self.timeout_s):
+            chunk = items[at:at + CHUNK]
+            if not self._call("catch-up", functools.partial(self._send_many, self.tracker, chunk), self.timeout_s):
                 return False
-            if self._result:
+            for item, sent in zip(chunk, self._result or [], strict=False):
+                if not sent:
+                    continue
                 if late_all or item.t < self.live_from:
                     self.backfilled += 1
                     self._late_in_outage += 1

@@ -136,7 +136,8 @@ def test_frozen_at_the_end_the_exit_leaves_at_once_and_the_next_start_and_sync_c
     # the next start resumes after step 8 (its checkpoint) and trains 9.. again, with other values:
     # the server holds 1..10 (it cannot delete points), the ledger's 11..20 never reached it
     led2 = Ledger(run)
-    trk2 = attach(led2, run, spec, "heal-next-start")
+    spec2 = MetricsSpec(trackers=["mlflow"], mlflow_uri=server.url, tracker_timeout_s=2.0, tracker_close_s=60.0)
+    trk2 = attach(led2, run, spec2, "heal-next-start")  # a loaded machine's server may take a while to catch up
     assert trk2 is not None
     led2.append(ev.TrainStart(step=8, generation="step_8"))
     steps(led2, 8, 25, start=1)

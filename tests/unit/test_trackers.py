@@ -255,7 +255,8 @@ def test_a_tracker_whose_write_raises_is_reported_once_retries_and_catches_up(of
     from dslurm.trackers import lane, to_mlflow
 
     monkeypatch.setattr(lane, "BACKOFF_S", 0.2)
-    calls, full, real = [], threading.Event(), to_mlflow.MlflowTracker.log
+    calls, full = [], threading.Event()
+    real, real_many = to_mlflow.MlflowTracker.log, to_mlflow.MlflowTracker.log_many
     full.set()
 
     def full_disk(self, step, values, t=0.0):
@@ -264,7 +265,14 @@ def test_a_tracker_whose_write_raises_is_reported_once_retries_and_catches_up(of
             raise OSError(28, "No space left on device")
         return real(self, step, values, t)
 
+    def full_disk_many(self, items):  # a catch-up's batch
+        calls.append(items[0].step)
+        if full.is_set():
+            raise OSError(28, "No space left on device")
+        return real_many(self, items)
+
     monkeypatch.setattr(to_mlflow.MlflowTracker, "log", full_disk)
+    monkeypatch.setattr(to_mlflow.MlflowTracker, "log_many", full_disk_many)
     spec = MetricsSpec(trackers=["tensorboard", "mlflow"])
     led = Ledger(offline)
     trk = attach(led, offline, spec, "tiny")
