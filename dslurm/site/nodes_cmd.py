@@ -13,6 +13,7 @@ from typing import Any
 
 from dslurm.errors import UserError
 from dslurm.observe import nodes
+from dslurm.run import LEDGER, RunDir
 
 
 def add_parser(ssub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     site = load_site(args.site, args.site_set)
     durable, policy = site.storage.durable, site.nodes
     if args.record is not None:
-        if not (args.record / "ledger.jsonl").is_file():
-            raise UserError(f"site nodes --record {args.record}: no ledger.jsonl there; give a run directory")
+        if not RunDir(args.record).ledger.is_file():
+            raise UserError(f"site nodes --record {args.record}: no {LEDGER} there; give a run directory")
         print(f"recorded {nodes.record_run(durable, args.record)} new piece(s) of evidence from {args.record}")
     store, now = nodes.read(durable), time.time()
     excluded = nodes.excluded(store, exclude_after=policy.exclude_after, half_life_h=policy.half_life_h,

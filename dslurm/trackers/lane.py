@@ -209,7 +209,8 @@ class Lane:
     def _connect(self) -> bool:
         """Open the backend if it never opened, then catch up from the ledger. True: up again."""
         if self.tracker is None:
-            if not self._call("open", lambda: self.opener(self), self.timeout_s):
+            self._late_ok = False
+            if not self._call("open", lambda: self.opener(self), self.timeout_s) and not self._late_ok:
                 return False
             self.tracker = self._result
             self.opened.set()
@@ -246,6 +247,7 @@ class Lane:
         return True
 
     _result: Any = None
+    _late_ok = False
 
     def _call(self, during: str, fn: Callable[[], Any], bound_s: float) -> bool:
         """Run `fn` in the caller thread, waiting at most `bound_s`. False (the lane down) if it
@@ -260,6 +262,8 @@ class Lane:
                 if self.closing.is_set():
                     return False
             self.stuck = False
+            self._late_ok = box.error is None  # it answered after all: an open's tracker is kept
+            self._result = box.value
             return False
         if box.error is not None:
             self._go_down(during, box.error)

@@ -25,7 +25,7 @@ from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
 from dslurm.observe import events
 from dslurm.observe.ledger import Ledger
-from dslurm.run import RunDir
+from dslurm.run import LEDGER, RunDir
 from dslurm.trackers import BACKENDS, STATE_FILE, Start, StateUnreadable, read_state
 from dslurm.trackers.backlog import missing, points
 from dslurm.trackers.lane import Item
@@ -119,7 +119,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tsub = p.add_subparsers(dest="trackers_command", metavar="ACTION", required=True)
     s = tsub.add_parser("sync", help="send a tracker every ledger point it lacks (same tracker runs; a second "
                                      "sync sends nothing)", description="docs/trackers.md, 'trackers sync'")
-    s.add_argument("run_dir", type=Path, help="the run directory (its ledger.jsonl)")
+    s.add_argument("run_dir", type=Path, help=f"the run directory (its {LEDGER})")
     s.add_argument("--to", choices=sorted(BACKENDS), action="append", dest="to",
                    help="the tracker (repeatable); default: the job's metrics.trackers")
     s.set_defaults(func=_run)
@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run(args: argparse.Namespace) -> int:
     run_dir: Path = args.run_dir
     if not RunDir(run_dir).ledger.is_file():
-        raise UserError(f"{run_dir}: no ledger.jsonl here; give the run directory of a run that started")
+        raise UserError(f"{run_dir}: no {LEDGER} here; give the run directory of a run that started")
     names = args.to or list(_spec_and_job(run_dir)[0].trackers)
     if not names:
         raise UserError(f"{run_dir}: the job configures no tracker; name one with --to tensorboard|mlflow|wandb")
