@@ -289,8 +289,8 @@ class Trackers:
             time.sleep(0.01)
         for lane in self.lanes.values():
             lane.abandoned = not lane.finished.is_set()
-            if not lane.finished.is_set() and not lane.down:
-                self._lane_failed(lane, lane.doing, TimeoutError(
+            if not lane.finished.is_set():  # reported once, whoever sees it first (the lane's lock)
+                lane.give_up(TimeoutError(
                     f"left at the start's end after {time.monotonic() - t0:.1f} s ({lane.doing} with {lane.what} "
                     f"waiting {time.monotonic() - lane.since:.1f} s): what it did not send stays in the ledger"))
             self._delivered(lane, ending)

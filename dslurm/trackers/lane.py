@@ -163,6 +163,10 @@ class Lane:
         importing = self.doing.endswith(": import")  # loading the package is not waiting on a server
         return not importing and time.monotonic() - self.since > stall_s
 
+    def give_up(self, exc: BaseException) -> None:
+        """The start's close leaves this lane: down (reported unless it was already)."""
+        self._go_down(self.doing, exc)
+
     def left_queued(self) -> int:
         return max(0, self._q.qsize() - (0 if self.finished.is_set() else 1))
 
