@@ -63,7 +63,7 @@ whose `describe(Start) -> str` names what it talks to and `remote(spec, run_dir)
 a server; `PACKAGE`: the tracker package it loads"""
 
 
-STALL_S = 0.5
+STALL_S = 0.3
 """a stop's end leaves a lane whose call has waited this long (or that is down): exit first. A
 completed run's end gives a slow (not down) lane its call bound, metrics.tracker_timeout_s, for
 the run's final status: nothing is pressing then"""
