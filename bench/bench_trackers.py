@@ -103,7 +103,8 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=3, help="steps per timing block")
     p.add_argument("--blocks", type=int, default=8, help="alternating blocks per side")
-    p.add_argument("--freeze-s", type=float, default=10.0, help="how long the real MLflow server is frozen")
+    p.add_argument("--freeze-s", type=float, default=12.0, help="how long the real MLflow server is frozen "
+                   "(past the frozen side's tracker_timeout_s, 5 s)")
     args = p.parse_args()
 
     import contextlib
@@ -132,7 +133,7 @@ def main() -> None:
             "slow": build(args.preset, "slow", tmp, {"trackers": ["mlflow"], "mlflow_uri": slow.url,
                                                       "tracker_timeout_s": 3600}),
             "frozen": build(args.preset, "frozen", tmp, {"trackers": ["mlflow"], "mlflow_uri": real.url,
-                                                          "tracker_timeout_s": 2.0}),
+                                                          "tracker_timeout_s": 5.0}),
         }
         print("built", file=sys.stderr, flush=True)
         for _, step in sides.values():  # warm-up: allocations, optimizer state, the lanes' imports
@@ -167,8 +168,8 @@ def main() -> None:
         frozen_s = thawed_at - (frozen_at or thawed_at)
         heal = sides["frozen"][0].trackers.lanes["mlflow"]
         deadline = time.monotonic() + 120
-        while (heal.in_outage or heal.outages == 0) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        while (heal.in_outage or heal.down or heal.outages == 0) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the run goes on after the thaw; here: until the lane has caught up
         for name, (t, _) in sides.items():
             if t.trackers is not None:
                 t.trackers.spec.tracker_close_s = 2.0 if name != "frozen" else 30.0

@@ -46,12 +46,18 @@ def ending_of(evs: list[events.Event]) -> str | None:
 
 
 def _spec_and_job(run_dir: Path) -> tuple[Any, str]:
-    from dslurm.config import MetricsSpec
+    """The job's metrics section and name from its frozen job.yaml; without one (a run started by
+    hand), the defaults and the directory's name. A job.yaml that does not load is said, not fatal:
+    `--to` names the tracker anyway."""
+    from dslurm.config import MetricsSpec, load_job
 
     rd = RunDir(run_dir)
     if rd.is_run():
-        _, job = rd.config()
-        return job.metrics, job.name
+        try:
+            job = load_job(rd.job_yaml)
+            return job.metrics, job.name
+        except UserError as exc:
+            log.warning("%s does not load (%s); using the default tracker settings", rd.job_yaml, exc)
     return MetricsSpec(), run_dir.resolve().name
 
 
