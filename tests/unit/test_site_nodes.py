@@ -17,6 +17,7 @@ from dslurm.submission import remembered_bad
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = 1.9e9
+JOB = "finetune-tiny.yaml"
 
 
 def ledger_with_evidence(run: Path) -> None:
@@ -93,3 +94,22 @@ def test_site_nodes_command_shows_evidence_age_and_the_admin_command(tmp_path, c
     assert 'admin:  scontrol update nodename=n2 state=drain reason="dslurm: hang+xid x2"' in out, out
     assert "hang suspect after step 12" in out and "min ago" in out
     assert main([*args, "--record", str(tmp_path / "nowhere")]) == 2
+
+
+def test_requeue_me_feeds_the_sites_memory_from_the_runs_ledger(tmp_path, capsys):
+    """At the end of each start (dslurm/requeue `remember_nodes`): the frozen site's storage.durable."""
+    from dslurm.requeue import remember_nodes
+
+    run = tmp_path / "run"
+    ledger_with_evidence(run)
+    site = (ROOT / "site-configs" / "local.yaml").read_text()
+    (run / "site.yaml").write_text(site.replace("durable: checkpoints", f"durable: {tmp_path / 'durable'}"))
+    (run / "job.yaml").write_text((ROOT / "examples" / "jobs" / JOB).read_text())
+    remember_nodes(run)
+    remember_nodes(run)  # the next start feeds the same ledger again: nothing new
+    assert sorted(nodes.read(tmp_path / "durable")) == ["n2", "n3", "n4", "n5"]
+    out = capsys.readouterr().out
+    assert out.count("5 new piece(s) of evidence") == 1, out
+    (run / "site.yaml").unlink()
+    remember_nodes(run)  # a run without its frozen site: said, never fatal
+    assert "site node memory not updated" in capsys.readouterr().out
