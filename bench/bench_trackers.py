@@ -146,7 +146,7 @@ def main() -> None:
         wall: dict[str, list[float]] = {k: [] for k in sides}
         frozen_at = thawed_at = None
         for i in range(args.blocks):
-            if i == 1:
+            if i == min(1, args.blocks - 1):
                 real.freeze()
                 frozen_at = time.monotonic()
             if frozen_at is not None and thawed_at is None and time.monotonic() - frozen_at >= args.freeze_s:
@@ -162,7 +162,9 @@ def main() -> None:
         outage_lanes = sides["outage"][0].trackers.lanes
         stuck = {n: lane.doing for n, lane in outage_lanes.items()}
         delivered = logged_steps(slow.calls)
-        if thawed_at is None:
+        if thawed_at is None:  # a short measure: the frozen side trains on (untimed) until the freeze is over
+            while time.monotonic() - (frozen_at or 0.0) < args.freeze_s:
+                sides["frozen"][1]()
             real.thaw()
             thawed_at = time.monotonic()
         frozen_s = thawed_at - (frozen_at or thawed_at)
