@@ -224,7 +224,7 @@ class Lane:
             self.down = self.in_outage = False
             return True
         self.down = False  # offers queue again from here: the catch-up's ledger read covers the rest
-        self.missed_full = self.missed_down = 0
+        missed = (self.missed_full, self.missed_down)  # covered once this catch-up has sent everything
         catch_up = self._catch_up
         if not self._call("catch-up", lambda: catch_up(self.tracker), self.timeout_s):
             return False
@@ -244,6 +244,8 @@ class Lane:
                     self._late_in_outage += 1
                 else:
                     self.delivered += 1
+        self.missed_full -= missed[0]
+        self.missed_down -= missed[1]
         self.in_outage = False
         if was_down and self._healed is not None:
             self._healed(self, down_for, self._late_in_outage)
