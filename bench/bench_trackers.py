@@ -6,7 +6,11 @@ ledger as the loop logs it (log_every 1: `Steps` appended, the trackers fed from
 - none:    no trackers;
 - outage:  MLflow and W&B online (the real clients) at a server on 127.0.0.1 that accepts and
            never answers (tests/outage_servers.py): both are stuck in their open all run long;
-- slow:    MLflow at a server that answers every request after 0.2 s (its lane is always busy).
+- slow:    MLflow at a server that answers every request after 0.2 s (its lane is always busy);
+- frozen:  MLflow at a real tracking server (`mlflow server`, sqlite store: tests/mlflow_server.py)
+           frozen with SIGSTOP from the second block for `--freeze-s` seconds, then thawed: its lane
+           fails, retries, and catches up from the ledger (issue 53). After the measure the server
+           must hold every step of that side's ledger, once, in a FINISHED run.
 
 Blocks of steps alternate between them; each block is timed in process CPU seconds (all threads:
 the trackers' lanes' work counts, the neighbours' on 2 shared cores does not) and in wall seconds.
@@ -14,7 +18,7 @@ The ratios are medians over the blocks, measured side by side in this one run. T
 checked in order: the outage's trackers must still be in their open when the measure ends, the
 slow one must have delivered points.
 
-    .venv/bin/python bench/bench_trackers.py [--preset small] [--steps 3] [--blocks 8]
+    .venv/bin/python bench/bench_trackers.py [--preset small] [--steps 3] [--blocks 8] [--freeze-s 10]
 """
 
 from __future__ import annotations
@@ -67,6 +71,26 @@ def build(preset: str, name: str, tmp: Path, metrics: dict[str, object] | None):
     return t, step
 
 
+def ledger_steps(run: Path) -> list[int]:
+    from dslurm.observe import events as ev
+
+    return sorted(e.last + 1 for e in ev.read(run) if isinstance(e, ev.Steps) and e.last is not None)
+
+
+def real_history(url: str, run: Path) -> tuple[dict[int, int], str]:
+    """step -> how many train/loss points the real server holds; the run's status."""
+    from mlflow.tracking import MlflowClient
+
+    from dslurm.trackers import read_state
+
+    client = MlflowClient(tracking_uri=url)
+    run_id = read_state(run)["mlflow"]["run_id"]
+    held: dict[int, int] = {}
+    for m in client.get_metric_history(run_id, "train/loss"):
+        held[m.step] = held.get(m.step, 0) + 1
+    return held, client.get_run(run_id).info.status
+
+
 def block(fn, n: int) -> tuple[float, float]:
     c0, w0 = time.process_time(), time.monotonic()
     for _ in range(n):
@@ -79,6 +103,8 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=3, help="steps per timing block")
     p.add_argument("--blocks", type=int, default=8, help="alternating blocks per side")
+    p.add_argument("--freeze-s", type=float, default=12.0, help="how long the real MLflow server is frozen "
+                   "(past the frozen side's tracker_timeout_s, 5 s)")
     args = p.parse_args()
 
     import contextlib
@@ -87,6 +113,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from mlflow_server import mlflow_server
     from outage_servers import logged_steps, silent_server, slow_mlflow_server
 
     torch.set_num_threads(1)
@@ -96,7 +123,8 @@ def main() -> None:
     os.environ.update(WANDB_SILENT="true", WANDB_API_KEY="x" * 40)
     os.environ.pop("WANDB_MODE", None)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    with silent_server() as url, slow_mlflow_server(0.2) as slow, contextlib.redirect_stdout(io.StringIO()):
+    with silent_server() as url, slow_mlflow_server(0.2) as slow, mlflow_server(tmp / "mlflow") as real, \
+            contextlib.redirect_stdout(io.StringIO()):
         os.environ["WANDB_BASE_URL"] = url
         sides = {
             "none": build(args.preset, "none", tmp, None),
@@ -104,6 +132,8 @@ def main() -> None:
                                                           "wandb_mode": "online", "tracker_timeout_s": 3600}),
             "slow": build(args.preset, "slow", tmp, {"trackers": ["mlflow"], "mlflow_uri": slow.url,
                                                       "tracker_timeout_s": 3600}),
+            "frozen": build(args.preset, "frozen", tmp, {"trackers": ["mlflow"], "mlflow_uri": real.url,
+                                                          "tracker_timeout_s": 5.0}),
         }
         print("built", file=sys.stderr, flush=True)
         for _, step in sides.values():  # warm-up: allocations, optimizer state, the lanes' imports
@@ -114,7 +144,14 @@ def main() -> None:
             t.listener_s = 0.0
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         wall: dict[str, list[float]] = {k: [] for k in sides}
-        for _ in range(args.blocks):
+        frozen_at = thawed_at = None
+        for i in range(args.blocks):
+            if i == min(1, args.blocks - 1):
+                real.freeze()
+                frozen_at = time.monotonic()
+            if frozen_at is not None and thawed_at is None and time.monotonic() - frozen_at >= args.freeze_s:
+                real.thaw()
+                thawed_at = time.monotonic()
             for name, (_, step) in sides.items():
                 c, w = block(step, args.steps)
                 cpu[name].append(c)
@@ -125,26 +162,45 @@ def main() -> None:
         outage_lanes = sides["outage"][0].trackers.lanes
         stuck = {n: lane.doing for n, lane in outage_lanes.items()}
         delivered = logged_steps(slow.calls)
-        for t, _ in sides.values():
+        if thawed_at is None:  # a short measure: the frozen side trains on (untimed) until the freeze is over
+            while time.monotonic() - (frozen_at or 0.0) < args.freeze_s:
+                sides["frozen"][1]()
+            real.thaw()
+            thawed_at = time.monotonic()
+        frozen_s = thawed_at - (frozen_at or thawed_at)
+        heal = sides["frozen"][0].trackers.lanes["mlflow"]
+        deadline = time.monotonic() + 120
+        while (heal.in_outage or heal.down or heal.outages == 0) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the run goes on after the thaw; here: until the lane has caught up
+        for name, (t, _) in sides.items():
             if t.trackers is not None:
-                t.trackers.spec.tracker_close_s = 2.0
-                t.trackers.close()
+                t.trackers.spec.tracker_close_s = 2.0 if name != "frozen" else 30.0
+                t.trackers.close(ending="completed" if name == "frozen" else None)
+        held, status = real_history(real.url, tmp / "frozen")
     dist.destroy_process_group()
     if not all(d.startswith("open") for d in stuck.values()):
         raise SystemExit(f"phase check: the outage's trackers left their open during the measure: {stuck}")
     if not delivered:
         raise SystemExit("phase check: the slow server received no point")
+    want = ledger_steps(tmp / "frozen")
+    if heal.outages == 0 or held != {s: 1 for s in want} or status != "FINISHED":
+        raise SystemExit(f"phase check: the frozen server's run after the thaw: outages {heal.outages}, status "
+                         f"{status}, steps missing {sorted(set(want) - set(held))}, twice "
+                         f"{sorted(s for s, n in held.items() if n > 1)}")
     med = {k: (statistics.median(cpu[k]), statistics.median(wall[k])) for k in sides}
     base_c, base_w = med["none"]
     print(f"\n| {args.preset} model, 1 process, {args.blocks} blocks x {args.steps} steps | CPU s/step | "
           "vs none | wall s/step | vs none | training thread in the trackers, s/step (share of the step) |")
     print("|---|---|---|---|---|---|")
     for k, label in (("none", "no trackers"), ("outage", "MLflow + W&B online, server never answers"),
-                     ("slow", "MLflow, server answers after 0.2 s")):
+                     ("slow", "MLflow, server answers after 0.2 s"),
+                     ("frozen", f"MLflow, real server frozen {frozen_s:.0f} s mid-run, then back")):
         c, w = med[k]
         print(f"| {label} | {c:.4f} | {c / base_c:.3f} | {w:.4f} | {w / base_w:.3f} | "
               f"{listener[k]:.6f} ({listener[k] / w:.3%}) |")
-    print(f"\noutage lanes still waiting at the end: {stuck}; slow server got {len(delivered)} step(s) of points")
+    print(f"\noutage lanes still waiting at the end: {stuck}; slow server got {len(delivered)} step(s) of points; "
+          f"the frozen server holds all {len(want)} ledger steps once, run {status}, after {heal.outages} "
+          f"outage(s), {heal.backfilled} item(s) sent late")
     sys.stdout.flush()
     # As the trainer leaves (dslurm.worker_exit.leave): W&B's atexit teardown would wait on its
     # service, which still waits on the silent server.

@@ -37,6 +37,7 @@ COMMANDS = {
     "report": "dslurm.sweep.report",  # the single-run report, extended to sweep directories
     "watch": "dslurm.observe.watch",
     "ctl": "dslurm.observe.ctl",
+    "trackers": "dslurm.trackers.sync",
     "requeue-me": "dslurm.requeue",
     "supervise": "dslurm.recover.supervise",
     "selftest": "dslurm.selftest.cli",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,8 +106,29 @@ def _restore_frozen(run_dir: Path, before: dict[str, bytes | None]) -> None:
             atomic_write_bytes(path, data, 0o755 if name == SCRIPT else 0o644)
 
 
+def remembered_bad(r: Resolved, use_nodes: Sequence[str] = ()) -> list[str]:
+    """Nodes the site's memory leaves out of new jobs (site.nodes policy; dslurm/observe/nodes.py),
+    said on stderr with the override; `use_nodes`: the ones the user takes back."""
+    import sys
+
+    from dslurm.observe import nodes
+
+    policy = r.site.nodes
+    try:
+        store = nodes.read(r.site.storage.durable)
+    except OSError:
+        return []
+    bad = nodes.excluded(store, exclude_after=policy.exclude_after, half_life_h=policy.half_life_h, use=use_nodes)
+    if bad:
+        named = ", ".join(f"{n} (weight {w})" for n, w in bad.items())
+        print(f"dslurm submit: leaving out {named}: recent evidence against them in the site's memory "
+              f"(`dslurm site nodes --site ...`); to use one anyway: --use-node NODE", file=sys.stderr)
+    return sorted(bad)
+
+
 def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
-           env: dict[str, str] | None = None, code: str | None = None, origin: Origin | None = None) -> Submission:
+           env: dict[str, str] | None = None, code: str | None = None, origin: Origin | None = None,
+           use_nodes: Sequence[str] = ()) -> Submission:
     """Freeze, render and submit; with chain=K, K jobs linked by afterany dependencies. With
     `code` (`git` or a directory: `--code`) the job runs a snapshot of that code, copied into
     `<run_dir>/code/<digest>`, on every start; without it, the snapshot the run was last
@@ -131,7 +153,7 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
     if dry_run:
         return Submission([], script, r.run_dir, log_dir)
     extra = []
-    blocked = read_blocklist(r.run_dir)
+    blocked = sorted(set(read_blocklist(r.run_dir)) | set(remembered_bad(r, use_nodes)))
     if blocked:
         extra.append(f"--exclude={','.join(blocked)}")
     ids: list[int] = []

@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="override a site field, e.g. --site-set slurm.partition=debug (repeatable)")
     p.add_argument("--chain", type=int, default=1, help="submit K jobs linked by afterany dependencies")
     p.add_argument("--dry-run", action="store_true", help="write the script, do not submit")
+    p.add_argument("--use-node", action="append", default=[], metavar="NODE",
+                   help="use NODE although the site's memory of its nodes leaves it out (repeatable; "
+                        "`dslurm site nodes`)")
     p.add_argument("--strict", action="store_true", help="refuse when the plan says the job will not fit")
     p.add_argument("--sweep", metavar="SWEEP.yaml", default=None,
                    help="submit a sweep (docs/sweeps.md): one job array, a run directory per task; tasks whose "
@@ -144,7 +147,7 @@ def run_submit(args: argparse.Namespace) -> int:
                   "lock, this one is refused (exit 79, not retried). Fix: wait for it, cancel it, use --chain "
                   "to queue links behind it, or give this job its own checkpoint.run_dir", file=sys.stderr)
     sub = submit(r, chain=args.chain, dry_run=args.dry_run, code=getattr(args, "code", None),
-                 origin=origin_of(args, site, job))
+                 origin=origin_of(args, site, job), use_nodes=getattr(args, "use_node", None) or ())
     if as_json:
         print(json.dumps({"job_ids": sub.job_ids, "run_dir": str(sub.run_dir), "script": str(sub.script)}))
         return 0

@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
         resolved = resolve_for_world(args, world, local_world)
+        from train.software import refuse
+
+        refuse(resolved)  # site.refuse: a named NCCL is refused before any process-group work
     except UserError as exc:
         OUTCOME.failed(exc)
         print(f"error: {exc}", file=sys.stderr)

@@ -46,7 +46,7 @@ from dslurm.observe import ctl, events
 from dslurm.observe.ledger import Ledger
 from dslurm.run import RunDir
 from dslurm.runtime.stop import StopFlags
-from train import stepfaults
+from train import software, stepfaults
 from train.data import make_data
 from train.evaluate import Evaluator
 from train.metrics import StepMetrics, gather_rank_steps, peak_for, straggler_event
@@ -136,6 +136,8 @@ class Trainer(Recovery):
             self._event(init_from.start(self.resolved, self.built.parts, res))
         self.last_clean_step = self.step  # a generation is only saved after its step's check passed
         self.clock.mark("restore")
+        if self.rank == 0:  # the software this start runs, before its train_start (dslurm/observe/software.py)
+            self._event(software.start_env(self.resolved, self.step, self.run_dir.path))
         self._event(events.TrainStart(step=self.step, generation=res.generation if res else None,
                                       fell_back=bool(res and res.fell_back),
                                       startup_s=round(time.time() - self.t_start, 3),

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -25,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dslurm import faults, health
 from dslurm.observe import ctl, events
+from dslurm.sidecall import Box, Caller
 from train.metrics import format_log_line
 from train.model import cross_entropy
 from train.optim import clip_grad_norm_
@@ -83,36 +82,19 @@ class StepResult:
 class BatchReader:
     """A daemon thread that reads one batch at a time (`submit`), so the training thread can wait
     for it and still see a stop (`Step._next_batch`). A reader stuck in a stalled read is
-    abandoned, never joined: the process ends after the stop's save."""
+    abandoned, never joined: the process ends after the stop's save (dslurm/sidecall.py)."""
 
     def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], bool, _Box]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="dslurm-batch-reader", daemon=True).start()
+        self._caller = Caller("dslurm-batch-reader")
 
-    def _loop(self) -> None:
-        while True:
-            fn, stall, box = self._calls.get()
-            try:
-                if stall:
-                    faults.data_stall()
-                box.value = fn()
-            except BaseException as exc:  # raised again in the training thread
-                box.error = exc
-            box.done.set()
+    def submit(self, fn: Callable[[], Any], *, stall: bool = False) -> Box:
+        if not stall:
+            return self._caller.submit(fn)
 
-    def submit(self, fn: Callable[[], Any], *, stall: bool = False) -> _Box:
-        box = _Box()
-        self._calls.put((fn, stall, box))
-        return box
-
-
-class _Box:
-    __slots__ = ("done", "value", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
+        def stalled() -> Any:
+            faults.data_stall()
+            return fn()
+        return self._caller.submit(stalled)
 
 
 class Step:

@@ -10,6 +10,7 @@ where every other module imports these names from.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass
 from typing import Literal
@@ -103,6 +104,60 @@ class StorageSpec:
                              "remove it (the default: checkpoints, under the submit directory)")
 
 
+_VERSION = re.compile(r"\d+(\.\d+)*")
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """"2.28.3" -> (2, 28, 3). Pure; `text` already matched _VERSION."""
+    return tuple(int(p) for p in text.split("."))
+
+
+@dataclass(kw_only=True, slots=True)
+class RefuseSpec:
+    """Versions a start refuses to train with (checked by the trainer at each start, where the
+    version is known: docs/site.md). A range is inclusive, "2.28.3-2.28.8"; a single version
+    "2.27.0" refuses that one."""
+
+    nccl: list[str] = field(factory=list, help="NCCL versions or inclusive ranges a start refuses, e.g. "
+                            "[\"2.28.3-2.28.8\"] (a start on a refused NCCL exits 2 naming it)")
+
+    def __post_init__(self) -> None:
+        for item in self.nccl:
+            lo, _, hi = str(item).partition("-")
+            if not _VERSION.fullmatch(lo) or (hi and not _VERSION.fullmatch(hi)):
+                raise FieldError("nccl", f"{item!r} is not a version or a range of versions",
+                                 'write "2.28.3" or an inclusive range "2.28.3-2.28.8"')
+            if hi and version_tuple(hi) < version_tuple(lo):
+                raise FieldError("nccl", f"{item!r} ends before it begins", "write the lower version first")
+
+    def refused_nccl(self, version: str | None) -> str | None:
+        """The site's entry that refuses NCCL `version`, None when none does (or it is unknown)."""
+        if version is None or not _VERSION.fullmatch(version):
+            return None
+        v = version_tuple(version)
+        for item in self.nccl:
+            lo, _, hi = item.partition("-")
+            if version_tuple(lo) <= v <= version_tuple(hi or lo):
+                return item
+        return None
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeEvidenceSpec:
+    """The site's memory of its nodes (`dslurm site nodes`, docs/site.md): what evidence against a
+    node makes new jobs leave it out."""
+
+    exclude_after: int = field(2, help="a node with at least this much recent evidence (decayed weight) is "
+                               "excluded from new jobs (--exclude at submit); 0 = never excluded")
+    half_life_h: float = field(72.0, help="evidence weighs half as much after this many hours (decay)")
+
+    def __post_init__(self) -> None:
+        if self.exclude_after < 0:
+            raise FieldError("exclude_after", f"{self.exclude_after} is negative", "give 0 (never) or a count >= 1")
+        if not self.half_life_h > 0:
+            raise FieldError("half_life_h", f"{self.half_life_h} is not positive", "give hours > 0, e.g. 72")
+
+
 @dataclass(kw_only=True, slots=True)
 class BurninSpec:
     """The burn-in's thresholds: what a healthy node must reach (docs/burnin.md). The one
@@ -173,6 +228,9 @@ class SiteConfig:
                               "login node (your ssh config and agent are used); docs/remote.md")
     remote: RemoteSpec = field(factory=RemoteSpec, help="with `login`: where runs live on the cluster and how "
                                "dslurm runs there")
+    refuse: RefuseSpec = field(factory=RefuseSpec, help="software versions a start refuses (nccl ranges)")
+    nodes: NodeEvidenceSpec = field(factory=NodeEvidenceSpec, help="the site's memory of its nodes: when evidence "
+                                    "excludes a node from new jobs (`dslurm site nodes`)")
 
     def __post_init__(self) -> None:
         check_env(self.env)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dslurm import exitcodes as X
 from dslurm.observe import events as E
-from dslurm.observe import perfdoctor
+from dslurm.observe import perfdoctor, software
 from dslurm.observe.events import Event
 from dslurm.observe.report import DIED, Start, summarize, suspect_hosts
 from dslurm.run import LEDGER, LOGS
@@ -409,9 +409,21 @@ def _perf(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
     return [Finding(*row) for row in perfdoctor.checks(starts)]
 
 
+def _software(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
+    """A start that ran other software than the one before it (dslurm/observe/software.py)."""
+    lines = software.change_lines([e for s in starts for e in s.events])
+    changed = [x for x in lines if x.startswith("software changed")]
+    if not changed:
+        return []
+    return [Finding("software changed between starts", changed[:MAX_EVIDENCE],
+                    "a requeued start ran another NCCL, driver, image, code or packages (its `start_env` event)",
+                    "compare the curves at the step named; pin the image (site.container.image with @sha256) or "
+                    "refuse a bad version (site.refuse.nccl, docs/site.md)")]
+
+
 CHECKS: list[Callable[[list[Start], list[LogLine]], list[Finding]]] = [
     _no_first_step, _scaling, _idle_stages, _hangs, _corruption, _device_health, _loss, _resume, _stragglers,
-    _perf, _endings, _crashes, _rng_not_restored]
+    _perf, _endings, _crashes, _rng_not_restored, _software]
 
 
 def diagnose(events: Iterable[Event], log_lines: Iterable[LogLine] = ()) -> list[Finding]:

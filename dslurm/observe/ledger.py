@@ -91,6 +91,36 @@ def _context() -> dict[str, Any]:
     }
 
 
+def append_line(path: Path, line: bytes, what: str = "a line") -> bool:
+    """Append one line to `path` crash-safely: one write on an O_APPEND descriptor, fsynced; a
+    torn last line (a writer killed mid-line) is finished first so this line starts on its own;
+    a write a full disk cut short is taken back. False (logged) when it could not be written.
+    The ledger's appends and the site's node store (dslurm/observe/nodes.py) use it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.error("%s: could not record %s: %s", path, what, exc)
+        return False
+    size = written = 0
+    try:
+        size = os.fstat(fd).st_size
+        if _ends_torn(fd, size):  # finish the torn line so this one starts on a line of its own
+            line = b"\n" + line
+        written = os.write(fd, line)  # one write on O_APPEND: atomic w.r.t. other appenders
+        if written != len(line):
+            raise OSError(errno.ENOSPC, f"short write, {written} of {len(line)} bytes (disk full?)")
+        os.fsync(fd)
+        return True
+    except OSError as exc:  # a full disk must not turn into a crash of the writer
+        log.error("%s: could not record %s: %s", path, what, exc)
+        if 0 < written < len(line):
+            _unwrite(fd, size, written)
+        return False
+    finally:
+        os.close(fd)
+
+
 class Ledger:
     """Appends events for one run directory."""
 
@@ -110,28 +140,7 @@ class Ledger:
         event = ev.NAME
         record = {"event": event, "t": ev.t, "job_id": ev.job_id, "restart": ev.restart, "host": ev.host,
                   **ev.fields()}
-        line = encode(record)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as exc:
-            log.error("ledger %s: could not record %s: %s", self.path, event, exc)
-            return ev
-        size = written = 0
-        try:
-            size = os.fstat(fd).st_size
-            if _ends_torn(fd, size):  # finish the torn line so this event starts on a line of its own
-                line = b"\n" + line
-            written = os.write(fd, line)  # one write on O_APPEND: atomic w.r.t. other appenders
-            if written != len(line):
-                raise OSError(errno.ENOSPC, f"short write, {written} of {len(line)} bytes (disk full?)")
-            os.fsync(fd)
-        except OSError as exc:  # a full disk must not turn into a crash of the writer
-            log.error("ledger %s: could not record %s: %s", self.path, event, exc)
-            if 0 < written < len(line):
-                _unwrite(fd, size, written)
-        finally:
-            os.close(fd)
+        append_line(self.path, encode(record), what=event)
         self._tell(ev)
         return ev
 

@@ -79,6 +79,8 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
     if (line := startup_line(sm.starts)) is not None:
         lines.append(line)
     lines += sm.health  # hangs and their cost, silent data corruption, device findings
+    lines += sm.software  # the software of the last start, and what changed between starts
+    lines += sm.trackers  # per tracker: delivered, late-delivered, still missing
     if sm.endings:
         lines.append("endings: " + ", ".join(f"{k} {n}x" for k, n in sorted(sm.endings.items())))
     if sm.skipped_lines:

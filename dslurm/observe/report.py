@@ -22,7 +22,7 @@ from typing import Any
 
 from dslurm.errors import UserError
 from dslurm.observe import events as ev
-from dslurm.observe import perflines
+from dslurm.observe import perflines, software, trackerlines
 from dslurm.observe.completion import NOT_STARTED, Completion, completion, ended_completed
 from dslurm.observe.completion import target_steps as frozen_target
 from dslurm.observe.durability import Durability, durability
@@ -220,6 +220,10 @@ class Summary:
     """two-tier checkpoints: durable lag, RPO on process restart vs node loss, lag policy cost"""
     health: list[str] = field(default_factory=list)
     """hangs (with their cost), silent data corruption, device findings (`health_lines`)"""
+    software: list[str] = field(default_factory=list)
+    """the last start's software and what changed between starts (dslurm/observe/software.py)"""
+    trackers: list[str] = field(default_factory=list)
+    """per experiment tracker: delivered, late-delivered, still missing (dslurm/observe/trackerlines.py)"""
     completion: Completion = field(default_factory=lambda: Completion(NOT_STARTED, None, None, None))
     """whether the run finished: the report's first line (`dslurm.observe.completion`)"""
     eval: EvalSummary | None = None
@@ -339,6 +343,7 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0, target_steps: int
         starts=starts, submit_t=min(submits) if submits else None, skipped_lines=skipped_lines,
         undurable_steps=undurable, endings=endings, recoveries=_recoveries(starts),
         durability=durability([s.events for s in starts]), health=health_lines(starts),
+        trackers=trackerlines.lines(events, str(run_dir)), software=software.change_lines(events),
         completion=completion(starts, events, target_steps, run_dir), eval=eval_summary(starts),
         warm=next((f"{'warm' if e.warm else 'cold'} ({e.warm_reason})" for e in reversed(list(ev.of(events, ev.Submit)))
                    if e.warm is not None), None))

@@ -302,8 +302,26 @@ def conclude(run_dir: Path, d: Path | None, ending: E.Ending, rc: int, env: Mapp
                                       reason=dec.reason, ending=ending.cls))
     print(f"dslurm: step ended: {ending.cls} ({ending.reason}); exit {rc}; decision: {dec.action}: "
           f"{dec.reason}", flush=True)
+    remember_nodes(run_dir)
     (act or act_on)(dec, ending, env, run_dir, chain)
     return dec
+
+
+def remember_nodes(run_dir: Path) -> None:
+    """Feed the site's memory of its nodes from this run's ledger (dslurm/observe/nodes.py):
+    burn-in failures, Xid, hang suspects, SDC, repeated stragglers. Never fails requeue-me."""
+    from dslurm.observe import nodes
+    from dslurm.run import RunDir
+
+    try:
+        site, _ = RunDir(run_dir).config()
+        new = nodes.record_run(site.storage.durable, run_dir)
+    except Exception as exc:  # noqa: BLE001 - a memory that cannot be written costs this run nothing
+        print(f"dslurm: site node memory not updated: {exc}", flush=True)
+        return
+    if new:
+        print(f"dslurm: site node memory: {new} new piece(s) of evidence against nodes "
+              f"(`dslurm site nodes --site SITE` shows them)", flush=True)
 
 
 def act_on(dec: Decision, ending: E.Ending, env: Mapping[str, str], run_dir: Path, chain: list[int]) -> None:

@@ -1,5 +1,6 @@
-"""`dslurm site discover|check`: write a site config from what the cluster says, and check one
-on the cluster for real. docs/site.md says what each does and how each row is decided."""
+"""`dslurm site discover|check|nodes`: write a site config from what the cluster says, check one
+on the cluster for real, and show the site's memory of its nodes (dslurm/site/nodes_cmd.py).
+docs/site.md says what each does and how each row is decided."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from dslurm.errors import UserError
+from dslurm.site import nodes_cmd
 
 if TYPE_CHECKING:
     from dslurm.site.check import Row
@@ -29,6 +31,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="seconds to wait for the check jobs (queue wait included); default 600")
     c.add_argument("--work-dir", help="where the check's scripts and logs go (default: under slurm.log_dir)")
     c.add_argument("--json", action="store_true", help="print the rows and the verdict as JSON")
+    nodes_cmd.add_parser(ssub)
     p.set_defaults(func=run)
 
 
@@ -45,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             print(f"wrote {args.output}; check it with: dslurm site check {args.output}", file=sys.stderr)
         return 0
+    if args.site_command == "nodes":
+        return nodes_cmd.run(args)
     from dslurm.config import load_site
     from dslurm.site.check import as_json, table, verdict
     from dslurm.site.jobs import run_check

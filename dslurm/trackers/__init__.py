@@ -1,30 +1,33 @@
-"""Experiment trackers that follow the run across requeues: TensorBoard, W&B, MLflow.
+"""Experiment trackers that follow the run across requeues and heal after an outage:
+TensorBoard, W&B, MLflow.
 
 Chosen in the job (`metrics.trackers`), written by rank 0 from the ledger's own numbers: the
 ledger calls `Trackers.on_event` after each append (dslurm/observe/ledger.py `listeners`), and
 dslurm/trackers/feed.py says what each event becomes. The built-in trainer and
 `dslurm.runtime.log_metrics` feed them the same way.
 
-Never on the training path: `on_event` only queues (dslurm/trackers/lane.py: one lane per
-tracker, its own threads, a bounded queue). Opening, logging, annotating and closing run in
-the lane; a call that has not answered within `metrics.tracker_timeout_s` (a server that
-accepts and never answers, a client retrying for minutes) is a `tracker_failed` naming what it
-waited for, and that tracker is off for the rest of the start. The start's end waits at most
-`metrics.tracker_close_s` for the lanes to drain and close (inside Slurm's KillWait on a stop);
-items a lane could not take (its queue full, or the lane off) are counted in `tracker_dropped`.
+The ledger is the source of truth. Never on the training path: `on_event` only queues
+(dslurm/trackers/lane.py: one lane per tracker, its own threads, a bounded queue). A tracker
+that fails (open, log or close; an error or no answer within `metrics.tracker_timeout_s`) is a
+`tracker_failed` and retries with backoff for the whole start; when it answers again it
+catches up from the ledger (every point it lacks, in order: dslurm/trackers/backlog.py) and
+the ledger says `tracker_healed`. Every opening catches up the same way, so a start also sends
+what an earlier one could not. The start's end gives each lane at most
+`metrics.tracker_close_s`, and leaves at once a lane that is down or stalled (STALL_S): an exit
+never waits on a tracker; what is unsent stays for the next start or `dslurm trackers sync`
+(dslurm/trackers/sync.py). Each start ends with one `tracker_delivery` per tracker (delivered,
+late, missing, closed), which `dslurm report` sums up.
 
 One tracker run per dslurm run: the ids live in `<run_dir>/trackers.json` (written through
 dslurm.durable, before the backend is opened when the id is ours to choose), so every start --
 a requeue, a spare swap, a shrink, a resubmission -- appends to the same run, even after a
 node failure that ran no callback (Lightning #13524 lost it there). A trackers.json that exists
 but cannot be read is refused by name: opening new runs would split the run's curves in two,
-silently. The steps a start trains again after a crash replace the earlier points from
-`feed.purge_from(resumed)` on.
+silently. The entry of each tracker also says whether its run got its final status (`closed`),
+and for W&B what it holds (`held`).
 
-A tracker that fails (its package missing, a full disk, a server down or silent) is reported
-once, to the log and as a `tracker_failed` ledger event, and is off for the rest of the start;
-training never stops for it. Credentials stay in the user's environment: nothing here reads or
-writes them (the packages read WANDB_API_KEY / MLFLOW_TRACKING_TOKEN themselves).
+Credentials stay in the user's environment: nothing here reads or writes them (the packages
+read WANDB_API_KEY / MLFLOW_TRACKING_TOKEN themselves).
 
 Torch-free, and no tracker package is imported until a lane opens (the CLI stays instant).
 """
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dslurm.durable import atomic_write_text
 from dslurm.observe import events
 from dslurm.run import TRACKERS
-from dslurm.trackers import lane as lanes
+from dslurm.trackers.backlog import Held, items_of, missing, points
 from dslurm.trackers.feed import feed, purge_from, resumed_step
 from dslurm.trackers.lane import Item, Lane
 
@@ -55,12 +58,23 @@ log = logging.getLogger(__name__)
 STATE_FILE = TRACKERS  # the run directory's name for it (dslurm/run.py)
 BACKENDS = {"tensorboard": "dslurm.trackers.to_tensorboard", "wandb": "dslurm.trackers.to_wandb",
             "mlflow": "dslurm.trackers.to_mlflow"}
-"""tracker name -> the module whose `open_run(Start) -> Tracker` opens it (imported when opened) and
-whose `describe(Start) -> str` names what it talks to"""
+"""tracker name -> the module whose `open_run(Start) -> Tracker` opens it (imported when opened),
+whose `describe(Start) -> str` names what it talks to and `remote(spec, run_dir)` whether that is
+a server; `PACKAGE`: the tracker package it loads"""
+
+
+STALL_S = 0.3
+"""a stop's end leaves a lane whose call has waited this long (or that is down): exit first. A
+completed run's end gives a slow (not down) lane its call bound, metrics.tracker_timeout_s, for
+the run's final status: nothing is pressing then"""
 
 
 class Tracker(Protocol):
-    def log(self, step: int, values: dict[str, float]) -> None: ...
+    def log(self, step: int, values: dict[str, float], t: float = 0.0) -> None:
+        """`t`: the ledger event's time (MLflow's timestamp, so a point sent twice is one point)."""
+
+    def held(self) -> Held:
+        """What the tracker run holds already (read from the backend where it can be read)."""
 
     def event(self, text: str, step: int) -> None: ...
 
@@ -84,6 +98,8 @@ class Start:
     save: Callable[[], None] = lambda: None
     note: Callable[[str], None] = lambda part: None
     """names the part of the open now waiting (e.g. "create_run"), for a no-answer error"""
+    sync: bool = False
+    """opened by `dslurm trackers sync`, not by a start: nothing purged, the status left as it is"""
 
     @property
     def purge_from(self) -> int:
@@ -120,37 +136,39 @@ class Trackers:
                  report: Callable[[events.Event], Any] | None = None) -> None:
         self.run_dir, self.spec, self.job, self.report = Path(run_dir), spec, job, report
         self.lanes: dict[str, Lane] = {}
+        self.held: dict[str, Held] = {}
+        self.entries: dict[str, dict[str, Any]] = {}
         self.failed: dict[str, str] = {}
-        self.failed_during: dict[str, str] = {}
         self.state: dict[str, Any] = {}
         self.opened = self.closed = False
         self._lock = threading.Lock()  # an async save's ckpt_save is appended from its own thread
         self._state_lock = threading.Lock()  # the lanes open (and write trackers.json) concurrently
         self._start: tuple[int, int] | None = None  # (this start's number, resumed) once counted
         self._state_error: StateUnreadable | None = None
+        self._live_from = 0.0  # the opening event's time: items from then on are this start's own
 
     # ------------------------------------------------------------------ the feed (training thread)
 
     def on_event(self, ev: events.Event) -> None:
         """A ledger listener: what `ev` becomes, queued for every lane. Never waits for a tracker,
-        except for the start's close at its exit event (bounded by metrics.tracker_close_s)."""
-        if self.closed or isinstance(ev, (events.TrackerFailed, events.TrackerDropped)):
+        except for the start's close at its exit event (bounded, and never for a stalled one)."""
+        if self.closed or isinstance(ev, (events.TrackerFailed, events.TrackerDropped, events.TrackerHealed,
+                                          events.TrackerDelivery)):
             return
         with self._lock:
             f = feed(ev)
             if f is None or (not self.opened and not f.opens):
                 return
             if not self.opened:
+                self._live_from = ev.t
                 self.open(resumed_step(ev))
-            for lane in self.lanes.values():
-                if f.values:
-                    lane.offer(Item("log", step=f.step, values=f.values))
-                if f.note:
-                    lane.offer(Item("event", step=f.step, text=f.note))
+            for item in items_of(ev):
+                for lane in self.lanes.values():
+                    lane.offer(item)
         if f.closes:
             self.close(ending=getattr(ev, "reason", None))
 
-    # ------------------------------------------------------------------ open, close
+    # ------------------------------------------------------------------ open, catch up, close
 
     def open(self, resumed: int) -> None:
         """Start a lane for every configured tracker of a start that resumed after `resumed` steps
@@ -159,7 +177,11 @@ class Trackers:
         self._resumed = resumed
         for name in self.spec.trackers:
             self.lanes[name] = Lane(name, self._opener(name), timeout_s=self.spec.tracker_timeout_s,
-                                    close_s=self.spec.tracker_close_s, fail=self._lane_failed)
+                                    close_s=self.spec.tracker_close_s, fail=self._lane_failed,
+                                    send=self._sender(name), catch_up=self._catch_up(name), healed=self._healed,
+                                    send_many=self._many_sender(name))
+            self.lanes[name].live_from = self._live_from
+            self.lanes[name].remote = importlib.import_module(BACKENDS[name]).remote(self.spec, self.run_dir)
 
     _resumed = 0
 
@@ -184,43 +206,110 @@ class Trackers:
         def open_lane(lane: Lane) -> Tracker:
             start = self._count_start()
             with self._state_lock:
-                entry = dict(self.state.get(name) or {})
+                entry = self.entries.setdefault(name, dict(self.state.get(name) or {}))
+            lane.note("import")  # loading the package: a close does not count it as a stall
             backend = importlib.import_module(BACKENDS[name])
+            importlib.import_module(backend.PACKAGE)
+            lane.note("connect")
             ctx = Start(run_dir=self.run_dir, job=self.job, start=start, resumed=self._resumed, spec=self.spec,
                         state=entry, save=lambda: self._save_entry(name, entry), note=lane.note)
             lane.what = backend.describe(ctx)
             tracker: Tracker = backend.open_run(ctx)
+            entry["closed"] = False
             self._save_entry(name, entry)
+            self.held[name] = tracker.held()
             if start:
-                tracker.log(self._resumed, {"run/restarts": float(start)})
+                self._send(name, tracker, Item("log", step=self._resumed, values={"run/restarts": float(start)},
+                                               t=self._live_from))
             return tracker
         return open_lane
 
+    def _send(self, name: str, tracker: Tracker, item: Item) -> bool:
+        """Send what of `item` the tracker lacks (False: it holds all of it)."""
+        held = self.held.setdefault(name, Held())
+        fresh = held.fresh(item)
+        if fresh is None:
+            return False
+        if fresh.kind == "log":
+            tracker.log(fresh.step, fresh.values or {}, t=fresh.t)
+        else:
+            tracker.event(fresh.text, fresh.step)
+        held.took(fresh)
+        return True
+
+    def _many_sender(self, name: str) -> Callable[[Any, list[Item]], list[bool]]:
+        def send_many(tracker: Any, items: list[Item]) -> list[bool]:
+            """Several items in few calls where the backend can (MLflow's log_batch); True per item sent."""
+            held = self.held.setdefault(name, Held())
+            fresh = [held.fresh(i) for i in items]
+            logs = [f for f in fresh if f is not None and f.kind == "log"]
+            if logs and hasattr(tracker, "log_many"):
+                tracker.log_many(logs)
+                for f in logs:
+                    held.took(f)
+                rest = [f for f in fresh if f is not None and f.kind != "log"]
+            else:
+                rest = [f for f in fresh if f is not None]
+            for f in rest:
+                self._send(name, tracker, f)
+            return [f is not None for f in fresh]
+        return send_many
+
+    def _sender(self, name: str) -> Callable[[Any, Item, bool], bool]:
+        return lambda tracker, item, late: self._send(name, tracker, item)
+
+    def _catch_up(self, name: str) -> Callable[[Any], list[Item]]:
+        """What the tracker lacks of the whole ledger (read when the lane opens or heals)."""
+        def lacking(tracker: Any) -> list[Item]:
+            return missing(points(events.read(self.run_dir)), self.held.setdefault(name, Held()))
+        return lacking
+
     def close(self, ending: str | None = None) -> None:
-        """End every lane: what is queued is sent and the backends close, waiting at most
-        metrics.tracker_close_s in all; a lane that has not finished by then is a tracker_failed."""
+        """End every lane: what is queued is sent and the backends close, within
+        metrics.tracker_close_s in all; a lane that is down or stalled (its call waiting over
+        STALL_S; a completed run: over its call bound) is left at once, its unsent points kept in
+        the ledger for the next start or `dslurm trackers sync`. Then one `tracker_delivery` per
+        tracker."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-        now = time.monotonic()
-        deadline = now + self.spec.tracker_close_s
+        t0 = time.monotonic()
+        deadline = t0 + self.spec.tracker_close_s
         for lane in self.lanes.values():
+            lane.final_try = ending == "completed"
             lane.offer(Item("close", ending=ending))
+        left: set[str] = set()
+        stall_s = self.spec.tracker_timeout_s if ending == "completed" else STALL_S
+        while time.monotonic() < deadline:
+            waiting = [lane for lane in self.lanes.values() if not lane.finished.is_set() and lane.name not in left]
+            left.update(lane.name for lane in waiting if lane.stalled(stall_s))
+            if not [lane for lane in waiting if lane.name not in left]:
+                break
+            time.sleep(0.01)
         for lane in self.lanes.values():
-            lane.finished.wait(max(0.0, deadline - time.monotonic()))
-        for lane in self.lanes.values():
-            lane.give_up(time.monotonic() - now)
-            if lane.dropped:
-                why = "; ".join(filter(None, [
-                    f"{lane.dropped_full} while its queue was full ({lanes.QUEUE_MAX} waiting)"
-                    if lane.dropped_full else "",
-                    f"{lane.dropped_off} once it was off (tracker_failed during "
-                    f"{self.failed_during.get(lane.name, '?')})" if lane.dropped_off else ""]))
-                log.warning("tracker %s: %d item(s) not sent: %s; the ledger has every number",
-                            lane.name, lane.dropped, why)
-                self._report(events.TrackerDropped(tracker=lane.name, items=lane.dropped,
-                                                   delivered=lane.delivered, why=why))
+            lane.abandoned = not lane.finished.is_set()
+            if not lane.finished.is_set():  # reported once, whoever sees it first (the lane's lock)
+                lane.give_up(TimeoutError(
+                    f"left at the start's end after {time.monotonic() - t0:.1f} s ({lane.doing} with {lane.what} "
+                    f"waiting {time.monotonic() - lane.since:.1f} s): what it did not send stays in the ledger"))
+            self._delivered(lane, ending)
+
+    def _delivered(self, lane: Lane, ending: str | None) -> None:
+        missed = lane.missed + lane.left_queued()
+        entry = self.entries.get(lane.name)
+        if entry is not None:
+            entry["closed"] = lane.closed_ok
+            if lane.name in self.held:
+                entry["held"] = self.held[lane.name].to_json()
+            self._save_entry(lane.name, entry)
+        if missed:
+            log.warning("tracker %s: %d item(s) not sent in this start; the ledger has every number "
+                        "(the next start sends them, or `dslurm trackers sync %s --to %s`)",
+                        lane.name, missed, self.run_dir, lane.name)
+        self._report(events.TrackerDelivery(tracker=lane.name, delivered=lane.delivered, late=lane.backfilled,
+                                            missing=missed, closed=lane.closed_ok, outages=lane.outages,
+                                            by="start"))
 
     def _save_entry(self, name: str, entry: dict[str, Any]) -> None:
         """A backend's entry is durable (called from its lane, which alone changes `entry`)."""
@@ -242,10 +331,14 @@ class Trackers:
             error += " (install the trackers extra: pip install 'dslurm[trackers]')"
         with self._state_lock:
             self.failed[lane.name] = error
-            self.failed_during[lane.name] = during
-        log.error("tracker %s failed during %s, off for the rest of this start (training goes on): %s",
-                  lane.name, during, error)
-        self._report(events.TrackerFailed(tracker=lane.name, error=error, during=during))
+        log.error("tracker %s failed during %s (training goes on; it retries and catches up from the ledger): %s",
+                  lane.name, during.split(":")[0], error)
+        self._report(events.TrackerFailed(tracker=lane.name, error=error, during=during.split(":")[0]))
+
+    def _healed(self, lane: Lane, down_s: float, sent: int) -> None:
+        log.warning("tracker %s answers again after %.1f s: %d item(s) sent late from the ledger",
+                    lane.name, down_s, sent)
+        self._report(events.TrackerHealed(tracker=lane.name, down_s=round(down_s, 3), late=sent))
 
     def _report(self, ev: events.Event) -> None:
         if self.report is not None:

@@ -6,9 +6,12 @@ run directory's file store. The run id is created once (experiment = the job's n
 in trackers.json; a later start sets the run RUNNING again and logs into it. MLflow has no
 call that deletes metric points, so in the default file store a resumed start rewrites each
 metric file without the points from `purge_from` on (what TensorBoard's purge does); on a
-tracking server the replayed steps are logged again (the chart shows both; docs/trackers.md).
-Annotations are tags `dslurm.event.s<start>.<n>` ("step S: text"); the run ends FINISHED
-(completed), KILLED (stopped to be resumed) or FAILED.
+tracking server a resumed start logs only the steps after the ones the run holds (`held`:
+the chart keeps the first values of the replayed steps; docs/trackers.md). Each point's
+timestamp is its ledger event's time, so a point sent twice (a catch-up after a call that
+answered late) is the same row. Annotations are tags `dslurm.event.<step>.<crc>` ("step S:
+text", one key per annotation whoever sends it); the run ends FINISHED (completed), KILLED
+(stopped to be resumed) or FAILED.
 
 MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is true: for the default store
 this process sets it (unless the user set it), because a run directory on a shared
@@ -19,19 +22,50 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from dslurm.durable import atomic_write_text
 from dslurm.trackers import Start
+from dslurm.trackers.backlog import Held
+from dslurm.trackers.lane import Item
 
+if TYPE_CHECKING:
+    from dslurm.config import MetricsSpec
+
+PACKAGE = "mlflow.tracking"
 SUBDIR = "mlruns"
+BATCH = 1000
+"""metrics per log_batch (MLflow's limit)"""
 _STATUS = {"completed": "FINISHED", "requeue": "KILLED", "terminated": "KILLED", None: "KILLED"}
 
 
 def tracking_uri(ctx: Start) -> str:
-    uri = ctx.spec.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    return uri or (ctx.run_dir / SUBDIR).resolve().as_uri()
+    """The job's, else the environment's, else the one the run's MLflow run lives on (trackers.json:
+    a sync of a run whose job is not frozen here), else the run directory's file store."""
+    if ctx.spec.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or not isinstance(ctx.state.get("uri"), str):
+        return _uri(ctx.spec, ctx.run_dir)
+    return str(ctx.state["uri"])
+
+
+def _uri(spec: MetricsSpec, run_dir: Path) -> str:
+    uri = spec.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    return uri or (run_dir / SUBDIR).resolve().as_uri()
+
+
+def _no_userinfo(uri: str) -> str:
+    """`uri` without user:password@ (credentials stay in the environment, never in the run directory)."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    return urlunsplit(parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else "")))
+
+
+def remote(spec: MetricsSpec, run_dir: Path) -> bool:
+    """A tracking server (not the file store)."""
+    return not _uri(spec, run_dir).startswith("file:")
 
 
 def purge_metric_file(path: Path, purge_from: int) -> int:
@@ -52,15 +86,16 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.client: Any = MlflowClient(tracking_uri=uri)
-        self.start, self.notes = ctx.start, 0
+        self.start, self.sync = ctx.start, ctx.sync
         run_id = ctx.state.get("run_id")
         if isinstance(run_id, str):
             self.run_id = run_id
             ctx.note(f"get_run {run_id}")
             run = self.client.get_run(run_id)  # raises when the store lost it: reported, not guessed
-            ctx.note("update_run RUNNING")
-            self.client.update_run(run_id, status="RUNNING")
-            self._purge(run.info.experiment_id, ctx.purge_from)
+            if not ctx.sync:
+                ctx.note("update_run RUNNING")
+                self.client.update_run(run_id, status="RUNNING")
+                self._purge(run.info.experiment_id, ctx.purge_from)
         else:
             ctx.note(f"get_experiment_by_name {ctx.job!r}")
             exp = self.client.get_experiment_by_name(ctx.job)
@@ -69,6 +104,7 @@ class MlflowTracker:
             ctx.note("create_run")
             self.run_id = self.client.create_run(exp_id, run_name=ctx.job).info.run_id
             ctx.state["run_id"] = self.run_id
+            ctx.state["uri"] = _no_userinfo(uri)
             ctx.save()
 
     def _purge(self, experiment_id: str, purge_from: int) -> None:
@@ -79,17 +115,38 @@ class MlflowTracker:
         for path in sorted(p for p in metrics.rglob("*") if p.is_file()):
             purge_metric_file(path, purge_from)
 
-    def log(self, step: int, values: dict[str, float]) -> None:
+    def held(self) -> Held:
+        """The run's last step of each metric and its annotations, as the store says."""
+        data = self.client.get_run(self.run_id).data
+        held = Held(last={m.key: int(m.step) for m in getattr(data, "_metric_objs", [])})
+        for key, value in data.tags.items():
+            step, sep, text = str(value).partition(": ")
+            if key.startswith("dslurm.event.") and sep and step.startswith("step ") and step[5:].isdigit():
+                held.notes.add((int(step[5:]), text))
+        return held
+
+    def log(self, step: int, values: dict[str, float], t: float = 0.0) -> None:
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
+        ts = int((t or time.time()) * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v in values.items()])
 
+    def log_many(self, items: list[Item]) -> None:
+        """Many points in few calls (a sync): MLflow takes at most 1000 metrics a batch."""
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, v, int((i.t or time.time()) * 1000), i.step) for i in items
+                   for k, v in (i.values or {}).items()]
+        for at in range(0, len(metrics), BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[at:at + BATCH])
+
     def event(self, text: str, step: int) -> None:
-        self.notes += 1
-        self.client.set_tag(self.run_id, f"dslurm.event.s{self.start:03d}.{self.notes:04d}", f"step {step}: {text}")
+        key = f"dslurm.event.{step:09d}.{zlib.crc32(text.encode()):08x}"
+        self.client.set_tag(self.run_id, key, f"step {step}: {text}")
 
     def close(self, ending: str | None) -> None:
+        if self.sync and ending is None:
+            return  # a sync while a start may be training: the status is the start's to give
         self.client.set_terminated(self.run_id, status=_STATUS.get(ending, "FAILED"))
 
 

@@ -6,7 +6,10 @@ logged with the tracker step as W&B's `step`. A start that resumed after k steps
 rewinds the run to there first (`resume_from="<id>?_step=k"`, W&B's rewind), so replayed steps
 replace the old ones; where the server refuses a rewind it resumes plainly. Offline, each start
 leaves its own `offline-run-*-<id>` directory under `<run_dir>/wandb/`; `wandb sync` uploads
-them into the one run. Annotations are the text series `dslurm/event`.
+them into the one run. Annotations are the text series `dslurm/event`. W&B's history cannot be
+read back offline, so what the run holds (`held`) is kept in trackers.json at each start's end
+and after a sync; W&B itself drops a step it has already passed. `dslurm trackers sync` opens
+a W&B run only when it has something to send.
 
 The API key stays in the user's environment (WANDB_API_KEY, read by wandb itself); metadata
 capture (argv, git, console, system stats) is off, so nothing from the environment is copied
@@ -18,9 +21,17 @@ from __future__ import annotations
 import os
 import secrets
 import string
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dslurm.trackers import Start
+from dslurm.trackers.backlog import Held
+
+if TYPE_CHECKING:
+    from dslurm.config import MetricsSpec
+
+PACKAGE = "wandb"
 
 
 def _new_id() -> str:
@@ -43,18 +54,32 @@ class WandbTracker:
                                   init_timeout=ctx.spec.tracker_timeout_s)
         kw: dict[str, Any] = dict(project=project, name=ctx.job, dir=str(ctx.run_dir), mode=mode,
                                   settings=settings, reinit="create_new")
-        self.run: Any = None
+        self._held = Held.from_json(ctx.state.get("held"))
+        self._run: Any = None
+        self._init: Callable[[], Any] = lambda: wandb.init(id=run_id, resume="allow", **kw)
+        if ctx.sync:
+            return  # opened by the first point a sync sends
         if mode == "online" and ctx.start > 0:
             ctx.note("wandb.init (rewind)")
             try:
-                self.run = wandb.init(resume_from=f"{run_id}?_step={ctx.resumed}", **kw)
-            except Exception:  # a server without rewind: resume plainly (replayed steps are appended)
-                self.run = None
-        if self.run is None:
+                self._run = wandb.init(resume_from=f"{run_id}?_step={ctx.resumed}", **kw)
+                self._held.below(ctx.purge_from)
+            except Exception:  # a server without rewind: resume plainly (replayed steps are not sent)
+                self._run = None
+        if self._run is None:
             ctx.note(f"wandb.init ({mode})")
-            self.run = wandb.init(id=run_id, resume="allow", **kw)
+            self._run = self._init()
 
-    def log(self, step: int, values: dict[str, float]) -> None:
+    @property
+    def run(self) -> Any:
+        if self._run is None:
+            self._run = self._init()
+        return self._run
+
+    def held(self) -> Held:
+        return self._held
+
+    def log(self, step: int, values: dict[str, float], t: float = 0.0) -> None:
         self.run.log(dict(values), step=step)
 
     def event(self, text: str, step: int) -> None:
@@ -63,6 +88,8 @@ class WandbTracker:
     def close(self, ending: str | None) -> None:
         import wandb
 
+        if self._run is None:
+            return  # a sync with nothing to send opened no run
         code = 0 if ending in (None, "completed", "requeue", "terminated") else 1
         self.run.finish(exit_code=code)
         # finish() can return before W&B's service process has written the run's records (seen: a
@@ -75,7 +102,16 @@ class WandbTracker:
 
 
 def _mode(ctx: Start) -> str:
-    return ctx.spec.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+    return _spec_mode(ctx.spec)
+
+
+def _spec_mode(spec: MetricsSpec) -> str:
+    return spec.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+
+
+def remote(spec: MetricsSpec, run_dir: Path) -> bool:
+    """Online (offline, W&B writes local files)."""
+    return _spec_mode(spec) != "offline"
 
 
 def describe(ctx: Start) -> str:

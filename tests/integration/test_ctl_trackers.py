@@ -57,8 +57,15 @@ def test_ctl_save_then_stop_with_tensorboard(tmp_path):
     assert [e["step"] for e in events if e["event"] == "ckpt_save"] == [save_step, stop_step]
     ended = run_cli("ctl", str(run), "save")  # its ledger says the run ended: nobody would take it
     assert ended.returncode == 2 and "ended (terminated" in ended.stderr, ended.stderr
-    last = events[-1]
+    last = [e for e in events if e["event"] not in ("tracker_delivery", "start_env")][-1]  # the account follows
     assert (last["event"], last["reason"], last["step"]) == ("exit", "terminated", stop_step)
+    (env,) = [e for e in events if e["event"] == "start_env"]  # the software this start ran (issue 53)
+    import torch
+
+    assert env["torch"] == torch.__version__ and env["step"] == 0 and env["packages"] > 10, env
+    assert env["cuda"] == torch.version.cuda and env["nccl"] is None and env["gpu"] is None  # no GPU here
+    (acct,) = [e for e in events if e["event"] == "tracker_delivery"]
+    assert acct["tracker"] == "tensorboard" and acct["missing"] == 0 and acct["closed"], acct
 
     acc = EventAccumulator(str(run / "tensorboard"), purge_orphaned_data=True)
     acc.Reload()

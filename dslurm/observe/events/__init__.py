@@ -54,29 +54,41 @@ from dslurm.observe.events.lifecycle import (
     Recovery,
     Requeue,
     Signal,
+    StartEnv,
     StartPhases,
     Submit,
     TrainStart,
 )
-from dslurm.observe.events.training import Eval, Profile, Steps, Stragglers, TrackerDropped, TrackerFailed
+from dslurm.observe.events.training import (
+    Eval,
+    Profile,
+    Steps,
+    Stragglers,
+    TrackerDelivery,
+    TrackerDropped,
+    TrackerFailed,
+    TrackerHealed,
+)
 
 __all__ = [
     "ALIASES", "CATALOGUE", "RESTORES", "BlocklistWaived", "ChainCancel", "CkptDurableSkipped", "CkptFallback",
     "CkptFreshStart",
     "CkptLocalCommit", "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
     "DeviceHealth", "E", "Ending", "Eval", "Event", "Exit", "Hang", "InitFrom", "JobStart", "NonFinite", "Oom",
-    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "Sdc", "Signal", "StartPhases", "Steps",
-    "Stragglers", "Submit", "TrackerDropped", "TrackerFailed", "TrainStart", "decode", "decode_all", "of", "read",
+    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "Sdc", "Signal", "StartEnv", "StartPhases",
+    "Steps",
+    "Stragglers", "Submit", "TrackerDelivery", "TrackerDropped", "TrackerFailed", "TrackerHealed", "TrainStart",
+    "decode", "decode_all", "of", "read",
 ]
 
 E = TypeVar("E", bound="Event")
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
-    JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
+    JobStart, Submit, Preflight, StartEnv, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
     StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel, BlocklistWaived,
     Sdc, DeviceHealth, Eval,
-    InitFrom, TrackerFailed, TrackerDropped, OperatorRequest, Oom, Profile)}
+    InitFrom, TrackerFailed, TrackerDropped, TrackerHealed, TrackerDelivery, OperatorRequest, Oom, Profile)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

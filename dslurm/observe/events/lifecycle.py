@@ -76,6 +76,38 @@ class TrainStart(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StartEnv(Event):
+    """The software and machines one start ran on (rank 0, before its `train_start`;
+    dslurm/observe/software.py): `report` and `doctor` name what changed between starts. A value
+    the start could not know (no GPU, no container, not a git checkout) is None."""
+    NAME = "start_env"
+    step: int = 0
+    """the step the start resumed from (where a change shows on the curves)"""
+    torch: str | None = None
+    cuda: str | None = None
+    nccl: str | None = None
+    driver: str | None = None
+    gpu: str | None = None
+    """the GPU model (rank 0's device)"""
+    image: str | None = None
+    """the container image the site runs the job in"""
+    image_digest: str | None = None
+    """its digest where the image names one (`@sha256:...`) or the runtime says"""
+    code_sha: str | None = None
+    """the git commit of the code the start ran"""
+    code_dirty: bool | None = None
+    """that checkout had uncommitted changes"""
+    python: str | None = None
+    packages: int = 0
+    """installed Python distributions"""
+    packages_changed: dict[str, Any] = field(default_factory=dict)
+    """name -> [version at the previous start or None, version now or None]"""
+    nodes: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """NCCL_* and TORCH_* variables"""
+
+
+@dataclass(frozen=True, kw_only=True)
 class StartPhases(Event):
     """One start of the trainer, phase by phase (rank 0, right after the first step; measured by
     train/startup.py). `dslurm.observe.phases` adds the spawn phase (job_start -> t0) and

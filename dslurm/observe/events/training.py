@@ -98,8 +98,9 @@ class Profile(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class TrackerFailed(Event):
-    """An experiment tracker (dslurm/trackers/) raised: reported once, then that tracker is off for
-    the rest of this start; training goes on and the ledger keeps every number."""
+    """An experiment tracker (dslurm/trackers/) raised or did not answer: reported once per outage;
+    training goes on, the tracker retries with backoff and catches up from the ledger
+    (`tracker_healed`)."""
     NAME = "tracker_failed"
     tracker: str = ""
     """tensorboard | wandb | mlflow"""
@@ -111,8 +112,8 @@ class TrackerFailed(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class TrackerDropped(Event):
-    """At a start's end: what one tracker was handed but never sent (its bounded queue was full,
-    or it was off after a `tracker_failed`). The ledger itself has every number."""
+    """At a start's end, written by older versions: what one tracker was handed but never sent.
+    Now `tracker_delivery` says it (a tracker heals and catches up)."""
     NAME = "tracker_dropped"
     tracker: str = ""
     items: int = 0
@@ -120,3 +121,33 @@ class TrackerDropped(Event):
     delivered: int = 0
     """items the tracker took in this start"""
     why: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerHealed(Event):
+    """A tracker that had failed answers again: it caught up from the ledger, in order."""
+    NAME = "tracker_healed"
+    tracker: str = ""
+    down_s: float = 0.0
+    """from its `tracker_failed` to its first answer"""
+    late: int = 0
+    """items sent late (the ledger's points it lacked)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerDelivery(Event):
+    """One tracker's account at a start's end (`by: start`) or after `dslurm trackers sync`
+    (`by: sync`): what it took, late or not, and what it still lacks."""
+    NAME = "tracker_delivery"
+    tracker: str = ""
+    delivered: int = 0
+    """items sent as they came (a `steps` window's values are one item, an annotation another)"""
+    late: int = 0
+    """items sent late: after an outage, or points an earlier start could not send"""
+    missing: int = 0
+    """items it still lacks (the ledger has them: the next start or a sync sends them)"""
+    closed: bool = False
+    """its run got its final status (MLflow FINISHED / KILLED / FAILED, W&B finished)"""
+    outages: int = 0
+    by: str = "start"
+    """start | sync"""
