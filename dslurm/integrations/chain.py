@@ -55,7 +55,7 @@ def world_change_error(library: str, saved: int, now: int, gen: Path, why: str) 
 class Chain:
     """One run of `library`'s trainer on the chain. Collective methods say so."""
 
-    def __init__(self, library: str) -> None:
+    def __init__(self, library: str, **position: int) -> None:
         self.library = library
         self.rt = dr.init()
         if self.rt.run_dir is None:
@@ -67,7 +67,10 @@ class Chain:
                             "checkpoint folder is committed straight into the run directory. Fix: set "
                             "checkpoint.tiers: durable for this job")
         self.incoming = ck.generations_dir(self.rt.run_dir) / ck.INCOMING
-        self.marker: dict[str, Any] = {"library": library}
+        # One small state for the job beside the library's folder (DCP loads only the keys it is
+        # given, so every key is here from the start): the library, the step, the adapter's own
+        # position numbers (Lightning: the batches of the epoch already trained).
+        self.marker: dict[str, Any] = {"library": library, "step": 0, **position}
         self.ckpt = dr.Checkpoint(integration=dr.shared(self.marker))
 
     @property

@@ -59,8 +59,8 @@ from dslurm.runtime.checkpoint import per_rank, shared
 from dslurm.runtime.stop import StopFlags, StopRequest
 from dslurm.worker_exit import Outcome, leave, report, world_from_env
 
-__all__ = ["Checkpoint", "Runtime", "catch_stops", "current", "exit_for_requeue", "finish", "init", "log_metrics", "per_rank",
-           "shared", "stop_requested"]
+__all__ = ["Checkpoint", "Runtime", "catch_stops", "current", "exit_for_requeue", "finish", "init", "log_metrics",
+           "per_rank", "shared", "stop_requested"]
 log = logging.getLogger(__name__)
 # Steps fields a metric of that name fills; every other metric goes to Steps.values.
 _STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s")
