@@ -65,7 +65,7 @@ def check_args(args: Any, train_kwargs: dict[str, Any]) -> list[str]:
     return out
 
 
-class ChainCallback(TrainerCallback):  # type: ignore[misc]  (transformers is untyped)
+class ChainCallback(TrainerCallback):
     """The Trainer's hooks into the chain: stops, periodic and `ctl` saves, commits, the ledger."""
 
     def __init__(self, chain: Chain, own_saves: bool) -> None:

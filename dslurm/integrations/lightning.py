@@ -27,10 +27,10 @@ from typing import Any
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as pl
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 except ImportError:  # pragma: no cover - only pytorch_lightning installed
-    import pytorch_lightning as pl
-    from lightning_fabric.plugins.environments import SLURMEnvironment
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+    from lightning_fabric.plugins.environments.slurm import SLURMEnvironment  # type: ignore[assignment]
 
 import dslurm.runtime as dr
 from dslurm.errors import UserError
@@ -84,7 +84,7 @@ class _Resumed:
         return getattr(self.inner, name)
 
 
-class ChainCallback(pl.Callback):  # type: ignore[misc]  (lightning is untyped here)
+class ChainCallback(pl.Callback):
     """Lightning's hooks into the chain: stops, saves, commits, the ledger, the resumed epoch."""
 
     def __init__(self, chain: Chain, resume_rng: dict[str, Any] | None) -> None:

@@ -46,9 +46,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(192, 16, generator=g)
     loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin()), batch_size=4, shuffle=True)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // per_node,
-                         strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
+    per_node, world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=world // per_node,
+                         strategy="ddp" if world > 1 else "auto",
                          max_steps=a.steps, default_root_dir=a.root_dir, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     dl.run(trainer, model, train_dataloaders=loader)  # dslurm: in place of trainer.fit(model, ...)
