@@ -22,6 +22,7 @@ from typing import Any
 import dslurm.runtime as dr
 from dslurm import checkpoint as ck
 from dslurm.errors import UserError
+from dslurm.integrations.rules import library_folder, world_change_error
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +33,6 @@ class Resume:
 
     step: int
     folder: Path | None
-
-
-def library_folder(gen: Path, library: str) -> Path:
-    """The library's own checkpoint folder inside a committed generation (`files/`). Raises
-    UserError when the generation holds none (saved by another kind of entry)."""
-    folder = gen / ck.FILES
-    if not folder.is_dir():
-        raise UserError(f"{gen}: this generation holds no {library} checkpoint ({ck.FILES}/), so a {library} "
-                        "run cannot resume from it. Fix: point checkpoint.run_dir at this script's own run "
-                        "directory, or start a new one")
-    return folder
-
-
-def world_change_error(library: str, saved: int, now: int, gen: Path, why: str) -> UserError:
-    """The exit-2 refusal of a resume with another number of processes (pure)."""
-    return UserError(f"{gen}: saved by {saved} processes, resumed by {now}: {library}'s resume cannot "
-                     f"continue it exactly ({why}). Fix: resubmit with {saved} processes in all (nodes x "
-                     "procs_per_node), or start a new checkpoint.run_dir")
 
 
 class Chain:

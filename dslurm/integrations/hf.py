@@ -16,7 +16,7 @@
   `dslurm ctl save` saves at the next step. Periodic saves: the script's `save_strategy` when
   it has one, else (`save_strategy="no"`) the job's `checkpoint.interval`. The last step saves.
 - `on_log` writes the ledger's `steps` events (loss, lr, grad_norm, tokens/s).
-Settings HF cannot resume exactly from, or that never save, are exit-2 errors (`check_args`).
+Settings HF cannot resume exactly from, or that never save, are exit-2 errors (dslurm/integrations/rules.py).
 """
 
 from __future__ import annotations
@@ -30,39 +30,13 @@ from transformers import TrainerCallback
 import dslurm.runtime as dr
 from dslurm.errors import UserError
 from dslurm.integrations.chain import Chain
+from dslurm.integrations.rules import hf_problems
 
 log = logging.getLogger(__name__)
 dr.catch_stops()  # on import: a USR2 that comes while the script builds its model is kept, not fatal
 
 WORLD_WHY = ("its data position is counted in batches of the old world size and each rank's RNG file "
              "is its own")
-
-
-def check_args(args: Any, train_kwargs: dict[str, Any]) -> list[str]:
-    """The TrainingArguments (and `run` keywords) dslurm cannot run on the chain, each with its fix
-    (pure: reads attributes only). Empty: all good."""
-    out = []
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if "resume_from_checkpoint" in train_kwargs:
-        out.append("run(trainer, resume_from_checkpoint=...): dslurm resumes from the run's verified pointer. "
-                   "Fix: drop the argument")
-    if getattr(args, "save_only_model", False):
-        out.append("TrainingArguments.save_only_model=True: its checkpoints lack the optimizer, scheduler and RNG "
-                   "states, so no resume continues the run. Fix: save_only_model=False")
-    if getattr(args, "save_on_each_node", False):
-        out.append("TrainingArguments.save_on_each_node=True: dslurm commits one copy in the run directory. "
-                   "Fix: save_on_each_node=False")
-    if getattr(args, "load_best_model_at_end", False):
-        out.append("TrainingArguments.load_best_model_at_end=True: the best checkpoint is a dslurm generation, "
-                   "not a folder HF can find. Fix: load_best_model_at_end=False (`dslurm ckpt list` names them)")
-    if strategy == "best" and str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "no":
-        out.append("TrainingArguments.save_strategy='best' with eval_strategy='no' never saves. Fix: "
-                   "save_strategy='steps' (or 'no': the job's checkpoint.interval), or evaluate")
-    if strategy == "steps" and args.max_steps > 0 and args.save_steps >= 1 and args.save_steps > args.max_steps:
-        out.append(f"TrainingArguments.save_steps={args.save_steps} > max_steps={args.max_steps}: periodic "
-                   "saves never happen. Fix: a smaller save_steps, or save_strategy='no' to follow the job's "
-                   "checkpoint.interval")
-    return out
 
 
 class ChainCallback(TrainerCallback):
@@ -113,10 +87,14 @@ def run(trainer: Any, **train_kwargs: Any) -> Any:
     """`trainer.train(**train_kwargs)` on the chain: resumed from the run's pointer, stopped and
     saved when all ranks agree, its checkpoints committed as generations. Returns what `train`
     returns when training completed; after a stop it exits 75 or 143 (does not return)."""
-    problems = check_args(trainer.args, train_kwargs)
+    problems = hf_problems(trainer.args, train_kwargs)
     if problems:
         raise UserError("dslurm.integrations.hf: " + "; ".join(problems))
     chain = Chain("transformers")
+    if trainer.args.ddp_find_unused_parameters is False and chain.rt.world_size >= 3:
+        log.warning("ddp_find_unused_parameters=False: DDP rebuilds its gradient buckets after each process's "
+                    "first step, so a resumed run's first step rounds differently in the last bit (%d ranks); "
+                    "leave it unset (HF then keeps the first layout) for bit-identical resumes", chain.rt.world_size)
     strategy = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
     cb = ChainCallback(chain, own_saves=strategy != "no")
     trainer.add_callback(cb)

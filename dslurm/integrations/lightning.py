@@ -35,26 +35,13 @@ except ImportError:  # pragma: no cover - only pytorch_lightning installed
 import dslurm.runtime as dr
 from dslurm.errors import UserError
 from dslurm.integrations.chain import Chain
+from dslurm.integrations.rules import lightning_problems
 
 log = logging.getLogger(__name__)
 dr.catch_stops()  # on import: a USR2 that comes while the script builds its model is kept, not fatal
 
 CKPT = "lightning.ckpt"
 WORLD_WHY = "its loop position is counted in batches of the old world size and each rank's RNG is its own"
-
-
-def check_fit(trainer: Any, fit_kwargs: dict[str, Any]) -> list[str]:
-    """What dslurm cannot run on the chain, each with its fix (pure: reads attributes only)."""
-    out = []
-    if fit_kwargs.get("ckpt_path") is not None:
-        out.append("run(..., ckpt_path=...): dslurm resumes from the run's verified pointer. Fix: drop ckpt_path")
-    if getattr(trainer, "accumulate_grad_batches", 1) != 1:
-        out.append(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): a stop between the "
-                   "batches of one step would lose their gradients. Fix: accumulate_grad_batches=1 (a larger "
-                   "batch per process)")
-    if getattr(trainer, "max_steps", -1) in (None, -1) and getattr(trainer, "max_epochs", None) in (None, -1):
-        out.append("Trainer(max_steps=-1, max_epochs=-1) never ends. Fix: set max_steps or max_epochs")
-    return out
 
 
 class _Resumed:
@@ -137,14 +124,25 @@ def _one_signal_owner(trainer: Any) -> None:
     trainer._signal_connector.register_signal_handlers = lambda: None
 
 
+def _exact_ddp(trainer: Any) -> None:
+    """DDP rebuilds its gradient buckets after each process's first iteration, so a resumed process
+    reduces its first step in another layout (with 3 or more ranks the sums round differently in
+    the last bit; README, "DDP and bit-identical resumes"): unless the script chose, Lightning's
+    DDP keeps its first layout for good (find_unused_parameters=True, a graph walk per step)."""
+    kw = getattr(trainer.strategy, "_ddp_kwargs", None)
+    if isinstance(kw, dict) and "find_unused_parameters" not in kw and "static_graph" not in kw:
+        kw["find_unused_parameters"] = True
+
+
 def run(trainer: Any, model: Any, **fit_kwargs: Any) -> None:
     """`trainer.fit(model, **fit_kwargs)` on the chain: resumed from the run's pointer, stopped and
     saved when all ranks agree, its checkpoints committed as generations. Returns when training
     completed; after a stop it exits 75 or 143 (does not return)."""
-    problems = check_fit(trainer, fit_kwargs)
+    problems = lightning_problems(trainer, fit_kwargs)
     if problems:
         raise UserError("dslurm.integrations.lightning: " + "; ".join(problems))
     _one_signal_owner(trainer)
+    _exact_ddp(trainer)
     chain = Chain("lightning", batches_in_epoch=0)
     resume = chain.restore(WORLD_WHY)
     rng = None

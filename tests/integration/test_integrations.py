@@ -66,5 +66,5 @@ def test_accelerate_prepared_objects_are_taken_as_they_are(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["start"] == 5
-    assert out["shared"] == ["model", "optim", "sched"] and out["per_rank"] == ["data"]  # the scheduler: one for the job
+    assert out["shared"] == ["model", "optim", "sched"] and out["per_rank"] == ["data"]  # the scheduler: shared
     assert out["equal"] == {"model": True, "optim": True, "sched": True, "data": True}
