@@ -13,8 +13,9 @@
   checkpoint-N>)`, so HF restores weights, optimizer, scheduler, RNG and skips the batches done.
 - `on_step_end` asks the runtime whether a stop is agreed (USR2/TERM/`dslurm ctl stop`, all
   ranks at the same step), then saves and stops training; `run` exits 75 (requeue) or 143.
-  `dslurm ctl save` saves at the next step. Periodic saves: the script's `save_strategy` when
-  it has one, else (`save_strategy="no"`) the job's `checkpoint.interval`. The last step saves.
+  `dslurm ctl save` saves at the next step. Periodic saves: the script's `save_strategy` when it
+  saves within the run, else (`"no"`, or `save_steps` past `max_steps`) the job's
+  `checkpoint.interval`. The last step saves.
 - `on_log` writes the ledger's `steps` events (loss, lr, grad_norm, tokens/s).
 Settings HF cannot resume exactly from, or that never save, are exit-2 errors (dslurm/integrations/rules.py).
 """
@@ -30,7 +31,7 @@ from transformers import TrainerCallback
 import dslurm.runtime as dr
 from dslurm.errors import UserError
 from dslurm.integrations.chain import Chain
-from dslurm.integrations.rules import hf_problems
+from dslurm.integrations.rules import hf_problems, hf_saves_itself
 
 log = logging.getLogger(__name__)
 dr.catch_stops()  # on import: a USR2 that comes while the script builds its model is kept, not fatal
@@ -95,11 +96,12 @@ def run(trainer: Any, **train_kwargs: Any) -> Any:
         log.warning("ddp_find_unused_parameters=False: DDP rebuilds its gradient buckets after each process's "
                     "first step, so a resumed run's first step rounds differently in the last bit (%d ranks); "
                     "leave it unset (HF then keeps the first layout) for bit-identical resumes", chain.rt.world_size)
-    strategy = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
-    cb = ChainCallback(chain, own_saves=strategy != "no")
+    cb = ChainCallback(chain, own_saves=hf_saves_itself(trainer.args))
     trainer.add_callback(cb)
-    if strategy == "no":  # HF's _save_checkpoint runs only when a callback asks: the job's interval
-        log.info("save_strategy='no': saving every %d steps (the job's checkpoint.interval)", chain.interval)
+    if not cb.own_saves and chain.rank == 0:  # HF's _save_checkpoint runs when the callback asks
+        log.warning("save_strategy=%r, save_steps=%s, max_steps=%s: HF saves nothing in this run, so dslurm saves "
+                    "every %d steps (the job's checkpoint.interval)", str(trainer.args.save_strategy),
+                    trainer.args.save_steps, trainer.args.max_steps, chain.interval)
     # Route checkpoint-N (and only it: save_model() and logs keep output_dir) into .incoming.
     trainer._get_output_dir = lambda trial=None: str(chain.incoming)
     resume = chain.restore(WORLD_WHY)

@@ -31,11 +31,17 @@ def hf_problems(args: Any, train_kwargs: dict[str, Any]) -> list[str]:
     if strategy == "best" and str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "no":
         out.append("TrainingArguments.save_strategy='best' with eval_strategy='no' never saves. Fix: "
                    "save_strategy='steps' (or 'no': the job's checkpoint.interval), or evaluate")
-    if strategy == "steps" and args.max_steps > 0 and args.save_steps >= 1 and args.save_steps > args.max_steps:
-        out.append(f"TrainingArguments.save_steps={args.save_steps} > max_steps={args.max_steps}: periodic "
-                   "saves never happen. Fix: a smaller save_steps, or save_strategy='no' to follow the job's "
-                   "checkpoint.interval")
     return out
+
+
+def hf_saves_itself(args: Any) -> bool:
+    """Does the script's own save schedule save within this run? `save_strategy="no"`, or "steps"
+    with `save_steps` past `max_steps` (HF's default 500 in a shorter run): no, and the job's
+    checkpoint.interval decides the periodic saves instead (pure)."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy == "steps" and args.max_steps > 0 and args.save_steps >= 1:
+        return bool(args.save_steps <= args.max_steps)
+    return strategy != "no"
 
 
 def lightning_problems(trainer: Any, fit_kwargs: dict[str, Any]) -> list[str]:

@@ -11,7 +11,13 @@ import pytest
 
 from dslurm import checkpoint as ck
 from dslurm.errors import UserError
-from dslurm.integrations.rules import hf_problems, library_folder, lightning_problems, world_change_error
+from dslurm.integrations.rules import (
+    hf_problems,
+    hf_saves_itself,
+    library_folder,
+    lightning_problems,
+    world_change_error,
+)
 from dslurm.observe import ctl
 
 
@@ -29,7 +35,6 @@ def test_plain_hf_settings_pass():
 
 
 @pytest.mark.parametrize(("kw", "train", "named"), [
-    ({"save_strategy": "steps", "save_steps": 500}, {}, "save_steps=500 > max_steps=30"),
     ({"save_strategy": "best"}, {}, "save_strategy='best' with eval_strategy='no' never saves"),
     ({"save_only_model": True}, {}, "save_only_model=True"),
     ({"save_on_each_node": True}, {}, "save_on_each_node=True"),
@@ -39,6 +44,15 @@ def test_plain_hf_settings_pass():
 def test_hf_settings_that_cannot_run_are_named_with_their_fix(kw, train, named):
     (problem,) = hf_problems(hf_args(**kw), train)
     assert named in problem and "Fix:" in problem
+
+
+def test_an_hf_schedule_that_saves_nothing_in_the_run_leaves_it_to_the_job():
+    assert not hf_saves_itself(hf_args())  # save_strategy="no"
+    assert not hf_saves_itself(hf_args(save_strategy="steps", save_steps=500))  # HF's default, 30 steps
+    assert hf_saves_itself(hf_args(save_strategy="steps", save_steps=10))
+    assert hf_saves_itself(hf_args(save_strategy="steps", save_steps=0.1))  # a fraction of max_steps
+    assert hf_saves_itself(hf_args(save_strategy="epoch"))
+    assert hf_saves_itself(hf_args(save_strategy="steps", save_steps=500, max_steps=-1))  # epochs: unknown here
 
 
 def test_lightning_settings():
