@@ -93,3 +93,4 @@ def test_library_trainer_requeued_then_warned_ends_bit_identical(slurm_cluster, 
     assert report.returncode == 0, report.stderr
     summary = json.loads(report.stdout)
     assert summary["restarts"] == 2 and summary["lost_steps"] == 0 and summary["final_step"] == steps, summary
+    assert summary["status"] == "completed" and 0 < summary["goodput"] < 1, summary  # the run's goodput
