@@ -94,14 +94,14 @@ class Chain:
         or the last save (blocking; it must commit, else exit 74)."""
         self.barrier()  # every rank's files (HF: rng_state_<rank>.pth) are in before rank 0 moves them
         folder = self.incoming / name
+        if not self.agreed(folder.is_dir() if self.rank == 0 else False):  # refused on every rank, or none
+            raise UserError(f"{folder}: {self.library} wrote no checkpoint folder there (a subclass that saves "
+                            "elsewhere?). Fix: leave the library's own checkpoint saving as it is")
         files = folder if self.rank == 0 else None
-        if files is not None and not folder.is_dir():
-            raise UserError(f"{folder}: {self.library} wrote no checkpoint folder there; its save settings "
-                            "route it elsewhere")
         self.marker["step"] = step
         ok = self.ckpt.save(step, final=final, files=files)
-        if files is not None and folder.exists():  # not moved in (a skipped save): never a stale folder later
-            shutil.rmtree(folder, ignore_errors=True)
+        if not ok and files is not None and folder.exists():  # a skipped save never moved it in: no stale folder
+            shutil.rmtree(folder, ignore_errors=True)  # (an async save's thread moves it in later: left alone)
         return ok
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -116,6 +116,16 @@ class Chain:
         if stopped:
             dr.exit_for_requeue(step)
         self.rt.finish(step, keep_group=True)
+
+    def agreed(self, rank0_says: bool) -> bool:
+        """Rank 0's answer on every rank (one broadcast)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return rank0_says
+        box = [rank0_says]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
 
     def barrier(self) -> None:
         import torch.distributed as dist
