@@ -134,13 +134,17 @@ def _exact_ddp(trainer: Any) -> None:
         kw["find_unused_parameters"] = True
 
 
-def run(trainer: Any, model: Any, **fit_kwargs: Any) -> None:
-    """`trainer.fit(model, **fit_kwargs)` on the chain: resumed from the run's pointer, stopped and
+def run(trainer: Any, model: Any, *fit_args: Any, **fit_kwargs: Any) -> None:
+    """`trainer.fit(model, *fit_args, **fit_kwargs)` on the chain: resumed from the run's pointer, stopped and
     saved when all ranks agree, its checkpoints committed as generations. Returns when training
     completed; after a stop it exits 75 or 143 (does not return)."""
+    if len(fit_args) >= 4:  # fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        fit_kwargs["ckpt_path"] = fit_args[3]
+        fit_args = fit_args[:3]
     problems = lightning_problems(trainer, fit_kwargs)
     if problems:
         raise UserError("dslurm.integrations.lightning: " + "; ".join(problems))
+    fit_kwargs.pop("ckpt_path", None)  # None, or refused above
     _one_signal_owner(trainer)
     _exact_ddp(trainer)
     chain = Chain("lightning", batches_in_epoch=0)
@@ -153,5 +157,5 @@ def run(trainer: Any, model: Any, **fit_kwargs: Any) -> None:
     cb = ChainCallback(chain, rng)
     trainer.callbacks.append(cb)
     ckpt = str(resume.folder / CKPT) if resume.folder is not None else None
-    trainer.fit(model, ckpt_path=ckpt, **fit_kwargs)
+    trainer.fit(model, *fit_args, ckpt_path=ckpt, **fit_kwargs)
     chain.end(int(trainer.global_step), cb.stopped)
