@@ -23,6 +23,7 @@ import dslurm.runtime as dr
 from dslurm import checkpoint as ck
 from dslurm.errors import UserError
 from dslurm.integrations.rules import library_folder, world_change_error
+from dslurm.run import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Chain:
                             "`dslurm submit` (entry: [script.py, ...]), which sets DSLURM_RUN_DIR")
         spec = self.rt.job.checkpoint if self.rt.job is not None else None
         if spec is not None and spec.tiers != "durable":
-            raise UserError(f"{self.rt.run_dir}/job.yaml: checkpoint.tiers: {spec.tiers}: {library}'s own "
+            raise UserError(f"{RunDir(self.rt.run_dir).job_yaml}: checkpoint.tiers: {spec.tiers}: {library}'s own "
                             "checkpoint folder is committed straight into the run directory. Fix: set "
                             "checkpoint.tiers: durable for this job")
         self.incoming = ck.generations_dir(self.rt.run_dir) / ck.INCOMING
