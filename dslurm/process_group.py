@@ -42,6 +42,10 @@ def init_process_group(backend: str | None = None, *, require_cuda: bool = False
                         "Fix: run on a GPU node or use a CPU site")
     else:
         device = torch.device("cpu")
+    if dist.is_initialized():
+        # A library made it first (accelerate under HF's TrainingArguments, dslurm.integrations):
+        # one group per process, so it is adopted as it is.
+        return device
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dslurm.checkpoint.lock import RunDirLock, describe_holder
 from dslurm.checkpoint.pointer import (
+    FILES,
     FORMAT,
     FULL_BELOW_BYTES,
     GENERATIONS,
     HOLDER,
+    INCOMING,
     LOCK,
     MANIFEST,
     META,
@@ -60,7 +62,7 @@ from dslurm.checkpoint.pointer import (
 )
 
 __all__ = [
-    "CheckpointError", "FORMAT", "FULL_BELOW_BYTES", "GENERATIONS", "GenInfo", "HOLDER", "LOCK",
+    "CheckpointError", "FILES", "FORMAT", "FULL_BELOW_BYTES", "GENERATIONS", "GenInfo", "HOLDER", "INCOMING", "LOCK",
     "MANIFEST", "META", "POINTER", "Pointer", "RANKS", "REJECTED", "REQUIRED", "RestorePlan",
     "RunDirLock", "RunLocked", "SaveFailed", "Selection", "TRASH", "atomic_write_bytes",
     "atomic_write_json", "checksum_files", "collect_garbage", "config_digest", "describe_holder",

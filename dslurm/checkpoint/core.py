@@ -55,6 +55,7 @@ class Job:
     phases: dict[str, float] = field(default_factory=dict)
     lag_wait_s: float = 0.0  # two tiers, on_lag=wait: training waited this long for the copier first
     state: dict[str, Any] = field(default_factory=dict)  # this rank's per-rank state (per_rank.capture)
+    files: Path | None = None  # a finished folder this rank moves into the generation (ck.FILES)
 
     def since(self) -> float:
         return time.perf_counter() - self.t0

@@ -326,11 +326,22 @@ class CheckpointManager:
     # ------------------------------------------------------------ save
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any] | None = None, *,
-             blocking: bool = False) -> bool:
+             blocking: bool = False, files: Path | None = None) -> bool:
         """Start (async) or do (sync, or blocking=True for signal saves) a save of `state` at `step`.
         Returns False when skipped (on_inflight="skip", or two tiers' on_lag) or, for sync saves,
-        when it failed."""
-        return self.tier.save(step, state, extra or {}, blocking)
+        when it failed. `files`: a finished folder of this rank's (a library's own checkpoint,
+        written under `generations/.incoming` on the same file system) moved into the generation
+        as `files/` before it commits: listed in its manifest with crc32s, verified on restore,
+        collected with it. Durable tier only: two tiers would commit it on one node's scratch."""
+        if files is not None and self.tier.kind != "durable":
+            raise UserError(f"checkpoint.tiers: {self.tier.kind}: a library's own checkpoint folder ({files.name}) "
+                            "is committed straight into the run directory. Fix: set checkpoint.tiers: durable "
+                            "for this job")
+        self.ctx.attach = files
+        try:
+            return self.tier.save(step, state, extra or {}, blocking)
+        finally:
+            self.ctx.attach = None  # a save skipped before its generation existed leaves it to the caller
 
     def wait(self) -> None:
         """Block until the saves in flight (if any) are committed or failed; apply on_error."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -79,6 +80,9 @@ def prepare_generation(gen: Path, job: Job, sd: dict[str, Any], rank: int, world
     into a generation being removed)."""
     try:
         (gen / ck.RANKS).mkdir(parents=True, exist_ok=True)
+        if job.files is not None:  # a library's finished folder: one rename, inside the uncommitted generation
+            os.replace(job.files, gen / ck.FILES)
+            ck.fsync_dir(gen)
         faults.ckpt_kill("before_write", rank, job.nth)
         tensors = floating_tensors(sd)  # listed here: DCP may rebuild the dicts meanwhile
     except Exception as exc:

@@ -10,6 +10,8 @@ On disk, per run directory::
         .metadata, __<rank>_<i>.distcp      torch.distributed.checkpoint files
         meta.json                           step, extra state, config hash, layout, versions
         ranks/rank-00000.json               per-rank RNG states
+        files/                              a library's own folder (HF checkpoint-N, a Lightning
+                                            .ckpt), moved in from generations/.incoming by the save
         MANIFEST.json                       every file, size and crc32; written last (commit marker)
 
 Restore trusts only the pointer; other generations matter only as verified fallback candidates.
@@ -46,6 +48,8 @@ MANIFEST = "MANIFEST.json"
 META = "meta.json"
 RANKS = "ranks"
 REJECTED = "REJECTED.json"  # written into a generation a restore found corrupt
+FILES = "files"  # a library's own checkpoint folder, committed inside the generation (dslurm.integrations)
+INCOMING = ".incoming"  # under generations/: where such a folder is written before its save moves it in
 LOCK = ".lock"
 HOLDER = "lock-holder.json"
 TRASH = ".trash-"

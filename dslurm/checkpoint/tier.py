@@ -92,6 +92,7 @@ class Context:
         # Threads deleting trash (old generations' bytes), joined by close(): the trainer leaves
         # through os._exit right after close(), which would kill a daemon thread mid-delete.
         self.reapers: list[threading.Thread] = []
+        self.attach: Path | None = None  # the next save's folder to move in (CheckpointManager.save files=)
         self._saves = 0
 
     # ------------------------------------------------------------ a save's life
@@ -111,7 +112,9 @@ class Context:
                 "model_shape": s.model_shape, "torch_version": torch.__version__,
                 "dslurm_version": dslurm.__version__, "saved_by": ck.holder_identity(),
                 "per_rank": [e.name for e in self.per_rank]}
-        return Job(name, step, self._saves, meta, capture_rng(), t0, state=per_rank.capture(self.per_rank))
+        files, self.attach = self.attach, None
+        return Job(name, step, self._saves, meta, capture_rng(), t0, state=per_rank.capture(self.per_rank),
+                   files=files)
 
     def stage(self, sd: dict[str, Any], state: dict[str, Any]) -> Any:
         """Start the host copy of `sd` (the state dict of `state`): a future of the copy."""

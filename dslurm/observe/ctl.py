@@ -226,7 +226,8 @@ def hand_started(run: Path, action: str) -> str:
 def script_refusal(run_dir: Path, entry: str | list[str], where: list[Path], action: str = "save") -> str | None:
     """Why this run's entry cannot take a request (None: it can, or that cannot be told). The
     built-in trainer (a module entry) polls; a script does when it calls
-    `dslurm.runtime.stop_requested`, which is where rank 0 looks (dslurm/runtime/__init__.py). The
+    `dslurm.runtime.stop_requested`, which is where rank 0 looks (dslurm/runtime/__init__.py), or
+    runs a library's trainer through `dslurm.integrations` (its callback calls it each step). The
     script is looked for in `where` (the code snapshot, the directory ctl runs in); one not
     found is given the benefit of the doubt. Pure but for reading the script."""
     words = [entry] if isinstance(entry, str) else list(entry)
@@ -241,7 +242,7 @@ def script_refusal(run_dir: Path, entry: str | list[str], where: list[Path], act
             text = path.read_text(errors="replace")
         except OSError:
             continue
-        if "stop_requested" in text:
+        if "stop_requested" in text or "dslurm.integrations" in text:  # an adapter's callback polls at each step
             return None
         return (f"the run's script {path} never calls dslurm.runtime.stop_requested(step), where rank 0 takes "
                 f"`dslurm ctl` requests: a request would wait forever. Fix: stop it with `dslurm cancel --save "

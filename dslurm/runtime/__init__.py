@@ -59,8 +59,8 @@ from dslurm.runtime.checkpoint import per_rank, shared
 from dslurm.runtime.stop import StopFlags, StopRequest
 from dslurm.worker_exit import Outcome, leave, report, world_from_env
 
-__all__ = ["Checkpoint", "Runtime", "current", "exit_for_requeue", "finish", "init", "log_metrics", "per_rank",
-           "shared", "stop_requested"]
+__all__ = ["Checkpoint", "Runtime", "catch_stops", "current", "exit_for_requeue", "finish", "init", "log_metrics",
+           "per_rank", "shared", "stop_requested"]
 log = logging.getLogger(__name__)
 # Steps fields a metric of that name fills; every other metric goes to Steps.values.
 _STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s")
@@ -181,12 +181,13 @@ class Runtime:
         self._end(code, step)
         sys.exit(code)
 
-    def finish(self, step: int | None = None) -> None:
+    def finish(self, step: int | None = None, *, keep_group: bool = False) -> None:
         """Training complete (after the final save): the exit event, this rank's report (code 0),
-        the process group destroyed. The script then ends normally."""
-        self._end(exitcodes.OK, step)
+        the process group destroyed (`keep_group`: left for the script, e.g. a library's own
+        save of the final model after its trainer returned). The script then ends normally."""
+        self._end(exitcodes.OK, step, keep_group=keep_group)
 
-    def _end(self, code: int, step: int | None) -> None:
+    def _end(self, code: int, step: int | None, *, keep_group: bool = False) -> None:
         import torch.distributed as dist
 
         from dslurm.observe import events
@@ -203,7 +204,7 @@ class Runtime:
         self.outcome.step = self.step
         report(self.outcome, code, self.rank)
         self._done = True
-        if dist.is_initialized():
+        if dist.is_initialized() and not keep_group:
             dist.destroy_process_group()
 
     def _on_error(self, exc: BaseException) -> int:
@@ -231,6 +232,17 @@ class Runtime:
 
 
 _CURRENT: Runtime | None = None
+_EARLY: StopRequest | None = None  # catch_stops(): handlers installed before init()
+
+
+def catch_stops() -> None:
+    """Install the stop handlers now, before `init()`: they only remember the signal, and `init()`
+    hands it to the runtime's flags. For code that builds a library's trainer before it can call
+    `init()` (dslurm.integrations, on import): a USR2 forwarded meanwhile would otherwise end the
+    process (its default action)."""
+    global _EARLY
+    if _EARLY is None and _CURRENT is None:
+        _EARLY = StopRequest().install(None)
 
 
 def current() -> Runtime:
@@ -274,7 +286,7 @@ def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None =
     rd = Path(path) if path else None
     site, job = load_frozen(rd)
     rt = _CURRENT = Runtime(run_dir=rd, site=site, job=job, t_start=t_start)
-    rt.outcome.stop = StopRequest().install(rt.flags)
+    rt.outcome.stop = (_EARLY or StopRequest()).install(rt.flags)
     sys.excepthook = _excepthook
     atexit.register(_at_exit)
     from dslurm.preflight.in_job import gate_in_process

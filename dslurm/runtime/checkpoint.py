@@ -139,6 +139,7 @@ class Checkpoint:
         self.manager = manager_for(self.spec, rt.run_dir, scratch=scratch, ledger=rt.ledger,
                                    layout={"world_size": rt.world_size}, per_rank_state=self._per_rank)
         self._saved_step: int | None = None  # the step of the last save started or done
+        self.restored: Any = None  # restore()'s RestoreResult (generation, path, saved world size); None: fresh
 
     @property
     def interval(self) -> int:
@@ -156,7 +157,7 @@ class Checkpoint:
         `train_start` event, from which `dslurm report` counts this start."""
         from dslurm.observe import events
 
-        res = self.manager.restore(self._shared)
+        res = self.restored = self.manager.restore(self._shared)
         step = res.step if res is not None else 0
         self._saved_step = step if res is not None else None
         self.rt.event(events.TrainStart(step=step, generation=res.generation if res else None,
@@ -166,17 +167,19 @@ class Checkpoint:
         self.rt.started(step)
         return step
 
-    def save(self, step: int, *, final: bool = False) -> bool:
+    def save(self, step: int, *, final: bool = False, files: Path | None = None) -> bool:
         """Save the state as of `step` completed steps: in the background when the job's
         checkpoint.async_save says so, unless `final` (before an exit: blocking, and it must
         commit, or this raises and the script exits 74 through `dslurm.runtime`). A step already
         saved is not saved again (a loop whose last periodic save is its final step): a final
-        save then waits for that one and checks it committed durably."""
-        if step == self._saved_step and self._already_saved(step, final):
+        save then waits for that one and checks it committed durably. `files`: a library's own
+        finished checkpoint folder, committed inside the generation (CheckpointManager.save)."""
+        if step == self._saved_step and files is None and self._already_saved(step, final):
             return True
         if not final:
-            ok = self.manager.save(step, self._shared, blocking=False)
-        elif (err := save_final(self.manager, lambda: self.manager.save(step, self._shared, blocking=True),
+            ok = self.manager.save(step, self._shared, blocking=False, files=files)
+        elif (err := save_final(self.manager,
+                                lambda: self.manager.save(step, self._shared, blocking=True, files=files),
                                 step)) is None:
             ok = True
         else:

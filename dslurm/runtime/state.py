@@ -93,6 +93,7 @@ def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
     shared: dict[str, Any] = {}
     ranks: list[Entry] = []
     for name, value in state.items():
+        value = accelerate_entry(name, value)
         if isinstance(value, nn.Module):
             shared[name] = ModelState([value])
         elif isinstance(value, Optimizer):
@@ -110,6 +111,25 @@ def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
         else:
             ranks.append(entry_for(name, value))
     return shared, ranks
+
+
+def accelerate_entry(name: str, value: Any) -> Any:
+    """An `accelerate` Accelerator's prepared object as the entry it stands for, so a script hands
+    them over as they are: the prepared model is a module (DDP's `module.` prefix dropped like any
+    DDP's) and the AcceleratedOptimizer an Optimizer already; an AcceleratedScheduler is its
+    scheduler (one state for the job, through DCP); a prepared DataLoader is per-rank state only
+    when it is stateful (`DataLoaderConfiguration(use_stateful_dataloader=True)`), refused by name
+    otherwise: a plain one has no position to give back. Anything else is returned unchanged."""
+    kind = type(value).__module__.split(".")[0], type(value).__name__
+    if kind == ("accelerate", "AcceleratedScheduler"):
+        return value.scheduler
+    if kind[0] == "accelerate" and kind[1] in ("DataLoaderShard", "DataLoaderDispatcher") and not getattr(
+            value, "use_stateful_dataloader", False):
+        raise ValueError(f"checkpoint entry {name!r} is an accelerate {kind[1]} without a position to save. Fix: "
+                         "Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)), "
+                         "or leave the loader out and skip the batches done yourself "
+                         "(accelerator.skip_first_batches)")
+    return value
 
 
 def inexact_resumes(state: dict[str, Any], world_size: int) -> list[str]:
