@@ -35,12 +35,14 @@ from dslurm.observe.events.ckpt import (
     CkptFallback,
     CkptFreshStart,
     CkptLocalCommit,
+    CkptPartnerCommit,
     CkptRestore,
     CkptRestoreFailed,
     CkptSave,
     CkptSaveFailed,
     CkptSaveSkipped,
     InitFrom,
+    RestoreRejected,
 )
 from dslurm.observe.events.health import DeviceHealth, Hang, NonFinite, Oom, Sdc
 from dslurm.observe.events.lifecycle import (
@@ -63,9 +65,11 @@ from dslurm.observe.events.training import Eval, Profile, Steps, Stragglers, Tra
 __all__ = [
     "ALIASES", "CATALOGUE", "RESTORES", "BlocklistWaived", "ChainCancel", "CkptDurableSkipped", "CkptFallback",
     "CkptFreshStart",
-    "CkptLocalCommit", "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
+    "CkptLocalCommit", "CkptPartnerCommit",
+    "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
     "DeviceHealth", "E", "Ending", "Eval", "Event", "Exit", "Hang", "InitFrom", "JobStart", "NonFinite", "Oom",
-    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "Sdc", "Signal", "StartPhases", "Steps",
+    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue",
+    "RestoreRejected", "Sdc", "Signal", "StartPhases", "Steps",
     "Stragglers", "Submit", "TrackerDropped", "TrackerFailed", "TrainStart", "decode", "decode_all", "of", "read",
 ]
 
@@ -73,7 +77,8 @@ E = TypeVar("E", bound="Event")
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
-    StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
+    StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptPartnerCommit, CkptDurableSkipped,
+    RestoreRejected, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel, BlocklistWaived,
     Sdc, DeviceHealth, Eval,
     InitFrom, TrackerFailed, TrackerDropped, OperatorRequest, Oom, Profile)}
