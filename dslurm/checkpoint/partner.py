@@ -190,6 +190,7 @@ def pull(comm: Comm, cand: replica.Candidate, local_dir: Path, records: dict[int
         rec = dict(records[r])
         rec["committed_t"] = time.time()
         try:
+            (gen / tiers.LOCAL).mkdir(exist_ok=True)
             ck.atomic_write_json(tiers.record_path(gen, r), rec)
         except OSError as exc:
             problems.append(f"{tiers.record_path(gen, r)}: {reason(exc)}")

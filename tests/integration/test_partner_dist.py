@@ -51,6 +51,8 @@ class ListLedger:
 
 
 def worker(mode: str, run_dir: Path, out: Path) -> None:
+    from dslurm import checkpoint as ck
+    from dslurm.checkpoint import replica
     from dslurm.checkpoint.dcp import CheckpointManager, TrainState
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["SLURMD_NODENAME"] = f"node{rank}"  # one "node" per rank: its own scratch
@@ -74,9 +76,11 @@ def worker(mode: str, run_dir: Path, out: Path) -> None:
         extra: dict[str, Any] = {}
         with CheckpointManager(run_dir, **kw) as mgr:
             res = mgr.restore({"train": TrainState(model, opt, sched)}, extra)
+            held = replica.held_copies(mgr.tier.local_dir, world, kw["layout"], [[0], [1]])
             record = train(model, opt, sched, extra, res.step, STEPS)
             mgr.save(STEPS, {"train": TrainState(model, opt, sched)}, extra, blocking=True)
         record["restored"] = [res.step, res.tier, res.tier_reason]
+        record["held_after_restore"] = {str(ck.parse_step(n)): v for n, v in held.items()}
         params = full_params(model)  # collective
         (out / f"resume-{rank}.json").write_text(json.dumps(record))
         if rank == 0:
@@ -117,8 +121,9 @@ def test_kill_9_mid_partner_transfer_leaves_no_partner_copy_that_counts(first):
     assert res.returncode != 0 and "killing myself at mid_partner" in res.stderr
     assert ck.read_pointer(base / "run").step == K
     for rank, node in enumerate(("node0", "node1")):
-        held = replica.held_partner(_local(base, node), 2, {"dp_shard": 2})
-        assert [ck.parse_step(n) for n in held] == [2, K] and all(v == [1 - rank] for v in held.values())
+        held = replica.held_copies(_local(base, node), 2, {"dp_shard": 2}, [[0], [1]])
+        partner = {ck.parse_step(n): [r for r, kind in v.items() if kind == "partner"] for n, v in held.items()}
+        assert partner == {2: [1 - rank], K: [1 - rank], K + 1: []}  # K+1: locally committed, no partner copy
         partial = replica.partner_root(_local(base, node)) / "generations"
         assert any(ck.parse_step(p.name) == K + 1 for p in partial.iterdir())  # bytes, never a record
 
@@ -175,20 +180,20 @@ def _flip(path: Path, at: int) -> None:
 
 
 def test_flipped_byte_in_a_partner_shard_is_rejected_before_the_first_step(first, tmp_path):
-    from dslurm.checkpoint import replica, tiers
+    from dslurm.checkpoint import replica
 
     def prepare(new: Path) -> None:
         _lose_node1(new, durable_too=False)
         shard = _gen(replica.partner_root(_local(new, "node0")), K) / "__1_0.distcp"
         _flip(shard, shard.stat().st_size // 2)
 
-    got, evs, new = _resume(first, tmp_path, prepare)
+    got, evs, _ = _resume(first, tmp_path, prepare)
     for rank in (0, 1):
         assert got[rank]["restored"][:2] == [K, "durable"]
     (rej,) = [e for e in evs if e["event"] == "restore_rejected"]
     assert (rej["copy"], rej["node"], rej["ranks"]) == ("partner", "node0", [1]) and "crc32" in rej["reason"]
-    # withdrawn: no later start pulls it again (no crash loop)
-    assert tiers.read_record(_gen(replica.partner_root(_local(new, "node0")), K), 1) is None
+    # withdrawn: no later start pulls it again (no crash loop); the other copies stay
+    assert got[0]["held_after_restore"][str(K)] == {"0": "local"}
     _same_as_reference(first, tmp_path, got, K)
 
 
