@@ -117,6 +117,7 @@ def worker(rank: int, args: argparse.Namespace, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     base = Path(args.dir)
+    torch.manual_seed(0)  # replicated state is the same on every rank (the restore's fingerprint checks it)
     model = make_model(args.mb)
     rows = []
     for rep in range(args.reps):
@@ -125,12 +126,13 @@ def worker(rank: int, args: argparse.Namespace, store: str) -> None:
             settle()
             step_s, partner_s = steps(model, base, on, args.steps, args.batch)
             row["step_on" if on else "step_off"] = step_s
-            if on:
-                row["partner"] = partner_s
-        tiers = ["local", "partner", "durable"]
-        for tier in (tiers if rep % 2 == 0 else tiers[::-1]):
-            settle()
-            row[f"restore_{tier}"] = restore(model, base, tier, args.mbps)
+            if not on:
+                continue
+            row["partner"] = partner_s
+            tiers = ["local", "partner", "durable"]  # from the generation the partner-on run saved
+            for tier in (tiers if rep % 2 == 0 else tiers[::-1]):
+                settle()
+                row[f"restore_{tier}"] = restore(model, base, tier, args.mbps)
         rows.append(row)
     if rank == 0:
         (base / "rows.json").write_text(json.dumps({"rows": rows, "bytes": nbytes(model)}))

@@ -5,7 +5,7 @@ copies"; the layout and the choices are dslurm.checkpoint.replica's).
 
 The bytes go through the job's processes, never through a path on another node: a node's scratch
 is its own (a real node-local NVMe is not mounted anywhere else). Each transfer is a stream of
-chunks (`CHUNK` bytes, one buffer per peer at a time: memory is bounded whatever the state's
+chunks (`CHUNK` bytes, 16 MiB, one buffer per peer at a time: memory is bounded whatever the state's
 size) sent with isend/irecv in rounds every rank walks in the same order, so no pair waits on
 another. The receiver computes each file's crc32 from the bytes as they arrive and compares it
 with the sender's local commit record; only then is the record written beside the files, last:
@@ -33,7 +33,7 @@ from dslurm.checkpoint.core import Comm, reason
 
 log = logging.getLogger(__name__)
 
-CHUNK = 4 << 20
+CHUNK = 16 << 20
 
 
 @dataclass
@@ -69,37 +69,43 @@ def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: floa
     assert comm.group is not None, "partner copies need a process group"
     t0, out = time.monotonic(), Transfer()
     crcs: dict[tuple[int, str], int] = {}
+    handles: dict[tuple[int, str], Any] = {}
     rounds = max([len(s.pieces) for s in sends + recvs], default=0)
     for s in recvs:
         for name in s.files:
             (s.root / name).parent.mkdir(parents=True, exist_ok=True)
             (s.root / name).write_bytes(b"")  # every file exists, the empty ones too
-    for k in range(rounds):
-        ops, bufs = [], []
-        for s in sends:
-            if k < len(s.pieces):
-                buf = _read_piece(s, *s.pieces[k], out)
-                ops.append(dist.isend(buf, dst=s.peer, group=comm.group))
-                out.sent += buf.numel()
-        for s in recvs:
-            if k < len(s.pieces):
-                buf = torch.empty(s.pieces[k][2], dtype=torch.uint8)
-                ops.append(dist.irecv(buf, src=s.peer, group=comm.group))
-                bufs.append((s, s.pieces[k], buf))
-        for op in ops:
-            if op is not None:  # None: a rank outside the group (never here)
-                op.wait()
-        for s, (name, _, _), buf in bufs:
-            raw = buf.numpy()
-            with open(s.root / name, "ab") as f:
-                f.write(raw.data)
-            crcs[(s.peer, name)] = zlib.crc32(raw.data, crcs.get((s.peer, name), 0))
-        if k == 0:
-            after_first()
-        if mbps > 0:
-            ahead = out.sent / (mbps * 1e6) - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
+    try:
+        for k in range(rounds):
+            ops, bufs = [], []
+            for s in sends:
+                if k < len(s.pieces):
+                    buf = _read_piece(s, *s.pieces[k], out)
+                    ops.append(dist.isend(buf, dst=s.peer, group=comm.group))
+                    out.sent += buf.numel()
+            for s in recvs:
+                if k < len(s.pieces):
+                    buf = torch.empty(s.pieces[k][2], dtype=torch.uint8)
+                    ops.append(dist.irecv(buf, src=s.peer, group=comm.group))
+                    bufs.append((s, s.pieces[k], buf))
+            for op in ops:
+                if op is not None:  # None: a rank outside the group (never here)
+                    op.wait()
+            for s, (name, _, _), buf in bufs:
+                raw = buf.numpy().data
+                if (s.peer, name) not in handles:
+                    handles[(s.peer, name)] = open(s.root / name, "ab")  # noqa: SIM115 - closed below
+                handles[(s.peer, name)].write(raw)
+                crcs[(s.peer, name)] = zlib.crc32(raw, crcs.get((s.peer, name), 0))
+            if k == 0:
+                after_first()
+            if mbps > 0:
+                ahead = out.sent / (mbps * 1e6) - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+    finally:
+        for f in handles.values():
+            f.close()
     for s in recvs:
         for name, entry in sorted(s.files.items()):
             got = f"{crcs.get((s.peer, name), 0):08x}"
@@ -121,7 +127,7 @@ def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: floa
 
 
 def _read_piece(s: Stream, name: str, off: int, length: int, out: Transfer) -> torch.Tensor:
-    buf = torch.zeros(length, dtype=torch.uint8)
+    buf = torch.empty(length, dtype=torch.uint8)
     try:
         with open(s.root / name, "rb", buffering=0) as f:
             f.seek(off)
@@ -130,6 +136,7 @@ def _read_piece(s: Stream, name: str, off: int, length: int, out: Transfer) -> t
             while got < length and (n := f.readinto(view[got:])):
                 got += n
     except OSError as exc:  # the receiver's crc32 will not match: zeros go instead
+        buf.zero_()
         if off == 0:
             out.problems.append(f"{s.root / name}: unreadable, not sent ({reason(exc)})")
     return buf
