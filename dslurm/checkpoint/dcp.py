@@ -139,7 +139,7 @@ class RestoreResult:
     saved_layout: dict[str, Any]
     rejected: list[tuple[str, list[str]]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: precheck, load, verify, total
-    tier: str = "durable"  # "local": node-local copies (two tiers, same nodes and layout)
+    tier: str = "durable"  # "local": node-local copies (two tiers); "partner": some pulled from partner copies
     tier_reason: str = ""  # why that tier (two tiers)
 
 

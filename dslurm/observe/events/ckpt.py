@@ -36,7 +36,8 @@ class CkptRestore(Event):
     reason: str = ""
     rejected: list[str] = field(default_factory=list)
     tier: str = "durable"
-    """"local" (node-local copies, same nodes and layout) or "durable" (the run dir)"""
+    """"local" (node-local copies, same nodes and layout), "partner" (some ranks pulled theirs from
+    partner copies over the network) or "durable" (the run dir)"""
     tier_reason: str = ""
     """why that tier: the local candidate used, or why no local generation qualified"""
     rng_restored: bool | None = None
