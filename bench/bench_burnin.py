@@ -58,7 +58,7 @@ def burnin_busbw(nproc: int, nbytes: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--mib", type=int, default=64, help="largest all-reduce / memcpy buffer")
     args = p.parse_args()

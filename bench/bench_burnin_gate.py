@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     from bench_burnin import memcpy_gbps

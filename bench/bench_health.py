@@ -331,7 +331,7 @@ def wall_per_call(fn, n: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=20000)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--checks", type=int, default=200)

@@ -56,7 +56,7 @@ def store_connect(port: int, wait: bool) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     rows: dict[str, list[float]] = {k: [] for k in ("torch.distributed.run", "dslurm.launch.torchrun",

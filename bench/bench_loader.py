@@ -2,7 +2,9 @@
 
 The rank is one data-parallel rank of an 8-GPU 8B run: seq_len 8192, 4 windows per step
 (global batch 32 over dp 8). Consumption reference: 8,500 tokens/s per GPU, an 8xH100 Llama-3
-8B run's (torchtitan's float8 figure); goal: the loader >= 20x that. Raw read: the same token
+8B run's (torchtitan's published float8 figure, a constant: not measured here, so its ratios are
+arithmetic on a measured rate); goal: the loader >= 20x that. What is measured instead of a GPU:
+the step's `data` wait (below). Raw read: the same token
 file read sequentially in 16 MB calls, page-cached as the loader's reads are, two ways: `read`
 (a new buffer each call, as `f.read` does) and `readinto` one reused buffer (the fastest a
 sequential reader gets); goal: the loader's reader >= 0.5x the raw read.
@@ -297,7 +299,7 @@ def data_wait(resolved, steps: int, compute_s: float) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2000, help="batches timed per section")
     p.add_argument("--mtokens", type=int, default=256, help="corpus size in Mi tokens (uint16; default 256: an "
                    "epoch of 1,024 steps holds the reader's whole plan of ~4,096 windows, as a real corpus does)")
@@ -397,8 +399,9 @@ def main() -> None:
           f"against it, the stricter side): `read` {plain[0]:,.0f} "
           f"tokens/s wall ({plain[1]:,.0f} CPU), `readinto` one buffer {reuse[0]:,.0f} wall ({reuse[1]:,.0f} CPU); "
           f"from the disk ({evicted:.0%} of the pages evicted first): {raw_cold[0]:,.0f} wall, {raw_cold[1]:,.0f} CPU")
-    print(f"consumption reference: {GPU_TOKENS_S:,.0f} tokens/s per GPU (8xH100 Llama-3 8B, torchtitan float8)")
-    print("| data section | next_batch tokens/s wall / CPU | x GPU consumption (wall) | reader tokens/s wall / CPU "
+    print(f"consumption reference (published, not measured): {GPU_TOKENS_S:,.0f} tokens/s per GPU "
+          "(8xH100 Llama-3 8B, torchtitan float8)")
+    print("| data section | next_batch tokens/s wall / CPU | x published GPU rate (wall) | reader tokens/s wall / CPU "
           "| reader x raw `read`, wall / CPU | reader x raw `readinto`, wall / CPU |")
     print("|---|---|---|---|---|---|")
     for name, (wall, cpu, r_wall, r_cpu) in rates.items():
@@ -429,7 +432,8 @@ def main() -> None:
           f"prefetch 0 {waits[0] * 1e3:.3f} ms, prefetch 2 {waits[2] * 1e3:.3f} ms per step")
     worst = min(r[0] for name, r in rates.items() if "prefetch 2" in name)
     goal = {name: (rates[name][2] / reuse[0], rates[name][3] / reuse[1]) for name in sections if "prefetch 2" in name}
-    print(f"goal >= 20x consumption: {'met' if worst / GPU_TOKENS_S >= 20 else 'NOT met'} "
+    print(f"goal >= 20x the published consumption (arithmetic, not measured): "
+          f"{'met' if worst / GPU_TOKENS_S >= 20 else 'NOT met'} "
           f"(worst {worst / GPU_TOKENS_S:,.0f}x); goal >= 0.5x raw read (reader, page-cached, against `readinto`), "
           f"wall / CPU: " + "; ".join(f"{what.removesuffix(', prefetch 2')} {a:.2f}x / {b:.2f}x"
                                       for what, (a, b) in goal.items()))

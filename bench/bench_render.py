@@ -33,7 +33,7 @@ def timed(argv: list[str]) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=21)
     ap.add_argument("--site", default="site-configs/local.yaml")
     ap.add_argument("--job", default="examples/jobs/tiny-2node.yaml")

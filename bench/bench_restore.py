@@ -64,7 +64,8 @@ def before(gen: Path, model: nn.Module) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/dslurm-bench-restore"))
     ap.add_argument("--mb", type=int, default=268)
     ap.add_argument("--reps", type=int, default=5)

@@ -91,7 +91,7 @@ def med(xs: list[float]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--nproc", type=int, default=4, help="processes (the demo: 2 nodes x 2)")
     args = ap.parse_args()

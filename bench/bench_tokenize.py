@@ -83,7 +83,7 @@ def dslurm_side(tok_path: Path, files: list[Path], out: Path) -> tuple[float, in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=20, help="corpus size in MB (default 20)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokenizer", help="a tokenizer.json to use instead of training one")

@@ -75,7 +75,7 @@ def block(fn, n: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=3, help="steps per timing block")
     p.add_argument("--blocks", type=int, default=8, help="alternating blocks per side")

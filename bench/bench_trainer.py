@@ -111,7 +111,7 @@ def print_overhead(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small", help="model preset for the overhead comparison")
     p.add_argument("--steps", type=int, default=2, help="steps per timing block")
     p.add_argument("--blocks", type=int, default=8, help="alternating blocks per side")

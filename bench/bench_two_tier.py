@@ -128,7 +128,8 @@ def one_rep(model: nn.Module, base: Path, mbps: float, flip: bool, step: Steps) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/dslurm-bench-2t")
     ap.add_argument("--mb", type=int, default=134)
     ap.add_argument("--reps", type=int, default=5)

@@ -86,7 +86,7 @@ def one(tmp: Path, fault: str, warm: bool, env: dict[str, str], steps: int = 12
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--fault", choices=sorted(KNOB), default="kill9")
     p.add_argument("--keep", type=Path, help="keep the runs under this directory (rep N in DIR/N)")

@@ -109,7 +109,7 @@ def one(tmp: Path, name: str, env: dict[str, str], steps: int = 40
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--cold-swap", action="store_true", help="also (c): the swap without warm pools")
     p.add_argument("--tiny", action="store_true",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 from dslurm import __version__
 from dslurm.errors import UserError
@@ -50,8 +51,18 @@ def _wanted_modules(argv: list[str] | None) -> list[str]:
     return list(dict.fromkeys(COMMANDS.values()))  # help, or an unknown command: list them all
 
 
+class Parser(argparse.ArgumentParser):
+    """Every parser of the CLI, subcommands included (add_subparsers makes its own class's):
+    no abbreviations, so `--jo` is an error and not `--job`, and a new flag never changes
+    what an old abbreviation meant."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dslurm",
         description="Slurm-native toolkit for distributed PyTorch training.",
     )
@@ -59,14 +70,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _wanted_modules(argv):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            # A link of the chain that is not built yet; only its own absence is tolerated.
-            if not (exc.name and (name + ".").startswith(exc.name + ".")):
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -49,10 +49,9 @@ ENDING = "ending.json"
 CANCEL = "cancel.json"
 REFUSED = "srun-refused.json"
 
-# Kinds a training process reports about itself. "victim" kinds say a peer went away:
-# they mark who was hurt, never where the failure began.
+# Kinds a training process reports about itself. The "victim" kinds (peer_lost, killed_by_teardown:
+# victim_kind below) say a peer went away: they mark who was hurt, never where the failure began.
 OWN_FAILURES = ("crash", "save_failed", "user_error", "refused", "burnin_rejected", "diverged", "oom")
-VICTIM_KINDS = ("peer_lost", "killed_by_teardown")
 
 # gloo/NCCL/c10d messages of a process whose peer went away first.
 _PEER = re.compile(r"connection (closed|reset)|broken pipe|ECONNRESET|EPIPE|peer .* (closed|died|gone)|"

@@ -10,8 +10,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dslurm.errors import UserError
+from dslurm.errors import UserError, check_output_file
+
+if TYPE_CHECKING:
+    from dslurm.config.resolve import Resolved
 
 # The shipped examples: (site config, job spec) -> sbatch/<job>.<site>.sbatch
 EXAMPLES = (
@@ -31,13 +35,22 @@ EXAMPLES = (
 
 def render_files(site_path: str, job_path: str, overrides: list[str] | None = None,
                  site_overrides: list[str] | None = None) -> str:
+    return render_resolved(site_path, job_path, overrides, site_overrides)[1]
+
+
+def render_resolved(site_path: str, job_path: str, overrides: list[str] | None = None,
+                    site_overrides: list[str] | None = None) -> tuple[Resolved, str]:
+    """(the resolved job, its script as `dslurm render` writes it)."""
+    from dslurm.config.resolve import warnings
     from dslurm.observe.lead import load
     from dslurm.render import RenderRefs, render_sbatch
 
     r = load(site_path, job_path, overrides, site_overrides)
+    for line in warnings(r):
+        print(line, file=sys.stderr)
     refs = RenderRefs(site=site_path, job=job_path, overrides=tuple(overrides or ()),
                       site_overrides=tuple(site_overrides or ()))
-    return render_sbatch(r, refs)
+    return r, render_sbatch(r, refs)
 
 
 def golden_path(site_path: str, job_path: str, root: Path) -> Path:
@@ -101,10 +114,14 @@ def run(args: argparse.Namespace) -> int:
         return run_render(args)
     if not args.site or not args.job:
         raise UserError("render needs --site FILE and --job FILE (or --examples check|write)")
-    text = render_files(args.site, args.job, args.overrides, args.site_overrides)
+    if args.output:
+        check_output_file(Path(args.output), "-o")
+    r, text = render_resolved(args.site, args.job, args.overrides, args.site_overrides)
     if args.output:
         write_atomic(Path(args.output), text, 0o755)
-        print(f"wrote {args.output}", file=sys.stderr)
+        logs = Path(r.site.slurm.log_dir)  # relative: to where sbatch runs, taken to be here
+        logs.mkdir(parents=True, exist_ok=True)  # Slurm does not create it, and a job without it fails unseen
+        print(f"wrote {args.output} (logs go to {logs}/; sbatch it from {os.getcwd()})", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

@@ -39,6 +39,10 @@ STARTS = "starts"
 CTL_REQUEST, CTL_TAKEN, CTL_STALE = "ctl_request.json", "ctl_taken.json", "ctl_stale.json"
 """`dslurm ctl RUN save|stop|profile`: the request waiting for rank 0, the one it took, and one it
 set aside as written for another start"""
+CTL_TAKER = "ctl_taker.json"
+"""who takes `dslurm ctl` requests here, written by rank 0 when it starts polling (the built-in
+trainer or a `dslurm.runtime` script: the actions it takes, its start, host, pid, time): what
+`dslurm ctl` needs of a run started by hand (`torchrun -m train ...` in an salloc), with no job.yaml"""
 LOGS = "logs"
 """the jobs' --output/--error files (Slurm does not create the directory)"""
 CODE = "code"
@@ -101,6 +105,10 @@ class RunDir:
         return self.path / CTL_STALE
 
     @property
+    def ctl_taker(self) -> Path:
+        return self.path / CTL_TAKER
+
+    @property
     def logs(self) -> Path:
         return self.path / LOGS
 
@@ -161,11 +169,6 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.blocklist, "\n".join(merged) + "\n")
         return merged
-
-
-def blocklist_path(run_dir: Path) -> Path:
-    """Nodes the run's burn-in found bad; later submissions of the run --exclude them."""
-    return RunDir(run_dir).blocklist
 
 
 def read_blocklist(run_dir: Path) -> list[str]:

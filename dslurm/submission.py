@@ -59,7 +59,7 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
     write_atomic(site_file, yaml12.dump(to_dict(r.site)))
     write_atomic(job_file, yaml12.dump(job_data))
     refs = RenderRefs(site=str(site_file), job=str(job_file), log_dir=str(log_dir),
-                      code_dir=None if code_dir is None else str(code_dir))
+                      code_dir=None if code_dir is None else str(code_dir), frozen=True)
     script = run.script
     write_atomic(script, render_sbatch(r, refs), 0o755)
     if code_dir is not None and code_dir.parent == run.code:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dslurm.config.resolve import Resolved
+from dslurm.config.resolve import Resolved, warnings
 from dslurm.errors import UserError
 from dslurm.run import JOB, SITE, RunDir
 from dslurm.submission import active_jobs_of_run, completed_note, submit
@@ -42,8 +42,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "paths in the job resolve there. The local handle of a remote run works too")
     p.add_argument("--force", action="store_true",
                    help="submit even when the run directory's run already completed at train.steps")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a job field, e.g. --set train.steps=200 (repeatable; YAML 1.2 values)")
+    p.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a site field, e.g. --site-set slurm.partition=debug (repeatable)")
     p.add_argument("--chain", type=int, default=1, help="submit K jobs linked by afterany dependencies")
     p.add_argument("--dry-run", action="store_true", help="write the script, do not submit")
     p.add_argument("--strict", action="store_true", help="refuse when the plan says the job will not fit")
@@ -60,7 +62,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     s = sub.add_parser("status", help="state, nodes, restarts and exit code of a job (or each task of a sweep)")
     s.add_argument("job_id", help="Slurm job id, a sweep directory, or the local handle of a remote run")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true",
+                   help="print the fields as one JSON object (a sweep directory: its rows) for scripts")
     s.add_argument("--sort", default=None, help="sweep directory: sort the tasks by this column")
     s.add_argument("--desc", action="store_true", help="sweep directory: sort descending")
     s.set_defaults(func=run_status)
@@ -122,6 +125,8 @@ def run_submit(args: argparse.Namespace) -> int:
         return _resubmit_remote(h, args)
     site, job, overrides = inputs_of(args)
     r = load(site, job, overrides, args.site_overrides, base_dir=os.getcwd())
+    for line in warnings(r):
+        print(line, file=sys.stderr)
     as_json = getattr(args, "json", False)
     if r.site.login is not None:
         return _submit_remote(r, args, site, job)

@@ -40,7 +40,7 @@ WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.prefligh
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m train", description=__doc__.splitlines()[0])
     p.add_argument("--site", required=True, help="site config YAML (site-configs/*.yaml)")
     p.add_argument("--job", required=True, help="job spec YAML (examples/jobs/*.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -174,10 +174,6 @@ class TokenLoader:
         """Token windows [len(ids), seq_len+1] (int64) for the given ids."""
         return self.read_arrays(ids)[DATASET].astype(np.int64, copy=False)
 
-    def _stage(self, ids: np.ndarray) -> dict[str, Any]:
-        """One batch read in the step (no prefetch): as `_staged`."""
-        return self._staged(self.plan(ids), 0, len(ids))
-
     def _staged(self, plan: Planned, lo: int, hi: int) -> dict[str, Any]:
         """Rows [lo, hi) of a plan, {field: [n, seq_len+1]}: numpy arrays for a CPU step, else
         tensors in pinned host memory, read straight into them (no copy to pin)."""

@@ -44,7 +44,8 @@ MAX_OOM_RETRIES = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.selftest", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m train.selftest",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--site", required=True)
     p.add_argument("--out", required=True, type=Path, help="JSON report, rewritten after every part")
     p.add_argument("--dir", required=True, type=Path, help="work directory: trainer run dirs, checkpoints")

@@ -46,6 +46,7 @@ from dslurm.checkpoint.pointer import (
     list_generations,
     manifest_problems,
     mark_rejected,
+    metadata_problems,
     parse_step,
     plan_restore,
     plan_retention,
@@ -65,7 +66,7 @@ __all__ = [
     "atomic_write_json", "checksum_files", "collect_garbage", "config_digest", "describe_holder",
     "disk_full_fact", "full_disk", "empty_trash", "field_differences", "file_crc32", "file_problems",
     "fsync_dir", "generation_name", "generations_dir", "holder_identity", "list_generations",
-    "manifest_problems", "mark_rejected", "parse_step", "plan_restore", "plan_retention",
+    "manifest_problems", "mark_rejected", "metadata_problems", "parse_step", "plan_restore", "plan_retention",
     "read_manifest", "read_pointer", "remove_generation", "select_generation", "verify_generation",
     "write_manifest", "write_pointer",
 ]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import checkpoint as ck
+from dslurm.checkpoint import unpickle
 from dslurm.errors import UserError
 
 
@@ -174,6 +175,7 @@ def _resolve(run_dir: Path, wanted: str | None) -> tuple[str, str | None]:
 
 def _verify(args: argparse.Namespace) -> int:
     name, crc = _resolve(args.run_dir, args.generation)
+    unpickle.refuse_unsafe(ck.generations_dir(args.run_dir) / name / ".metadata")  # exit 2, the class named
     problems = ck.verify_generation(ck.generations_dir(args.run_dir) / name, full=True, pointer_crc=crc)
     con = _console()
     if problems:

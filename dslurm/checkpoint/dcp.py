@@ -42,7 +42,7 @@ from dslurm.checkpoint.core import Comm, Ledger, SaveOutcome, failure_hint, reas
 from dslurm.checkpoint.coverage import is_shard, verify_reads
 from dslurm.checkpoint.durable_tier import DurableTier
 from dslurm.checkpoint.generation import nonfinite_keys
-from dslurm.checkpoint.io import CrcReader
+from dslurm.checkpoint.io import CrcReader, SafeLoadPlanner, SafeReader
 from dslurm.checkpoint.rng import apply_rng
 from dslurm.checkpoint.staging import HostStager
 from dslurm.checkpoint.tier import Context, Settings, Tier
@@ -295,7 +295,7 @@ class CheckpointManager:
         reader = CrcReader(gen, faults.durable_mbps())  # the knob emulates a loaded shared file system
         t, err = time.perf_counter(), None
         try:
-            dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
+            dcp.load(state, storage_reader=reader if full else SafeReader(gen), planner=SafeLoadPlanner(),
                      process_group=self._ctl.group, no_dist=self._ctl.group is None)
         except (Exception, CheckpointException) as exc:  # corrupt bytes may fail to unpickle
             err = reason(exc)
@@ -331,7 +331,11 @@ class CheckpointManager:
         """Manifest checks on rank 0; sizes of every file and crc32s of the small ones (not
         shards: those are checked while they load) split across ranks. -> (problems, entries)."""
         gen = self.gdir / name
-        head = ck.manifest_problems(gen, pointer_crc) if self.rank == 0 else None
+        head = None
+        if self.rank == 0:
+            head = ck.manifest_problems(gen, pointer_crc)
+            if not head[0]:  # a hostile .metadata is refused here, before DCP reads it
+                head = (ck.metadata_problems(gen), head[1])
         problems, entries = self._ctl.bcast(head)
         if problems:
             return problems, entries

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import checkpoint as ck
-from dslurm.checkpoint import hf_layout
+from dslurm.checkpoint import hf_layout, unpickle
 from dslurm.config import families
 from dslurm.config.models import ModelShape
 from dslurm.durable import fsync_dir
@@ -172,26 +172,33 @@ def _check_out(out: Path) -> None:
         raise UserError(f"-o {out}: its parent directory {out.parent} does not exist; create it first")
 
 
-def _entries(gen: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    import torch.distributed.checkpoint as dcp
+def entries(gen: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = dcp.FileSystemReader(gen).read_metadata()
-    return {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
-            for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    from dslurm.checkpoint.io import SafeReader
+
+    try:
+        md = SafeReader(gen).read_metadata()
+        return {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
+                for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    except (AttributeError, TypeError, ValueError) as exc:  # a pickle, but not DCP's metadata
+        raise UserError(f"{gen / '.metadata'}: not DCP metadata ({type(exc).__name__}: {exc}); fix: export "
+                        "another generation with --generation (`dslurm ckpt ls --full` lists them)") from None
 
 
-def _load(gen: Path, items: list[Item]) -> dict[str, Any]:
+def load_items(gen: Path, items: list[Item]) -> dict[str, Any]:
     """Full tensors of these items (output names, output dtype and row order), resharded by DCP."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from dslurm.checkpoint.io import SafeLoadPlanner, SafeReader
+
     bufs = {it.key: torch.empty(it.shape, dtype=getattr(torch, it.src_dtype)) for it in items}
     with warnings.catch_warnings():  # single-process use is the point here; DCP warns about it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(bufs, storage_reader=dcp.FileSystemReader(gen), no_dist=True)
+        dcp.load(bufs, storage_reader=SafeReader(gen), planner=SafeLoadPlanner(), no_dist=True)
     out = {}
     for it in items:
         t = bufs.pop(it.key)
@@ -230,6 +237,10 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
         raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     _check_out(out)
     progress(f"verifying {gen.name} (every file's crc32)")
+    unpickle.refuse_unsafe(gen / ".metadata")  # exit 2 naming the class before anything else
+    if md_problems := ck.metadata_problems(gen):
+        raise UserError(f"{md_problems[0]}; fix: export another generation with --generation "
+                        "(`dslurm ckpt ls --full` lists them)")
     if problems := _problems(gen, pointer_crc):
         raise ck.CheckpointError(f"refusing to export {gen}, it fails verification: " + "; ".join(problems)
                                  + "; pick a sound one with --generation (`dslurm ckpt ls --full`)")
@@ -241,7 +252,7 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
                             "trainer's model can be mapped (export without --hf)")
         shape = ModelShape.from_record(meta["model_shape"])
     out_dtype = DTYPES[dtype] if dtype else (shape.dtype if shape is not None else None)
-    items = plan_items(_entries(gen), key, out_dtype, shape)
+    items = plan_items(entries(gen), key, out_dtype, shape)
     shards = plan_shards([(it.name, it.out_bytes) for it in items], max_shard_bytes)
     files = file_names(fmt, len(shards))
     by_name = {it.name: it for it in items}
@@ -250,7 +261,7 @@ def export(gen: Path, out: Path, *, fmt: str, dtype: str | None = None, max_shar
     try:
         for names, fname in zip(shards, files):
             progress(f"writing {fname} ({len(names)} tensors)")
-            _write_file(fmt, _load(gen, [by_name[n] for n in names]), tmp / fname)
+            _write_file(fmt, load_items(gen, [by_name[n] for n in names]), tmp / fname)
         total = sum(it.out_bytes for it in items)
         if len(files) > 1:
             ck.atomic_write_json(tmp / INDEX[fmt], index_doc(shards, files, total))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import pickle
 import threading
 import time
 import zlib
@@ -33,11 +34,14 @@ from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from dslurm.checkpoint.compat import narrow_tensor_by_index, reader_fast, writer_streams
 from dslurm.checkpoint.coverage import RangeSums
+from dslurm.checkpoint.unpickle import load_file, refused_by_torch
 
 _BIG = 1 << 20  # writes and items at least this large are summed on a helper thread (items: read
 #                 straight into the tensor, not via bytes)
@@ -296,7 +300,41 @@ class _CrcView(io.RawIOBase):
         self.sums.record(self.name, self.start, self.end, self.crc)
 
 
-class CrcReader(dcp.FileSystemReader):
+class SafeReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader whose `.metadata` goes through dslurm.checkpoint.unpickle (only the
+    classes DCP's metadata holds; anything else is refused before it is called). DCP's own
+    `read_metadata` is a bare `pickle.load` (torch 2.13 filesystem.py); its tensor items are
+    read with `torch.load(weights_only=True)` already."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        md = load_file(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        if getattr(md, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a saved non-tensor value (a BYTE_IO item: a
+    scheduler's state, a step counter) is read by `torch.load(weights_only=True)`, not by DCP's
+    `weights_only=False` (torch 2.13 default_planner.py `load_bytes`): a class outside torch's
+    safe set is refused unrun (dslurm.checkpoint.unpickle)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise refused_by_torch(exc, f"the checkpoint's saved value {fqn!r}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class CrcReader(SafeReader):
     """A FileSystemReader that checksums what it reads, into `sums` (per file, runs of
     contiguous items; dslurm.checkpoint.coverage), and reads each stored tensor's bytes straight
     into the tensor being restored. Items are read in file order, so a rank that reads a whole
@@ -445,7 +483,7 @@ def restore_test(gen: Path, files: dict[str, Any], reason: Any) -> list[str]:
     not re-read the shards (restore checks them as it loads; `dslurm ckpt verify` reads them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
-        md = dcp.FileSystemReader(gen).read_metadata()
+        md = SafeReader(gen).read_metadata()
         for index, info in (md.storage_data or {}).items():
             have = files.get(info.relative_path)
             if have is None or info.offset + info.length > have["size"]:
@@ -455,7 +493,7 @@ def restore_test(gen: Path, files: dict[str, Any], reason: Any) -> list[str]:
         if tensors:
             key, tmd = min(tensors, key=lambda kv: kv[1].size.numel())
             scratch = {key: torch.empty(tmd.size, dtype=tmd.properties.dtype)}
-            dcp.load(scratch, storage_reader=dcp.FileSystemReader(gen), no_dist=True)
+            dcp.load(scratch, storage_reader=SafeReader(gen), planner=SafeLoadPlanner(), no_dist=True)
     except Exception as exc:
         return [f"{gen}: restore test failed: {reason(exc)}"]
     return []

@@ -23,7 +23,7 @@ from dslurm import checkpoint as ck
 from dslurm.checkpoint import fingerprint, partner, replica, tiers
 from dslurm.checkpoint.core import reason, to_state_dict
 from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
-from dslurm.checkpoint.io import CrcReader
+from dslurm.checkpoint.io import CrcReader, SafeLoadPlanner, SafeReader
 from dslurm.checkpoint.tier import Context, LocalPick
 from dslurm.observe import events
 
@@ -113,6 +113,7 @@ class LocalRestore:
         local = [] if rec is not None else [f"{tiers.record_path(gen, ctx.rank)}: missing"]
         local += ck.file_problems(gen, {n: e for n, e in mine.items() if is_shard(n)}, full=False)
         local += ck.file_problems(gen, {n: e for n, e in mine.items() if not is_shard(n)}, full=full)
+        local += ck.metadata_problems(gen)
         every = ctx.comm.gather(local)
         phases["precheck"] = phases.get("precheck", 0.0) + time.perf_counter() - t
         if any(every):
@@ -121,7 +122,7 @@ class LocalRestore:
         reader = CrcReader(gen)
         t, err = time.perf_counter(), None
         try:
-            dcp.load(state, storage_reader=reader if full else dcp.FileSystemReader(gen),
+            dcp.load(state, storage_reader=reader if full else SafeReader(gen), planner=SafeLoadPlanner(),
                      process_group=ctx.comm.group, no_dist=ctx.comm.group is None)
         except (Exception, CheckpointException) as exc:
             err = reason(exc)

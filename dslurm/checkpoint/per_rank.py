@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import pickle
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from dslurm import checkpoint as ck
+from dslurm.checkpoint.unpickle import refused_by_torch
 from dslurm.errors import UserError
 
 # reshard(obj, old_states, new_rank, new_world) -> the state for this rank (or raise ValueError)
@@ -135,15 +137,27 @@ def capture(entries: list[Entry]) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------- restore
 
 
-def _decode(rec: Mapping[str, Any]) -> Any:
+def _decode(rec: Mapping[str, Any], source: str) -> Any:
+    """One entry's state back. A crc32 that matches says nothing about who wrote the file (a run
+    directory is often writable by a whole group), so the pickle is read by torch's own restricted
+    unpickler (weights_only=True: tensors, containers, numbers, strings, and the classes a
+    script adds with `torch.serialization.add_safe_globals`); anything else is refused unrun
+    (dslurm.checkpoint.unpickle, docs/checkpoint.md)."""
     raw = base64.b64decode(rec["b64"])
-    # The generation is the run's own and its crc32 was verified before this load; the pickle
-    # may hold the user's own types (weights_only=False, as torch.load did before 2.6).
-    return torch.load(io.BytesIO(raw), weights_only=False)
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise refused_by_torch(exc, source, own=(
+            "if the class is your own and you trust every writer of the run directory, allow it "
+            "with torch.serialization.add_safe_globals([TheClass]) before the restore")) from None
+
+
+def _rank_path(gen: Path, rank: int) -> Path:
+    return gen / ck.RANKS / f"rank-{rank:05d}.json"
 
 
 def _rank_file(gen: Path, rank: int) -> dict[str, Any]:
-    return json.loads((gen / ck.RANKS / f"rank-{rank:05d}.json").read_text())  # type: ignore[no-any-return]
+    return json.loads(_rank_path(gen, rank).read_text())  # type: ignore[no-any-return]
 
 
 def restore(entries: list[Entry], gen: Path, saved_world: int, rank: int, world: int) -> list[str]:
@@ -157,7 +171,7 @@ def restore(entries: list[Entry], gen: Path, saved_world: int, rank: int, world:
         own = _rank_file(gen, rank).get("state") or {}
         _require(entries, own, gen)
         for e in entries:
-            e.stateful.load_state_dict(_decode(own[e.name]))
+            e.stateful.load_state_dict(_decode(own[e.name], f"{_rank_path(gen, rank)} ({e.name})"))
             rng_neutral_next_iter(e.obj)
         return [f"{e.name}: this rank's own" for e in entries]
     olds = [_rank_file(gen, r).get("state") or {} for r in range(saved_world)]
@@ -175,7 +189,8 @@ def restore(entries: list[Entry], gen: Path, saved_world: int, rank: int, world:
                 f"state for the whole job, mark it dslurm.runtime.shared({e.name}); or give it a resharder "
                 f"(dslurm.runtime.per_rank({e.name}, reshard=fn)); or leave it out of the checkpoint")
         try:
-            e.stateful.load_state_dict(e.reshard(e.obj, [_decode(o[e.name]) for o in olds], rank, world))
+            states = [_decode(o[e.name], f"{_rank_path(gen, r)} ({e.name})") for r, o in enumerate(olds)]
+            e.stateful.load_state_dict(e.reshard(e.obj, states, rank, world))
             rng_neutral_next_iter(e.obj)
         except ValueError as exc:
             raise UserError(f"checkpoint entry {e.name!r}: cannot reshard from {saved_world} to {world} ranks "

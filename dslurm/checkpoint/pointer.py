@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes as X
+from dslurm.checkpoint import unpickle
 from dslurm.durable import atomic_write_bytes as atomic_write_bytes  # re-exported: other modules use it
 from dslurm.durable import fsync_dir as fsync_dir
 from dslurm.errors import UserError
@@ -208,11 +209,18 @@ def read_manifest(gen_dir: Path) -> dict[str, Any]:
         files = doc["files"]
         if not isinstance(files, dict):
             raise TypeError("files is not a mapping")
+        for name, entry in files.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0 \
+                    or not isinstance(entry.get("crc32"), str):
+                raise TypeError(f"entry {name!r} is {entry!r}, not {{\"size\": BYTES, \"crc32\": HEX}}")
         return doc
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (partial or in-flight generation)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc.strerror})") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+        raise CheckpointError(f"{path}: unreadable manifest ({exc}); this generation cannot be trusted: "
+                              "use another (`dslurm ckpt ls`)") from None
 
 
 def manifest_problems(gen_dir: Path, pointer_crc: str | None = None) -> tuple[list[str], dict[str, Any]]:
@@ -253,7 +261,20 @@ def file_problems(gen_dir: Path, entries: dict[str, dict[str, Any]], full: bool 
 def verify_generation(gen_dir: Path, full: bool = True, pointer_crc: str | None = None) -> list[str]:
     """All problems of one generation; empty means sound."""
     problems, entries = manifest_problems(gen_dir, pointer_crc)
-    return problems + file_problems(gen_dir, entries, full)
+    problems += file_problems(gen_dir, entries, full)
+    return problems or metadata_problems(gen_dir)
+
+
+def metadata_problems(gen_dir: Path) -> list[str]:
+    """DCP's `.metadata` read with stand-ins (dslurm.checkpoint.unpickle): a class no checkpoint
+    holds, or bytes that are no pickle, is a problem, found without loading anything."""
+    if not (gen_dir / ".metadata").is_file():  # absent: the manifest's REQUIRED check names it
+        return []
+    try:
+        why = unpickle.check_file(gen_dir / ".metadata")
+    except unpickle.UnsafePickle as exc:
+        return [str(exc)]
+    return [why] if why else []
 
 
 # ---------------------------------------------------------------- pointer
@@ -273,6 +294,9 @@ def read_pointer(run_dir: str | os.PathLike[str]) -> Pointer | None:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:  # a directory, unreadable
+        raise CheckpointError(f"{path}: not the pointer file ({exc.strerror}). Fix: move it away; the restore "
+                              "then falls back to the newest verified generation") from None
     try:
         doc = json.loads(raw)
         ptr = Pointer(str(doc["generation"]), int(doc["step"]), doc.get("manifest_crc32"))

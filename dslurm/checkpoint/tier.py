@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 import dslurm
 from dslurm import checkpoint as ck
 from dslurm.checkpoint import per_rank
 from dslurm.checkpoint.core import Comm, Job, Ledger, SaveOutcome, failure_hint, reason, to_state_dict
 from dslurm.checkpoint.generation import commit_generation
+from dslurm.checkpoint.io import SafeReader
 from dslurm.checkpoint.rng import capture_rng
 from dslurm.checkpoint.staging import HostStager, forward_written
 from dslurm.errors import UserError
@@ -221,7 +221,7 @@ class Context:
 def _tensor_shape_diffs(state: dict[str, Any], gen: Path) -> list[str]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    saved = dcp.FileSystemReader(gen).read_metadata().state_dict_metadata
+    saved = SafeReader(gen).read_metadata().state_dict_metadata
     current, _ = flatten_state_dict(to_state_dict(state))
     diffs = []
     for key, value in current.items():

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 import time
 import zlib
@@ -34,7 +33,6 @@ from typing import Any
 from dslurm import checkpoint as ck
 
 LOCAL = "local"  # per-rank commit records inside a local generation
-MODES = ("durable", "two_tier")
 LAG_POLICIES = ("wait", "skip_local", "skip_durable")
 _CHUNK = 4 << 20
 
@@ -200,7 +198,3 @@ def copy_file(src: Path, dst: Path, *, want: dict[str, Any] | None = None,
         raise OSError(f"{src}: size {size} crc32 {got['crc32']} != locally committed "
                       f"{want['size']} {want['crc32']} (altered since the local commit)")
     return got
-
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

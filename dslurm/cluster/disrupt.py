@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,15 +100,3 @@ def kill_node(name: str, state_dir: str | os.PathLike[str] | None = None) -> Non
     rec = load(state_dir_of(state_dir)) or {}
     proc: dict[str, Any] = next(p for p in rec.get("procs", []) if p["name"] == name)
     signal_pids([p["pid"] for p in [*descendants(proc["pid"]), proc]], signal.SIGKILL)
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> bool:
-    """Until none of `pids` exists (a zombie counts as gone)."""
-    from dslurm.cluster.proc import start_time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(start_time(pid) is None for pid in pids):
-            return True
-        time.sleep(0.05)
-    return False

@@ -54,10 +54,6 @@ def _check_site_values(site: SiteConfig, where: Where) -> None:
         if value is not None and (not value.strip() or any(c in value for c in "\n\r\t\0 ")):
             raise _at(where, name).fail(f"{value!r} must be one non-empty word without spaces or newlines",
                                         "use the name Slurm shows for it")
-    for key in site.env:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise where.child("env").fail(f"{key!r} is not a valid environment variable name",
-                                          "use letters, digits and '_', not starting with a digit")
     for i, line in enumerate(site.setup):
         if "\0" in line or "\n" in line:
             raise _at(where, f"setup.{i}").fail("one shell line per list item, no newlines",

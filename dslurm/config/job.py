@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from dslurm.config.envvars import check_env
 from dslurm.config.schema import FieldError, field
 from dslurm.config.training import CheckpointSpec, DataSpec, ModelSpec, ParallelSpec, TrainSpec
 
@@ -75,6 +76,16 @@ class RequeueSpec:
     max_stray_stops: int | None = field(None, help="requeues after stray stops (a TERM that reached only the "
                                                    "job step); null = the site's")
 
+    def __post_init__(self) -> None:
+        if isinstance(self.signal_lead, int) and self.signal_lead < 1:
+            raise FieldError("signal_lead", f"{self.signal_lead} seconds gives the job no warning before the time "
+                             "limit (it is killed mid-step, nothing saved)",
+                             "give the seconds a step plus a save need (e.g. 120), or auto")
+        for name in ("max_restarts", "no_progress_limit", "max_stray_stops"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise FieldError(name, f"{getattr(self, name)} must not be negative",
+                                 "give 0 (none) or more, or remove it for the site's")
+
 
 @dataclass(kw_only=True, slots=True)
 class MetricsSpec:
@@ -129,7 +140,8 @@ class JobSpec:
     recovery: RecoverySpec = field(factory=RecoverySpec, help="recovery inside the allocation (jobs with spares)")
     metrics: MetricsSpec = field(factory=MetricsSpec, help="experiment trackers (TensorBoard, W&B, MLflow)")
     dependency: str | None = field(None, help="Slurm dependency, e.g. afterany:1234")
-    env: dict[str, str] = field(factory=dict, help="extra environment for this job")
+    env: dict[str, str] = field(factory=dict, help="extra environment for this job (SLURM_*, dslurm's own DSLURM_* "
+                                "and what the launcher sets, RANK, MASTER_ADDR, ..., are refused)")
     spares: int = field(0, help="spare whole nodes allocated beyond `nodes` (with --no-kill): a failed "
                         "node is swapped for one inside the allocation, without the queue (docs/recovery.md)")
     on_spares_exhausted: Literal["requeue", "shrink"] = field(
@@ -157,10 +169,7 @@ class JobSpec:
         if self.dependency is not None and not re.fullmatch(_DEPENDENCY, self.dependency):
             raise FieldError("dependency", f"{self.dependency!r} is not a Slurm dependency",
                              "write it as Slurm does, e.g. afterany:1234 or afterok:12:13")
-        for key in self.env:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise FieldError("env", f"{key!r} is not a valid environment variable name",
-                                 "use letters, digits and '_', not starting with a digit")
+        check_env(self.env)
 
     @property
     def builtin_entry(self) -> bool:
@@ -200,3 +209,4 @@ def _check_entry(entry: str | list[str]) -> None:
     elif not head.endswith(".py") or head.startswith("-"):
         raise FieldError("entry", f"the first item {head!r} is not a script path ending in .py",
                          "start the list with your script, e.g. [my_train.py, --lr, '3e-4'], or with -m MODULE")
+

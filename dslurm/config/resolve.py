@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from dslurm.config import JobSpec, ParallelSpec, SiteConfig, format_time, parse_time
+from dslurm.config.envvars import env_warnings
 from dslurm.config.layout import Layout, stages_per_rank
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
@@ -182,10 +183,27 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
         shape=shape)
 
 
+def warnings(r: Resolved) -> list[str]:
+    """What is legal but rarely meant, one line each, as `render` and `submit` print them: env
+    names that override what Slurm binds (envvars), and a stop warning that takes half the job."""
+    out = env_warnings(r.site.env, r.job.env, r.site_path, r.job_path)
+    lead, time_s = r.policy.lead_s, r.time_s
+    if lead * 2 > time_s:
+        out.append(f"warning: {r.job_path}: field 'requeue.signal_lead': the stop warning comes {lead}s before the "
+                   f"{time_s}s limit ({r.policy.lead_reason}), so each start trains at most {time_s - lead}s "
+                   "before it saves and stops. Fix: raise the job's time, or lower the lead")
+    return out
+
+
+def raw_run_dir(site: SiteConfig, job: JobSpec) -> str:
+    """The run directory as written (before `~` and $VARS expand): explicit, else <durable storage>/<job name>."""
+    return job.checkpoint.run_dir or os.path.join(site.storage.durable, job.name)
+
+
 def run_dir_for(site: SiteConfig, job: JobSpec, base_dir: str | Path | None = None) -> Path:
     """The run directory: explicit, else <durable storage>/<job name>. `~` and $VARS expand
     here (not in the shell) so the value is the same on every node."""
-    raw = job.checkpoint.run_dir or os.path.join(site.storage.durable, job.name)
+    raw = raw_run_dir(site, job)
     p = Path(os.path.expandvars(os.path.expanduser(raw)))
     return p if p.is_absolute() or base_dir is None else Path(base_dir) / p
 

@@ -216,6 +216,25 @@ def build(cls: type[T], data: Any, where: Where | str, origins: dict[str, str] |
         raise where.fail(str(exc), "change the value this message names") from None
 
 
+def utf8_text(path: Path, raw: bytes) -> str:
+    """A config file's bytes as text: UTF-8 (YAML's own encoding), else a UserError naming the
+    line and the byte (a Latin-1 `é` in a comment is enough), or saying it is not text at all."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        if b"\0" in raw:
+            raise UserError(f"{path}: not a text file (binary bytes, e.g. 0x{raw[exc.start]:02x} at line {line}); "
+                            "Fix: pass the YAML config file itself") from None
+        raise UserError(f"{path}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column {column} "
+                        "(Latin-1 or another legacy encoding?). Fix: save the file as UTF-8, e.g. "
+                        f"`iconv -f latin1 -t utf-8 {path} > fixed.yaml`") from None
+    if "\0" in text:
+        raise UserError(f"{path}: not a text file (it holds NUL bytes). Fix: pass the YAML config file itself")
+    return text
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """A config file as plain data, read with YAML 1.2 rules (see `yaml12`)."""
     import yaml
@@ -224,7 +243,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
     p = Path(path)
     try:
-        text = p.read_text()
+        text = utf8_text(p, p.read_bytes())
     except FileNotFoundError:
         raise UserError(f"{p}: file not found. Fix: pass the path of an existing YAML file") from None
     except OSError as exc:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dslurm.config.container import ContainerSpec
+from dslurm.config.envvars import check_env
 from dslurm.config.schema import FieldError, field
 
 
@@ -72,6 +73,15 @@ class SiteRequeueSpec:
     max_stray_stops: int = field(3, help="requeues per job after a stray stop (a TERM that reached the job step "
                                          "but not the batch shell while Slurm still ran the job)")
 
+    def __post_init__(self) -> None:
+        if self.signal_lead_s < 1:
+            raise FieldError("signal_lead_s", f"{self.signal_lead_s} seconds gives jobs no warning before the time "
+                             "limit (killed mid-step, nothing saved)",
+                             "give the seconds a step plus a save need, e.g. 120")
+        for name in ("max_restarts", "no_progress_limit", "max_stray_stops"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"{getattr(self, name)} must not be negative", "give 0 (none) or more")
+
 
 @dataclass(kw_only=True, slots=True)
 class SiteRecoverySpec:
@@ -87,6 +97,12 @@ class StorageSpec:
                                 "(SLURMD_NODENAME); used by checkpoint.tiers: two_tier")
     partner: bool = field(False, help="two_tier jobs copy each node's local checkpoint to a partner node unless "
                           "their checkpoint.partner says otherwise")
+
+    def __post_init__(self) -> None:
+        if not self.durable.strip():
+            raise FieldError("durable", "is empty: every run directory would land in whatever directory a "
+                             "command runs in", "give the root shared by all nodes, e.g. /shared/$USER/runs, or "
+                             "remove it (the default: checkpoints, under the submit directory)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,6 +175,9 @@ class SiteConfig:
                               "login node (your ssh config and agent are used); docs/remote.md")
     remote: RemoteSpec = field(factory=RemoteSpec, help="with `login`: where runs live on the cluster and how "
                                "dslurm runs there")
+
+    def __post_init__(self) -> None:
+        check_env(self.env)
 
     @property
     def procs_per_node(self) -> int:

@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     from dslurm.data import tokenize as tk
 
     if args.data_command == "synth":
+        if Path(args.out).is_dir():
+            raise UserError(f"OUT {args.out}: is a folder. Fix: name the HDF5 file to write, e.g. "
+                            f"{Path(args.out) / 'synth.h5'}")
         if args.tokens < 2:
             raise UserError(f"--tokens {args.tokens}: a corpus needs at least 2 tokens")
         if not 1 <= args.vocab <= 1 << 32:

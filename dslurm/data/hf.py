@@ -54,8 +54,10 @@ def tokenizer_file(path: str | Path) -> Path:
     return f.resolve()
 
 
-def load(path: str | Path, *, bos: str | None = None, eos: str | None = None) -> tuple[Any, TokenizerInfo]:
-    """(tokenizers.Tokenizer, TokenizerInfo) for `path`; a file that does not parse is a UserError."""
+def load(path: str | Path, *, bos: str | None = None, eos: str | None = None,
+         warn: bool = True) -> tuple[Any, TokenizerInfo]:
+    """(tokenizers.Tokenizer, TokenizerInfo) for `path`; a file that does not parse is a UserError.
+    `warn`: say so when neither the tokenizer nor `bos`/`eos` separates documents."""
     from tokenizers import Tokenizer
 
     f = tokenizer_file(path)
@@ -86,7 +88,7 @@ def load(path: str | Path, *, bos: str | None = None, eos: str | None = None) ->
                          bos_id=add_bos if add_bos is not None else lead,
                          eos_id=add_eos if add_eos is not None else trail,
                          add_bos=add_bos, add_eos=add_eos)
-    if info.bos_id is None and info.eos_id is None:
+    if warn and info.bos_id is None and info.eos_id is None:
         log.warning("%s adds no BOS/EOS and none was given: documents run into each other "
                     "(give --eos TOKEN to separate them)", f)
     return tok, info

@@ -48,7 +48,9 @@ def fingerprint(path: Path) -> dict[str, Any]:
 def group_files(sizes: list[int], n: int) -> list[list[int]]:
     """Indices of `sizes` cut into `n` contiguous, non-empty groups of about equal total.
     Pure, linear in len(sizes) (a running prefix sum)."""
-    if not 1 <= n <= len(sizes):
+    if n < 1:
+        raise UserError(f"--shards {n}: must be at least 1 (one shard per array task). Fix: --shards 1 or more")
+    if n > len(sizes):
         raise UserError(f"--shards {n}: must be in 1..{len(sizes)} (the inputs make {len(sizes)} pieces: "
                         f"whole .txt/.json/compressed files, plain .jsonl and parquet files cut at lines and "
                         f"row groups). Fix: lower --shards, or give .jsonl/.parquet (with more row groups)")
@@ -230,7 +232,7 @@ def run_task(out: Path, task: int) -> Path:
         raise UserError(f"task {task}: the plan in {out} has {len(plan['shards'])} shards")
     shard = plan["shards"][task]
     want = plan["tokenizer"]
-    tok, info = hf.load(want["path"])
+    tok, info = hf.load(want["path"], warn=False)  # the plan's BOS/EOS are used; tokenize warned when planning
     if info.hash != want["hash"]:
         raise UserError(f"{want['path']}: changed since the plan was made (sha256 {info.hash[:12]} "
                         f"!= {want['hash'][:12]}). Fix: re-run `dslurm data tokenize`")
@@ -265,6 +267,10 @@ def finish(out: Path, plan: dict[str, Any]) -> Path | None:
     tok = plan["tokenizer"]
     shards = [{"path": s["path"], "n_tokens": read_info(out / s["path"]).n_tokens,
                "inputs": s["inputs"]} for s in plan["shards"]]
+    if not any(s["n_tokens"] for s in shards):  # no manifest: an empty corpus is not a dataset
+        raise UserError(f"{out}: the inputs hold no documents (0 tokens in {len(shards)} shard(s)), so no "
+                        f"manifest was written. Fix: check the inputs are not empty and that --field "
+                        f"{plan['field']!r} names the text of each line")
     raw = {"format": manifest.FORMAT, "version": manifest.VERSION, "vocab_size": tok["vocab_size"],
            "dtype": str(dtype_for(tok["vocab_size"])), "n_tokens": sum(s["n_tokens"] for s in shards),
            "tokenizer": {k: tok[k] for k in ("hash", "vocab_size", "bos_id", "eos_id", "path")},

@@ -74,7 +74,9 @@ def split_points(path: Path, k: int) -> list[Range] | None:
         return None
     if kind(path) == ".jsonl":
         size = path.stat().st_size
-        return [(i * size // k, (i + 1) * size // k) for i in range(k)]
+        with open(path, "rb") as fh:  # each cut moved to the line start at or after it: no empty range
+            cuts = sorted({_line_start(fh, i * size // k, size) for i in range(k)} | {size})
+        return list(zip(cuts[:-1], cuts[1:]))
     if kind(path) == ".parquet":
         import pyarrow.parquet as pq
 
@@ -90,6 +92,20 @@ def split_points(path: Path, k: int) -> list[Range] | None:
         cuts.append(len(sizes))
         return list(zip(cuts[:-1], cuts[1:]))
     return None
+
+
+def _line_start(fh: IO[bytes], at: int, size: int) -> int:
+    """The offset of the first line that starts at or after `at` (`size` when none does)."""
+    if at <= 0:
+        return 0
+    fh.seek(at - 1)
+    pos = at - 1
+    while chunk := fh.read(1 << 16):
+        nl = chunk.find(b"\n")
+        if nl >= 0:
+            return min(pos + nl + 1, size)
+        pos += len(chunk)
+    return size
 
 
 def _txt(path: Path, txt_docs: TxtDocs) -> Iterator[str]:

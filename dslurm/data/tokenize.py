@@ -122,6 +122,7 @@ def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray | dict[str, np.n
                 **(attrs or {}),
             })
         with open(tmp, "rb+") as fh:  # h5py's close does not fsync
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # mkstemp made it 0600: a dataset is for the team
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
@@ -129,6 +130,13 @@ def _write_atomic(path: str | Path, chunks: Iterable[np.ndarray | dict[str, np.n
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it; set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def synthetic_tokens(n_tokens: int, vocab_size: int, seed: int) -> np.ndarray:

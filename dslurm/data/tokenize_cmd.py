@@ -20,6 +20,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("data tokenize --tokenizer: give --out DIR (shards and manifest.json go there)")
     if args.seq_len < 0:
         raise UserError(f"--seq-len {args.seq_len}: must be >= 0 (0 = no hint)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out}: is a file, not a folder. Fix: give a new folder (or one an earlier "
+                        "`dslurm data tokenize` made): shards, manifest.json and plan.json go there")
     if args.slurm and not args.site:
         raise UserError("data tokenize --slurm: give --site FILE (partition, setup lines, python)")
     if not args.slurm and (args.site or args.wait):

@@ -349,7 +349,8 @@ def record(node_rank: int | None, rc: int | None, codes: dict[str, int], silent:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("launch", help="inside an allocation: derive ranks from SLURM_* and start torchrun",
                        description="Run once per node (torchrun mode) or once per process (srun mode).")
-    p.add_argument("--mode", choices=("torchrun", "srun"), default="torchrun")
+    p.add_argument("--mode", choices=("torchrun", "srun"), default="torchrun",
+                   help="torchrun: one launcher per node starts the workers; srun: each task is a worker")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="processes per node (default: GPUs on the node)")
     p.add_argument("--rdzv", choices=("c10d", "static"), default="c10d", help="torchrun rendezvous")
@@ -360,8 +361,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     e = sub.add_parser("env", help="print what dslurm derives from the SLURM_* environment")
     e.add_argument("--json", action="store_true", help="machine-readable output")
-    e.add_argument("--mode", choices=("torchrun", "srun"), default="torchrun")
-    e.add_argument("--nproc-per-node", type=int, default=None)
+    e.add_argument("--mode", choices=("torchrun", "srun"), default="torchrun",
+                   help="derive as `dslurm launch --mode` would: one launcher per node, or one task per worker")
+    e.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per node (default: GPUs on the node)")
     e.set_defaults(func=_run_env)
 
 

@@ -427,7 +427,8 @@ class Attempt:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dslurm.launch.warm", description="a warm worker pool (one per node)")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m dslurm.launch.warm",
+                                description="a warm worker pool (one per node)")
     p.add_argument("--job", required=True, help="the job id (the socket's name)")
     p.add_argument("--host", required=True, help="this node's name in the job's host list")
     p.add_argument("--socket", type=Path, default=None, help="default: socket_path(JOB, HOST) in node-local scratch")

@@ -25,6 +25,11 @@ Who takes requests: the built-in trainer, and a script that uses `dslurm.runtime
 `stop_requested` (a plain script, or one that only checkpoints) cannot take one: `dslurm ctl`
 refuses at once, naming the script, instead of leaving a request that waits forever.
 
+A run started by hand (`torchrun -m train ...` inside an salloc, as many debug) has no frozen
+job.yaml: rank 0 leaves `ctl_taker.json` when it starts polling (the actions it takes, its start,
+host, pid), and `dslurm ctl` takes that as the run directory's proof, refusing an action the
+taker does not take and a run whose ledger says it ended since.
+
 A request is for the start that is running when it is written: it carries that start
 (`<job>.<restart>`), and a taker in another start drops it as stale (renamed to
 `ctl_stale.json`, with an `operator_request` event that says why), as it drops one older than
@@ -43,10 +48,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
-from dslurm.run import CTL_REQUEST, CTL_STALE, CTL_TAKEN, RunDir
+from dslurm.run import CTL_REQUEST, CTL_STALE, CTL_TAKEN, JOB, RunDir
 
 REQUEST, TAKEN, STALE = CTL_REQUEST, CTL_TAKEN, CTL_STALE  # the run directory's names (dslurm/run.py)
 ACTIONS = ("save", "stop", "profile")
@@ -71,9 +77,10 @@ def write_request(run_dir: str | Path, action: str, *, user: str | None = None, 
     run = Path(run_dir)
     if action not in ACTIONS:
         raise UserError(f"dslurm ctl: {action!r} is not an action. Fix: use one of {', '.join(ACTIONS)}")
-    if not RunDir(run).is_run():
-        raise UserError(f"{run}: not a run directory (no {RunDir(run).job_yaml.name}). Fix: give the directory "
-                        "`dslurm submit` made")
+    if not RunDir(run).is_run() and read_taker(run) is None:
+        raise UserError(f"{run}: not a run directory (no {JOB}, and no trainer has polled for requests here: no "
+                        f"{RunDir(run).ctl_taker.name}). Fix: give the directory `dslurm submit` made, or the "
+                        "checkpoint.run_dir of a trainer started by hand (once it has started)")
     if steps < 0:
         raise UserError(f"dslurm ctl profile: --steps {steps} must be at least 1. Fix: e.g. --steps 3")
     req = Request(action=action, id=f"{time.time_ns()}-{os.getpid()}@{socket.gethostname()}",
@@ -115,17 +122,41 @@ def parse(text: str) -> Request | None:
                    start=str(data.get("start") or ""))
 
 
+def announce(run_dir: str | Path, takes: tuple[str, ...], start: str) -> None:
+    """Leave `ctl_taker.json`: who polls this run directory for requests (see the module doc).
+    A run directory that cannot be written is the trainer's problem to report, not this note's."""
+    note = {"takes": list(takes), "start": start, "host": socket.gethostname(), "pid": os.getpid(),
+            "t": round(time.time(), 3)}
+    try:
+        atomic_write_text(RunDir(run_dir).ctl_taker, json.dumps(note) + "\n")
+    except OSError:
+        pass
+
+
+def read_taker(run_dir: str | Path) -> dict[str, Any] | None:
+    """The note `announce` left; None when there is none or it is not one."""
+    try:
+        data = json.loads(RunDir(run_dir).ctl_taker.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("takes"), list):
+        return None
+    return data
+
+
 class Poller:
     """Rank 0's side: `take()` at a step boundary returns a new request once, else None. A stale
     one (see `stale_reason`) is moved aside and kept in `dropped` (request, why) for the caller
-    to put in the ledger."""
+    to put in the ledger. Made, it announces itself (`announce`: the actions it `takes`)."""
 
     def __init__(self, run_dir: str | Path, every_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic, start: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, start: str | None = None,
+                 takes: tuple[str, ...] = ACTIONS) -> None:
         self.run, self.every_s, self.clock = Path(run_dir), every_s, clock
         self.start = this_start() if start is None else start
         self.dropped: list[tuple[Request, str]] = []
         self._next = clock()
+        announce(self.run, takes, self.start)
 
     def take(self) -> Request | None:
         now = self.clock()
@@ -170,6 +201,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--steps", type=int, default=0, metavar="N",
                    help="profile: how many steps (default: the job's health.profile_steps)")
     p.set_defaults(func=_run, configure_logging=False)
+
+
+def hand_started(run: Path, action: str) -> str:
+    """The start a request goes to in a run with no frozen config (started by hand): the one
+    whose rank 0 announced itself, if it takes `action` and its ledger does not say it ended."""
+    from dslurm.observe import events
+
+    taker = read_taker(run)
+    if taker is None:
+        return ""  # write_request refuses, naming what it looked for
+    if action not in taker["takes"]:
+        raise UserError(f"dslurm ctl {action}: the process polling {run} (pid {taker.get('pid')} on "
+                        f"{taker.get('host')}) takes {', '.join(map(str, taker['takes']))} only: `ctl profile` is "
+                        "the built-in trainer's. Fix: wrap the steps in torch.profiler.profile() in the script")
+    t = float(taker.get("t") or 0.0)
+    ended = [e for e in events.of(events.read(run), events.Exit) if e.t >= t]
+    if ended:
+        raise UserError(f"dslurm ctl {action}: the run in {run} ended ({ended[-1].reason} at step {ended[-1].step}) "
+                        "and nothing polls for requests now. Fix: start it again; a request waits for nobody")
+    return str(taker.get("start") or "")
 
 
 def script_refusal(run_dir: Path, entry: str | list[str], where: list[Path], action: str = "save") -> str | None:
@@ -254,7 +305,7 @@ def _run(args: argparse.Namespace) -> int:
         if refusal is not None:
             raise UserError(f"dslurm ctl {args.action}: {refusal}")
     else:
-        start = ""
+        start = hand_started(run, args.action)
     req = write_request(run, args.action, steps=args.steps, start=start)
     n = req.steps or "health.profile_steps"
     what = f"profile of the next {n} step(s)" if req.action == "profile" else args.action

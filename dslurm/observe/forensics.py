@@ -222,6 +222,20 @@ def summary_lines(stall_dicts: Sequence[Mapping[str, Any]], limit: int = 3) -> l
     return [str(s.get("sentence") or "") for s in stall_dicts[:limit] if isinstance(s, Mapping)]
 
 
+class _Plain(pickle.Unpickler):
+    """A dump holds plain values only (dicts, lists, strings, numbers); a class in one is refused
+    unrun, like every pickle dslurm reads from a run directory (dslurm/checkpoint/unpickle.py, which
+    this package sits below)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a Flight Recorder dump names {module}.{name}; refused unrun")
+
+
+def _plain_loads(data: bytes) -> Any:
+    import io
+    return _Plain(io.BytesIO(data)).load()
+
+
 def read_dumps(start_dir: Path) -> dict[int, dict[str, GroupState]]:
     """Every rank's dump in `<start dir>/fr` -> rank -> its group states (doctor; own scripts,
     whose ranks dump when a collective fails). Unreadable dumps are skipped."""
@@ -229,7 +243,7 @@ def read_dumps(start_dir: Path) -> dict[int, dict[str, GroupState]]:
     out = {}
     for f in sorted(d.glob("rank-*")) if d.is_dir() else []:
         try:
-            out[int(f.name.split("-")[1])] = group_states(pickle.loads(f.read_bytes()))
+            out[int(f.name.split("-")[1])] = group_states(_plain_loads(f.read_bytes()))
         except (OSError, ValueError, IndexError, pickle.UnpicklingError, EOFError, AttributeError, TypeError):
             continue
     return out

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dslurm.observe import bands as B
 from dslurm.observe import events as ev
 from dslurm.observe.durability import lines as durability_lines
 
@@ -17,9 +18,10 @@ if TYPE_CHECKING:
     from dslurm.observe.report import Summary
     from dslurm.observe.starts import Start
 
-# One colour per kind of time, the same in the bands and the legend.
-COLORS = {"queue wait": "#d9d9d9", "startup": "#ffd966", "burn-in": "#f4a261",
-          "training": "#2a9d8f", "redone": "#e76f51", "save stall": "#264653", "eval": "#9b5de5"}
+# One colour per kind of time (dslurm/observe/bands.py), the same in the bands and the legend.
+COLORS = {B.QUEUE: "#d9d9d9", B.STARTUP: "#ffd966", B.BURNIN: "#f4a261", B.TRAINING: "#2a9d8f",
+          B.REDONE: "#e76f51", B.SAVE: "#264653", B.EVAL: "#9b5de5", B.HUNG: "#9d0208",
+          B.TEARDOWN: "#8d99ae", B.IDLE: "#f2f2f2", B.BETWEEN: "#a8dadc"}
 
 
 def _fmt_s(x: float | None) -> str:
@@ -152,26 +154,6 @@ def start_label(s: Start, width: int | None = None) -> str:
     return ended + (f" > {s.outcome}" if s.outcome else "")
 
 
-def _bands(s: Start) -> list[tuple[str, float, float]]:
-    """(kind, x0, width) in unix time for one start; later bands are drawn over earlier ones."""
-    ts = s.first(ev.TrainStart)
-    first_step = ts.t if ts else s.end
-    out = [("queue wait", s.begin - s.queue_wait_s, s.queue_wait_s), ("startup", s.begin, first_step - s.begin)]
-    out += _phase_bands(s)
-    for pf in s.all(ev.Preflight):
-        out.append(("burn-in", pf.t - pf.duration_s, pf.duration_s))
-    for w in s.windows:  # kept steps first in the window, the redone tail after them
-        n = w.last - w.first + 1
-        t0 = w.t - w.duration_s
-        kept_w = w.duration_s * w.kept / n
-        out += [("training", t0, kept_w), ("redone", t0 + kept_w, w.duration_s - kept_w)]
-    for save in s.all(ev.CkptSave):
-        out.append(("save stall", save.t - save.stall_s, save.stall_s))
-    for e in s.all(ev.Eval):
-        out.append(("eval", e.t - e.duration_s, e.duration_s))
-    return [b for b in out if b[2] > 0]
-
-
 # The start-up split into its phases (the PNG's startup band, when the trainer measured them).
 PHASE_COLORS = {"spawn": "#fff3b0", "interpreter": "#ffe08a", "config": "#ffd166", "imports": "#f9c74f",
                 "rendezvous": "#f8961e", "burnin": COLORS["burn-in"], "build": "#e9c46a",
@@ -179,38 +161,32 @@ PHASE_COLORS = {"spawn": "#fff3b0", "interpreter": "#ffe08a", "config": "#ffd166
                 "first_step": "#8d6e63"}
 
 
-def _phase_bands(s: Start) -> list[tuple[str, float, float]]:
-    """The phases laid back to back, ending when the first step was done."""
-    if not s.phases or s.phases_end is None:
-        return []
-    t = s.phases_end - sum(v for _, v in s.phases)
-    out = []
-    for name, secs in s.phases:
-        out.append((name if name in PHASE_COLORS else "startup", t, secs))
-        t += secs
-    return out
-
-
-def _markers(ax: Any, s: Start, x: Any, y: float) -> None:
-    """Saves as ticks; signal, exit and requeue decisions as labelled markers."""
-    for save in s.all(ev.CkptSave):
-        ax.plot([x(save.t)] * 2, [y - 0.4, y + 0.4], color=COLORS["save stall"], lw=1)
-    for sig in s.all(ev.Signal):
-        ax.plot(x(sig.t), y - 0.45, "v", color="crimson", ms=7)
-    decided = s.all(ev.Requeue)[-1:]  # the decision that stands; else the start's end
-    when = decided[0].t if decided else s.end
-    if s.outcome:
-        ax.plot(x(when), y, ">", color="black", ms=6)
-        ax.annotate(s.outcome, (x(when), y), xytext=(4, 6), textcoords="offset points", fontsize=7)
-    if s.exit_reason.startswith("died"):
-        ax.plot(x(s.end), y, "X", color="crimson", ms=9)
-        ax.annotate("no exit event", (x(s.end), y), xytext=(4, -10), textcoords="offset points",
-                    fontsize=7, color="crimson")
+def _markers(ax: Any, tl: B.Timeline, starts: list[Start], x: Any) -> None:
+    """Saves as ticks; hangs, signals, crashes where they happened; each start's outcome."""
+    style = {"signal": ("v", "crimson", -0.45), "hang": ("D", COLORS[B.HUNG], -0.45), "crash": ("*", "crimson", 0.0),
+             "died": ("X", "crimson", 0.0)}
+    for m in tl.marks:
+        if m.kind == "save":
+            ax.plot([x(m.t)] * 2, [m.lane - 0.4, m.lane + 0.4], color=COLORS[B.SAVE], lw=1)
+            continue
+        marker, color, dy = style[m.kind]
+        ax.plot(x(m.t), m.lane + dy, marker, color=color, ms=7 if m.kind in ("signal", "hang") else 9)
+        if m.kind != "signal":
+            ax.annotate(m.label, (x(m.t), m.lane + dy), xytext=(4, -10), textcoords="offset points", fontsize=7,
+                        color=color)
+    for s in starts:
+        decided = s.all(ev.Requeue)[-1:]  # the decision that stands; else the start's end
+        when = decided[0].t if decided else s.end
+        if s.outcome:
+            ax.plot(x(when), s.index, ">", color="black", ms=6)
+            ax.annotate(s.outcome, (x(when), s.index), xytext=(4, 6), textcoords="offset points", fontsize=7)
 
 
 # The markers of `_markers`, as the legend names them (marker, colour, label).
-MARKERS = [("|", COLORS["save stall"], "save"), ("v", "crimson", "interruption (stop signal)"),
-           (">", "black", "outcome (what happened next)"), ("X", "crimson", "no exit event")]
+MARKERS = [("|", COLORS[B.SAVE], "save"), ("v", "crimson", "interruption (stop signal)"),
+           ("D", COLORS[B.HUNG], "hang detected"), ("*", "crimson", "crash (the run's own failure)"),
+           ("X", "crimson", "no exit event"),
+           (">", "black", "outcome (what happened next)")]
 
 
 def timeline_title(sm: Summary) -> str:
@@ -249,8 +225,9 @@ def timeline_figure(sm: Summary) -> Any:
     from matplotlib.patches import Patch
 
     starts = sm.starts
-    t0 = min([s.begin - s.queue_wait_s for s in starts] + ([sm.submit_t] if sm.submit_t is not None else []) or [0.0])
-    span = max([s.end for s in starts] or [t0 + 1]) - t0
+    tl = B.timeline(sm)  # every second in one band
+    t0 = tl.t0
+    span = max(tl.t_end - t0, 1.0)
     scale, unit = (60.0, "min") if span > 600 else (1.0, "s")
 
     def x(t: float) -> float:
@@ -258,10 +235,11 @@ def timeline_figure(sm: Summary) -> Any:
 
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 2.2 + 0.5 * len(starts) + 2.5),
                                       gridspec_kw={"height_ratios": [max(1, len(starts)), 2]})
-    for s in starts:
-        for kind, a, w in _bands(s):
-            top.broken_barh([(x(a), w / scale)], (s.index - 0.35, 0.7), color={**COLORS, **PHASE_COLORS}[kind])
-        _markers(top, s, x, s.index)
+    palette = {**COLORS, **PHASE_COLORS}
+    for b in tl.bands:
+        color = palette.get(b.kind, COLORS[B.STARTUP])  # a phase without its own colour: start-up's
+        top.broken_barh([(x(b.t0), b.width / scale)], (b.lane - 0.35, 0.7), color=color)
+    _markers(top, tl, starts, x)
     if any(s.startup == "warm" for s in starts):  # warm and cold starts apart, over each startup band
         for s in starts:
             top.annotate(f"{s.startup} start", (x(s.begin), s.index - 0.35), xytext=(1, 1),
@@ -271,7 +249,8 @@ def timeline_figure(sm: Summary) -> Any:
     top.set_yticks([s.index for s in starts], labels, fontsize=8)
     top.set_ylim(len(starts) - 0.5, -0.5)
     top.set_title(timeline_title(sm), fontsize=10, color="crimson" if sm.completion.complete is False else "black")
-    handles: list[Any] = [Patch(color=c, label=k) for k, c in COLORS.items()]
+    drawn = {b.kind for b in tl.bands}  # the run's own kinds; training and queue wait always
+    handles: list[Any] = [Patch(color=c, label=k) for k, c in COLORS.items() if k in drawn | {B.TRAINING, B.QUEUE}]
     seen = {n for s in starts for n, _ in s.phases}
     handles += [Patch(color=c, label=f"startup: {k}") for k, c in PHASE_COLORS.items() if k in seen]
     handles += [Line2D([], [], ls="", marker=m, color=c, label=k) for m, c, k in MARKERS]

@@ -349,6 +349,9 @@ def load(run_dir: Path) -> tuple[list[Event], int]:
     from dslurm.observe.ledger import FILENAME
 
     path = Path(run_dir) / FILENAME
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise UserError(f"{run_dir}: a file, not a run directory. Fix: give the run directory a job wrote to "
+                        f"(the one holding {LEDGER}; a job file's checkpoint.run_dir names it)")
     if not path.is_file():
         raise UserError(f"{path}: no ledger. Fix: give the run directory a job wrote to "
                         f"(the one holding {LEDGER})")

@@ -130,7 +130,10 @@ def propose_layout(model: ModelShape, cluster: Cluster, work: Workload | None = 
         f"no layout fits {model.num_params() / 1e9:.1f}B parameters on {cluster.nodes} node(s) x "
         f"{cluster.gpus_per_node} GPU(s) of {cluster.gpu_mem_gb} GB: {need}"
         + (f" ({'; '.join(notes[:2])})" if notes else "")
-        + ". Fix: more nodes, a smaller micro_batch or seq_len, or a larger global_batch")
+        + ". Fix: " + ("more nodes or GPUs with more memory, a smaller micro_batch or seq_len"
+                       + ("" if work.recompute == "full" else ", or full recomputation (--recompute full)")
+                       if best < float("inf") else
+                       "a global_batch that micro_batch x the data-parallel degree divides, or other nodes"))
 
 
 def validate_layout(model: ModelShape, cluster: Cluster, layout: Layout,

@@ -74,6 +74,11 @@ def _check_sources(args: argparse.Namespace) -> None:
     if args.site_overrides and not args.site:
         raise UserError(f"--site-set {args.site_overrides[0]} changes a site field and needs --site. "
                         "Fix: add --site SITE.yaml, or give the machine as flags (--gpu-mem-gb, --gpus-per-node)")
+    for flag, value, example in (("--peak-tflops", args.peak_tflops, "989, an H100 SXM's dense BF16 TFLOP/s"),
+                                 ("--tokens-per-s", args.tokens_per_s, "the whole job's measured tokens/s")):
+        if value is not None and not value > 0:  # 0 and NaN too: neither is a measurement
+            raise UserError(f"{flag} {value:g}: must be greater than 0. Fix: give the number ({example}), "
+                            "or leave the flag out")
     if args.job and args.nodes is not None:
         raise UserError(f"--nodes {args.nodes} with --job: the job file sets the nodes and its layout is "
                         f"resolved for them. Fix: --set nodes={args.nodes}")
@@ -124,6 +129,9 @@ def _plan(args: argparse.Namespace) -> int:
     from dslurm.plan.mfu import model_flops_per_token
 
     model, cluster, work, job_layout = _inputs(args)
+    if args.tokens_per_s is not None and not cluster.peak_tflops:
+        raise UserError(f"--tokens-per-s {args.tokens_per_s:g}: turning it into MFU needs the GPUs' peak, and none "
+                        "was given. Fix: add --peak-tflops TFLOPS, or a --site whose node.peak_tflops_bf16 is set")
     seq = work.seq_len or model.seq_len
     out: dict[str, Any] = {"model": {"params": model.num_params(), "layers": model.n_layers,
                                      "dim": model.dim, "seq_len": seq},

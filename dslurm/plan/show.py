@@ -108,7 +108,7 @@ def _collectives(console: Any, plan: dict[str, Any], name: str) -> None:
 
 def _mfu(console: Any, plan: dict[str, Any], name: str) -> None:
     if "mfu" not in plan:
-        console.print("MFU: the site gives no peak TFLOP/s (node.peak_tflops_bf16); pass --peak-tflops")
+        console.print("MFU: no peak TFLOP/s given (pass --peak-tflops, or set node.peak_tflops_bf16 in the site)")
         return
     f = plan["mfu"]
     model, executed = f["model_flops_per_token"], f["executed_flops_per_token"]

@@ -193,16 +193,24 @@ class SimResult:
                 "goodput_p50": float(self.p50[i]), "goodput_p95": float(self.p95[i])}
 
 
-def draw_failures(cfg: SimConfig) -> Draws:
-    """Enough failures per trial to pass the horizon with the shortest recovery of any mechanism."""
-    import numpy as np
-
-    rng = np.random.default_rng(cfg.seed)
-    horizon = cfg.horizon_h * 3600.0
+def segments_per_trial(cfg: SimConfig) -> tuple[float, int]:
+    """(the shortest recovery of any mechanism, failures drawn per trial): enough to pass the
+    horizon with that recovery, with a margin of 8 standard deviations."""
     c = cfg.costs()
     down = min(c.restart_s + c.requeue_s, c.relaunch_s, c.swap_s)
-    expected = horizon / (cfg.mtbf_s + down)
-    segments = int(expected + 8 * math.sqrt(expected) + 16)
+    expected = cfg.horizon_h * 3600.0 / (cfg.mtbf_s + down)
+    return down, int(expected + 8 * math.sqrt(expected) + 16)
+
+
+def draw_failures(cfg: SimConfig, rng: Any = None) -> Draws:
+    """`cfg.trials` trials of failures, enough per trial to pass the horizon with the shortest
+    recovery of any mechanism. `rng`: the generator to go on drawing from (default: a new one
+    seeded with `cfg.seed`)."""
+    import numpy as np
+
+    rng = np.random.default_rng(cfg.seed) if rng is None else rng
+    horizon = cfg.horizon_h * 3600.0
+    down, segments = segments_per_trial(cfg)
     while True:
         runs = rng.exponential(cfg.mtbf_s, size=(cfg.trials, segments))
         if np.all((runs + down).sum(axis=1) >= horizon):
@@ -227,7 +235,10 @@ def goodput_per_trial(cfg: SimConfig, interval_s: float, line: Any) -> Any:
     return (kept * line.speed).sum(axis=1) * interval_s / (cfg.horizon_h * 3600.0)
 
 
-def default_intervals(cfg: SimConfig, points: int = 41) -> list[float]:
+GRID_POINTS = 41  # log-spaced intervals scored from Young/Daly / 8 to x 8 (plan simulate's search)
+
+
+def default_intervals(cfg: SimConfig, points: int = GRID_POINTS) -> list[float]:
     """Log-spaced candidates from Young/Daly ÷ 8 to × 8, plus Young/Daly itself and the durable
     write time (below it a shorter interval gains nothing: one write in flight at a time)."""
     yd = cfg.young_daly_s
@@ -237,22 +248,77 @@ def default_intervals(cfg: SimConfig, points: int = 41) -> list[float]:
 
 def score(cfg: SimConfig, draws: Draws, intervals_s: list[float] | None = None) -> SimResult:
     """Goodput distribution of `cfg` on given draws, for each interval."""
-    import numpy as np
+    acc = Accumulator(cfg, intervals_s)
+    acc.add(draws)
+    return acc.result()
 
-    intervals = np.asarray(intervals_s if intervals_s else default_intervals(cfg), dtype=float)
-    for i, x in enumerate(intervals):
-        positive(f"intervals_s[{i}]", float(x))
-    line = timeline(cfg.mechanism, draws, cfg.costs())
-    table = np.stack([goodput_per_trial(cfg, float(t), line) for t in intervals])
-    mean = table.mean(axis=1)
-    p05, p50, p95 = np.percentile(table, [5, 50, 95], axis=1)
-    failed = line.failed
-    return SimResult(config=cfg, intervals_s=intervals, mean=mean, p05=p05, p50=p50, p95=p95,
-                     failures_mean=float(failed.sum(axis=1).mean()),
-                     time_between_failures_h=(float(draws.runs[failed].mean() / 3600.0) if failed.any()
-                                              else math.inf),
-                     requeues_mean=float(line.queued.sum(axis=1).mean()),
-                     shrinks_mean=float(line.shrank.sum(axis=1).mean()), best=int(np.argmax(mean)))
+
+class Accumulator:
+    """A scenario's statistics over trials that come in chunks (sim_stream): sums for the means;
+    the per-trial goodputs themselves while one chunk has come, a histogram of `BINS` bins over
+    [0, 1] once more have (its percentiles are good to 1/BINS), so memory does not grow with trials."""
+
+    BINS = 20_000
+
+    def __init__(self, cfg: SimConfig, intervals_s: list[float] | None = None) -> None:
+        import numpy as np
+
+        self.cfg = cfg
+        self.intervals = np.asarray(intervals_s if intervals_s else default_intervals(cfg), dtype=float)
+        for i, x in enumerate(self.intervals):
+            positive(f"intervals_s[{i}]", float(x))
+        self.n, self.sum = 0, np.zeros(len(self.intervals))
+        self.exact: Any = None
+        self.hist: Any = None
+        self.failures = self.queued = self.shrank = 0.0
+        self.failed_time, self.failed_n = 0.0, 0
+
+    def add(self, draws: Draws) -> None:
+        import numpy as np
+
+        line = timeline(self.cfg.mechanism, draws, self.cfg.costs())
+        table = np.stack([goodput_per_trial(self.cfg, float(t), line) for t in self.intervals])
+        self.n += table.shape[1]
+        self.sum += table.sum(axis=1)
+        if self.exact is None and self.hist is None:
+            self.exact = table
+        else:
+            if self.hist is None:
+                self.hist, self.exact = self._binned(self.exact), None
+            self.hist += self._binned(table)
+        failed = line.failed
+        self.failures += float(failed.sum())
+        self.failed_time += float(draws.runs[failed].sum())
+        self.failed_n += int(failed.sum())
+        self.queued += float(line.queued.sum())
+        self.shrank += float(line.shrank.sum())
+
+    def _binned(self, table: Any) -> Any:
+        import numpy as np
+
+        idx = np.clip((table * self.BINS).astype(int), 0, self.BINS - 1)
+        return np.stack([np.bincount(row, minlength=self.BINS) for row in idx])
+
+    def _percentiles(self) -> Any:
+        import numpy as np
+
+        if self.exact is not None:
+            return np.percentile(self.exact, [5, 50, 95], axis=1)
+        cum = np.cumsum(self.hist, axis=1)
+        out = [(np.argmax(cum >= q / 100.0 * self.n, axis=1) + 0.5) / self.BINS for q in (5, 50, 95)]
+        return np.stack(out)
+
+    def result(self) -> SimResult:
+        import numpy as np
+
+        mean = self.sum / self.n
+        p05, p50, p95 = self._percentiles()
+        return SimResult(config=self.cfg, intervals_s=self.intervals, mean=mean, p05=p05, p50=p50, p95=p95,
+                         failures_mean=self.failures / self.n,
+                         time_between_failures_h=(self.failed_time / self.failed_n / 3600.0 if self.failed_n
+                                                  else math.inf),
+                         requeues_mean=self.queued / self.n, shrinks_mean=self.shrank / self.n,
+                         best=int(np.argmax(mean)))
 
 
 def simulate(cfg: SimConfig, intervals_s: list[float] | None = None) -> SimResult:

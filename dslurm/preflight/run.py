@@ -136,7 +136,7 @@ def build_report(records: list[dict[str, Any]], th: Thresholds) -> dict[str, Any
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dslurm.preflight.run", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m dslurm.preflight.run", description=__doc__)
     p.add_argument("--report", required=True, help="JSON report path (written by rank 0)")
     p.add_argument("--site", help="site config YAML: thresholds from its burnin and node sections")
     p.add_argument("--thresholds", help="JSON file with a burnin section (instead of --site)")

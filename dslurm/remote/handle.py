@@ -48,7 +48,10 @@ def write(h: Handle) -> Path:
 
 
 def read(path: str | Path) -> Handle | None:
-    """The handle in directory `path`; None when there is none (a run directory on this machine)."""
+    """The handle in directory `path`; None when there is none (a run directory on this machine,
+    or not a directory at all: the caller says what it wanted instead)."""
+    if not Path(path).is_dir():
+        return None
     p = Path(path) / FILENAME
     try:
         data = json.loads(p.read_text())

@@ -294,7 +294,7 @@ def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None =
         rt.ledger = Ledger(rd)
         from dslurm.observe.ctl import Poller
 
-        rt.ctl = Poller(rd)
+        rt.ctl = Poller(rd, takes=("save", "stop"))  # profile is the built-in trainer's
         from dslurm.trackers import attach  # the job's metrics.trackers, fed from the ledger (rank 0)
 
         attach(rt.ledger, rd, job.metrics if job is not None else None, job.name if job is not None else "")

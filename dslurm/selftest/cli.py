@@ -32,7 +32,8 @@ DRY_DEFAULTS = {"steps": 2, "warmup": 1, "budget_s": 120.0, "ckpt_gb": 1.0}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("selftest", help="check one GPU end to end: NVML, GEMM, trainer MFU, checkpoint I/O",
+    p = sub.add_parser("selftest", help="--gpu: check one GPU end to end (NVML, GEMM, trainer MFU, checkpoint I/O); "
+                            "chaos: the chaos soak on the local cluster (docs/chaos.md)",
                        description=__doc__)
     p.add_argument("check", nargs="?", choices=("chaos",),
                    help="chaos: random outside faults against a job on the local cluster, then compared with "

@@ -196,7 +196,7 @@ def durable_read(path: str, node: str, token: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dslurm.site.probe", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m dslurm.site.probe", description=__doc__)
     ap.add_argument("--scratch", help="storage.scratch to test (%%n = this node)")
     ap.add_argument("--durable", help="storage.durable to test")
     ap.add_argument("--token", default="probe", help="names this check's markers")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dslurm.errors import UserError
+from dslurm.errors import UserError, check_output_file
 from dslurm.remote import handle as handle_mod
 from dslurm.sweep.build import MAP_FILE
 
@@ -174,6 +174,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_report(args: argparse.Namespace) -> int:
     from dslurm.observe import report
 
+    if args.png is not None:
+        check_output_file(args.png, "--png", "report.png")
+        if args.png.suffix.lower() != ".png":
+            raise UserError(f"--png {args.png}: not a .png file name (the picture would be written as "
+                            f"{args.png}.png). Fix: --png {args.png.with_suffix('.png')}")
     if (h := handle_mod.read(args.run_dir)) is not None:
         return _remote_report(h, args)
     if not is_sweep_dir(args.run_dir):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.durable import atomic_write_text
-from dslurm.errors import UserError
+from dslurm.errors import UserError, check_output_file
 from dslurm.job_array import ArrayPart, max_array_size, split_arrays
 from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map, task_logs
 
@@ -210,7 +210,7 @@ def run_render(args: Any) -> int:
         print(note, file=sys.stderr)
     text = "\n".join(render_array(sw, p, n, len(parts)) for n, p in enumerate(parts, 1))
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        check_output_file(Path(args.output), "-o", "sweep.sbatch")
         atomic_write_text(Path(args.output), text, 0o755)
         print(f"wrote {args.output}", file=sys.stderr)
     else:

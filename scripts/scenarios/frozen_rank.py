@@ -92,7 +92,7 @@ def one(out: Path, n: int, dslurm: str) -> bool:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default="/tmp/frozen-rank")
     args = p.parse_args()

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 
 from cluster_jobs import GPUS, session_shapes
+from doc_rows import REPORT
 from dslurm import cluster
 
 NODES = 3
@@ -35,6 +36,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/cluster/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.cluster)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """Each phase's report kept on the test, for the tables tests write (doc_rows.py)."""
+    rep = yield
+    item.stash.setdefault(REPORT, {})[rep.when] = rep
+    return rep
 
 
 @pytest.fixture(scope="session")

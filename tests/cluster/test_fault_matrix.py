@@ -1,7 +1,7 @@
 """The fault matrix on the real local Slurm (issue 12): every way a start can end, forced
 deterministically with the knobs of dslurm/faults.py, classified from recorded facts and
-decided right. Each test adds a row (scenario, promise, observed, lost steps, recovery
-time) to docs/fault-matrix.md, rewritten by the run of this module.
+decided right. Each test writes its row (scenario, promise, observed, lost steps, recovery
+time) into docs/fault-matrix.md when it ends, passed or failed (tests/cluster/doc_rows.py).
 
 Node layout of a 2-node x 2-process job: node1 holds ranks 0,1 and node2 ranks 2,3 (torchrun
 orders nodes by host name). Jobs are tiny and share a start wherever the scenario allows.
@@ -9,42 +9,38 @@ orders nodes by host name). Jobs are tiny and share a start wherever the scenari
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from cluster_jobs import decisions, endings, events, job_spec, kill_node, logs, submit, trained_steps, wait_for
+from doc_rows import DocTable
 from dslurm import exitcodes as X
 from dslurm import slurm
 from dslurm.cluster.disrupt import job_pids, signal_pids
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
+from testkit import mount_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / os.environ.get("DSLURM_FAULT_MATRIX_DOC", "docs/fault-matrix.md")
-ROWS: list[dict[str, str]] = []
 # scripts/race-soak.sh runs the crash race this many times per exit order, under a CPU hog.
 RACE_REPEAT = int(os.environ.get("DSLURM_RACE_REPEAT", "1"))
+TABLE = DocTable(
+    DOC, "Crash race soak" if RACE_REPEAT > 1 else "Fault matrix",
+    f"Produced by `{os.environ.get('DSLURM_FAULT_MATRIX_CMD', 'scripts/test.sh')}`. Recovery = the requeue decision "
+    "to the first step of the next start (includes Slurm's requeue cycle, ~10 s here). Lost steps = steps trained "
+    "twice plus steps trained after the last committed checkpoint of a finished run.",
+    ["scenario", "promise", "observed", "lost steps", "recovery"], sys.modules[__name__])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _write_table():
+@pytest.fixture(autouse=True)
+def _row(request):
     yield
-    if not ROWS:
-        return
-    title = "Crash race soak" if RACE_REPEAT > 1 else "Fault matrix"
-    head = [f"# {title} (written by the test run)", "",
-            f"Produced by `{os.environ.get('DSLURM_FAULT_MATRIX_CMD', 'scripts/test.sh')}` on "
-            f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, load average "
-            f"{os.getloadavg()[0]:.1f}. Recovery = the requeue decision to the first step of the next start "
-            "(includes Slurm's requeue cycle, ~10 s here). Lost steps = steps trained twice plus steps trained "
-            "after the last committed checkpoint of a finished run.", "",
-            "| scenario | promise | observed | lost steps | recovery |", "|---|---|---|---|---|"]
-    body = [f"| {r['scenario']} | {r['promise']} | {r['observed']} | {r['lost']} | {r['recovery']} |" for r in ROWS]
-    DOC.write_text("\n".join(head + body) + "\n")
+    TABLE.done(request.node)
 
 
 def record(scenario: str, promise: str, observed: str, run: Path, recovery: bool = True) -> None:
@@ -54,8 +50,7 @@ def record(scenario: str, promise: str, observed: str, run: Path, recovery: bool
         ends = [e.t for e in prev.all(ev.Ending)] + [e.t for e in prev.all(ev.Requeue)]
         if ends and nxt.windows:
             rec.append(nxt.windows[0].t - max(ends))
-    ROWS.append({"scenario": scenario, "promise": promise, "observed": observed, "lost": str(sm.lost_steps),
-                 "recovery": ", ".join(f"{r:.0f} s" for r in rec) or "-"})
+    TABLE.set([scenario, promise, observed, str(sm.lost_steps), ", ".join(f"{r:.0f} s" for r in rec) or "-"])
 
 
 def rank_reports(run: Path) -> list[dict]:
@@ -262,11 +257,7 @@ def tiny_disks(tmp_path):
 
     def make(name: str) -> Path:
         mnt = tmp_path / name
-        mnt.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+        mount_tmpfs(mnt, "3m")  # a failure as root, as the cluster is
         mounts.append(mnt)
         return mnt
 

@@ -1,7 +1,7 @@
 """Recovery inside the allocation on the real local Slurm (issue 17): a job with spares survives
 a kill -9 of one training process, the loss of a node for real (its slurmd killed) and, with no
-spare left, shrinks to fewer nodes or requeues without the bad nodes. Each test writes a row to
-docs/spares-results.md (rewritten by the run of this module).
+spare left, shrinks to fewer nodes or requeues without the bad nodes. Each test writes its row
+into docs/spares-results.md when it ends, passed or failed (tests/cluster/doc_rows.py).
 
 The cluster has 3 nodes; a 2+1 job holds all of them. Jobs take node1, node2, node3 in that
 order: node1 runs the batch shell (and `dslurm supervise`), so the tests lose node2 and node3.
@@ -9,13 +9,13 @@ order: node1 runs the batch shell (and `dslurm supervise`), so the tests lose no
 
 from __future__ import annotations
 
-import datetime as dt
-import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from cluster_jobs import events, job_spec, kill_node, logs, submit, trained_steps, wait_for
+from doc_rows import DocTable
 from dslurm import slurm
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
@@ -24,21 +24,17 @@ from dslurm.selftest.chaos.run import NEVER_CLEARS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs/spares-results.md"
-ROWS: list[str] = []
+TABLE = DocTable(
+    DOC, "Recovery inside the allocation: results",
+    "Produced by `pytest tests/cluster/test_spares.py`. Time to training = the failure (the earliest report of it; "
+    "for a lost node, when its step ended) to the first step of the next job step, from `dslurm report`.",
+    ["scenario", "recoveries (cause: mode, time to training)", "sacct", "endings"], sys.modules[__name__])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _write_table():
+@pytest.fixture(autouse=True)
+def _row(request):
     yield
-    if ROWS:
-        DOC.write_text("\n".join([
-            "# Recovery inside the allocation: results (written by the test run)", "",
-            f"Produced by `pytest tests/cluster/test_spares.py` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} "
-            f"UTC, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}. Time to training = the failure "
-            "(the earliest report of it; for a lost node, when its step ended) to the first step of the next job "
-            "step, from `dslurm report`.", "",
-            "| scenario | recoveries (cause: mode, time to training) | sacct | endings |", "|---|---|---|---|",
-            *ROWS]) + "\n")
+    TABLE.done(request.node)
 
 
 def _trained_in(run: Path, nth_start: int, step: int) -> bool:
@@ -77,8 +73,8 @@ def _row(scenario: str, run: Path, job: int, env) -> None:
     recs = ", ".join(f"{r.cause}: {r.mode} {r.resumed_s:.0f} s" if r.resumed_s is not None else f"{r.cause}: {r.mode}"
                      for r in sm.recoveries)
     info = slurm.job_info(job, env=env)
-    ROWS.append(f"| {scenario} | {recs or '-'} | 1 job, {info['restarts']} restart(s), {info['state']} | "
-                f"{', '.join(e['cls'] for e in events(run, 'ending'))} |")
+    TABLE.set([scenario, recs or "-", f"1 job, {info['restarts']} restart(s), {info['state']}",
+               ", ".join(e["cls"] for e in events(run, "ending"))])
 
 
 @pytest.mark.timeout(1200)
@@ -212,6 +208,6 @@ def test_a_spare_swap_against_a_requeue_after_the_same_node_loss(slurm_cluster, 
             cluster.up(nodes=3, accounting=True)
         info = slurm.job_info(job, env=env)
         assert info["restarts"] == (0 if name == "swap" else 1), (name, info)
-    ROWS.append(f"| same job, node2 lost at step 7: (a) spare swap vs (b) requeue | (a) {took['swap']:.0f} s, "
-                f"(b) {took['requeue']:.0f} s: (a)/(b) = {took['swap'] / took['requeue']:.2f} (goal <= 0.5) | "
-                f"(a) 1 job, 0 restarts; (b) 1 job, 1 restart | cancelled once training again |")
+    TABLE.set(["same job, node2 lost at step 7: (a) spare swap vs (b) requeue",
+               f"(a) {took['swap']:.0f} s, (b) {took['requeue']:.0f} s: (a)/(b) = {took['swap'] / took['requeue']:.2f} "
+               "(goal <= 0.5)", "(a) 1 job, 0 restarts; (b) 1 job, 1 restart", "cancelled once training again"])

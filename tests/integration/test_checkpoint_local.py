@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from dslurm import checkpoint as ck
 from dslurm.checkpoint.dcp import CheckpointManager, TrainState
 from dslurm.runtime.state import train_state
-from testkit import ReadCounter, RecordingLedger
+from testkit import ReadCounter, RecordingLedger, mount_tmpfs
 
 pytestmark = pytest.mark.integration
 Ledger = RecordingLedger
@@ -347,14 +347,11 @@ def test_full_disk_stops_when_asked(tmp_path, monkeypatch, async_mode):
 
 @pytest.fixture
 def tiny_fs(tmp_path):
-    """A real 1 MB tmpfs (needs root; skipped elsewhere): the disk really fills."""
+    """A real 1 MB tmpfs (needs root: skipped for another user, a failure for root): the disk really fills."""
     import subprocess
+
     mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    mount_tmpfs(mnt, "1m")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 

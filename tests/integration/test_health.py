@@ -1,5 +1,6 @@
 """Health during the run (issue 18) with real torchrun + gloo: an injected hang is caught within
-the bound, stacks dumped, suspects named, the step ends as a crash that requeue-me would retry;
+the bound, stacks dumped, suspects named, the step ends as a crash that requeue-me would retry
+(started again, the run completes, and the report's timeline covers its every second once);
 an injected NaN under each `train.nonfinite` policy."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dslurm import exitcodes as X
 from dslurm.checkpoint import read_pointer
 from dslurm.facts import list_starts, read_start
 from dslurm.observe import events as ev
+from dslurm.observe.bands import HUNG, timeline
+from dslurm.observe.report import summarize
 from dslurm.requeue import decide
 from train_helpers import run_train, step_records, write_job
 
@@ -50,6 +53,16 @@ def test_hang_on_one_rank_is_caught_stacks_dumped_and_ends_as_a_crash(tmp_path):
     d = decide(ending=ending.cls, failures=0, max_restarts=3, no_progress_limit=3, start_steps=[0],
                pointer_step=0)
     assert d.action == "requeue", d
+    # Requeued (here: started again by hand), it completes; the report's timeline covers every
+    # second of the hung run once, the hang's idle time as the hung band (issue 54).
+    again = run_train(2, job, *FAST_WATCHDOG, "checkpoint.interval=2", timeout=150)
+    assert again.returncode == 0, again.stderr[-3000:]
+    sm = summarize(ev.read(run))
+    tl = timeline(sm)
+    assert len(sm.starts) == 2 and sm.completion.complete, [s.exit_reason for s in sm.starts]
+    assert sum(b.width for b in tl.bands) == pytest.approx(tl.t_end - tl.t0, abs=1e-6)
+    assert all(b.t0 + b.width == pytest.approx(c.t0, abs=1e-6) for b, c in zip(tl.bands, tl.bands[1:]))
+    assert tl.width_of(HUNG) == pytest.approx(h.idle_s, rel=1e-6) and "hang" in {m.kind for m in tl.marks}
 
 
 def _nonfinite(run) -> list[ev.NonFinite]:

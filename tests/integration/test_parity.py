@@ -1,9 +1,15 @@
 """Every layout trains like one process: the losses and clipped gradient norms of the first
 4 steps of FSDPx4, FSDPxTP 2x2, PPx2 (1F1B) and PPxFSDPxTP 2x2x2 equal a single-process
 run on the same global batch (tiny model, fp32, gloo on CPU), and the LR follows the
-schedule. The reference runs in this process (world of one, in-memory store)."""
+schedule. The reference runs in this process (world of one, in-memory store).
+
+`DSLURM_PARITY_ALL=1 pytest -m integration tests/integration/test_parity.py` adds the layouts kept
+out of the suite to keep it short (HSDP, the other pipeline schedules, activation checkpointing
+with gradient accumulation, per-block torch.compile alone and with TP): docs/trainer.md."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -45,11 +51,27 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+# Out of the suite (minutes on 2 cores, the compiled ones most): DSLURM_PARITY_ALL=1 runs them.
+MORE = {
+    "hsdp2x2": (4, ["parallel.dp_replicate=2"]),
+    "pp2-interleaved-4mb": (2, ["parallel.pp=2", "parallel.microbatches=4", "parallel.pp_schedule=Interleaved1F1B"]),
+    "pp2-gpipe": (2, ["parallel.pp=2", "parallel.microbatches=2", "parallel.pp_schedule=GPipe"]),
+    "fsdp2xtp2-selective-ac-accum2": (4, ["parallel.tp=2", "train.activation_checkpoint=selective",
+                                          "train.grad_accum=2"]),
+    "pp2-full-ac-accum2": (2, ["parallel.pp=2", "parallel.microbatches=2", "train.activation_checkpoint=full",
+                               "train.grad_accum=2"]),
+    "compile": (2, ["train.compile=true"]),
+    "compile-tp2": (2, ["train.compile=true", "parallel.tp=2"]),
+}
+ALL = os.environ.get("DSLURM_PARITY_ALL") == "1"
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=[pytest.mark.skipif(
+    not ALL, reason="out of the suite: DSLURM_PARITY_ALL=1 runs it"), pytest.mark.timeout(1200)]) for n in MORE)])
 def test_layout_matches_single_process(name, reference, tmp_path):
-    nproc, sets = LAYOUTS[name]
+    nproc, sets = {**LAYOUTS, **MORE}[name]
     job = write_job(tmp_path, name)
-    proc = run_train(nproc, job, *sets)
+    proc = run_train(nproc, job, *sets, timeout=600 if name in MORE else 90)  # compiling takes minutes on CPU
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = step_records(tmp_path / name)
     assert [e["first"] for e in got] == [0, 1, 2, 3]

@@ -27,6 +27,13 @@ def test_every_bench_docstring_names_its_command_and_every_flag_of_its_tiny_run_
             assert f'"{flag}"' in src, f"{name}: no {flag} option"
 
 
+def test_every_tiny_run_expects_a_line_its_bench_prints():
+    """An empty expected line is in every output (a check that cannot fail): each tiny run
+    names a piece of its figure line (tests/integration/test_benches.py looks for it)."""
+    for name, (_, expect, _) in TINY_BENCHES.items():
+        assert len(expect.strip()) >= 5, f"{name}: expects {expect!r}: the tiny run checks nothing"
+
+
 def test_gpu_check_names_its_usage_and_what_the_python_lacks(tmp_path):
     usage = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], capture_output=True, text=True)
     assert usage.returncode == 2 and "usage: bash bench/gpu_check.sh OUT.json" in usage.stderr

@@ -192,3 +192,15 @@ def test_a_fault_belongs_to_the_start_running_until_the_next_one_begins():
     rows = table.rows(summarize(evs), done, T0)
     assert [(r.start, r.ended_it, r.path) for r in rows] == [(0, True, "cold"), (1, False, "absorbed"),
                                                              (1, True, "requeue")]
+
+
+def test_a_disk_full_fault_that_cannot_be_mounted_is_refused_not_skipped(tmp_path):
+    """Issue 54: a schedule with disk_full whose tmpfs cannot be mounted used to skip every
+    disk_full fault with a log line. Now it is an exit 2 naming the fix; a schedule without
+    disk_full mounts nothing. (The mount fails here through a size tmpfs rejects, root or not.)"""
+    from dslurm.errors import UserError
+    from dslurm.selftest.chaos.run import mount_durable
+
+    assert mount_durable(tmp_path / "none", 128, ()) is None and not (tmp_path / "none").exists()
+    with pytest.raises(UserError, match=r"cannot mount a -1 MB tmpfs .*--kinds kill_worker,requeue$"):
+        mount_durable(tmp_path / "bad", -1, ("kill_worker", "disk_full", "requeue"))

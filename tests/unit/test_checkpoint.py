@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ def make_gen(run: Path, step: int, *, commit: bool = True, token: str = "aaaaaa"
     """A fake generation with the files a DCP save leaves (contents are arbitrary bytes)."""
     gen = ck.generations_dir(run) / ck.generation_name(step, T0 + dt.timedelta(seconds=step), token)
     (gen / ck.RANKS).mkdir(parents=True)
-    files = {".metadata": b"md" * 10, "__0_0.distcp": payload or os.urandom(4096) + bytes([step % 256]),
+    files = {".metadata": pickle.dumps("m" * 10, protocol=2),  # 20 bytes, a plain pickle
+             "__0_0.distcp": payload or os.urandom(4096) + bytes([step % 256]),
              "__1_0.distcp": os.urandom(3000), ck.META: b"{}", f"{ck.RANKS}/rank-00000.json": b"{}"}
     for rel, data in files.items():
         (gen / rel).write_bytes(data)

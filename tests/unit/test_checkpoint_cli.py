@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -18,7 +20,8 @@ T0 = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 def make_gen(run: Path, step: int, commit: bool = True) -> Path:
     gen = ck.generations_dir(run) / ck.generation_name(step, T0 + dt.timedelta(minutes=step), "abcdef")
     gen.mkdir(parents=True)
-    files = {".metadata": b"m" * 50, "__0_0.distcp": os.urandom(5000), ck.META: b"{}"}
+    files = {".metadata": pickle.dumps("m" * 40, protocol=2),  # 50 bytes, a plain pickle
+             "__0_0.distcp": os.urandom(5000), ck.META: b"{}"}
     for rel, data in files.items():
         (gen / rel).write_bytes(data)
     if commit:
@@ -173,3 +176,29 @@ def test_cli_process_exit_code_and_no_torch_import(run3, cli):
                             "import dslurm.checkpoint.cli; print('torch' in sys.modules)"],
                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     assert probe.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("entry", ["oops", {"crc32": "00000000"}, {"size": 50}, {"size": "50", "crc32": "0"}])
+def test_a_manifest_entry_that_is_not_an_object_with_size_and_crc32_is_bad_not_a_crash(run3, capsys, entry):
+    run, gens = run3
+    doc = json.loads((gens[2] / ck.MANIFEST).read_text())
+    doc["files"][".metadata"] = entry
+    (gens[2] / ck.MANIFEST).write_text(json.dumps(doc))
+    ck.write_pointer(run, gens[2].name, 300)
+    assert main(["ckpt", "verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert f"{gens[2] / ck.MANIFEST}: unreadable manifest (entry '.metadata'" in out
+    assert main(["ckpt", "ls", str(run)]) == 0
+    assert "BAD" in capsys.readouterr().out
+
+
+def test_a_pointer_that_is_a_directory_is_named_with_the_fix(run3, capsys):
+    run, _ = run3
+    (run / ck.POINTER).unlink()
+    (run / ck.POINTER).mkdir()
+    for argv in (["ckpt", "verify", str(run)], ["ckpt", "gc", str(run), "--dry-run"]):
+        assert main(argv) == 1
+        assert f"{run / ck.POINTER}: not the pointer file" in capsys.readouterr().err
+    assert main(["ckpt", "ls", str(run)]) == 0
+    assert "not the pointer file" in capsys.readouterr().err
+    assert "not the pointer file" in (ck.plan_restore(run).pointer_problem or "")  # the restore falls back

@@ -70,3 +70,26 @@ def test_readme_says_how_dslurm_gets_on_path():
     assert scripts["dslurm"] == "dslurm.cli:main"  # what pip puts in .venv/bin/dslurm
     setup = (root / "scripts" / "setup.sh").read_text()
     assert "-m venv .venv" in setup and "pip install -q -e" in setup
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """Issue 54: `submit --set/--site-set` and `status --json` had no help text, and `selftest
+    chaos` was in no help. Every option has one (or is hidden on purpose)."""
+    import argparse
+
+    from dslurm.cli import build_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, child in a.choices.items():
+                    walk(child, [*path, name])
+            elif a.option_strings and a.help is None:
+                missing.append(f"dslurm {' '.join(path)} {'/'.join(a.option_strings)}")
+
+    walk(build_parser([]), [])
+    assert not missing, missing
+    top = build_parser([]).format_help()
+    assert "chaos" in top and "selftest" in top

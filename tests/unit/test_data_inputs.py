@@ -62,11 +62,12 @@ def test_each_new_format_and_a_mixed_folder_read_in_order(tmp_path, monkeypatch)
 
 def test_byte_ranges_hold_each_line_once_in_order_and_row_groups_too(tmp_path):
     d = _mixed(tmp_path / "in")
-    for k in (2, 3, 7, 50, 400):  # 400 ranges > lines: most are empty
+    for k in (2, 3, 7, 50, 400):  # more ranges than lines: cuts move to line starts, none is empty
         ranges = sources.split_points(d / "e.jsonl", k)
-        assert ranges is not None and len(ranges) == k
-        got = [doc for r in ranges for doc in sources.documents(d / "e.jsonl", rng=r)]
-        assert got == TEXTS[35:50], k
+        assert ranges is not None and 2 <= len(ranges) <= min(k, 15)
+        per = [list(sources.documents(d / "e.jsonl", rng=r)) for r in ranges]
+        assert all(per), (k, ranges)
+        assert [doc for docs in per for doc in docs] == TEXTS[35:50], k
     groups = sources.split_points(d / "f.parquet", 3)
     assert groups == [(0, 2), (2, 4), (4, 5)]
     assert [doc for r in groups for doc in sources.documents(d / "f.parquet", rng=r)] == TEXTS[50:60]

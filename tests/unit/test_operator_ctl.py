@@ -228,3 +228,21 @@ def test_scancel_signal_term_is_a_stray_stop_requeued_as_documented(tmp_path):
     assert dec.action == "requeue" and all(w in dec.reason for w in ("scancel JOB", "dslurm cancel", "ctl stop"))
     doc = (Path(__file__).resolve().parents[2] / "docs" / "requeue.md").read_text()
     assert "**`scancel --signal=TERM JOB` is a stray stop, requeued: a decision.**" in doc
+
+
+def test_a_run_started_by_hand_is_found_by_its_takers_note(tmp_path, capsys):
+    """No job.yaml (torchrun -m train by hand): rank 0's Poller leaves ctl_taker.json, and ctl
+    writes the request for the start it names; a dslurm.runtime script's note refuses `profile`;
+    a run whose ledger has exited since is refused (tests/integration/test_ctl_trackers.py runs
+    the trainer)."""
+    run = tmp_path / "hand"
+    run.mkdir()
+    assert main(["ctl", str(run), "save"]) == 2 and "ctl_taker.json" in capsys.readouterr().err
+    ctl.Poller(run, start="77.0")
+    assert json.loads((run / "ctl_taker.json").read_text())["takes"] == ["save", "stop", "profile"]
+    assert main(["ctl", str(run), "save"]) == 0
+    assert json.loads((run / ctl.REQUEST).read_text())["start"] == "77.0"
+    ctl.Poller(run, start="", takes=("save", "stop"))  # a dslurm.runtime script
+    assert main(["ctl", str(run), "profile"]) == 2 and "takes save, stop only" in capsys.readouterr().err
+    Ledger(run).append(ev.Exit(reason="completed", step=9))
+    assert main(["ctl", str(run), "stop"]) == 2 and "ended (completed at step 9)" in capsys.readouterr().err

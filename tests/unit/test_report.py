@@ -208,6 +208,21 @@ def test_missing_or_empty_ledger_is_a_user_error_naming_the_path(tmp_path):
         load(tmp_path)
 
 
+def test_a_file_given_for_the_run_directory_is_named_as_such_and_nothing_is_removed(tmp_path, capsys):
+    """`dslurm report some.yaml` (issue 54) said to "remove the file": the file is the user's job
+    file. Report, doctor and watch say it is a file and where the run directory is named."""
+    from dslurm.cli import main
+
+    job = tmp_path / "some.yaml"
+    job.write_text("name: x\n")
+    for cmd in ("report", "doctor", "watch"):
+        assert main([cmd, str(job)]) == 2
+        err = capsys.readouterr().err
+        assert "some.yaml: a file, not a run directory" in err and "checkpoint.run_dir" in err, err
+        assert "remove" not in err
+    assert job.read_text() == "name: x\n"
+
+
 def test_summary_of_no_events_is_empty_not_a_crash():
     sm = summarize([])
     assert sm.starts == [] and sm.goodput is None and sm.wall_s == 0

@@ -29,6 +29,7 @@ def test_dry_run_freezes_config_and_renders_absolute_paths(tmp_path):
     assert f"--job {tmp_path / 'run' / 'job.yaml'}" in text
     assert f"#SBATCH --output={tmp_path / 'run' / 'logs'}/%x-%j.out" in text
     assert (tmp_path / "run" / "logs").is_dir()  # Slurm does not create it
+    assert "as they are then" not in text  # frozen copies: no live-file note (dslurm render's scripts have one)
 
 
 def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):

@@ -133,12 +133,19 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     return float(value) if float in members and int not in members else value
 
 
+# A record's time is a Unix time of this era: a value past it (1e300, inf, a negative one) is a
+# damaged or hand-edited record, skipped like a torn one rather than turned into a 200-digit wall time.
+LATEST_T = 1e10  # 2286-11-20
+
+
 def decode(record: Any) -> Event | None:
-    """The typed event of one ledger record; None for an unknown name or a record without time."""
+    """The typed event of one ledger record; None for an unknown name or a record without a
+    plausible time (a Unix time in [0, LATEST_T))."""
     if not isinstance(record, dict):
         return None
     cls = CATALOGUE.get(str(record.get("event"))) or ALIASES.get(str(record.get("event")))
-    if cls is None or not _matches(record.get("t"), float):
+    t = record.get("t")
+    if cls is None or not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < LATEST_T:
         return None
     kwargs = {}
     for name, tp in _hints(cls).items():

@@ -133,19 +133,16 @@ def final_params(p: Plan, run_dir: Path, out_pt: Path | None, scratch: Path) -> 
         assert out_pt is not None
         loaded: dict[str, Any] = torch.load(out_pt, weights_only=True)
         return loaded
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from dslurm.checkpoint import read_pointer
+    from dslurm.checkpoint import export, read_pointer
 
     ptr = read_pointer(run_dir)
     if ptr is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint pointer")
-    flat = scratch / f"{run_dir.name}-final.pt"
-    dcp_to_torch_save(run_dir / "generations" / ptr.generation, flat)
-    state = torch.load(flat, weights_only=False)
-    flat.unlink()
-    model: dict[str, Any] = state.get("model", state)
-    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    # The model's tensors through the checkpoint's one restricted reader (export's: .metadata by
+    # dslurm.checkpoint.unpickle, nothing unpickled with weights_only=False), not dcp_to_torch_save.
+    gen = run_dir / "generations" / ptr.generation
+    items = export.plan_items(export.entries(gen), "model", None, None)
+    return {k: v for k, v in export.load_items(gen, items).items() if isinstance(v, torch.Tensor)}
 
 
 def differ(a: dict[str, Any], b: dict[str, Any]) -> str | None:

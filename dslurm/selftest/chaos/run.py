@@ -49,16 +49,21 @@ class Soak:
     say: Callable[[str], None] = print
 
 
-def mount_durable(root: Path, size_mb: int) -> Path | None:
-    """A tmpfs of `size_mb` at root: the durable path a fill makes full for real. None (and why, on
-    the log) where this machine cannot mount (not root, no mount namespace)."""
+def mount_durable(root: Path, size_mb: int, kinds: tuple[str, ...]) -> Path | None:
+    """A tmpfs of `size_mb` at root: the durable path a fill makes full for real; None when the
+    schedule has no disk_full (nothing to fill). A schedule with disk_full on a machine that
+    cannot mount (not root, no mount namespace) is refused before anything is submitted: a fault
+    the soak says it covers is never skipped in silence."""
+    if "disk_full" not in kinds:
+        return None
     root.mkdir(parents=True, exist_ok=True)
     res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(root)],
                          capture_output=True, text=True)
     if res.returncode != 0:
-        log.warning("chaos: cannot mount a %d MB tmpfs at %s (%s): disk_full faults are skipped", size_mb, root,
-                    res.stderr.strip())
-        return None
+        rest = ",".join(k for k in kinds if k != "disk_full")
+        raise UserError(f"chaos: cannot mount a {size_mb} MB tmpfs at {root} for the disk_full faults "
+                        f"({(res.stderr.strip() or f'mount exit {res.returncode}').splitlines()[0]}). Fix: run as "
+                        f"root, or leave disk_full out: --kinds {rest}")
     return root
 
 
@@ -200,7 +205,7 @@ def soak(s: Soak) -> int:
     atomic_write_text(s.out / "schedule.json", json.dumps(
         {"seed": s.seed, "minutes": s.plan.minutes, "every_s": s.every_s, "mode": s.plan.mode,
          "steps": s.plan.steps, "spares": s.plan.spares, "faults": [f.to_dict() for f in s.faults]}, indent=1))
-    root = mount_durable(s.out / "durable", s.disk_mb)
+    root = mount_durable(s.out / "durable", s.disk_mb, s.kinds if any(f.kind == "disk_full" for f in s.faults) else ())
     run_dir = (root or s.out / "durable") / "run"
     out_pt = s.out / "final.pt" if s.plan.mode == "script" else None
     spec = jobs.write_job(jobs.job(s.plan, run_dir, out_pt, chaos=True), s.out / "chaos-spec.yaml")
