@@ -238,6 +238,23 @@ def test_wrong_but_well_checksummed_tensor_is_caught_by_the_fingerprint(first, t
     _same_as_reference(first, tmp_path, got, K)
 
 
+def test_the_site_default_turns_partner_copies_on_unless_the_job_says_otherwise(tmp_path, caplog):
+    """`checkpoint.partner` unset takes the site's `storage.partner`; a job's own value wins; one
+    process is one node, so the resolved setting shows as the warning that no partner exists."""
+    import logging
+
+    from dslurm.checkpoint.dcp import CheckpointManager
+    from dslurm.config.training import CheckpointSpec
+    cases = [(None, True, True), (False, True, False), (True, False, True), (None, False, False)]
+    for i, (job, site, warned) in enumerate(cases):
+        caplog.clear()
+        spec = CheckpointSpec(tiers="two_tier", partner=job)
+        with caplog.at_level(logging.WARNING), CheckpointManager.from_spec(
+                tmp_path / f"run{i}", spec, scratch=str(tmp_path / "scratch" / "%n"), site_partner=site) as mgr:
+            assert mgr.tier.kind == "two_tier"
+        assert ("has no partner node" in caplog.text) == warned, (job, site)
+
+
 if __name__ == "__main__":
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
