@@ -46,7 +46,8 @@ variable anywhere else.
                                              before exiting: forces which node's processes exit first
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
                                              (before_write, after_write, before_pointer; two
-                                             tiers: after_local_commit, mid_copy)
+                                             tiers: after_local_commit, mid_copy; partner copies:
+                                             mid_partner, after the first chunk round)
   DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
                                              staging: a window in which to kill the whole job
   DSLURM_FAULT_STAGE_DELAY=SECONDS           an overlapped host copy (dslurm/checkpoint/staging.py) starts

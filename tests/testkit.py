@@ -227,6 +227,8 @@ TINY_BENCHES: dict[str, tuple[list[str], str, bool]] = {
     "bench_tokenize.py": (["--mb", "1", "--runs", "1"], "dslurm / encode_batch", False),
     "bench_trainer.py": (["--tiny"], "| 1 process | 1 |", False),
     "bench_two_tier.py": (["--dir", "TMP", "--mb", "8", "--reps", "1", "--batch", "8"], "durable lag", False),
+    "bench_partner.py": (["--dir", "TMP", "--mb", "8", "--reps", "1", "--batch", "4", "--steps", "3"],
+                         "restore partner / local", False),
     "bench_burnin_gate.py": (["--steps", "3"], "burn-in", True),
     "bench_requeue.py": (["--tiny"], "goodput", True),
     "bench_submit.py": (["--runs", "1"], "ratio", True),

@@ -46,6 +46,7 @@ class Recovery(Step):
         job = self.resolved.job
         mgr: CheckpointManager = manager_for(
             job.checkpoint, self.run_dir.path, scratch=self.resolved.site.storage.scratch,
+            site_partner=self.resolved.site.storage.partner,
             ledger=self.ledger, layout=self.resolved.layout.degrees(),
             config_hash=ck.config_digest({"model": dataclasses.asdict(job.model),
                                           "train": dataclasses.asdict(job.train)}),

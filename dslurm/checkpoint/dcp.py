@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dslurm import checkpoint as ck
 from dslurm import faults
-from dslurm.checkpoint import per_rank
-from dslurm.checkpoint.core import Comm, Ledger, SaveOutcome, failure_hint, reason
+from dslurm.checkpoint import fingerprint, per_rank
+from dslurm.checkpoint.core import Comm, Ledger, SaveOutcome, failure_hint, reason, to_state_dict
 from dslurm.checkpoint.coverage import is_shard, verify_reads
 from dslurm.checkpoint.durable_tier import DurableTier
 from dslurm.checkpoint.generation import nonfinite_keys
@@ -139,7 +139,7 @@ class RestoreResult:
     saved_layout: dict[str, Any]
     rejected: list[tuple[str, list[str]]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: precheck, load, verify, total
-    tier: str = "durable"  # "local": node-local copies (two tiers, same nodes and layout)
+    tier: str = "durable"  # "local": node-local copies (two tiers); "partner": some pulled from partner copies
     tier_reason: str = ""  # why that tier (two tiers)
 
 
@@ -152,7 +152,8 @@ class CheckpointManager:
                  layout: dict[str, Any] | None = None, ledger: Ledger | None = None,
                  verify_on_restore: str = "full", io_threads: int = 1, scratch: str | None = None,
                  keep_local: int = 2, on_lag: str = "wait", overlap_staging: bool = True,
-                 per_rank_state: list[per_rank.Entry] | None = None):
+                 per_rank_state: list[per_rank.Entry] | None = None, partner: bool = False,
+                 partner_mbps: float = 0.0):
         for name, value, allowed in (("on_inflight", on_inflight, ("wait", "skip")),
                                      ("on_error", on_error, ("continue", "stop")),
                                      ("verify_on_restore", verify_on_restore, ("full", "size"))):
@@ -181,7 +182,7 @@ class CheckpointManager:
             self.ctx.reap(self.run_dir)
         self.tier: Tier
         if scratch is not None:  # node-local scratch first
-            self.tier = TwoTier(self.ctx, scratch, keep_local, on_lag)
+            self.tier = TwoTier(self.ctx, scratch, keep_local, on_lag, partner, partner_mbps)
         else:
             self.tier = DurableTier(self.ctx)
 
@@ -189,15 +190,18 @@ class CheckpointManager:
     def from_spec(cls, run_dir: str | os.PathLike[str], spec: CheckpointSpec, *, scratch: str | None = None,
                   ledger: Ledger | None = None, config_hash: str | None = None,
                   model_shape: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
-                  per_rank_state: list[per_rank.Entry] | None = None) -> CheckpointManager:
+                  per_rank_state: list[per_rank.Entry] | None = None, site_partner: bool = False) -> CheckpointManager:
         """The manager of a run from the job's `checkpoint` section as it is (retention, async,
         in-flight and error policies, tiers); `scratch`, the site's node-local storage, is used
         only when the spec says `tiers: two_tier`. What the spec does not hold is the caller's:
         the ledger, what a resume is checked against (config hash, model shape, layout), the
-        per-rank state. Collective: call on every rank."""
+        per-rank state. Partner copies: the spec's `partner`, else the site's (`site_partner`).
+        Collective: call on every rank."""
+        two = spec.tiers == "two_tier"
         return cls(run_dir, keep=spec.keep, keep_every=spec.keep_every, async_mode=spec.async_save,
                    on_inflight=spec.on_inflight, on_error=spec.on_error,
-                   scratch=scratch if spec.tiers == "two_tier" else None, keep_local=spec.keep_local,
+                   scratch=scratch if two else None, keep_local=spec.keep_local, partner_mbps=spec.partner_mbps,
+                   partner=two and (spec.partner if spec.partner is not None else site_partner),
                    on_lag=spec.on_lag, ledger=ledger, config_hash=config_hash, model_shape=model_shape,
                    layout=layout, per_rank_state=per_rank_state)
 
@@ -219,11 +223,11 @@ class CheckpointManager:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         plan = self._ctl.bcast(ck.plan_restore(self.run_dir) if self.rank == 0 else None)
-        tier, why, gdir = "durable", "", self.gdir
+        tier, why, gdir, copies = "durable", "", self.gdir, {}
         try:  # each candidate is checked while it loads; a mismatch moves on to the next one
             pick = self.tier.restore_first(state, plan.pointer, phases)
             if pick is not None and pick.name is not None and pick.gdir is not None:
-                tier, why, gdir = "local", pick.why, pick.gdir
+                tier, why, gdir, copies = pick.tier, pick.why, pick.gdir, pick.copies
                 sel = ck.Selection(pick.name, ck.parse_step(pick.name) or 0, False, f"local tier: {why}")
             elif pick is not None:
                 why = pick.why
@@ -242,6 +246,9 @@ class CheckpointManager:
             log.error("[rank %d] CHECKPOINT %s REJECTED: %s", self.rank, name, "; ".join(problems))
             if self.rank == 0:
                 ck.mark_rejected(self.gdir / name, problems)
+            tensor = next((fingerprint.tensor_of(p) for p in problems if fingerprint.tensor_of(p)), "")
+            self.ctx.event(events.RestoreRejected(run_dir=str(self.run_dir), generation=name, copy="durable",
+                                                  tensor=tensor, reason="; ".join(problems[:3])[:1000]))
         if sel.fell_back:
             log.error("[rank %d] CHECKPOINT FALLBACK: %s", self.rank, sel.reason)
         gen = gdir / sel.generation
@@ -267,7 +274,8 @@ class CheckpointManager:
         kind = events.CkptFallback if sel.fell_back else events.CkptRestore
         self.ctx.event(kind(run_dir=str(self.run_dir), step=res.step, generation=res.generation,
                            reason=res.reason, rejected=[n for n, _ in sel.rejected], tier=tier, tier_reason=why,
-                           rng_restored=rng_ok, saved_world_size=int(meta["world_size"])))
+                           rng_restored=rng_ok, saved_world_size=int(meta["world_size"]), copies=copies,
+                           restore_s=round(phases["total"], 4)))
         return res
 
     def _load_checked(self, name: str, pointer_crc: str | None, state: dict[str, Any],
@@ -296,6 +304,8 @@ class CheckpointManager:
         if full:
             problems, reread = verify_reads(self._ctl, gen, entries, reader.sums)
         phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t
+        if not problems and not any(self._ctl.gather(err)):
+            problems = self._fingerprint(gen, state, phases)
         if reread:
             log.info("[rank %d] %s: %d bytes nobody's load read were read for their crc32", self.rank,
                      name, reread)
@@ -304,6 +314,18 @@ class CheckpointManager:
             return problems
         raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the manifest "
                                  f"({'crc32' if full else 'sizes'}): {errors[0]}")
+
+    def _fingerprint(self, gen: Path, state: dict[str, Any], phases: dict[str, float]) -> list[str]:
+        """Each rank's loaded tensors against the fingerprint it saved (dslurm.checkpoint.fingerprint);
+        skipped after a reshard, where no rank holds what one saved."""
+        meta = json.loads((gen / ck.META).read_text())
+        if meta["world_size"] != self.world or meta["layout"] != self.settings.layout:
+            return []
+        t = time.perf_counter()
+        local = fingerprint.check(gen / ck.RANKS / f"rank-{self.rank:05d}.json", to_state_dict(state))
+        phases["fingerprint"] = phases.get("fingerprint", 0.0) + time.perf_counter() - t
+        return sorted(f"rank {r}: {p}" if not p.startswith("tensor ") else p
+                      for r, ps in enumerate(self._ctl.gather(local)) for p in ps)
 
     def _precheck(self, name: str, pointer_crc: str | None) -> tuple[list[str], dict[str, Any]]:
         """Manifest checks on rank 0; sizes of every file and crc32s of the small ones (not

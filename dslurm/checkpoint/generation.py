@@ -18,27 +18,12 @@ import torch
 
 from dslurm import checkpoint as ck
 from dslurm import faults
+from dslurm.checkpoint import fingerprint
 from dslurm.checkpoint.core import Job, reason, write_reason
+from dslurm.checkpoint.fingerprint import floating_tensors
 from dslurm.checkpoint.io import restore_test
 
 log = logging.getLogger(__name__)
-
-
-def floating_tensors(sd: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """(key, this rank's part) of every floating tensor in a (nested) state dict; DTensors by
-    their local shard."""
-    out: list[tuple[str, torch.Tensor]] = []
-    if isinstance(sd, dict):
-        for k, v in sd.items():
-            out += floating_tensors(v, f"{prefix}{k}.")
-    elif isinstance(sd, (list, tuple)):
-        for i, v in enumerate(sd):
-            out += floating_tensors(v, f"{prefix}{i}.")
-    elif isinstance(sd, torch.Tensor) and sd.is_floating_point():
-        local = sd.to_local() if hasattr(sd, "to_local") else sd
-        if local.numel():
-            out.append((prefix.rstrip("."), local))
-    return out
 
 
 def nonfinite_keys(sd: Any) -> list[str]:
@@ -96,7 +81,8 @@ def _prepare_rest(gen: Path, job: Job, tensors: list[tuple[str, torch.Tensor]], 
                   leader: bool) -> str | None:
     try:
         ck.atomic_write_json(gen / ck.RANKS / f"rank-{rank:05d}.json",
-                             {"rank": rank, "world_size": world, "rng": job.rng, "state": job.state})
+                             {"rank": rank, "world_size": world, "rng": job.rng, "state": job.state,
+                              fingerprint.KEY: fingerprint.of_tensors(tensors)})
         if leader:
             ck.atomic_write_json(gen / ck.META, job.meta)
         bad = [key for key, t in tensors if not all_finite(t)]

@@ -46,6 +46,8 @@ class LocalPick:
     gdir: Path | None
     why: str
     rejected: list[tuple[str, list[str]]] = field(default_factory=list)
+    copies: dict[str, list[int]] = field(default_factory=dict)  # "local"/"partner" -> the ranks that loaded it
+    tier: str = "local"  # "partner" when some rank's copy was pulled from its partner
 
 
 class Tier(Protocol):

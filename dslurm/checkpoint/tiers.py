@@ -90,11 +90,12 @@ class LocalRecord:
     layout: dict[str, Any]
     files: dict[str, dict[str, Any]]  # name -> {"size", "crc32"}, as in a manifest
     committed_t: float  # unix time of the local commit
+    groups: list[list[int]] | None = None  # the save's ranks per node (None: an older record)
 
     def to_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "step": self.step, "rank": self.rank,
                 "world_size": self.world_size, "layout": self.layout, "files": self.files,
-                "committed_t": self.committed_t}
+                "committed_t": self.committed_t, "groups": self.groups}
 
 
 def write_record(gen: Path, rec: LocalRecord) -> None:
@@ -107,7 +108,8 @@ def read_record(gen: Path, rank: int) -> LocalRecord | None:
     try:
         d = json.loads(record_path(gen, rank).read_text())
         return LocalRecord(str(d["generation"]), int(d["step"]), int(d["rank"]), int(d["world_size"]),
-                           dict(d["layout"]), dict(d["files"]), float(d["committed_t"]))
+                           dict(d["layout"]), dict(d["files"]), float(d["committed_t"]),
+                           [list(map(int, g)) for g in d["groups"]] if d.get("groups") else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

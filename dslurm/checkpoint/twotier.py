@@ -15,7 +15,6 @@ the whole model under pure data parallelism (dp_replicate).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pickle
 import threading
@@ -32,12 +31,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dslurm import checkpoint as ck
 from dslurm import faults
-from dslurm.checkpoint import tiers
+from dslurm.checkpoint import partner, replica, tiers
 from dslurm.checkpoint.compat import writer_streams
 from dslurm.checkpoint.core import Comm, Job, SaveOutcome, reason, to_state_dict, write_reason
-from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
 from dslurm.checkpoint.generation import prepare_generation
-from dslurm.checkpoint.io import CrcFileSystem, CrcReader, SafeLoadPlanner, SafeReader
+from dslurm.checkpoint.io import CrcFileSystem
+from dslurm.checkpoint.local_restore import LocalRestore
 from dslurm.checkpoint.tier import Context, LocalPick, thread_outcome
 from dslurm.observe import events
 
@@ -105,7 +104,8 @@ class TwoTier:
 
     kind = "two_tier"
 
-    def __init__(self, ctx: Context, scratch: str, keep_local: int, on_lag: str) -> None:
+    def __init__(self, ctx: Context, scratch: str, keep_local: int, on_lag: str, partner: bool = False,
+                 partner_mbps: float = 0.0) -> None:
         if on_lag not in tiers.LAG_POLICIES:
             raise ck.CheckpointError(f"CheckpointManager on_lag={on_lag!r}: use one of {tiers.LAG_POLICIES}")
         if keep_local < 1:
@@ -116,8 +116,14 @@ class TwoTier:
         self.groups = tiers.node_groups(ctx.comm.gather(str(self.local_dir)))
         self.node = next(i for i, g in enumerate(self.groups) if ctx.rank in g)
         self.leader = ctx.rank == self.groups[self.node][0]
+        self.nodes = ctx.comm.gather(tiers.node_name())
+        self.pdir = replica.partner_root(self.local_dir)
+        self.partnered, self.partner_mbps = partner and len(self.groups) > 1, partner_mbps
+        if partner and not self.partnered and ctx.rank == 0:
+            log.warning("checkpoint.partner: a job on one node has no partner node; local and durable copies only")
         if self.leader:  # local retention deletes in place, but a kill mid-delete leaves trash
             ctx.reap(self.local_dir)
+            ctx.reap(self.pdir)
         self._comms = [Comm.new(ctx.comm.group is not None) for _ in range(2)]
         self._flights: list[_Flight] = []
 
@@ -234,6 +240,8 @@ class TwoTier:
                                                    generation=job.name, bytes=nbytes, local_s=round(local_s, 4),
                                                    lag_wait_s=round(job.lag_wait_s, 4)))
         faults.ckpt_kill("after_local_commit", comm.rank, job.nth)
+        if self.partnered:
+            self._push(job, rec, comm, local_t)
         if prev is not None and any(comm.gather(prev.thread is not None and prev.thread.is_alive())):
             out = SaveOutcome(job.name, job.step, True, "durable copy skipped: the copier is still busy "
                               f"with {prev.job.name} (on_lag=skip_durable); local only",
@@ -244,6 +252,28 @@ class TwoTier:
         out.local_s, out.local_commit_t = round(local_s, 4), round(local_t, 3)
         self._gc_local(job.name)
         return out
+
+    def _push(self, job: Job, rec: tiers.LocalRecord, comm: Comm, local_t: float) -> None:
+        """The partner copy of this generation (partner.push); a failure costs the copy, not the save."""
+        pgen = ck.generations_dir(self.pdir) / job.name
+        err, xfer = partner.push(comm, self.groups, self.lgdir / job.name, pgen, rec,
+                                 mbps=self.partner_mbps, nth=job.nth)
+        rates = comm.gather((xfer.sent, xfer.seconds))
+        if err:
+            log.warning("[rank %d] partner copy of %s failed: %s", comm.rank, job.name, err)
+        if comm.rank == 0:
+            nbytes = sum(b for b, _ in rates)
+            slowest = min((b / s / 1e6 for b, s in rates if s > 0), default=0.0)
+            self.ctx.event(events.CkptPartnerCommit(
+                run_dir=str(self.ctx.run_dir), step=job.step, generation=job.name, ok=not err, bytes=nbytes,
+                partner_s=round(time.time() - local_t, 4), mb_per_s=round(slowest, 1), reason=err[:500]))
+        job.phases["partner"] = time.perf_counter() - job.t0
+        if self.leader:
+            busy = [f.job.name for f in list(self._flights)] + [job.name]
+            try:
+                replica.collect_partner_garbage(self.local_dir, self.keep_local, busy)
+            except OSError as exc:
+                log.warning("partner copy gc in %s failed: %s", self.pdir, exc)
 
     def _write_local(self, job: Job, sd: dict[str, Any], comm: Comm) -> tuple[tiers.LocalRecord | None, str]:
         """Every rank writes its shard to its node's scratch; the record of each rank is written
@@ -278,7 +308,8 @@ class TwoTier:
             small = [f"{ck.RANKS}/rank-{r:05d}.json"] + ([".metadata", ck.META] if self.leader else [])
             files = {n: streamed[n] for n in own if n in streamed}
             files.update(ck.checksum_files(gen, [n for n in own + small if n not in files]))
-            rec = tiers.LocalRecord(job.name, job.step, r, comm.world, ctx.settings.layout, files, time.time())
+            rec = tiers.LocalRecord(job.name, job.step, r, comm.world, ctx.settings.layout, files, time.time(),
+                                     self.groups)
         except Exception as exc:
             err = reason(exc)
         errors = [e for e in comm.gather(err) if e]
@@ -338,72 +369,7 @@ class TwoTier:
 
     def restore_first(self, state: dict[str, Any], pointer: ck.Pointer | None,
                       phases: dict[str, float]) -> LocalPick:
-        """The newest generation every rank holds locally committed (not older than the durable
-        pointer) that verifies as it loads; its name None when there is none."""
-        ctx = self.ctx
-        held = tiers.held_generations(self.local_dir, ctx.rank, ctx.world, ctx.settings.layout)
-        cands, why = tiers.local_candidates(ctx.comm.gather(held), pointer)
-        rejected: list[tuple[str, list[str]]] = []
-        for name in cands:
-            problems = self._load_local(name, state, phases)
-            if not problems:
-                return LocalPick(name, self.lgdir, why, rejected)
-            log.error("[rank %d] LOCAL CHECKPOINT %s REJECTED: %s", ctx.rank, name, "; ".join(problems[:5]))
-            tiers.drop_local(self.local_dir, name, ctx.rank)
-            rejected.append((name, problems))
-        if rejected:
-            why = f"local {rejected[0][0]} failed verification ({rejected[0][1][0]})"
-        return LocalPick(None, None, why, rejected)
-
-    def _load_local(self, name: str, state: dict[str, Any], phases: dict[str, float]) -> list[str]:
-        """Like the manager's checked load (CheckpointManager._load_checked), per node: each rank
-        checks the files it committed (sizes, small files' crc32s), loads through CrcReader, and
-        checks its own shards' crc32s from what it read plus what it did not (read once more)."""
-        ctx, gen = self.ctx, self.lgdir / name
-        t = time.perf_counter()
-        rec = tiers.read_record(gen, ctx.rank)
-        mine = rec.files if rec is not None else {}
-        full = ctx.settings.verify_on_restore == "full"
-        local = [] if rec is not None else [f"{tiers.record_path(gen, ctx.rank)}: missing"]
-        local += ck.file_problems(gen, {n: e for n, e in mine.items() if is_shard(n)}, full=False)
-        local += ck.file_problems(gen, {n: e for n, e in mine.items() if not is_shard(n)}, full=full)
-        local += ck.metadata_problems(gen)
-        problems = sorted(p for ps in ctx.comm.gather(local) for p in ps)
-        phases["precheck"] = phases.get("precheck", 0.0) + time.perf_counter() - t
-        if problems:
-            return problems
-        ctx.check_compat(json.loads((gen / ck.META).read_text()), state, gen)
-        reader = CrcReader(gen)
-        t, err = time.perf_counter(), None
-        try:
-            dcp.load(state, storage_reader=reader if full else SafeReader(gen), planner=SafeLoadPlanner(),
-                     process_group=ctx.comm.group, no_dist=ctx.comm.group is None)
-        except (Exception, CheckpointException) as exc:
-            err = reason(exc)
-        phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t
-        t = time.perf_counter()
-        local = self._own_crc_problems(gen, mine, reader) if full else []
-        problems = sorted(p for ps in ctx.comm.gather(local) for p in ps)
-        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t
-        errors = [e for e in ctx.comm.gather(err) if e]
-        if problems or not errors:
-            return problems
-        raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the local commit: {errors[0]}")
-
-    @staticmethod
-    def _own_crc_problems(gen: Path, mine: dict[str, Any], reader: CrcReader) -> list[str]:
-        sizes = {n: int(e["size"]) for n, e in mine.items() if is_shard(n)}
-        gathered = [reader.sums.export()]  # only this rank's reads: its files are on its node
-        problems, gaps = [], {}
-        for fname, s, e in plan_gaps(sizes, gathered):
-            try:
-                gaps[(fname, s, e)] = read_crc(gen / fname, s, e)
-            except OSError as exc:
-                problems.append(f"{gen / fname}: unreadable at {s}..{e} ({exc})")
-        if problems:
-            return problems
-        for fname, crc in whole_crcs(sizes, gathered, gaps).items():
-            if f"{crc:08x}" != mine[fname]["crc32"]:
-                problems.append(f"{gen / fname}: crc32 {crc:08x} != {mine[fname]['crc32']} "
-                                "in the local commit (altered)")
-        return problems
+        """The newest generation every rank has a node-local copy of, its own or (pulled) its
+        partner's, not older than the durable pointer, that verifies as it loads
+        (dslurm.checkpoint.local_restore)."""
+        return LocalRestore(self.ctx, self.local_dir, self.nodes, self.groups).run(state, pointer, phases)

@@ -96,6 +96,8 @@ class StorageSpec:
     durable: str = field("checkpoints", help="root of run directories (checkpoints, ledger); shared by all nodes")
     scratch: str | None = field(None, help="node-local fast storage, if any; %n is the node name "
                                 "(SLURMD_NODENAME); used by checkpoint.tiers: two_tier")
+    partner: bool = field(False, help="two_tier jobs copy each node's local checkpoint to a partner node unless "
+                          "their checkpoint.partner says otherwise")
 
     def __post_init__(self) -> None:
         if not self.durable.strip():

@@ -204,7 +204,11 @@ class CheckpointSpec:
         "(site storage.scratch), then copied to the run dir in the background")
     keep_local: int = field(2, help="two_tier: locally committed generations kept per node (>= 1)")
     on_lag: Literal["wait", "skip_local", "skip_durable"] = field(
-        "wait", help="two_tier: a save arriving while the durable copy of the previous one still runs")
+        "wait", help="two_tier: a save arriving while the copies (partner, durable) of the previous one still run")
+    partner: bool | None = field(
+        None, help="two_tier: also copy each node's local commit to the next node's scratch over the job's network, "
+        "so a lost node restores at local speed (unset: the site's storage.partner)")
+    partner_mbps: float = field(0.0, help="two_tier partner copies: each rank's send rate cap in MB/s (0: none)")
 
     def __post_init__(self) -> None:
         if self.interval < 1:
@@ -213,6 +217,12 @@ class CheckpointSpec:
         if self.keep_local < 1:
             raise FieldError("keep_local", f"{self.keep_local} must be at least 1",
                              "set checkpoint.keep_local: 1 or more")
+        if self.partner_mbps < 0:
+            raise FieldError("partner_mbps", f"{self.partner_mbps} is negative",
+                             "set checkpoint.partner_mbps: 0 (no cap) or a rate in MB/s")
+        if self.partner and self.tiers != "two_tier":
+            raise FieldError(("partner", "tiers"), f"partner copies need tiers: two_tier, not {self.tiers}",
+                             "set checkpoint.tiers: two_tier, or drop checkpoint.partner")
         if self.keep < 2:
             raise FieldError("keep", f"{self.keep} must be at least 2 (the newest may be mid-write)",
                              "set checkpoint.keep: 2 or more")

@@ -3,9 +3,10 @@ and what the lag policy cost. Pure: reads a run's ledger events, start by start.
 
 When a generation became restorable, from the ledger (dslurm/checkpoint/twotier.py writes it):
 - on the same nodes (process restart, requeue onto them): its `ckpt_local_commit` (event time);
-- after a node loss: its durable commit, `local_commit_t + lag_s` of its `ckpt_save` (a
+- after a node loss: its partner commit (`ckpt_partner_commit`, ok: a lost node's shards are
+  on its partner) or its durable commit, `local_commit_t + lag_s` of its `ckpt_save` (a
   durable-only save: the `ckpt_save` time, which for an async save is when it was reported, a
-  little late). A durable-only save serves a process restart from then on too.
+  little late), whichever came first. A durable-only save serves a process restart from then on too.
 Durable lag: `lag_s` of each two-tier `ckpt_save` (pointer move minus local commit).
 RPO (recovery point objective, in seconds of training): what a failure at the worst moment would
 throw away. Within a start, training begins at `train_start` from a restored (or fresh) state;
@@ -46,6 +47,8 @@ class Durability:
     """steps whose save was skipped because the copier was behind (on_lag=skip_local)"""
     skipped_durable: list[int] = field(default_factory=list)
     """steps whose generation stayed local only (on_lag=skip_durable)"""
+    partner_commits: int = 0
+    """generations copied to the partner nodes (checkpoint.partner): a node loss restores them"""
 
 
 def _durable_t(e: ev.CkptSave) -> float:
@@ -84,7 +87,8 @@ def durability(starts: list[list[Event]]) -> Durability | None:
         had_local = {e.generation for e in commits}
         restart_gaps += _gaps(ts.t, end, [e.t for e in commits]
                               + [_durable_t(e) for e in saves if e.generation not in had_local])
-        node_gaps += _gaps(ts.t, end, [_durable_t(e) for e in saves])
+        partner = [e.t for e in ev.of(evs, ev.CkptPartnerCommit) if e.ok]
+        node_gaps += _gaps(ts.t, end, [_durable_t(e) for e in saves] + partner)
     waits = [e.lag_wait_s for e in local if e.lag_wait_s > 0]
     lag = _stats([e.lag_s for e in two if e.lag_s is not None])
     rr, rn = _stats(restart_gaps), _stats(node_gaps)
@@ -93,7 +97,8 @@ def durability(starts: list[list[Event]]) -> Durability | None:
         rpo_restart_median_s=rr[0], rpo_restart_max_s=rr[1], rpo_node_loss_median_s=rn[0],
         rpo_node_loss_max_s=rn[1], lag_waits=len(waits), lag_wait_s=round(sum(waits), 3),
         skipped_local=[e.step for e in ev.of(every, ev.CkptSaveSkipped) if e.reason == "lag" and e.step is not None],
-        skipped_durable=[e.step for e in ev.of(every, ev.CkptDurableSkipped) if e.step is not None])
+        skipped_durable=[e.step for e in ev.of(every, ev.CkptDurableSkipped) if e.step is not None],
+        partner_commits=sum(1 for e in ev.of(every, ev.CkptPartnerCommit) if e.ok))
 
 
 def _s(x: float | None) -> str:
@@ -106,7 +111,9 @@ def lines(d: Durability) -> list[str]:
               f"skip_local {len(d.skipped_local)} save(s) not taken" if d.skipped_local else "",
               f"skip_durable {len(d.skipped_durable)} left local only" if d.skipped_durable else ""]
     return [
-        f"two-tier checkpoints: {d.local_commits} local commit(s), {d.durable_commits} durable; durable lag "
+        f"two-tier checkpoints: {d.local_commits} local commit(s), "
+        + (f"{d.partner_commits} on partner nodes, " if d.partner_commits else "")
+        + f"{d.durable_commits} durable; durable lag "
         f"median {_s(d.lag_median_s)}, max {_s(d.lag_max_s)}",
         f"RPO (training lost at worst): process restart median {_s(d.rpo_restart_median_s)}, max "
         f"{_s(d.rpo_restart_max_s)}; node loss median {_s(d.rpo_node_loss_median_s)}, max {_s(d.rpo_node_loss_max_s)}",

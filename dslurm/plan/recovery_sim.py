@@ -7,6 +7,10 @@ downtime after its failure, the speed the job trains at, and whether the restore
 node-local tier. The mechanisms are the ones `dslurm/recover` runs:
 
 - `requeue`: every failure goes back through the queue: `restart_s + requeue_s`, full size.
+
+A restore from node-local copies (two tiers, same allocation and layout; with partner copies a
+lost node too, its shards pulled from the partner) is `durable_restore_s` quicker than one from
+the durable tier.
 - `spare`: `k` spare nodes in the allocation. A crash relaunches on the same nodes
   (`relaunch_s`); a lost node is swapped for a spare (`swap_s`). No spare left: the job's
   policy `requeue`, which brings a fresh allocation of nodes + k.
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MECHANISMS = ("requeue", "spare", "shrink")
-SAVES = ("sync", "async", "two_tier")
+SAVES = ("sync", "async", "two_tier", "partner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,12 @@ class Costs:
     spares: int
     repair_s: float
     horizon_s: float
+    local_tier: bool = False
+    """saves are node-local first (two_tier, partner): a restore on the same nodes is local"""
+    partner: bool = False
+    """partner copies: a node lost and replaced in the allocation restores at local speed too"""
+    durable_restore_s: float = 0.0
+    """extra downtime of a restore from the durable tier over one from node-local copies"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,8 @@ class Timeline:
     failed: Any
     speed: Any
     local_restore: Any
+    partner_restore: Any
+    """failures whose lost node's shards came back from its partner (a subset of local_restore)"""
     queued: Any
     """failures that went through the queue"""
     shrank: Any
@@ -98,17 +110,21 @@ def timeline(mechanism: str, draws: Draws, c: Costs) -> Timeline:
             back[to_queue, : j + 1] = -np.inf  # a fresh allocation: its nodes are all healthy
             nxt = np.where(to_queue, 1.0, np.minimum(alive, c.nodes) / c.nodes)
             shrank[:, j] = nxt < speed[:, j]
-            # The local tier restores only on the same nodes with the same layout.
-            local[:, j] = ~node[:, j] & ~to_queue & (nxt == speed[:, j])
+            # The local tier restores only in the same allocation with the same layout: on the same
+            # nodes, or (partner copies) with a lost node's shards pulled from its partner.
+            local[:, j] = (~node[:, j] | c.partner) & ~to_queue & (nxt == speed[:, j])
             if j + 1 < segs:
                 speed[:, j + 1] = nxt
+        if c.durable_restore_s:
+            down[:, j] += np.where(local[:, j] & c.local_tier, 0.0, c.durable_restore_s)
         start = t_fail + down[:, j]
     walls = runs + down
     starts = np.cumsum(walls, axis=1) - walls
     available = np.clip(c.horizon_s - starts, 0.0, None)
     failed = runs < available
     return Timeline(run_times=np.minimum(runs, available), failed=failed, speed=speed,
-                    local_restore=local & failed, queued=queued & failed, shrank=shrank & failed)
+                    local_restore=local & failed, partner_restore=local & node & failed, queued=queued & failed,
+                    shrank=shrank & failed)
 
 
 def max_in_repair(draws: Draws, c: Costs) -> Any:

@@ -93,8 +93,22 @@ def measure(events: list[ev.Event]) -> dict[str, Measured]:
                                  "async saves' stall_s (ckpt_save)"),
         "local_stall_s": _median([e.stall_s for e in two], "two-tier saves' stall_s (ckpt_save)"),
         "durable_lag_s": _median([e.lag_s for e in two], "two-tier saves' lag_s (ckpt_save: durable - local commit)"),
+        "partner_lag_s": _median([e.partner_s for e in ev.of(events, ev.CkptPartnerCommit) if e.ok],
+                                 "partner commits' partner_s (ckpt_partner_commit)"),
+        "durable_restore_s": _restore_gap(list(ev.of(events, ev.CkptRestore))),
     }
     return {k: v for k, v in found.items() if v is not None}
+
+
+def _restore_gap(restores: list[ev.CkptRestore]) -> Measured | None:
+    """Median restore_s from the durable tier minus the median from node-local copies (pure)."""
+    durable = _median([e.restore_s for e in restores if e.tier == "durable" and e.restore_s is not None], "")
+    local = _median([e.restore_s for e in restores if e.tier != "durable" and e.restore_s is not None], "")
+    if durable is None or local is None:
+        return None
+    return Measured(round(max(0.0, durable.value - local.value), 4), durable.count + local.count,
+                    f"restores' restore_s (ckpt_restore): the median from durable ({durable.count}) minus the "
+                    f"median from node-local copies ({local.count})")
 
 
 def from_runs(run_dirs: list[str]) -> dict[str, tuple[float, str]]:

@@ -27,6 +27,8 @@ COSTS = {
     "requeue_s": ("--requeue-s", "queue wait of a requeue, seconds (300)"),
     "relaunch_s": ("--relaunch-s", "in-allocation relaunch on the same nodes, failure -> training (--restart-s)"),
     "swap_s": ("--swap-s", "in-allocation spare swap or shrink, failure -> training (--restart-s)"),
+    "partner_lag_s": ("--partner-lag-s", "two tiers with partner copies: local commit -> partner commit (10)"),
+    "durable_restore_s": ("--durable-restore-s", "extra seconds of a restore from durable over a node-local one (0)"),
 }
 
 

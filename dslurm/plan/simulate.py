@@ -9,9 +9,12 @@ Model (each trial is one run of `horizon_h` wall-clock hours):
   the whole `save_s` and the save is durable when it returns. `async`: the stall is
   `async_stall_s` (the snapshot to host memory), durable `save_s` later. `two_tier`: the stall
   is the local write `local_stall_s` (restorable on the same nodes from then on), durable
-  `durable_lag_s` later. One write in flight at a time: a longer write delays the next save.
+  `durable_lag_s` later. `partner`: two tiers with partner copies, the same stall; a lost node is
+  restorable `partner_lag_s` after the local commit. One write in flight at a time: a longer
+  write delays the next save.
 - A failure loses the work since the last checkpoint it can restore: the local one after a
-  process crash relaunched on the same nodes (two tiers), else the last durable one. What the
+  process crash relaunched on the same nodes (two tiers), or a node loss in the allocation (partner
+  copies: the spare pulls the lost node's shards), else the last durable one. What the
   recovery costs, and at what speed training goes on, is the mechanism's
   (`dslurm.plan.recovery_sim`: requeue, spare, shrink). The failure clock runs only while
   training runs (failures during recovery, and of idle spares, are not modelled).
@@ -52,7 +55,7 @@ class SimConfig:
     mechanism: str = "requeue"
     """requeue | spare | shrink (dslurm.plan.recovery_sim)"""
     save: str = "sync"
-    """sync | async | two_tier"""
+    """sync | async | two_tier | partner (two tiers with partner copies)"""
     save_s: float = 240.0
     """Seconds to write one checkpoint to durable storage (sync stall; async write)."""
     async_stall_s: float = 10.0
@@ -61,6 +64,12 @@ class SimConfig:
     """Training stall of a two-tier save (the node-local write). An assumption by default."""
     durable_lag_s: float | None = None
     """Two tiers: local commit -> durable commit (None: `save_s`, the same write)."""
+    partner_lag_s: float = 10.0
+    """Two tiers with partner copies: local commit -> partner commit (a lost node restored from
+    its partner loses this much). An assumption by default; measured: `ckpt_partner_commit`."""
+    durable_restore_s: float = 0.0
+    """Extra seconds a restore from the durable tier takes over one from node-local copies, paid
+    by every recovery that cannot restore locally (0: no difference assumed)."""
     restart_s: float = 600.0
     """Restore + restart after a failure: process start, NCCL init, checkpoint load."""
     requeue_s: float = 300.0
@@ -94,7 +103,7 @@ class SimConfig:
         for name in ("gpu_mtbf_h", "save_s", "horizon_h", "repair_h"):
             positive(name, getattr(self, name))
         for name in ("async_stall_s", "local_stall_s", "restart_s", "requeue_s", "durable_lag_s",
-                     "relaunch_s", "swap_s"):
+                     "relaunch_s", "swap_s", "partner_lag_s", "durable_restore_s"):
             if getattr(self, name) is not None:
                 non_negative(name, getattr(self, name))
         if not 0.0 <= non_negative("node_loss_fraction", self.node_loss_fraction) <= 1.0:
@@ -112,12 +121,14 @@ class SimConfig:
     @property
     def stall_s(self) -> float:
         """Training time lost per save."""
-        return {"sync": self.save_s, "async": self.async_stall_s, "two_tier": self.local_stall_s}[self.save]
+        return {"sync": self.save_s, "async": self.async_stall_s, "two_tier": self.local_stall_s,
+                "partner": self.local_stall_s}[self.save]
 
     @property
     def lag_s(self) -> float:
         """Delay from the end of the stall until the checkpoint is durable."""
-        return {"sync": 0.0, "async": self.save_s, "two_tier": self.cost_inputs()["durable_lag_s"]}[self.save]
+        durable = self.cost_inputs()["durable_lag_s"]
+        return {"sync": 0.0, "async": self.save_s, "two_tier": durable, "partner": durable}[self.save]
 
     @property
     def young_daly_s(self) -> float:
@@ -130,13 +141,15 @@ class SimConfig:
                 "durable_lag_s": self.save_s if self.durable_lag_s is None else self.durable_lag_s,
                 "restart_s": self.restart_s, "requeue_s": self.requeue_s,
                 "relaunch_s": self.restart_s if self.relaunch_s is None else self.relaunch_s,
-                "swap_s": self.restart_s if self.swap_s is None else self.swap_s}
+                "swap_s": self.restart_s if self.swap_s is None else self.swap_s,
+                "partner_lag_s": self.partner_lag_s, "durable_restore_s": self.durable_restore_s}
 
     def costs(self) -> Costs:
         c = self.cost_inputs()
         return Costs(restart_s=self.restart_s, requeue_s=self.requeue_s, relaunch_s=c["relaunch_s"],
                      swap_s=c["swap_s"], nodes=self.nodes, spares=self.spares, repair_s=self.repair_h * 3600.0,
-                     horizon_s=self.horizon_h * 3600.0)
+                     horizon_s=self.horizon_h * 3600.0, local_tier=self.save in ("two_tier", "partner"),
+                     partner=self.save == "partner", durable_restore_s=self.durable_restore_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,7 +227,10 @@ def goodput_per_trial(cfg: SimConfig, interval_s: float, line: Any) -> Any:
     # One write in flight at a time: a write longer than the interval delays the next save.
     cycle = max(interval_s, lag) + cfg.stall_s
     # A crash relaunched on the same nodes restores the local tier: nothing in flight is lost.
-    lags = np.where(line.local_restore, 0.0, lag) if cfg.save == "two_tier" else lag
+    # With partner copies a lost node's shards come from its partner: what is not there yet is.
+    lags = np.where(line.local_restore, 0.0, lag) if cfg.save in ("two_tier", "partner") else lag
+    if cfg.save == "partner":
+        lags = np.where(line.partner_restore, cfg.partner_lag_s, lags)
     kept = np.floor(np.clip(line.run_times - lags, 0.0, None) / cycle)
     return (kept * line.speed).sum(axis=1) * interval_s / (cfg.horizon_h * 3600.0)
 

@@ -58,15 +58,17 @@ def shared(obj: Any) -> Shared:
 
 
 def manager_for(spec: CheckpointSpec, run_dir: str | Path, *, scratch: str | None, ledger: Any,
+                site_partner: bool = False,
                 config_hash: str | None = None, model_shape: dict[str, Any] | None = None,
                 layout: dict[str, Any] | None = None, per_rank_state: list[Any] | None = None) -> Any:
     """The CheckpointManager of a run: `spec` is the job's `checkpoint` section, handed over as
     it is (CheckpointManager.from_spec); `scratch` the site's node-local storage (used with
-    tiers: two_tier). Collective: call on every rank."""
+    tiers: two_tier), `site_partner` the site's default for partner copies. Collective: call on every rank."""
     from dslurm.checkpoint.dcp import CheckpointManager
 
     return CheckpointManager.from_spec(run_dir, spec, scratch=scratch, ledger=ledger, config_hash=config_hash,
-                                       model_shape=model_shape, layout=layout, per_rank_state=per_rank_state)
+                                       model_shape=model_shape, layout=layout, per_rank_state=per_rank_state,
+                                       site_partner=site_partner)
 
 
 FINAL_SAVE_TRIES = 6
@@ -137,6 +139,7 @@ class Checkpoint:
         self.spec = rt.job.checkpoint if rt.job is not None else CheckpointSpec()
         scratch = rt.site.storage.scratch if rt.site is not None else None
         self.manager = manager_for(self.spec, rt.run_dir, scratch=scratch, ledger=rt.ledger,
+                                   site_partner=rt.site is not None and rt.site.storage.partner,
                                    layout={"world_size": rt.world_size}, per_rank_state=self._per_rank)
         self._saved_step: int | None = None  # the step of the last save started or done
         self.restored: Any = None  # restore()'s RestoreResult (generation, path, saved world size); None: fresh

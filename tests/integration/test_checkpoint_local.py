@@ -142,9 +142,44 @@ def test_altered_shard_falls_back_loudly(tmp_path, caplog):
     assert res.generation == g2 and res.step == 2 and res.fell_back
     assert str(shard) in res.reason and "crc32" in res.reason
     assert "CHECKPOINT FALLBACK" in caplog.text and "REJECTED" in caplog.text
-    assert ledger.names() == ["ckpt_fallback"] and ledger.events[0].rejected == [g4]
+    assert ledger.names() == ["restore_rejected", "ckpt_fallback"] and ledger.events[1].rejected == [g4]
+    rej = ledger.events[0]
+    assert (rej.generation, rej.copy, rej.tensor) == (g4, "durable", "") and str(shard) in rej.reason
     assert all(torch.equal(a, b) for a, b in zip(run.params(), at2))
     assert run.extra["sampler"]["index"] == 11
+
+
+def test_wrong_but_well_checksummed_tensor_is_rejected_by_the_fingerprint(tmp_path):
+    """A tensor rewritten with other values, the manifest and the pointer rewritten to agree: every
+    crc32 checks, and only the fingerprint (each rank's per-tensor crc32s, saved beside its RNG)
+    tells; the restore falls back, names the tensor, and the generation is never tried again."""
+    import io
+    import pickle
+    import zlib
+    run_dir, (g2, g4), at2 = _two_saves(tmp_path)
+    gen = ck.generations_dir(run_dir) / g4
+    md = pickle.loads((gen / ".metadata").read_bytes())
+    key, info = next((k, v) for k, v in md.storage_data.items() if k.fqn.endswith("weight"))
+    shard = gen / info.relative_path
+    raw = bytearray(shard.read_bytes())
+    t = torch.load(io.BytesIO(bytes(raw[info.offset:info.offset + info.length])), weights_only=True)
+    buf = io.BytesIO()
+    torch.save(t + 1e-3, buf)
+    assert len(buf.getvalue()) == info.length
+    raw[info.offset:info.offset + info.length] = buf.getvalue()
+    shard.write_bytes(bytes(raw))
+    files = ck.read_manifest(gen)["files"]
+    files[info.relative_path] = {"size": len(raw), "crc32": f"{zlib.crc32(bytes(raw)):08x}"}
+    ck.write_manifest(gen, 4, files)
+    ck.write_pointer(run_dir, g4, 4)
+    assert ck.verify_generation(gen) == []  # every checksum agrees
+    ledger = Ledger()
+    run, res = _restore(run_dir, ledger)
+    assert res.generation == g2 and res.fell_back and "fingerprint" in res.reason
+    assert ledger.names() == ["restore_rejected", "ckpt_fallback"]
+    assert ledger.events[0].tensor.endswith(key.fqn) and ledger.events[0].copy == "durable"
+    assert all(torch.equal(a, b) for a, b in zip(run.params(), at2))
+    assert not [g for g in ck.list_generations(run_dir) if g.name == g4 and g.committed]  # REJECTED.json
 
 
 def test_restore_reads_each_shard_file_once(tmp_path):

@@ -201,3 +201,16 @@ def test_resolve_is_the_single_source_of_node_and_process_counts(tmp_path):
 def test_global_batch_must_split_over_data_parallel_ranks(tmp_path):
     with pytest.raises(UserError, match=r"'train.global_batch': 8 is not divisible by dp\(6\)"):
         _resolve(local_site(), {"name": "j", "nodes": 3}, tmp_path)
+
+
+def test_partner_copies_need_two_tiers(tmp_path):
+    p = write(tmp_path, "job.yaml", {"name": "j", "nodes": 2, "checkpoint": {"partner": True}})
+    with pytest.raises(UserError) as e:
+        load_job(p)
+    assert "checkpoint.partner" in str(e.value) and "tiers: two_tier" in str(e.value) and str(p) in str(e.value)
+    p = write(tmp_path, "ok.yaml", {"name": "j", "nodes": 2, "checkpoint": {"tiers": "two_tier", "partner": True,
+                                                                               "partner_mbps": 500}})
+    assert load_job(p).checkpoint.partner is True
+    p = write(tmp_path, "neg.yaml", {"name": "j", "nodes": 2, "checkpoint": {"partner_mbps": -1}})
+    with pytest.raises(UserError, match="partner_mbps"):
+        load_job(p)

@@ -64,7 +64,7 @@ def test_cli_names_the_source_of_every_input(capsys):
     assert src["swap_s"].startswith(SPARES) and src["local_stall_s"].startswith(TWOTIER)
     assert src["async_stall_s"] == "default"
     assert {(r["mechanism"], r["save"]) for r in data["results"]} == {
-        (m, s) for m in ("requeue", "spare", "shrink") for s in ("sync", "async", "two_tier")}
+        (m, s) for m in ("requeue", "spare", "shrink") for s in ("sync", "async", "two_tier", "partner")}
     assert data["spares"]["used"] == data["spares"]["spares"] > 0
     by = {(r["mechanism"], r["save"]): r for r in data["results"]}
     assert by["requeue", "async"]["requeues_per_run"] == by["requeue", "async"]["failures_per_run"] > 200

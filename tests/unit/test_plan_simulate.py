@@ -148,8 +148,12 @@ def _reference(cfg, runs, node, interval):
         else:
             down, nxt = (c.swap_s if lost else c.relaunch_s), min(alive, c.nodes) / c.nodes
             repairs += [t + c.repair_s] if lost else []
-        local = cfg.save == "two_tier" and not lost and down != c.restart_s + c.requeue_s and nxt == speed
-        useful += math.floor(max(run - (0 if local else cfg.lag_s), 0) / cycle) * interval * speed
+        partner = cfg.save == "partner"
+        local = (cfg.save in ("two_tier", "partner") and (not lost or partner)
+                 and down != c.restart_s + c.requeue_s and nxt == speed)
+        down += 0 if local else cfg.durable_restore_s
+        lag = (cfg.partner_lag_s if lost else 0) if local else cfg.lag_s
+        useful += math.floor(max(run - lag, 0) / cycle) * interval * speed
         t, speed = t + down, nxt
     return useful / horizon
 
@@ -160,7 +164,8 @@ def test_vectorised_walk_matches_a_scalar_reference(mechanism, save):
     # 3 nodes + 1 spare, failures every ~5 h, half of them node losses, repairs of 12 h: every branch.
     cfg = SimConfig(gpus=24, gpu_mtbf_h=24 * 5.0, mechanism=mechanism, save=save, spares=1, save_s=300,
                     local_stall_s=20, async_stall_s=5, durable_lag_s=200, restart_s=900, requeue_s=1800,
-                    relaunch_s=100, swap_s=400, repair_h=12, node_loss_fraction=0.5, trials=40, horizon_h=200)
+                    relaunch_s=100, swap_s=400, repair_h=12, node_loss_fraction=0.5, trials=40, horizon_h=200,
+                    partner_lag_s=30, durable_restore_s=50)
     draws = draw_failures(cfg)
     got = goodput_per_trial(cfg, 1200.0, timeline(mechanism, draws, cfg.costs()))
     want = [_reference(cfg, draws.runs[i], draws.node_loss[i], 1200.0) for i in range(cfg.trials)]
@@ -179,6 +184,22 @@ def test_two_tier_restores_local_after_a_crash_and_durable_after_a_node_loss():
     q = SimConfig(**{**common, "spares": 0}, mechanism="requeue", node_loss_fraction=0.0)
     q_node = SimConfig(**{**common, "spares": 0}, mechanism="requeue", node_loss_fraction=1.0)
     assert score(q, draw_failures(q), [1800]).mean[0] == score(q_node, draw_failures(q_node), [1800]).mean[0]
+
+
+def test_partner_copies_restore_a_lost_node_at_local_speed():
+    # Every failure a node loss, spares enough: two tiers restore from durable (the lag lost, the
+    # slower restore paid); partner copies pull the lost node's shards (partner_lag_s lost).
+    common = _costs(local_stall_s=30, durable_lag_s=600, relaunch_s=60, swap_s=60, spares=50, partner_lag_s=20,
+                    durable_restore_s=120, node_loss_fraction=1.0, mechanism="spare")
+    two, partner = SimConfig(**common, save="two_tier"), SimConfig(**common, save="partner")
+    draws = draw_failures(two)
+    a, b = score(two, draws, [1800]), score(partner, draws, [1800])
+    gained = a.failures_mean * (600 - 20 + 120) / (30 * 24 * 3600) * 1800 / 1830
+    assert b.mean[0] - a.mean[0] == pytest.approx(gained, rel=0.3)
+    # Through the queue (a new allocation) the partner copy does not count: the same as two tiers.
+    q = {**common, "mechanism": "requeue", "spares": 0}
+    assert score(SimConfig(**q, save="partner"), draws, [1800]).mean[0] == \
+        score(SimConfig(**q, save="two_tier"), draws, [1800]).mean[0]
 
 
 def test_best_interval_near_young_daly_for_every_mechanism():

@@ -48,6 +48,19 @@ def test_lag_rpo_and_policy_cost_from_a_two_tier_ledger():
     assert d.skipped_local == [40] and d.skipped_durable == [30]
 
 
+def test_partner_copies_shorten_the_node_loss_rpo():
+    """Partner commits at 111, 131 and 151 (the third generation was never copied to durable):
+    a node loss restores each from then on."""
+    partner = [_rec("ckpt_partner_commit", t, step=st, generation=f"g{st}", ok=True, bytes=10, partner_s=1.0)
+               for t, st in ((111.0, 10), (131.0, 20), (151.0, 30))]
+    failed = [_rec("ckpt_partner_commit", 160.0, step=35, generation="g35", ok=False, reason="peer gone")]
+    d = durability(split_starts(decode_all(sorted(two_tier_run() + partner + failed, key=lambda r: r["t"]))))
+    assert d is not None and d.partner_commits == 3
+    # node loss: partner at 111, 131, 151, durable at 115, 138 (the failed copy at 160 is none):
+    # gaps 11, 4, 16, 7, 13, 19 (without partner copies: 15, 23, 32)
+    assert (d.rpo_node_loss_median_s, d.rpo_node_loss_max_s) == (12.0, 19.0)
+
+
 def test_each_start_is_measured_from_its_own_train_start():
     """A second start resumed at t=300: the time between the starts (queue, start-up) is not
     training that a failure could lose, and a start that never trained adds nothing."""

@@ -35,12 +35,14 @@ from dslurm.observe.events.ckpt import (
     CkptFallback,
     CkptFreshStart,
     CkptLocalCommit,
+    CkptPartnerCommit,
     CkptRestore,
     CkptRestoreFailed,
     CkptSave,
     CkptSaveFailed,
     CkptSaveSkipped,
     InitFrom,
+    RestoreRejected,
 )
 from dslurm.observe.events.health import DeviceHealth, Hang, NonFinite, Oom, Sdc
 from dslurm.observe.events.lifecycle import (
@@ -73,10 +75,11 @@ from dslurm.observe.events.training import (
 __all__ = [
     "ALIASES", "CATALOGUE", "RESTORES", "BlocklistWaived", "ChainCancel", "CkptDurableSkipped", "CkptFallback",
     "CkptFreshStart",
-    "CkptLocalCommit", "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
+    "CkptLocalCommit", "CkptPartnerCommit",
+    "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
     "DeviceHealth", "E", "Ending", "Eval", "Event", "Exit", "Hang", "InitFrom", "JobStart", "NonFinite", "Oom",
-    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "Sdc", "Signal", "StartEnv", "StartPhases",
-    "Steps",
+    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "RestoreRejected", "Sdc", "Signal", "StartEnv",
+    "StartPhases", "Steps",
     "Stragglers", "Submit", "TrackerDelivery", "TrackerDropped", "TrackerFailed", "TrackerHealed", "TrainStart",
     "decode", "decode_all", "of", "read",
 ]
@@ -85,7 +88,8 @@ E = TypeVar("E", bound="Event")
 
 CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     JobStart, Submit, Preflight, StartEnv, CkptFreshStart, CkptRestoreFailed, CkptRestore, CkptFallback, TrainStart,
-    StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptDurableSkipped, CkptSaveFailed,
+    StartPhases, Steps, Stragglers, CkptSave, CkptLocalCommit, CkptPartnerCommit, CkptDurableSkipped,
+    RestoreRejected, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel, BlocklistWaived,
     Sdc, DeviceHealth, Eval,
     InitFrom, TrackerFailed, TrackerDropped, TrackerHealed, TrackerDelivery, OperatorRequest, Oom, Profile)}

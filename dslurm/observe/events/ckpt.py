@@ -36,7 +36,8 @@ class CkptRestore(Event):
     reason: str = ""
     rejected: list[str] = field(default_factory=list)
     tier: str = "durable"
-    """"local" (node-local copies, same nodes and layout) or "durable" (the run dir)"""
+    """"local" (node-local copies, same nodes and layout), "partner" (some ranks pulled theirs from
+    partner copies over the network) or "durable" (the run dir)"""
     tier_reason: str = ""
     """why that tier: the local candidate used, or why no local generation qualified"""
     rng_restored: bool | None = None
@@ -44,6 +45,10 @@ class CkptRestore(Event):
     were not restored: dropout and sampling start from the script's seeds (None: older ledgers)"""
     saved_world_size: int | None = None
     """the world size the generation was saved with"""
+    copies: dict[str, list[int]] = field(default_factory=dict)
+    """node-local restores: the ranks that loaded each copy, {"local": [...], "partner": [...]}"""
+    restore_s: float | None = None
+    """seconds from the restore's start to the state loaded and checked (partner pulls included)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +91,43 @@ class CkptLocalCommit(Event):
     lag_wait_s: float = 0.0
     """on_lag=wait: seconds training waited for the previous durable copy before this save began
     (included in the save's stall_s)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptPartnerCommit(Event):
+    """Two tiers with partner copies: each node's locally committed shards also reached the next
+    node's local tier (or did not: ok false and why). From then on a generation survives the
+    loss of any one node at local speed, whatever the durable copy's state."""
+    NAME = "ckpt_partner_commit"
+    run_dir: str | None = None
+    step: int | None = None
+    generation: str | None = None
+    ok: bool = True
+    bytes: int = 0
+    """bytes every rank sent, summed"""
+    partner_s: float = 0.0
+    """from the local commit to the partner commit"""
+    mb_per_s: float = 0.0
+    """the slowest rank's send rate"""
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreRejected(Event):
+    """A restore refused one copy of a generation before the first step (a crc32 or the state's
+    fingerprint disagreed) and went on to the next copy: own local, partner, durable, then the
+    previous generation. The copy is withdrawn, so no later start tries it again."""
+    NAME = "restore_rejected"
+    run_dir: str | None = None
+    generation: str | None = None
+    copy: str = ""
+    """local, partner or durable"""
+    node: str = ""
+    """the node holding the copy (partner: the holder; durable: empty)"""
+    ranks: list[int] = field(default_factory=list)
+    tensor: str = ""
+    """the first tensor whose fingerprint disagreed (empty when a file's crc32 did)"""
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,159 @@
+"""A two-tier restore from node-local copies (in-job; imports torch): each rank's own local copy,
+else its partner copy pulled over the network into its own local tier, checked as it loads --
+sizes, crc32s from the bytes read, then the state's fingerprint -- before the first step
+(docs/checkpoint.md, "Two tiers" and "Partner copies"; docs/recovery.md).
+
+A copy that fails is withdrawn (its record removed, so no later start tries it again: no crash
+loop), a `restore_rejected` event names it, and the restore plans again: the rank's partner copy
+next, then an older generation; when none is left, the manager goes on with the durable tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dslurm import checkpoint as ck
+from dslurm.checkpoint import fingerprint, partner, replica, tiers
+from dslurm.checkpoint.core import reason, to_state_dict
+from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
+from dslurm.checkpoint.io import CrcReader, SafeLoadPlanner, SafeReader
+from dslurm.checkpoint.tier import Context, LocalPick
+from dslurm.observe import events
+
+log = logging.getLogger(__name__)
+
+
+class LocalRestore:
+    """One restore's walk over the node-local copies (every method collective)."""
+
+    def __init__(self, ctx: Context, local_dir: Path, nodes: list[str], groups: list[list[int]]) -> None:
+        self.ctx, self.local_dir, self.nodes, self.groups = ctx, local_dir, nodes, groups
+        self.lgdir = ck.generations_dir(local_dir)
+
+    def run(self, state: dict[str, Any], pointer: ck.Pointer | None, phases: dict[str, float]) -> LocalPick:
+        ctx = self.ctx
+        rejected: list[tuple[str, list[str]]] = []
+        while True:  # every failed try withdraws at least one record: this ends
+            held = ctx.comm.gather(tiers.held_generations(self.local_dir, ctx.rank, ctx.world, ctx.settings.layout))
+            copies = ctx.comm.gather(replica.held_copies(self.local_dir, ctx.world, ctx.settings.layout,
+                                                         self.groups))
+            cands, why = replica.restore_candidates(held, copies, self.nodes, pointer)
+            if not cands:
+                break
+            c = cands[0]
+            problems = self._pull(c, phases) if c.pulls else {}
+            if not problems:
+                problems = self._load(c.name, state, phases)
+            if not problems:
+                used: dict[str, list[int]] = {"local": [r for r in range(ctx.world) if r not in c.pulls]}
+                for r, (_, kind) in sorted(c.pulls.items()):
+                    used.setdefault("partner" if kind == "partner" else "other_node", []).append(r)
+                tier = "partner" if "partner" in used else "local"
+                return LocalPick(c.name, self.lgdir, why, rejected, {k: v for k, v in used.items() if v}, tier)
+            self._reject(c, problems)
+            rejected.append((c.name, sorted(p for ps in problems.values() for p in ps)))
+        if rejected:
+            why = f"local {rejected[0][0]} failed verification ({rejected[0][1][0]}); {why}"
+        return LocalPick(None, None, why, rejected)
+
+    def _pull(self, c: replica.Candidate, phases: dict[str, float]) -> dict[int, list[str]]:
+        """The candidate's pulls (partner.pull); -> rank -> problems of the ranks whose pull failed."""
+        ctx, t = self.ctx, time.perf_counter()
+        mine = {dst: tiers.read_record(ck.generations_dir(replica.copy_root(self.local_dir, kind)) / c.name, dst)
+                for dst, (h, kind) in c.pulls.items() if h == ctx.rank}
+        records: dict[int, dict[str, Any]] = {}
+        for part in ctx.comm.gather({d: rec.to_json() for d, rec in mine.items() if rec is not None}):
+            records.update(part)
+        if set(records) != set(c.pulls):  # a holder lost a record since it said it held it
+            return {r: [f"{kind} copy of rank {r} on {self.nodes[h]}: record gone"]
+                    for r, (h, kind) in c.pulls.items() if r not in records}
+        problems, xfer = partner.pull(ctx.comm, c, self.local_dir, records)
+        every = ctx.comm.gather((problems, xfer.sent, xfer.seconds))
+        phases["partner_pull"] = phases.get("partner_pull", 0.0) + time.perf_counter() - t
+        sent = sum(b for _, b, _ in every)
+        log.info("[rank %d] pulled %.1f MB of %s from partner copies in %.2f s", ctx.rank, sent / 1e6, c.name,
+                 time.perf_counter() - t)
+        return {r: ps for r, (ps, _, _) in enumerate(every) if ps}
+
+    def _reject(self, c: replica.Candidate, problems: dict[int, list[str]]) -> None:
+        """Withdraw the copies that failed (own local record; a partner copy's record on its holder)
+        and say so, loudly, once per copy."""
+        ctx = self.ctx
+        for r, ps in problems.items():
+            if r == ctx.rank:
+                tiers.drop_local(self.local_dir, c.name, r)
+            holder, kind = c.pulls.get(r, (r, "local"))
+            if holder == ctx.rank and r in c.pulls:
+                replica.drop_copy(self.local_dir, kind, c.name, r)
+            node = self.nodes[holder]
+            if r == ctx.rank:
+                log.error("[rank %d] %s COPY OF %s REJECTED (on %s): %s", r, kind.upper(), c.name, node,
+                          "; ".join(ps[:5]))
+            tensor = next((fingerprint.tensor_of(p) for p in ps if fingerprint.tensor_of(p)), "")
+            ctx.event(events.RestoreRejected(run_dir=str(ctx.run_dir), generation=c.name, copy=kind, node=node,
+                                             ranks=[r], tensor=tensor, reason="; ".join(ps[:3])[:1000]))
+
+    def _load(self, name: str, state: dict[str, Any], phases: dict[str, float]) -> dict[int, list[str]]:
+        """Like the manager's checked load (CheckpointManager._load_checked), per node: each rank
+        checks the files it committed (sizes, small files' crc32s), loads through CrcReader, checks
+        its own shards' crc32s from what it read plus what it did not (read once more), then the
+        state's fingerprint. -> rank -> problems."""
+        ctx, gen = self.ctx, self.lgdir / name
+        t = time.perf_counter()
+        rec = tiers.read_record(gen, ctx.rank)
+        mine = rec.files if rec is not None else {}
+        full = ctx.settings.verify_on_restore == "full"
+        local = [] if rec is not None else [f"{tiers.record_path(gen, ctx.rank)}: missing"]
+        local += ck.file_problems(gen, {n: e for n, e in mine.items() if is_shard(n)}, full=False)
+        local += ck.file_problems(gen, {n: e for n, e in mine.items() if not is_shard(n)}, full=full)
+        local += ck.metadata_problems(gen)
+        every = ctx.comm.gather(local)
+        phases["precheck"] = phases.get("precheck", 0.0) + time.perf_counter() - t
+        if any(every):
+            return {r: ps for r, ps in enumerate(every) if ps}
+        ctx.check_compat(json.loads((gen / ck.META).read_text()), state, gen)
+        reader = CrcReader(gen)
+        t, err = time.perf_counter(), None
+        try:
+            dcp.load(state, storage_reader=reader if full else SafeReader(gen), planner=SafeLoadPlanner(),
+                     process_group=ctx.comm.group, no_dist=ctx.comm.group is None)
+        except (Exception, CheckpointException) as exc:
+            err = reason(exc)
+        phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        local = own_crc_problems(gen, mine, reader) if full else []
+        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        if not local and err is None:  # the same ranks, the same layout: each holds what it saved
+            local = fingerprint.check(gen / ck.RANKS / f"rank-{ctx.rank:05d}.json", to_state_dict(state))
+        phases["fingerprint"] = phases.get("fingerprint", 0.0) + time.perf_counter() - t
+        every = ctx.comm.gather(local)
+        errors = [e for e in ctx.comm.gather(err) if e]
+        if any(every) or not errors:
+            return {r: ps for r, ps in enumerate(every) if ps}
+        raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the local commit: {errors[0]}")
+
+
+def own_crc_problems(gen: Path, mine: dict[str, Any], reader: CrcReader) -> list[str]:
+    sizes = {n: int(e["size"]) for n, e in mine.items() if is_shard(n)}
+    gathered = [reader.sums.export()]  # only this rank's reads: its files are on its node
+    problems, gaps = [], {}
+    for fname, s, e in plan_gaps(sizes, gathered):
+        try:
+            gaps[(fname, s, e)] = read_crc(gen / fname, s, e)
+        except OSError as exc:
+            problems.append(f"{gen / fname}: unreadable at {s}..{e} ({exc})")
+    if problems:
+        return problems
+    for fname, crc in whole_crcs(sizes, gathered, gaps).items():
+        if f"{crc:08x}" != mine[fname]["crc32"]:
+            problems.append(f"{gen / fname}: crc32 {crc:08x} != {mine[fname]['crc32']} "
+                            "in the local commit (altered)")
+    return problems

@@ -1,0 +1,267 @@
+"""Partner copies and the fingerprint check under torchrun: 2 processes, FSDP2 on a CPU gloo mesh,
+each process its own "node" (SLURMD_NODENAME=node<rank>: its own scratch), so rank 0's shards go
+to node1's scratch and rank 1's to node0's, over gloo. One launch makes the state every test
+resumes from (a copy each):
+
+"first": the uninterrupted reference, then a two-tier run with partner copies that saves at 2, K
+and K+1 and is killed (DSLURM_FAULT_CKPT_KILL=1:mid_partner:3) in the middle of the partner transfer
+of its save at K+1, after both local commits, before any durable copy of K+1.
+
+- a kill -9 mid-transfer leaves no partner copy of K+1 that counts (no record), K's are whole;
+- node1's scratch gone and K's durable copy deleted: the resume pulls rank 1's shards from the
+  partner copy on node0, restores K (the durable tier has only 2 left) and ends bit-identically;
+- a flipped byte in that partner shard: the pull is rejected (restore_rejected, copy partner),
+  the copy withdrawn, the durable K restored;
+- a wrong but well-checksummed tensor in rank 0's own local copy (record rewritten to agree): the
+  fingerprint catches it after the load, before the first step; rank 0 takes its partner copy.
+
+This file is also the torchrun worker: `torchrun --nproc_per_node=2 THIS_FILE MODE RUN_DIR OUT_DIR`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_checkpoint_dist import STEPS, K, build, full_params, train  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+class ListLedger:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def append(self, ev: Any) -> None:
+        self.events.append({"event": ev.NAME, **{k: v for k, v in vars(ev).items() if not k.startswith("_")}})
+
+
+def worker(mode: str, run_dir: Path, out: Path) -> None:
+    from dslurm import checkpoint as ck
+    from dslurm.checkpoint import replica
+    from dslurm.checkpoint.dcp import CheckpointManager, TrainState
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ["SLURMD_NODENAME"] = f"node{rank}"  # one "node" per rank: its own scratch
+    ledger = ListLedger()
+    kw = {"layout": {"dp_shard": world}, "scratch": str(run_dir.parent / "scratch" / "%n"), "async_mode": True,
+          "partner": True, "ledger": ledger}
+    fresh = lambda: {"sampler": {"index": 5}}  # noqa: E731
+    if mode == "first":
+        model, opt, sched = build(world)
+        record = train(model, opt, sched, fresh(), 0, STEPS)
+        params = full_params(model)  # collective
+        (out / f"ref-{rank}.json").write_text(json.dumps(record))
+        if rank == 0:
+            torch.save(params, out / "ref-params.pt")
+        model, opt, sched = build(world)
+        with CheckpointManager(run_dir, **kw) as mgr:
+            assert mgr.restore({"train": TrainState(model, opt, sched)}) is None
+            train(model, opt, sched, fresh(), 0, K + 1, mgr, saves=(2, K, K + 1))
+    elif mode == "resume":
+        model, opt, sched = build(world, seed=1)
+        extra: dict[str, Any] = {}
+        with CheckpointManager(run_dir, **kw) as mgr:
+            res = mgr.restore({"train": TrainState(model, opt, sched)}, extra)
+            held = replica.held_copies(mgr.tier.local_dir, world, kw["layout"], [[0], [1]])
+            record = train(model, opt, sched, extra, res.step, STEPS)
+            mgr.save(STEPS, {"train": TrainState(model, opt, sched)}, extra, blocking=True)
+        record["restored"] = [res.step, res.tier, res.tier_reason]
+        record["held_after_restore"] = {str(ck.parse_step(n)): v for n, v in held.items()}
+        params = full_params(model)  # collective
+        (out / f"resume-{rank}.json").write_text(json.dumps(record))
+        if rank == 0:
+            torch.save(params, out / "resume-params.pt")
+            (out / "events.json").write_text(json.dumps(ledger.events, default=str))
+
+
+def torchrun(mode: str, run_dir: Path, out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           __file__, mode, str(run_dir), str(out)]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+
+
+def _local(base: Path, node: str) -> Path:
+    from dslurm.checkpoint import tiers
+    return tiers.local_run_dir(base / "scratch" / node, base / "run")
+
+
+def _gen(root: Path, step: int) -> Path:
+    from dslurm import checkpoint as ck
+    return next(g.path for g in ck.list_generations(root) if g.step == step)
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    base = tmp_path_factory.mktemp("partner")
+    res = torchrun("first", base / "run", base / "out", env={"DSLURM_FAULT_CKPT_KILL": "1:mid_partner:3"})
+    assert (base / "out" / "ref-1.json").is_file(), res.stderr[-4000:]
+    return base, base / "out", res
+
+
+def test_kill_9_mid_partner_transfer_leaves_no_partner_copy_that_counts(first):
+    base, _, res = first
+    from dslurm import checkpoint as ck
+    from dslurm.checkpoint import replica
+    assert res.returncode != 0 and "killing myself at mid_partner" in res.stderr
+    assert ck.read_pointer(base / "run").step == K
+    for rank, node in enumerate(("node0", "node1")):
+        held = replica.held_copies(_local(base, node), 2, {"dp_shard": 2}, [[0], [1]])
+        partner = {ck.parse_step(n): [r for r, kind in v.items() if kind == "partner"] for n, v in held.items()}
+        assert partner == {2: [1 - rank], K: [1 - rank], K + 1: []}  # K+1: locally committed, no partner copy
+        partial = replica.partner_root(_local(base, node)) / "generations"
+        assert any(ck.parse_step(p.name) == K + 1 for p in partial.iterdir())  # bytes, never a record
+
+
+def _resume(first, tmp_path: Path, prepare: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
+    base, _, _ = first
+    new = tmp_path / "base"
+    shutil.copytree(base, new, ignore=shutil.ignore_patterns("out"))
+    for node in ("node0", "node1"):  # the local dir's name hashes the run dir's path
+        shutil.move(new / "scratch" / node / _local(base, node).name, _local(new, node))
+    prepare(new)
+    res = torchrun("resume", new / "run", tmp_path / "out")
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = [json.loads((tmp_path / "out" / f"resume-{r}.json").read_text()) for r in (0, 1)]
+    return got, json.loads((tmp_path / "out" / "events.json").read_text()), new
+
+
+def _same_as_reference(first, tmp_path: Path, got: list[dict[str, Any]], start: int) -> None:
+    _, ref_out, _ = first
+    for rank in (0, 1):
+        ref = json.loads((ref_out / f"ref-{rank}.json").read_text())
+        assert got[rank]["losses"] == ref["losses"][start:]
+        assert got[rank]["probes"] == ref["probes"][start:]  # per-rank RNG came back
+    ref_p = torch.load(ref_out / "ref-params.pt")
+    got_p = torch.load(tmp_path / "out" / "resume-params.pt")
+    assert ref_p.keys() == got_p.keys() and all(torch.equal(ref_p[k], got_p[k]) for k in ref_p)
+
+
+def _lose_node1(new: Path, durable_too: bool) -> None:
+    shutil.rmtree(new / "scratch" / "node1")
+    if durable_too:
+        shutil.rmtree(_gen(new / "run", K))  # the newest durable copy is gone as well
+
+
+def test_node_loss_restores_the_newest_from_the_partner_copy(first, tmp_path):
+    got, evs, _ = _resume(first, tmp_path, lambda new: _lose_node1(new, durable_too=True))
+    for rank in (0, 1):
+        step, tier, why = got[rank]["restored"]
+        assert (step, tier) == (K, "partner"), why
+        assert "rank 1 from the partner copy on node0" in why.replace("ranks 1", "rank 1")
+    (restore,) = [e for e in evs if e["event"] in ("ckpt_restore", "ckpt_fallback")]
+    assert restore["tier"] == "partner" and restore["copies"] == {"local": [0], "partner": [1]}
+    assert restore["restore_s"] > 0
+    assert not [e for e in evs if e["event"] == "restore_rejected"]
+    _same_as_reference(first, tmp_path, got, K)
+    partner_commits = [e for e in evs if e["event"] == "ckpt_partner_commit"]
+    assert partner_commits and all(e["ok"] and e["bytes"] > 0 for e in partner_commits)
+
+
+def _flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_flipped_byte_in_a_partner_shard_is_rejected_before_the_first_step(first, tmp_path):
+    from dslurm.checkpoint import replica
+
+    def prepare(new: Path) -> None:
+        _lose_node1(new, durable_too=False)
+        shard = _gen(replica.partner_root(_local(new, "node0")), K) / "__1_0.distcp"
+        _flip(shard, shard.stat().st_size // 2)
+
+    got, evs, _ = _resume(first, tmp_path, prepare)
+    for rank in (0, 1):
+        assert got[rank]["restored"][:2] == [K, "durable"]
+    (rej,) = [e for e in evs if e["event"] == "restore_rejected"]
+    assert (rej["copy"], rej["node"], rej["ranks"]) == ("partner", "node0", [1]) and "crc32" in rej["reason"]
+    # withdrawn: no later start pulls it again (no crash loop); the other copies stay
+    assert got[0]["held_after_restore"][str(K)] == {"0": "local"}
+    _same_as_reference(first, tmp_path, got, K)
+
+
+def _forge(gen: Path, rank: int) -> str:
+    """Rewrite one tensor of rank `rank`'s shard in local copy `gen` with other values of the same
+    size, and its local commit record to agree: every crc32 checks, the state is wrong."""
+    from dslurm.checkpoint import tiers
+    md = pickle.loads((gen / ".metadata").read_bytes())
+    shard = f"__{rank}_0.distcp"
+    key, info = next((k, v) for k, v in md.storage_data.items()
+                     if v.relative_path == shard and k.fqn.endswith("weight") and v.length > 256)
+    raw = bytearray((gen / shard).read_bytes())
+    t = torch.load(io.BytesIO(bytes(raw[info.offset:info.offset + info.length])), weights_only=True)
+    buf = io.BytesIO()
+    torch.save(t + 1e-3, buf)
+    assert len(buf.getvalue()) == info.length
+    raw[info.offset:info.offset + info.length] = buf.getvalue()
+    (gen / shard).write_bytes(bytes(raw))
+    rec = json.loads(tiers.record_path(gen, rank).read_text())
+    rec["files"][shard]["crc32"] = f"{zlib.crc32(bytes(raw)):08x}"
+    tiers.record_path(gen, rank).write_text(json.dumps(rec))
+    return str(key.fqn)
+
+
+def test_wrong_but_well_checksummed_tensor_is_caught_by_the_fingerprint(first, tmp_path):
+    from dslurm import checkpoint as ck
+    forged: list[str] = []
+
+    def prepare(new: Path) -> None:
+        for node in ("node0", "node1"):  # K is the newest local generation
+            ck.remove_generation(_local(new, node), _gen(_local(new, node), K + 1).name)
+        forged.append(_forge(_gen(_local(new, "node0"), K), 0))
+
+    got, evs, _ = _resume(first, tmp_path, prepare)
+    for rank in (0, 1):
+        assert got[rank]["restored"][:2] == [K, "partner"]
+    (rej,) = [e for e in evs if e["event"] == "restore_rejected"]
+    assert (rej["copy"], rej["node"], rej["ranks"]) == ("local", "node0", [0])
+    assert rej["tensor"].endswith(forged[0]) and "fingerprint" in rej["reason"]
+    (restore,) = [e for e in evs if e["event"] in ("ckpt_restore", "ckpt_fallback")]
+    assert restore["copies"] == {"local": [1], "partner": [0]}
+    _same_as_reference(first, tmp_path, got, K)
+
+
+def test_the_site_default_turns_partner_copies_on_unless_the_job_says_otherwise(tmp_path, caplog):
+    """`checkpoint.partner` unset takes the site's `storage.partner`; a job's own value wins; one
+    process is one node, so the resolved setting shows as the warning that no partner exists."""
+    import logging
+
+    from dslurm.checkpoint.dcp import CheckpointManager
+    from dslurm.config.training import CheckpointSpec
+    cases = [(None, True, True), (False, True, False), (True, False, True), (None, False, False)]
+    for i, (job, site, warned) in enumerate(cases):
+        caplog.clear()
+        spec = CheckpointSpec(tiers="two_tier", partner=job)
+        with caplog.at_level(logging.WARNING), CheckpointManager.from_spec(
+                tmp_path / f"run{i}", spec, scratch=str(tmp_path / "scratch" / "%n"), site_partner=site) as mgr:
+            assert mgr.tier.kind == "two_tier"
+        assert ("has no partner node" in caplog.text) == warned, (job, site)
+
+
+if __name__ == "__main__":
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    dist.init_process_group("gloo")
+    try:
+        worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    finally:
+        dist.destroy_process_group()
+    from dslurm.worker_exit import leave
+    leave(0)  # not the interpreter's finalization: it can abort a finished gloo worker (see leave)
