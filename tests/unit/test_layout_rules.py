@@ -12,7 +12,8 @@ IN_JOB = {"dslurm/checkpoint/dcp.py", "dslurm/checkpoint/io.py", "dslurm/checkpo
           "dslurm/checkpoint/twotier.py", "dslurm/checkpoint/staging.py", "dslurm/runtime/state.py",
           "dslurm/checkpoint/per_rank.py", "dslurm/checkpoint/init_from.py", "dslurm/checkpoint/compat.py",
           "dslurm/checkpoint/core.py", "dslurm/checkpoint/generation.py", "dslurm/checkpoint/tier.py",
-          "dslurm/checkpoint/durable_tier.py"}
+          "dslurm/checkpoint/durable_tier.py", "dslurm/checkpoint/fingerprint.py",
+          "dslurm/checkpoint/local_restore.py", "dslurm/checkpoint/partner.py"}
 
 
 def _top_imports(path: Path) -> set[str]:
