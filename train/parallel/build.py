@@ -1,7 +1,7 @@
 """Build this rank's model parts, parallelised in torchtitan's order.
 
 full model (same seed on every rank) -> [PP: one copy per owned stage, other layers
-deleted] -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP2/HSDP
+deleted] -> CP (attention over the gathered sequence) -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP2/HSDP
 -> [PP: PipelineStage + schedule]. On GPU the full model is built on the meta device and
 materialised after sharding (`to_empty` + `init_weights` under the seed), so no rank ever
 holds the unsharded weights; on CPU it is built for real so every layout starts from
@@ -48,6 +48,11 @@ class Parts:
 
 def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, fsdp: bool) -> None:
     lay = dims.layout
+    if lay.cp_enabled:
+        from train.parallel.cp import apply_cp
+
+        cp_mesh = dims.get_mesh("cp")
+        apply_cp(part, cp_mesh.get_group(), cp_mesh.get_local_rank(), lay.cp)
     if lay.tp_enabled:
         from train.parallel.tp import apply_tp
 
@@ -63,9 +68,7 @@ def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, f
     if fsdp:
         from train.parallel.fsdp import apply_fsdp
 
-        mesh = (dims.get_mesh(("dp_replicate", "dp_shard")) if lay.dp_replicate_enabled
-                else dims.get_mesh("dp_shard"))
-        apply_fsdp(part, mesh, dtype=train.dtype, device_type=dims.device_type, pp_enabled=lay.pp_enabled)
+        apply_fsdp(part, dims.fsdp_mesh(), dtype=train.dtype, device_type=dims.device_type, pp_enabled=lay.pp_enabled)
 
 
 def meta_init(device: torch.device) -> bool:
