@@ -78,7 +78,7 @@ class ContextShard:
         """(batch, local_len, ...) -> (batch, cp*local_len, ...): every rank's shard in rank order.
         Backward reduce-scatters the gradient, so each rank gets the sum over the group of the
         gradients of its own keys and values."""
-        out = funcol.all_gather_single_autograd(t.contiguous(), gather_dim=1, group=self.group)
+        out: torch.Tensor = funcol.all_gather_single_autograd(t.contiguous(), gather_dim=1, group=self.group)
         return out
 
 

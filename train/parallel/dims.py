@@ -81,7 +81,7 @@ class ParallelDims:
         like a data-parallel rank), and with HSDP the 2-D (dp_replicate, that) mesh."""
         lay = self.layout
         if not lay.cp_enabled:
-            return self.get_mesh(("dp_replicate", "dp_shard")) if lay.dp_replicate_enabled else self.get_mesh("dp_shard")
+            return self.get_mesh(("dp_replicate", "dp_shard") if lay.dp_replicate_enabled else "dp_shard")
         if not lay.dp_replicate_enabled:
             return self.get_mesh("dp_shard_cp")
         if self._hsdp_cp is None:
