@@ -4,8 +4,9 @@ full model (same seed on every rank) -> [PP: one copy per owned stage, other lay
 deleted] -> CP (attention over the gathered sequence) -> TP(+SP, loss parallel) -> activation
 checkpointing -> compile -> FSDP2/HSDP (over dp_shard x cp) -> [PP: PipelineStage + schedule].
 On GPU the full model is built on the meta device and materialised after sharding
-(`to_empty` + `init_weights` under the seed), so no rank ever holds the unsharded weights; on CPU it is built for real so every layout starts from
-bit-identical weights (the parity tests need that).
+(`to_empty` + `init_weights` under the seed), so no rank ever holds the unsharded weights; on
+CPU it is built for real so every layout starts from bit-identical weights (the parity tests
+need that).
 """
 
 from __future__ import annotations
