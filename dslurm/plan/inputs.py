@@ -98,9 +98,6 @@ def from_files(site_path: str, job_path: str, overrides: list[str] | None = None
 def from_resolved(res: Resolved, flags: MachineFlags | None = None) -> ConfigInputs:
     """Map an already resolved site + job onto planner inputs."""
     job_path, job, lay = res.job_path, res.job, res.layout
-    if lay.cp != 1:
-        raise UserError(f"{job_path}: field 'parallel.cp' is {lay.cp}: the planner does not model "
-                        "context parallelism yet. Fix: plan with cp=1")
     # The one batch rule (dslurm.config.layout), already checked by resolve: this only reads
     # the micro-batch it implies.
     grad_accum = job.train.grad_accum

@@ -3,7 +3,7 @@ bus bandwidth.
 
 What one GPU sends per step, collective by collective, for the schedule this trainer runs:
 
-- **dp_shard (FSDP)**: weights all-gathered in the compute dtype, twice per forward/backward
+- **dp_shard (FSDP)**, over dp_shard x cp ranks (the cp ranks join the sharding): weights all-gathered in the compute dtype, twice per forward/backward
   pass without a pipeline (resharded after forward) and once per schedule step with one
   (train/parallel/fsdp.py keeps them unsharded after forward under PP, and torch's pipelining
   defers resharding to the last microbatch's backward); gradients reduce-scattered in FP32
@@ -18,6 +18,10 @@ What one GPU sends per step, collective by collective, for the schedule this tra
   rebuilding a matmul's input or a norm's input re-issues them (torchtitan keeps
   reduce_scatter_tensor in its save list for this reason). The embedding and loss-parallel
   output collectives are left out (one per microbatch, not per layer).
+- **cp (context parallel)**: per layer and microbatch, the keys and the values (two calls, each
+  s x b x kv_dim/tp, BF16 gathered size) all-gathered in forward (and again when the layer is
+  recomputed), their gradients reduce-scattered in backward (train/parallel/cp.py). The TP and PP
+  activations above are those of the rank's s/cp tokens.
 - **pp**: point-to-point sends of the stage-boundary tensor, sequence-sharded by tp (the blocks
   end in Shard(1)), one forward activation and one backward gradient per boundary and
   microbatch; the busiest rank sends 2v per microbatch (2v - 1 when p = 2).
@@ -52,7 +56,7 @@ class Collective:
     """One kind of collective on one parallel dimension, repeated `calls` times per step."""
 
     dim: str
-    """mesh dimension: dp_shard, dp_replicate, tp or pp"""
+    """mesh dimension: dp_shard (over dp_shard x cp ranks), dp_replicate, cp, tp or pp"""
     op: str
     """all_gather, reduce_scatter, all_reduce or send_recv (nccl-tests names)"""
     what: str
@@ -117,9 +121,11 @@ def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Clu
     local_params = model.num_params() / (layout.tp * layout.pp)
 
     def add(dim: str, op: str, what: str, size: float, calls: int) -> None:
-        ranks = getattr(layout, dim)
+        # FSDP's group is (dp_shard, cp) flattened: cp is the faster dim, so its stride is cp's
+        ranks = layout.fsdp_shard if dim == "dp_shard" else getattr(layout, dim)
+        stride = dim_stride(layout, "cp" if dim == "dp_shard" else dim)
         if ranks > 1 and calls > 0:
-            link, bw = group_link(cluster, dim_stride(layout, dim), ranks)
+            link, bw = group_link(cluster, stride, ranks)
             out.append(Collective(dim=dim, op=op, what=what, ranks=ranks, size_bytes=size, calls=calls,
                                   link=link, busbw=bw))
 
@@ -127,9 +133,9 @@ def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Clu
     gathers = 1 if layout.pp > 1 else 2
     add("dp_shard", "all_gather", "weights" if wb == 2 else f"weights {wb:g}B", local_params * wb, passes * gathers)
     add("dp_shard", "reduce_scatter", "grads fp32", local_params * REDUCE_BYTES, passes)
-    add("dp_replicate", "all_reduce", "grad shard fp32", local_params * REDUCE_BYTES / layout.dp_shard,
+    add("dp_replicate", "all_reduce", "grad shard fp32", local_params * REDUCE_BYTES / layout.fsdp_shard,
         passes)
-    seq = work.seq_len or model.seq_len
+    seq = (work.seq_len or model.seq_len) // layout.cp
     act = seq * work.micro_batch * model.dim * ACTIVATION_BYTES
     layers = math.ceil(model.n_layers / layout.pp)
     per_layer = 2 + (2 if recompute in ("selective", "full") else 0)  # forward (+ its re-run) ...
@@ -137,6 +143,10 @@ def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Clu
     micro = passes * layout.microbatches
     add("tp", "all_gather", "activations", act, micro * layers * per_layer)
     add("tp", "reduce_scatter", "activations", act, micro * layers * per_layer)
+    kv = seq * layout.cp * work.micro_batch * model.n_kv_heads * model.head_dim * ACTIVATION_BYTES / layout.tp
+    redo = 1 if recompute in ("selective", "full") else 0
+    add("cp", "all_gather", "keys, values", kv, micro * layers * 2 * (1 + redo))
+    add("cp", "reduce_scatter", "key, value grads", kv, micro * layers * 2)
     if layout.pp > 1:
         v = stages_per_rank(work.schedule)
         sends = 2 * v - (1 if layout.pp == 2 else 0)

@@ -117,3 +117,20 @@ def test_mfu_conversion_by_hand():
     assert at30["mfu"] == 0.3 and at30["tokens_per_s"] == pytest.approx(20_000) and at30["step_s"] == pytest.approx(50)
     assert out["mfu_ceiling"] == pytest.approx(0.9 * 120 / 160)
     assert out["measured"] == pytest.approx({"tokens_per_s": 20_000, "mfu": 0.3, "hfu": 0.4})
+
+
+def test_context_parallel_shards_state_tokens_and_adds_its_kv_collectives():
+    """cp 2 (train/parallel/cp.py): FSDP shards over dp_shard x cp, each rank's TP traffic is of its
+    seq/cp tokens, and each layer gathers K and V (s x kv_dim / tp, bf16) and reduce-scatters their grads."""
+    from dslurm.plan.layout import memory_per_gpu
+
+    model, work = PRESETS["8b"], Workload(micro_batch=1, grad_accum=1)
+    one, two = Layout(tp=2, dp_shard=64), Layout(tp=2, dp_shard=32, cp=2)
+    assert memory_per_gpu(model, two, work)["state"] == pytest.approx(memory_per_gpu(model, one, work)["state"])
+    assert memory_per_gpu(model, two, work)["activations"] < 0.6 * memory_per_gpu(model, one, work)["activations"]
+    rows = {(c.dim, c.op): c for c in step_traffic(model, two, work, H100)}
+    assert rows[("dp_shard", "all_gather")].ranks == 64  # dp_shard 32 x cp 2, tp-strided
+    kv = 8192 * 8 * 128 * 2 / 2  # full sequence x kv_dim x bf16 / tp
+    assert rows[("cp", "all_gather")].size_bytes == kv and rows[("cp", "all_gather")].calls == 32 * 2
+    assert rows[("cp", "reduce_scatter")].calls == 32 * 2 and rows[("cp", "all_gather")].link == "nvlink"
+    assert rows[("tp", "all_gather")].size_bytes == 8192 // 2 * 4096 * 2  # this rank's tokens
