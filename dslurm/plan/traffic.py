@@ -3,11 +3,12 @@ bus bandwidth.
 
 What one GPU sends per step, collective by collective, for the schedule this trainer runs:
 
-- **dp_shard (FSDP)**, over dp_shard x cp ranks (the cp ranks join the sharding): weights all-gathered in the compute dtype, twice per forward/backward
-  pass without a pipeline (resharded after forward) and once per schedule step with one
-  (train/parallel/fsdp.py keeps them unsharded after forward under PP, and torch's pipelining
-  defers resharding to the last microbatch's backward); gradients reduce-scattered in FP32
-  (`REDUCE_BYTES`: the trainer's MixedPrecisionPolicy reduces in float32) once per pass.
+- **dp_shard (FSDP)**, over dp_shard x cp ranks (the cp ranks join the sharding): weights
+  all-gathered in the compute dtype, twice per forward/backward pass without a pipeline
+  (resharded after forward) and once per schedule step with one (train/parallel/fsdp.py keeps
+  them unsharded after forward under PP, and torch's pipelining defers resharding to the last
+  microbatch's backward); gradients reduce-scattered in FP32 (`REDUCE_BYTES`: the trainer's
+  MixedPrecisionPolicy reduces in float32) once per pass.
 - **dp_replicate (HSDP replicas, or DDP)**: an FP32 all-reduce of this GPU's gradient shard
   once per pass. train/loop.py synchronises at every gradient-accumulation pass (it does not
   defer the sync to the last one), so DP traffic scales with grad_accum.
