@@ -131,13 +131,15 @@ PRESETS: dict[str, ModelShape] = {
                        seq_len=64, rope_theta=10000.0),
     "small": ModelShape(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256,
                         seq_len=256, rope_theta=10000.0),
-    # Llama 3.2 1B, Llama 3 8B and 70B shapes.
+    # Llama 3.2 1B, Llama 3 8B, 70B and 405B shapes.
     "1b": ModelShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                      vocab_size=128256, seq_len=4096),
     "8b": ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                      vocab_size=128256, seq_len=8192),
     "70b": ModelShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                       vocab_size=128256, seq_len=8192),
+    "405b": ModelShape(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                       vocab_size=128256, seq_len=8192),
 }
 
 
