@@ -35,6 +35,25 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "Interleaved1F1B" else 1
 
 
+def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """Pipeline stages held by `pp_rank` (loop-style placement: r, r+pp, ...)."""
+    return [pp_rank + i * pp for i in range(stages_per_rank(schedule))]
+
+
+def layer_split(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer ranges per stage, the first stages taking one extra when uneven (what
+    train/parallel/pp.py builds and the planner counts)."""
+    if n_stages > n_layers:
+        raise ValueError(f"n_layers({n_layers}) < pipeline stages({n_stages})")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
 def _at_least_one(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"parallel.{name}={value!r} must be a whole number, at least 1")

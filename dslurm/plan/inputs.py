@@ -15,6 +15,7 @@ from dslurm.config.layout import Layout
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
 from dslurm.plan.layout import Cluster, Workload
+from dslurm.plan.memory import trainer_bytes
 
 if TYPE_CHECKING:
     from dslurm.config import SiteConfig
@@ -104,7 +105,8 @@ def from_resolved(res: Resolved, flags: MachineFlags | None = None) -> ConfigInp
     micro_batch = lay.micro_batch(job.train.global_batch, grad_accum, where=f"{job_path}: field 'train.global_batch': ")
     work = Workload(micro_batch=micro_batch, global_batch=job.train.global_batch,
                     microbatches=lay.microbatches if lay.pp_enabled else None, grad_accum=grad_accum,
-                    recompute=job.train.activation_checkpoint, schedule=job.parallel.pp_schedule)
+                    recompute=job.train.activation_checkpoint, schedule=job.parallel.pp_schedule,
+                    bytes=trainer_bytes(job.train.dtype))
     cluster = cluster_from_site(res.site, res.site_path, nodes=res.nnodes, procs_per_node=res.procs_per_node,
                                 flags=flags)
     return ConfigInputs(model=res.shape, cluster=cluster, work=work, layout=lay)

@@ -113,7 +113,7 @@ def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload,
     # next; backward holds unsharded gradients of the same size before reduce-scatter.
     block = (params - 2 * model.vocab_size * model.dim) / model.n_layers
     unit = max(block, model.vocab_size * model.dim)
-    buffers = 2 * unit * (b.weights + b.grads) / layout.tp if shard > 1 else 0.0
+    buffers = 2 * unit * 2 * b.gathered / layout.tp if shard > 1 else 0.0  # weights + unsharded grads
     # Context parallel: each rank holds seq/cp tokens of every sequence (train/parallel/cp.py).
     seq = (work.seq_len or model.seq_len) // layout.cp
     shape: dict[str, Any] = dict(seq_len=seq, micro_batch=work.micro_batch, dim=model.dim, ffn_dim=model.ffn_dim,

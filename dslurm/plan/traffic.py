@@ -130,7 +130,7 @@ def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Clu
             out.append(Collective(dim=dim, op=op, what=what, ranks=ranks, size_bytes=size, calls=calls,
                                   link=link, busbw=bw))
 
-    wb = work.bytes.weights
+    wb = work.bytes.gathered
     gathers = 1 if layout.pp > 1 else 2
     add("dp_shard", "all_gather", "weights" if wb == 2 else f"weights {wb:g}B", local_params * wb, passes * gathers)
     add("dp_shard", "reduce_scatter", "grads fp32", local_params * REDUCE_BYTES, passes)
