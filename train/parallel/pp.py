@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from dslurm.config.layout import layer_split, stage_ids, stages_per_rank
+from dslurm.config.layout import layer_split, stage_ids
 from train.model import Transformer
 
 __all__ = ["Stage", "build_schedule", "layer_split", "split_stage", "stage_ids"]
