@@ -92,15 +92,21 @@ class ModelShape:
             out.append(f"head_dim({self.head_dim}) must be even for RoPE")
         return out
 
+    def layer_params(self, *, norms: bool = True) -> int:
+        """Parameters of one transformer block (`norms=False`: without its RMSNorm weights, the
+        ones tensor parallel replicates instead of splitting)."""
+        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = 2 * d * q + 2 * d * kv  # wq, wo, wk, wv
+        attn += (q + 2 * kv) * self.qkv_bias
+        mlp = 3 * d * self.ffn_dim  # SwiGLU: w1, w2, w3
+        norm = 2 * d + 2 * self.head_dim * self.qk_norm  # two RMSNorm weights (+ Qwen3's q/k norms)
+        return attn + mlp + (norm if norms else 0)
+
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Parameter count. Without the embedding: what the matmuls use, so a tied output
         projection still counts (its matmul runs) while the input lookup does not."""
-        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        attn = 2 * d * q + 2 * d * kv  # wq, wo, wk, wv
-        attn += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        mlp = 3 * d * self.ffn_dim  # SwiGLU: w1, w2, w3
-        per_layer = attn + mlp + 2 * d  # two RMSNorm weights
-        total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output
+        d = self.dim
+        total = self.n_layers * self.layer_params() + d + self.vocab_size * d  # final norm + output
         if include_embedding and not self.tie_embeddings:
             total += self.vocab_size * d
         return total

@@ -4,8 +4,9 @@ bus bandwidth.
 What one GPU sends per step, collective by collective, for the schedule this trainer runs:
 
 - **dp_shard (FSDP)**, over dp_shard x cp ranks (the cp ranks join the sharding): weights
-  all-gathered in the compute dtype, twice per forward/backward pass without a pipeline
-  (resharded after forward) and once per schedule step with one (train/parallel/fsdp.py keeps
+  all-gathered in the compute dtype, once per forward/backward pass and, without a pipeline,
+  again in backward for all but the last block (resharded after forward; train/parallel/fsdp.py
+  keeps the last block's), and once per schedule step with a pipeline (train/parallel/fsdp.py keeps
   them unsharded after forward under PP, and torch's pipelining defers resharding to the last
   microbatch's backward); gradients reduce-scattered in FP32 (`REDUCE_BYTES`: the trainer's
   MixedPrecisionPolicy reduces in float32) once per pass.
@@ -14,11 +15,14 @@ What one GPU sends per step, collective by collective, for the schedule this tra
   defer the sync to the last one), so DP traffic scales with grad_accum.
 - **tp (tensor + sequence parallel)**: per layer and microbatch, forward 2 all-gathers + 2
   reduce-scatters of the s x b x h activation (BF16), backward the same again (Korthikanti et
-  al. 2022, sec. 4.2.2); recomputation re-runs the forward's four. "selective" counts them
-  too: train/parallel/ac.py saves matmul and attention outputs but not collective outputs, so
+  al. 2022, sec. 4.2.2); recomputation re-runs the forward's two all-gathers and its first
+  reduce-scatter (checkpoint's early stop skips the last). "selective" counts them too:
+  train/parallel/ac.py saves matmul and attention outputs but not collective outputs, so
   rebuilding a matmul's input or a norm's input re-issues them (torchtitan keeps
-  reduce_scatter_tensor in its save list for this reason). The embedding and loss-parallel
-  output collectives are left out (one per microbatch, not per layer).
+  reduce_scatter_tensor in its save list for this reason). The embedding's output and the
+  output projection's input add one of each per microbatch on their stages; the gradients of
+  the norm weights (replicated over tp) are all-reduced, two per layer and the final norm's.
+  These counts are what `dslurm plan check` measures (docs/plan.md).
 - **cp (context parallel)**: per layer and microbatch, the keys and the values (two calls, each
   s x b x kv_dim/tp, BF16 gathered size) all-gathered in forward (and again when the layer is
   recomputed), their gradients reduce-scattered in backward (train/parallel/cp.py). The TP and PP
@@ -115,11 +119,16 @@ def group_link(cluster: Cluster, stride: int, ranks: int) -> tuple[str, float]:
 
 
 def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Cluster,
-                 recompute: str = "none") -> list[Collective]:
-    """Every collective one GPU takes part in per optimizer step (module docstring)."""
+                 recompute: str = "none", *, local_params: float | None = None,
+                 layers: int | None = None, ends: tuple[bool, bool] | None = None) -> list[Collective]:
+    """Every collective one GPU takes part in per optimizer step (module docstring). `local_params`
+    (its parameters, unsharded by FSDP), `layers` (the blocks it runs) and `ends` (it holds the first
+    stage, the last stage) default to the mean pipeline rank's (both ends without a pipeline, neither
+    with one); `dslurm.plan.rank` passes one rank's own."""
     out: list[Collective] = []
     passes = work.grad_accum
-    local_params = model.num_params() / (layout.tp * layout.pp)
+    if local_params is None:
+        local_params = model.num_params() / (layout.tp * layout.pp)
 
     def add(dim: str, op: str, what: str, size: float, calls: int) -> None:
         # FSDP's group is (dp_shard, cp) flattened: cp is the faster dim, so its stride is cp's
@@ -131,21 +140,33 @@ def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Clu
                                   link=link, busbw=bw))
 
     wb = work.bytes.gathered
-    gathers = 1 if layout.pp > 1 else 2
-    add("dp_shard", "all_gather", "weights" if wb == 2 else f"weights {wb:g}B", local_params * wb, passes * gathers)
+    if layers is None:
+        layers = math.ceil(model.n_layers / layout.pp)
+    weights = "weights" if wb == 2 else f"weights {wb:g}B"
+    add("dp_shard", "all_gather", weights, local_params * wb, passes)
+    if layout.pp == 1 and layers > 1:
+        # Backward gathers everything again (the root too: embedding, final norm, output) but the
+        # last block, which train/parallel/fsdp.py keeps after forward.
+        block = model.layer_params() / layout.tp
+        add("dp_shard", "all_gather", f"{weights} again (backward)", (local_params - block) * wb, passes)
     add("dp_shard", "reduce_scatter", "grads fp32", local_params * REDUCE_BYTES, passes)
     add("dp_replicate", "all_reduce", "grad shard fp32", local_params * REDUCE_BYTES / layout.fsdp_shard,
         passes)
     seq = (work.seq_len or model.seq_len) // layout.cp
     act = seq * work.micro_batch * model.dim * ACTIVATION_BYTES
-    layers = math.ceil(model.n_layers / layout.pp)
-    per_layer = 2 + (2 if recompute in ("selective", "full") else 0)  # forward (+ its re-run) ...
-    per_layer += 2  # ... and backward, for each of all-gather and reduce-scatter
-    micro = passes * layout.microbatches
-    add("tp", "all_gather", "activations", act, micro * layers * per_layer)
-    add("tp", "reduce_scatter", "activations", act, micro * layers * per_layer)
-    kv = seq * layout.cp * work.micro_batch * model.n_kv_heads * model.head_dim * ACTIVATION_BYTES / layout.tp
+    # forward 2 + backward 2 of each; recomputation re-runs the forward's two all-gathers but only
+    # the first reduce-scatter: torch.utils.checkpoint stops recomputing once backward has what
+    # it needs, and the block's last op (the FFN output's reduce-scatter) feeds no saved tensor.
     redo = 1 if recompute in ("selective", "full") else 0
+    micro = passes * layout.microbatches
+    first, last = (layout.pp == 1, layout.pp == 1) if ends is None else ends
+    # the embedding's output is reduce-scattered (gathered in backward), the output projection's
+    # input gathered (reduce-scattered in backward): once per microbatch on the stage that holds them
+    add("tp", "all_gather", "activations", act, micro * (layers * (4 + 2 * redo) + first + last))
+    add("tp", "reduce_scatter", "activations", act, micro * (layers * (4 + redo) + first + last))
+    # the RMSNorm weights are replicated over tp; their gradients are summed over it (compute dtype)
+    add("tp", "all_reduce", "norm grads", model.dim * wb, micro * (2 * layers + last))
+    kv = seq * layout.cp * work.micro_batch * model.n_kv_heads * model.head_dim * ACTIVATION_BYTES / layout.tp
     add("cp", "all_gather", "keys, values", kv, micro * layers * 2 * (1 + redo))
     add("cp", "reduce_scatter", "key, value grads", kv, micro * layers * 2)
     if layout.pp > 1:

@@ -47,7 +47,8 @@ class Parts:
     """this rank computes the loss (holds the output projection)"""
 
 
-def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, fsdp: bool) -> None:
+def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, fsdp: bool,
+                      precision: str | None = None) -> None:
     lay = dims.layout
     if lay.cp_enabled:
         from train.parallel.cp import apply_cp
@@ -69,7 +70,8 @@ def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, f
     if fsdp:
         from train.parallel.fsdp import apply_fsdp
 
-        apply_fsdp(part, dims.fsdp_mesh(), dtype=train.dtype, device_type=dims.device_type, pp_enabled=lay.pp_enabled)
+        apply_fsdp(part, dims.fsdp_mesh(), dtype=train.dtype, device_type=precision or dims.device_type,
+                   pp_enabled=lay.pp_enabled)
 
 
 def meta_init(device: torch.device) -> bool:
@@ -79,9 +81,11 @@ def meta_init(device: torch.device) -> bool:
 
 def build_parts(shape: ModelShape, job: JobSpec, dims: ParallelDims, device: torch.device, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                fsdp: bool | None = None) -> Parts:
+                fsdp: bool | None = None, precision: str | None = None) -> Parts:
     """Model parts and (with PP) the schedule for this rank. `fsdp=None` applies FSDP when
-    there is data parallelism; True forces it (the 1-process overhead benchmark)."""
+    there is data parallelism; True forces it (the 1-process overhead benchmark). `precision`:
+    the device type whose mixed precision FSDP applies (default the run's; `dslurm plan check`
+    builds a GPU run's parts on a CPU)."""
     train, par, lay = job.train, job.parallel, dims.layout
     fsdp = lay.fsdp_enabled if fsdp is None else fsdp
     meta = meta_init(device)
@@ -97,7 +101,7 @@ def build_parts(shape: ModelShape, job: JobSpec, dims: ParallelDims, device: tor
     else:
         ids, n_stages, stages = [0], 1, [full]
     for part in stages:
-        _parallelize_part(part, dims, train, fsdp)
+        _parallelize_part(part, dims, train, fsdp, precision)
         if meta:
             part.to_empty(device=device)
             torch.manual_seed(train.seed)
