@@ -50,11 +50,11 @@ def _nbytes(t: Any) -> int:
     return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
 
 
-class Collectives(TorchDispatchMode):
+class Collectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Calls and bytes per (mesh dimension, collective kind) of what runs under it."""
 
     def __init__(self, dim_of: dict[str, str]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.dim_of = dim_of
         self.rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
 
@@ -123,6 +123,27 @@ def _fwd_bwd(parts: list[nn.Module], ids: list[int], n_stages: int, shape: Any, 
             out.backward(torch.ones_like(out))
 
 
+def local_shapes(parts: list[nn.Module]) -> dict[str, list[int]]:
+    """Parameter name -> the shape of this rank's shard (a pipeline rank's two stages never share a name)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: list((p.to_local() if isinstance(p, DTensor) else p).shape)
+            for part in parts for n, p in part.named_parameters()}
+
+
+def run_micro_batch(parts: list[nn.Module], dims: Any, shape: Any, ids: list[int], n_stages: int,
+                    mb: int) -> Collectives:
+    """One micro-batch's forward and backward on every stage of the rank; the collectives it issued."""
+    comm = Collectives(group_dims(dims))
+    with comm:
+        _fwd_bwd(parts, ids, n_stages, shape, dims.layout, mb)
+    return comm
+
+
+def rows(comm: Collectives) -> list[dict[str, Any]]:
+    return [{"dim": d, "op": op, "calls": int(c), "bytes": b} for (d, op), (c, b) in sorted(comm.rows.items())]
+
+
 def measure(site: str, job: str, rank: int, overrides: list[str], site_overrides: list[str]) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -153,12 +174,11 @@ def measure(site: str, job: str, rank: int, overrides: list[str], site_overrides
                 part.to_empty(device="cpu")
         params = [p for part in built.parts for p in part.parameters()]
         state = _local_bytes(params)
-        comm = Collectives(group_dims(dims))
         tracker = MemTracker()
         tracker.track_external(*built.parts)
         mb = lay.micro_batch(jspec.train.global_batch, jspec.train.grad_accum)
-        with fake, tracker, comm:
-            _fwd_bwd(built.parts, ids, n_stages, shape, lay, mb)
+        with fake, tracker:
+            comm = run_micro_batch(built.parts, dims, shape, ids, n_stages, mb)
         peak = tracker.get_tracker_snapshot("peak")
         dev = next(iter(peak))
         kinds = {str(k).split(".")[-1].lower(): float(v) for k, v in peak[dev].items()}
@@ -171,9 +191,8 @@ def measure(site: str, job: str, rank: int, overrides: list[str], site_overrides
                         for opt in opts for st in opt.state.values())
         return {"rank": rank, "coords": lay.coords(rank), "stages": ids, "params": state, "grads": grads,
                 "optimizer": opt_bytes, "activations": kinds.get("act", 0.0) + kinds.get("temp", 0.0),
-                "peak_by_kind": kinds, "micro_batch": mb,
-                "collectives": [{"dim": d, "op": op, "calls": int(c), "bytes": b}
-                                for (d, op), (c, b) in sorted(comm.rows.items())]}
+                "peak_by_kind": kinds, "micro_batch": mb, "collectives": rows(comm),
+                "shapes": local_shapes(built.parts)}
     finally:
         dist.destroy_process_group()
 

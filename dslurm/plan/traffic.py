@@ -52,8 +52,6 @@ REDUCE_BYTES = 4.0
 """Bytes per gradient value in the DP reduction: the trainer reduces in float32
 (train/parallel/fsdp.py, `mp_policy`), whatever the compute dtype."""
 
-ACTIVATION_BYTES = 2.0
-"""Bytes per activation value on the TP and PP wires (BF16)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,7 +151,7 @@ def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Clu
     add("dp_replicate", "all_reduce", "grad shard fp32", local_params * REDUCE_BYTES / layout.fsdp_shard,
         passes)
     seq = (work.seq_len or model.seq_len) // layout.cp
-    act = seq * work.micro_batch * model.dim * ACTIVATION_BYTES
+    act = seq * work.micro_batch * model.dim * wb  # activations travel in the compute dtype
     # forward 2 + backward 2 of each; recomputation re-runs the forward's two all-gathers but only
     # the first reduce-scatter: torch.utils.checkpoint stops recomputing once backward has what
     # it needs, and the block's last op (the FFN output's reduce-scatter) feeds no saved tensor.
@@ -166,7 +164,7 @@ def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Clu
     add("tp", "reduce_scatter", "activations", act, micro * (layers * (4 + redo) + first + last))
     # the RMSNorm weights are replicated over tp; their gradients are summed over it (compute dtype)
     add("tp", "all_reduce", "norm grads", model.dim * wb, micro * (2 * layers + last))
-    kv = seq * layout.cp * work.micro_batch * model.n_kv_heads * model.head_dim * ACTIVATION_BYTES / layout.tp
+    kv = seq * layout.cp * work.micro_batch * model.n_kv_heads * model.head_dim * wb / layout.tp
     add("cp", "all_gather", "keys, values", kv, micro * layers * 2 * (1 + redo))
     add("cp", "reduce_scatter", "key, value grads", kv, micro * layers * 2)
     if layout.pp > 1:
