@@ -57,6 +57,7 @@ def test_more_than_ten_percent_apart_fails_and_a_term_on_one_side_only_fails():
         collectives = {("tp", "all_gather"): 10.0}
 
     got = {"params": 1, "grads": 1, "optimizer": 2, "activations": 9,
-           "collectives": [{"dim": "tp", "op": "all_gather", "bytes": 10}, {"dim": "cp", "op": "all_gather", "bytes": 3}]}
+           "collectives": [{"dim": "tp", "op": "all_gather", "bytes": 10},
+                           {"dim": "cp", "op": "all_gather", "bytes": 3}]}
     rows = {r.term: r for r in compare(3, got, Pred())}
     assert [t for t, r in rows.items() if r.bad] == ["cp all_gather"]  # the planner forgot a kind
