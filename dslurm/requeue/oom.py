@@ -42,7 +42,8 @@ def oom_fix(run_dir: Path) -> str:
     if not now.fits:
         return (f"the planner estimates {need} GB per GPU for this layout, over the {budget} GB usable; a layout "
                 f"that fits by its estimate ({prop.memory_gb.get('total')} GB): "
-                f"{_sets(prop.layout.degrees(), prop.recompute, work.micro_batch, ci.layout.cp)}; {cmd} shows the numbers. "
+                f"{_sets(prop.layout.degrees(), prop.recompute, work.micro_batch, ci.layout.cp)}; {cmd} shows "
+                "the numbers. "
                 "Resubmit with it: it resumes from the pointer")
     # Within the estimate: the real peak is higher than the planner's model (long sequences,
     # fragmentation, an extra copy), so a layout "that fits" by the same model is no fix; lower the
