@@ -30,6 +30,12 @@ PARALLEL = 2
 GATED = ("params", "grads", "optimizer")
 
 
+class MeasureFailed(UserError):
+    """A rank's measuring process failed (its stderr is in the message): exit 1, no traceback."""
+
+    exit_code = 1
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
     rank: int
@@ -80,7 +86,8 @@ def measure(site: str, job: str, rank: int, overrides: list[str], site_overrides
     cmd += [x for o in overrides for x in ("--set", o)] + [x for o in site_overrides for x in ("--site-set", o)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0 or not proc.stdout.strip():
-        raise RuntimeError(f"rank {rank}: `{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise MeasureFailed(f"plan check: rank {rank}: `{' '.join(cmd)}` exited {proc.returncode}:\n"
+                            f"{proc.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
