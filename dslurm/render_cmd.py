@@ -27,6 +27,7 @@ EXAMPLES = (
     ("site-configs/h100-ib.yaml", "examples/jobs/llama8b-h100.yaml"),
     ("site-configs/h100-ib.yaml", "examples/jobs/finetune-llama32-instruct.yaml"),  # run locally: tests/cluster
     ("site-configs/h100-ib.yaml", "examples/jobs/llama70b-h100.yaml"),
+    ("site-configs/h100-ib.yaml", "examples/jobs/llama405b-h100.yaml"),
     ("site-configs/a100-eth.yaml", "examples/jobs/llama1b-a100-srun.yaml"),
     ("site-configs/h100-ib-pyxis.yaml", "examples/jobs/llama8b-h100.yaml"),  # containers: docs/containers.md
     ("site-configs/a100-apptainer.yaml", "examples/jobs/llama1b-a100-srun.yaml"),

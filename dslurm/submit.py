@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from dslurm.remote.proxy import Submitted
     from dslurm.sbatch_errors import Origin
 
+
+
+class PlanCheckFailed(UserError):
+    """`submit --plan-check`: the real layout is more than 10% from the plan (exit 1, as `plan check`)."""
+
+    exit_code = 1
+
 # ------------------------------------------------------------------------------ CLI
 
 
@@ -52,6 +59,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="use NODE although the site's memory of its nodes leaves it out (repeatable; "
                         "`dslurm site nodes`)")
     p.add_argument("--strict", action="store_true", help="refuse when the plan says the job will not fit")
+    p.add_argument("--plan-check", action="store_true",
+                   help="first run `dslurm plan check` (the real layout built at full size on a fake process group, "
+                   "held against the planner); refuse to submit when it fails")
     p.add_argument("--sweep", metavar="SWEEP.yaml", default=None,
                    help="submit a sweep (docs/sweeps.md): one job array, a run directory per task; tasks whose "
                         "run completed are skipped, the rest resume")
@@ -139,6 +149,13 @@ def run_submit(args: argparse.Namespace) -> int:
             print(json.dumps({"job_ids": [], "note": note}) if as_json else note)
             return 0
     _plan_check(r, strict=args.strict)
+    if getattr(args, "plan_check", False):
+        from dslurm.plan.check import run_check
+
+        if run_check(site, job, overrides, args.site_overrides, None) != 0:
+            raise PlanCheckFailed(f"{job}: `dslurm plan check` found the real layout more than 10% from the plan "
+                                  "(above). Fix: the job's layout, or the planner where it is wrong; nothing "
+                                  "was submitted")
     if not args.dry_run:
         busy = active_jobs_of_run(r.run_dir)
         if busy:

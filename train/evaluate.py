@@ -99,6 +99,7 @@ class Evaluator:
                     inputs, targets, *docs = data.batch(i)
                     if docs:
                         t.weigh_tokens(targets)
+                    inputs, targets = t.cp_local(inputs, targets)
                     local = self._batch_loss(inputs, targets, *docs)
                     if self._fault_stop == step and i == 0:
                         t.stop.stop_requested = True  # as if USR2 arrived during this batch

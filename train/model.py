@@ -18,6 +18,7 @@ a tied output projection. Written for the parallel wrappers in `train/parallel/`
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -82,11 +83,26 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+class SeqShard(Protocol):
+    """A context-parallel rank's share of the sequence (train/parallel/cp.py `ContextShard`)."""
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """global positions of this rank's tokens"""
+
+    def key_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """global positions of the gathered keys, in the order `gather` returns them"""
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """every rank's (batch, local_len, ...) shard along dim 1 (autograd: backward reduce-scatters)"""
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: n_kv_heads key/value heads shared by n_heads queries.
     A sliding window (Mistral) and the documents of a packed sequence (`docs`: (batch, seq)
     document ids) narrow the keys each query sees (`attention_mask`); the mask is built here,
-    where the sequence is whole even under sequence parallel."""
+    where the sequence is whole even under sequence parallel. Under context parallel (`cp` set by
+    train/parallel/cp.py) x holds this rank's chunks of the sequence: RoPE and the mask take each
+    query's and key's global position, and the keys and values of the whole sequence are gathered."""
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
@@ -102,10 +118,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(shape.head_dim, shape.norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.norm_eps) if shape.qk_norm else None
         self.window = shape.sliding_window
+        self.cp: SeqShard | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         bs, seq, _ = x.shape
-        mask = attention_mask(seq, self.window, docs, x.device)
+        q_pos = k_pos = None
+        if self.cp is not None:
+            q_pos, k_pos = self.cp.positions(seq, x.device), self.cp.key_positions(seq, x.device)
+            rope = rope[q_pos]
+        full = seq if k_pos is None else len(k_pos)
+        mask = attention_mask(full, self.window, docs, x.device, q_pos=q_pos, k_pos=k_pos)
         # -1 heads: under TP each rank holds n_heads/tp query and n_kv_heads/tp kv heads.
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
@@ -113,6 +135,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.cp is not None:  # before repeat_interleave: gather n_kv_heads, not n_heads
+            k, v = self.cp.gather(k), self.cp.gather(v)
         # Repeat kv heads so each query head has its group's kv (consecutive query heads
         # share one kv head; TP column shards keep whole groups because tp | n_kv_heads).
         k = k.repeat_interleave(self.n_rep, dim=2)
@@ -124,19 +148,25 @@ class Attention(nn.Module):
 
 
 def attention_mask(seq: int, window: int | None, docs: torch.Tensor | None = None,
-                   device: torch.device | str = "cpu") -> torch.Tensor | None:
+                   device: torch.device | str = "cpu", *, q_pos: torch.Tensor | None = None,
+                   k_pos: torch.Tensor | None = None) -> torch.Tensor | None:
     """The keys each query may see (True), or None for plain causal attention: causal, within
     `window` positions (q - k < window, as transformers' sliding_window), and with `docs`
-    (batch, seq) document ids of a packed sequence, inside its own document only."""
-    if (window is None or window >= seq) and docs is None:
+    (batch, seq) document ids of a packed sequence, inside its own document only. `seq` is the
+    whole sequence; `q_pos`/`k_pos` (context parallel): the global positions of the queries and
+    keys present, in their order (default: all of them, in order)."""
+    if q_pos is None and k_pos is None and (window is None or window >= seq) and docs is None:
         return None
-    i = torch.arange(seq, device=device)
-    mask = i[:, None] >= i[None, :]
+    qi = torch.arange(seq, device=device) if q_pos is None else q_pos
+    ki = torch.arange(seq, device=device) if k_pos is None else k_pos
+    mask = qi[:, None] >= ki[None, :]
     if window is not None and window < seq:
-        mask = mask & (i[:, None] - i[None, :] < window)
+        mask = mask & (qi[:, None] - ki[None, :] < window)
     if docs is None:
         return mask
-    return (mask & (docs[:, :, None] == docs[:, None, :]))[:, None]
+    dq = docs if q_pos is None else docs[:, q_pos]
+    dk = docs if k_pos is None else docs[:, k_pos]
+    return (mask & (dq[:, :, None] == dk[:, None, :]))[:, None]
 
 
 class FeedForward(nn.Module):

@@ -28,6 +28,7 @@ from train.metrics import format_log_line
 from train.model import cross_entropy
 from train.optim import clip_grad_norm_
 from train.packing import IGNORE, masked_sum, queue_docs
+from train.parallel.cp import shard
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LambdaLR
@@ -150,12 +151,22 @@ class Step:
         return loss * float("nan") if self._poison else loss  # DSLURM_FAULT_NAN
 
     def weigh_tokens(self, targets: torch.Tensor) -> None:
-        """Instruction data: token_weight = dp / the trained targets of this global batch (one
-        all-reduce of this rank's count; ranks of one dp coordinate read the same batch)."""
+        """Instruction data: token_weight = dp x cp (the ranks FSDP averages the gradients over) / the
+        trained targets of this global batch (one all-reduce of this rank's count of its whole
+        sequences, before any cp split; ranks of one dp coordinate read the same batch)."""
         n = (targets != IGNORE).sum().float()
         dist.all_reduce(n)
         total = n.item() / (self.dims.world_size // self.dp_size)
-        self.token_weight = self.dp_size / max(total, 1.0)
+        self.token_weight = self.dp_size * self.dims.layout.cp / max(total, 1.0)
+
+    def cp_local(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This cp rank's chunks of each sequence of `batch` (train/parallel/cp.py); unchanged without cp.
+        The documents of instruction data stay whole: attention masks keys of the whole sequence."""
+        lay = self.dims.layout
+        if not lay.cp_enabled:
+            return batch
+        rank = lay.coords(self.rank)["cp"]
+        return tuple(shard(t, rank, lay.cp) for t in batch)
 
     def _loss_context(self) -> AbstractContextManager[None]:
         """Vocab-sharded logits (loss parallel, tp > 1): cross-entropy must run in this context."""
@@ -212,6 +223,7 @@ class Step:
                 time.sleep(self._slow_data)  # DSLURM_FAULT_SLOW_DATA
             if self.loader.instruct:  # every rank, a stand-in too: the count is an all-reduce
                 self.weigh_tokens(targets)
+            inputs, targets = self.cp_local(inputs, targets)
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets, *docs)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):

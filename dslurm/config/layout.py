@@ -30,13 +30,28 @@ from dslurm.errors import UserError
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimensions, outermost first; tp is fastest (consecutive ranks)."""
 
-CP_NEEDS_GPU = ("context parallel needs GPUs (the CPU attention op has no DTensor sharding rule; "
-                "reproduced on torch 2.13 CPU)")
-
-
 def stages_per_rank(schedule: str) -> int:
     """Virtual pipeline stages per pipeline rank: 2 for the interleaved schedule, else 1."""
     return 2 if schedule == "Interleaved1F1B" else 1
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """Pipeline stages held by `pp_rank` (loop-style placement: r, r+pp, ...)."""
+    return [pp_rank + i * pp for i in range(stages_per_rank(schedule))]
+
+
+def layer_split(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer ranges per stage, the first stages taking one extra when uneven (what
+    train/parallel/pp.py builds and the planner counts)."""
+    if n_stages > n_layers:
+        raise ValueError(f"n_layers({n_layers}) < pipeline stages({n_stages})")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
 
 
 def _at_least_one(name: str, value: int) -> None:
@@ -55,7 +70,7 @@ class Layout:
     dp_shard: int = 1
     """FSDP shard degree (1: replicated state)"""
     cp: int = 1
-    """context parallel degree (GPU only)"""
+    """context parallel degree: each sequence split over cp ranks (train/parallel/cp.py)"""
     tp: int = 1
     """tensor + sequence parallel degree"""
     microbatches: int = 1
@@ -119,8 +134,14 @@ class Layout:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP/HSDP is applied whenever there is data parallelism to shard or replicate over."""
-        return self.dp > 1
+        """FSDP/HSDP is applied whenever there is data parallelism to shard or replicate over; the cp
+        ranks join the sharding (dp_shard x cp), as torchtitan's."""
+        return self.dp * self.cp > 1
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks one FSDP group shards the parameters over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def loss_parallel_enabled(self) -> bool:
@@ -172,11 +193,6 @@ class Layout:
             fix = fix or "make the product equal the number of processes, or set parallel.dp_shard: -1"
             raise UserError(f"{where}{self.product()} != world_size({world_size}){detail}. Fix: {fix}")
 
-    def check_device(self, has_gpu: bool, *, where: str = "", machine: str = "this run") -> None:
-        """Context parallelism needs GPUs."""
-        if self.cp > 1 and not has_gpu:
-            raise UserError(f"{where}cp({self.cp}): {CP_NEEDS_GPU}; {machine} has none. Fix: set parallel.cp: 1")
-
     @staticmethod
     def dp_share(global_batch: int, dp_rank: int, dp_size: int) -> int:
         """The samples data-parallel rank `dp_rank` of `dp_size` takes of each global batch, B/D:
@@ -221,8 +237,12 @@ class Layout:
             out.append(f"tp({self.tp}) must divide n_heads({shape.n_heads}) and n_kv_heads({shape.n_kv_heads})")
         if shape.ffn_dim % self.tp:
             out.append(f"tp({self.tp}) must divide ffn_dim({shape.ffn_dim})")
-        if self.tp > 1 and shape.seq_len % self.tp:
-            out.append(f"tp({self.tp}) must divide seq_len({shape.seq_len}) for sequence parallel")
+        if self.cp > 1 and shape.seq_len % (2 * self.cp):
+            out.append(f"2*cp({2 * self.cp}) must divide seq_len({shape.seq_len}): context parallel gives each cp "
+                       "rank two equal chunks of the sequence (load-balanced causal split)")
+        elif self.tp > 1 and (shape.seq_len // self.cp) % self.tp:
+            local = f"seq_len({shape.seq_len})" if self.cp == 1 else f"seq_len/cp({shape.seq_len // self.cp})"
+            out.append(f"tp({self.tp}) must divide {local} for sequence parallel")
         stages = self.pp * stages_per_rank
         if self.pp > 1 and shape.n_layers < stages:
             out.append(f"n_layers({shape.n_layers}) < pipeline stages({stages})")

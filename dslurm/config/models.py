@@ -92,15 +92,21 @@ class ModelShape:
             out.append(f"head_dim({self.head_dim}) must be even for RoPE")
         return out
 
+    def layer_params(self, *, norms: bool = True) -> int:
+        """Parameters of one transformer block (`norms=False`: without its RMSNorm weights, the
+        ones tensor parallel replicates instead of splitting)."""
+        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = 2 * d * q + 2 * d * kv  # wq, wo, wk, wv
+        attn += (q + 2 * kv) * self.qkv_bias
+        mlp = 3 * d * self.ffn_dim  # SwiGLU: w1, w2, w3
+        norm = 2 * d + 2 * self.head_dim * self.qk_norm  # two RMSNorm weights (+ Qwen3's q/k norms)
+        return attn + mlp + (norm if norms else 0)
+
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Parameter count. Without the embedding: what the matmuls use, so a tied output
         projection still counts (its matmul runs) while the input lookup does not."""
-        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        attn = 2 * d * q + 2 * d * kv  # wq, wo, wk, wv
-        attn += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        mlp = 3 * d * self.ffn_dim  # SwiGLU: w1, w2, w3
-        per_layer = attn + mlp + 2 * d  # two RMSNorm weights
-        total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output
+        d = self.dim
+        total = self.n_layers * self.layer_params() + d + self.vocab_size * d  # final norm + output
         if include_embedding and not self.tie_embeddings:
             total += self.vocab_size * d
         return total
@@ -131,13 +137,15 @@ PRESETS: dict[str, ModelShape] = {
                        seq_len=64, rope_theta=10000.0),
     "small": ModelShape(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=256,
                         seq_len=256, rope_theta=10000.0),
-    # Llama 3.2 1B, Llama 3 8B and 70B shapes.
+    # Llama 3.2 1B, Llama 3 8B, 70B and 405B shapes.
     "1b": ModelShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                      vocab_size=128256, seq_len=4096),
     "8b": ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                      vocab_size=128256, seq_len=8192),
     "70b": ModelShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                       vocab_size=128256, seq_len=8192),
+    "405b": ModelShape(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                       vocab_size=128256, seq_len=8192),
 }
 
 

@@ -159,7 +159,6 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
     if par.tp > 1 and ppn % par.tp:
         raise UserError(f"{job_path}: field 'parallel.tp': tp({par.tp}) does not divide processes per "
                         f"node({ppn}), so a TP group would span nodes. Fix: pick a divisor of {ppn}")
-    layout.check_device(site.node.gpus > 0, where=f"{job_path}: field 'parallel.cp': ", machine=f"site {site.name!r}")
     shape = job.model.shape()
     check_model_layout(shape, layout, par, job_path)
     layout.micro_batch(job.train.global_batch, job.train.grad_accum, where=f"{job_path}: field 'train.global_batch': ")

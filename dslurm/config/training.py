@@ -80,7 +80,8 @@ class ParallelSpec:
     dp_shard: int = field(-1, help="FSDP shard degree; -1 = all ranks left after the others")
     tp: int = field(1, help="tensor (+sequence) parallel degree; stays inside the NVLink domain")
     pp: int = field(1, help="pipeline stages")
-    cp: int = field(1, help="context parallel degree (GPU only)")
+    cp: int = field(1, help="context parallel degree: each sequence split over cp ranks "
+                         "(2*cp must divide seq_len; the cp ranks join FSDP's sharding)")
     pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = field("1F1B", help="pipeline schedule")
     microbatches: int = field(1, help="pipeline microbatches per schedule step (>= stages; unused when pp=1)")
     allow_tp_outside_nvlink: bool = field(False, help="accept tp larger than the NVLink domain")

@@ -54,12 +54,31 @@ def register(sub: Any) -> None:
     from dslurm.plan.sim_cli import add_arguments
 
     add_arguments(sim)
+    chk = s.add_parser("check", help="build the job's real layout at full world size on a fake process group and "
+                       "hold what each checked rank allocates and sends against the planner",
+                       description="Build the job's model and parallel wrappers exactly as the trainer does, for the "
+                       "job's full world size, one CPU process per checked rank, on a fake process group with fake "
+                       "tensors (no GPU, no real memory). Per rank: parameter, gradient and optimizer bytes of the "
+                       "local shards, the activation peak of one micro-batch's forward and backward, and the bytes of "
+                       "each collective kind per mesh dimension, each beside the planner's figure. A gated term more "
+                       "than 10%% apart: exit 1. See docs/plan.md.")
+    chk.add_argument("--site", required=True, help="site YAML")
+    chk.add_argument("--job", required=True, help="job YAML")
+    chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    chk.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE")
+    chk.add_argument("--ranks", help="comma-separated ranks (default: the first rank of the first and of the last "
+                     "pipeline stage, and the world's last rank: a TP edge)")
+    chk.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `dslurm plan`; returns the exit code."""
     if args.plan_command == "simulate":
         return _simulate(args)
+    if args.plan_command == "check":
+        from dslurm.plan.check import run_check
+
+        return run_check(args.site, args.job, args.overrides, args.site_overrides, args.ranks, args.json)
     return _plan(args)
 
 

@@ -15,6 +15,7 @@ from dslurm.config.layout import Layout
 from dslurm.config.models import ModelShape
 from dslurm.errors import UserError
 from dslurm.plan.layout import Cluster, Workload
+from dslurm.plan.memory import trainer_bytes
 
 if TYPE_CHECKING:
     from dslurm.config import SiteConfig
@@ -98,16 +99,14 @@ def from_files(site_path: str, job_path: str, overrides: list[str] | None = None
 def from_resolved(res: Resolved, flags: MachineFlags | None = None) -> ConfigInputs:
     """Map an already resolved site + job onto planner inputs."""
     job_path, job, lay = res.job_path, res.job, res.layout
-    if lay.cp != 1:
-        raise UserError(f"{job_path}: field 'parallel.cp' is {lay.cp}: the planner does not model "
-                        "context parallelism yet. Fix: plan with cp=1")
     # The one batch rule (dslurm.config.layout), already checked by resolve: this only reads
     # the micro-batch it implies.
     grad_accum = job.train.grad_accum
     micro_batch = lay.micro_batch(job.train.global_batch, grad_accum, where=f"{job_path}: field 'train.global_batch': ")
     work = Workload(micro_batch=micro_batch, global_batch=job.train.global_batch,
                     microbatches=lay.microbatches if lay.pp_enabled else None, grad_accum=grad_accum,
-                    recompute=job.train.activation_checkpoint, schedule=job.parallel.pp_schedule)
+                    recompute=job.train.activation_checkpoint, schedule=job.parallel.pp_schedule,
+                    bytes=trainer_bytes(job.train.dtype))
     cluster = cluster_from_site(res.site, res.site_path, nodes=res.nnodes, procs_per_node=res.procs_per_node,
                                 flags=flags)
     return ConfigInputs(model=res.shape, cluster=cluster, work=work, layout=lay)

@@ -107,18 +107,22 @@ def memory_per_gpu(model: ModelShape, layout: Layout, work: Workload,
         raise UserError(f"recompute={recompute!r} is unknown; choose one of {', '.join(RECOMPUTES)}")
     b = work.bytes
     params = model.num_params()
-    state = params * b.total / (layout.tp * layout.pp * layout.dp_shard)
+    shard = layout.fsdp_shard  # dp_shard x cp: the cp ranks join FSDP's sharding (train/parallel/dims.py)
+    state = params * b.total / (layout.tp * layout.pp * shard)
     # FSDP gathers the largest unit (a block, or the vocabulary matrix) and prefetches the
     # next; backward holds unsharded gradients of the same size before reduce-scatter.
     block = (params - 2 * model.vocab_size * model.dim) / model.n_layers
     unit = max(block, model.vocab_size * model.dim)
-    buffers = 2 * unit * (b.weights + b.grads) / layout.tp if layout.dp_shard > 1 else 0.0
-    seq = work.seq_len or model.seq_len
+    buffers = 2 * unit * 2 * b.gathered / layout.tp if shard > 1 else 0.0  # weights + unsharded grads
+    # Context parallel: each rank holds seq/cp tokens of every sequence (train/parallel/cp.py).
+    seq = (work.seq_len or model.seq_len) // layout.cp
     shape: dict[str, Any] = dict(seq_len=seq, micro_batch=work.micro_batch, dim=model.dim, ffn_dim=model.ffn_dim,
                  n_heads=model.n_heads, kv_dim=model.n_kv_heads * model.head_dim, tp=layout.tp)
     per_stage = math.ceil(model.n_layers / layout.pp)
     rc: Any = recompute  # checked against RECOMPUTES above
     stored = activation_bytes_per_layer(recompute=rc, **shape)  # what each held layer keeps
+    if layout.cp > 1 and recompute != "full":  # ... plus the other ranks' keys and values, gathered
+        stored += 2.0 * 2 * (layout.cp - 1) * seq * work.micro_batch * shape["kv_dim"] / layout.tp
     # Under full recomputation one block is rebuilt at a time in backward: its whole
     # activations come on top of the stored layer inputs, once per GPU.
     rebuilt = activation_bytes_per_layer(recompute="none", **shape) if recompute == "full" else 0.0
@@ -167,7 +171,7 @@ class Plan:
     def as_dict(self) -> dict[str, object]:
         lay = self.layout
         return {"layout": {"tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
-                           "dp_replicate": lay.dp_replicate, "recompute": self.recompute,
+                           "dp_replicate": lay.dp_replicate, "cp": lay.cp, "recompute": self.recompute,
                            "microbatches": lay.microbatches, "grad_accum": self.grad_accum,
                            "schedule": self.schedule},
                 "memory_gb": self.memory_gb, "budget_gb": self.budget_gb, "bubble": self.bubble,

@@ -34,9 +34,12 @@ class ByteLayout:
     """FP32 master weights the optimizer updates, so small steps do not round away."""
     optimizer: float = 8.0
     """Optimizer state: Adam's two FP32 moments."""
+    gathered: float = 2.0
+    """Bytes per value of the weights FSDP all-gathers for compute (and of the unsharded gradients
+    before their reduction): the compute dtype, held only while a unit runs."""
 
     def __post_init__(self) -> None:
-        for name in ("weights", "grads", "master", "optimizer"):
+        for name in ("weights", "grads", "master", "optimizer", "gathered"):
             non_negative(f"bytes.{name}", getattr(self, name))
 
     @property
@@ -57,6 +60,15 @@ class StateBytes:
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.master + self.optimizer
+
+
+def trainer_bytes(dtype: str) -> ByteLayout:
+    """What this project's trainer keeps per parameter (train/parallel/fsdp.py, train/optim.py),
+    measured by `dslurm plan check`: FSDP2 shards the FP32 parameters themselves (they are the
+    master copy: no persistent 16-bit weights), gradients stay FP32 (reduce_dtype float32), AdamW
+    keeps two FP32 moments; with bf16 the weights are all-gathered in bf16 for compute."""
+    return ByteLayout(weights=0.0, grads=4.0, master=4.0, optimizer=8.0,
+                      gathered=2.0 if dtype == "bf16" else 4.0)
 
 
 def persistent_state(params: float, layout: ByteLayout | None = None) -> StateBytes:

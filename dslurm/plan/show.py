@@ -41,7 +41,7 @@ def _layout_table(console: Any, plan: dict[str, Any], title: str) -> None:
     for col in ("item", "value", "why"):
         table.add_column(col)
     lay = plan["layout"]
-    for name in ("tp", "pp", "dp_shard", "dp_replicate", "recompute", "microbatches", "grad_accum"):
+    for name in ("tp", "pp", "dp_shard", "dp_replicate", "cp", "recompute", "microbatches", "grad_accum"):
         reason = plan["reasons"].get({"dp_shard": "dp", "dp_replicate": "dp"}.get(name, name), "")
         table.add_row(name, str(lay[name]), reason if name != "dp_replicate" else "")
     if lay["pp"] > 1:

@@ -3,21 +3,30 @@ bus bandwidth.
 
 What one GPU sends per step, collective by collective, for the schedule this trainer runs:
 
-- **dp_shard (FSDP)**: weights all-gathered in the compute dtype, twice per forward/backward
-  pass without a pipeline (resharded after forward) and once per schedule step with one
-  (train/parallel/fsdp.py keeps them unsharded after forward under PP, and torch's pipelining
-  defers resharding to the last microbatch's backward); gradients reduce-scattered in FP32
-  (`REDUCE_BYTES`: the trainer's MixedPrecisionPolicy reduces in float32) once per pass.
+- **dp_shard (FSDP)**, over dp_shard x cp ranks (the cp ranks join the sharding): weights
+  all-gathered in the compute dtype, once per forward/backward pass and, without a pipeline,
+  again in backward for all but the last block (resharded after forward; train/parallel/fsdp.py
+  keeps the last block's), and once per schedule step with a pipeline (train/parallel/fsdp.py keeps
+  them unsharded after forward under PP, and torch's pipelining defers resharding to the last
+  microbatch's backward); gradients reduce-scattered in FP32 (`REDUCE_BYTES`: the trainer's
+  MixedPrecisionPolicy reduces in float32) once per pass.
 - **dp_replicate (HSDP replicas, or DDP)**: an FP32 all-reduce of this GPU's gradient shard
   once per pass. train/loop.py synchronises at every gradient-accumulation pass (it does not
   defer the sync to the last one), so DP traffic scales with grad_accum.
 - **tp (tensor + sequence parallel)**: per layer and microbatch, forward 2 all-gathers + 2
   reduce-scatters of the s x b x h activation (BF16), backward the same again (Korthikanti et
-  al. 2022, sec. 4.2.2); recomputation re-runs the forward's four. "selective" counts them
-  too: train/parallel/ac.py saves matmul and attention outputs but not collective outputs, so
+  al. 2022, sec. 4.2.2); recomputation re-runs the forward's two all-gathers and its first
+  reduce-scatter (checkpoint's early stop skips the last). "selective" counts them too:
+  train/parallel/ac.py saves matmul and attention outputs but not collective outputs, so
   rebuilding a matmul's input or a norm's input re-issues them (torchtitan keeps
-  reduce_scatter_tensor in its save list for this reason). The embedding and loss-parallel
-  output collectives are left out (one per microbatch, not per layer).
+  reduce_scatter_tensor in its save list for this reason). The embedding's output and the
+  output projection's input add one of each per microbatch on their stages; the gradients of
+  the norm weights (replicated over tp) are all-reduced, two per layer and the final norm's.
+  These counts are what `dslurm plan check` measures (docs/plan.md).
+- **cp (context parallel)**: per layer and microbatch, the keys and the values (two calls, each
+  s x b x kv_dim/tp, BF16 gathered size) all-gathered in forward (and again when the layer is
+  recomputed), their gradients reduce-scattered in backward (train/parallel/cp.py). The TP and PP
+  activations above are those of the rank's s/cp tokens.
 - **pp**: point-to-point sends of the stage-boundary tensor, sequence-sharded by tp (the blocks
   end in Shard(1)), one forward activation and one backward gradient per boundary and
   microbatch; the busiest rank sends 2v per microbatch (2v - 1 when p = 2).
@@ -43,8 +52,6 @@ REDUCE_BYTES = 4.0
 """Bytes per gradient value in the DP reduction: the trainer reduces in float32
 (train/parallel/fsdp.py, `mp_policy`), whatever the compute dtype."""
 
-ACTIVATION_BYTES = 2.0
-"""Bytes per activation value on the TP and PP wires (BF16)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +59,7 @@ class Collective:
     """One kind of collective on one parallel dimension, repeated `calls` times per step."""
 
     dim: str
-    """mesh dimension: dp_shard, dp_replicate, tp or pp"""
+    """mesh dimension: dp_shard (over dp_shard x cp ranks), dp_replicate, cp, tp or pp"""
     op: str
     """all_gather, reduce_scatter, all_reduce or send_recv (nccl-tests names)"""
     what: str
@@ -110,33 +117,56 @@ def group_link(cluster: Cluster, stride: int, ranks: int) -> tuple[str, float]:
 
 
 def step_traffic(model: ModelShape, layout: Layout, work: Workload, cluster: Cluster,
-                 recompute: str = "none") -> list[Collective]:
-    """Every collective one GPU takes part in per optimizer step (module docstring)."""
+                 recompute: str = "none", *, local_params: float | None = None,
+                 layers: int | None = None, ends: tuple[bool, bool] | None = None) -> list[Collective]:
+    """Every collective one GPU takes part in per optimizer step (module docstring). `local_params`
+    (its parameters, unsharded by FSDP), `layers` (the blocks it runs) and `ends` (it holds the first
+    stage, the last stage) default to the mean pipeline rank's (both ends without a pipeline, neither
+    with one); `dslurm.plan.rank` passes one rank's own."""
     out: list[Collective] = []
     passes = work.grad_accum
-    local_params = model.num_params() / (layout.tp * layout.pp)
+    if local_params is None:
+        local_params = model.num_params() / (layout.tp * layout.pp)
 
     def add(dim: str, op: str, what: str, size: float, calls: int) -> None:
-        ranks = getattr(layout, dim)
+        # FSDP's group is (dp_shard, cp) flattened: cp is the faster dim, so its stride is cp's
+        ranks = layout.fsdp_shard if dim == "dp_shard" else getattr(layout, dim)
+        stride = dim_stride(layout, "cp" if dim == "dp_shard" else dim)
         if ranks > 1 and calls > 0:
-            link, bw = group_link(cluster, dim_stride(layout, dim), ranks)
+            link, bw = group_link(cluster, stride, ranks)
             out.append(Collective(dim=dim, op=op, what=what, ranks=ranks, size_bytes=size, calls=calls,
                                   link=link, busbw=bw))
 
-    wb = work.bytes.weights
-    gathers = 1 if layout.pp > 1 else 2
-    add("dp_shard", "all_gather", "weights" if wb == 2 else f"weights {wb:g}B", local_params * wb, passes * gathers)
+    wb = work.bytes.gathered
+    if layers is None:
+        layers = math.ceil(model.n_layers / layout.pp)
+    weights = "weights" if wb == 2 else f"weights {wb:g}B"
+    add("dp_shard", "all_gather", weights, local_params * wb, passes)
+    if layout.pp == 1 and layers > 1:
+        # Backward gathers everything again (the root too: embedding, final norm, output) but the
+        # last block, which train/parallel/fsdp.py keeps after forward.
+        block = model.layer_params() / layout.tp
+        add("dp_shard", "all_gather", f"{weights} again (backward)", (local_params - block) * wb, passes)
     add("dp_shard", "reduce_scatter", "grads fp32", local_params * REDUCE_BYTES, passes)
-    add("dp_replicate", "all_reduce", "grad shard fp32", local_params * REDUCE_BYTES / layout.dp_shard,
+    add("dp_replicate", "all_reduce", "grad shard fp32", local_params * REDUCE_BYTES / layout.fsdp_shard,
         passes)
-    seq = work.seq_len or model.seq_len
-    act = seq * work.micro_batch * model.dim * ACTIVATION_BYTES
-    layers = math.ceil(model.n_layers / layout.pp)
-    per_layer = 2 + (2 if recompute in ("selective", "full") else 0)  # forward (+ its re-run) ...
-    per_layer += 2  # ... and backward, for each of all-gather and reduce-scatter
+    seq = (work.seq_len or model.seq_len) // layout.cp
+    act = seq * work.micro_batch * model.dim * wb  # activations travel in the compute dtype
+    # forward 2 + backward 2 of each; recomputation re-runs the forward's two all-gathers but only
+    # the first reduce-scatter: torch.utils.checkpoint stops recomputing once backward has what
+    # it needs, and the block's last op (the FFN output's reduce-scatter) feeds no saved tensor.
+    redo = 1 if recompute in ("selective", "full") else 0
     micro = passes * layout.microbatches
-    add("tp", "all_gather", "activations", act, micro * layers * per_layer)
-    add("tp", "reduce_scatter", "activations", act, micro * layers * per_layer)
+    first, last = (layout.pp == 1, layout.pp == 1) if ends is None else ends
+    # the embedding's output is reduce-scattered (gathered in backward), the output projection's
+    # input gathered (reduce-scattered in backward): once per microbatch on the stage that holds them
+    add("tp", "all_gather", "activations", act, micro * (layers * (4 + 2 * redo) + first + last))
+    add("tp", "reduce_scatter", "activations", act, micro * (layers * (4 + redo) + first + last))
+    # the RMSNorm weights are replicated over tp; their gradients are summed over it (compute dtype)
+    add("tp", "all_reduce", "norm grads", model.dim * wb, micro * (2 * layers + last))
+    kv = seq * layout.cp * work.micro_batch * model.n_kv_heads * model.head_dim * wb / layout.tp
+    add("cp", "all_gather", "keys, values", kv, micro * layers * 2 * (1 + redo))
+    add("cp", "reduce_scatter", "key, value grads", kv, micro * layers * 2)
     if layout.pp > 1:
         v = stages_per_rank(work.schedule)
         sends = 2 * v - (1 if layout.pp == 2 else 0)

@@ -16,8 +16,9 @@ from dslurm.errors import UserError
 from dslurm.run import RunDir
 
 
-def _sets(degrees: dict[str, int], recompute: str, micro_batch: int | None) -> str:
-    parts = [f"--set parallel.{k}={v}" for k, v in degrees.items() if k != "cp"]
+def _sets(degrees: dict[str, int], recompute: str, micro_batch: int | None, job_cp: int = 1) -> str:
+    # the planner proposes no context parallel: cp is named only to undo the job's own
+    parts = [f"--set parallel.{k}={v}" for k, v in degrees.items() if k != "cp" or v != job_cp]
     parts.append(f"--set train.activation_checkpoint={recompute}")
     return " ".join(parts) + (f" (micro-batch {micro_batch})" if micro_batch else "")
 
@@ -41,7 +42,8 @@ def oom_fix(run_dir: Path) -> str:
     if not now.fits:
         return (f"the planner estimates {need} GB per GPU for this layout, over the {budget} GB usable; a layout "
                 f"that fits by its estimate ({prop.memory_gb.get('total')} GB): "
-                f"{_sets(prop.layout.degrees(), prop.recompute, work.micro_batch)}; {cmd} shows the numbers. "
+                f"{_sets(prop.layout.degrees(), prop.recompute, work.micro_batch, ci.layout.cp)}; {cmd} shows "
+                "the numbers. "
                 "Resubmit with it: it resumes from the pointer")
     # Within the estimate: the real peak is higher than the planner's model (long sequences,
     # fragmentation, an extra copy), so a layout "that fits" by the same model is no fix; lower the

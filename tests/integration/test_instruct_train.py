@@ -5,8 +5,9 @@ apply_chat_template renders it), then the tiny model trained on completions only
 - PP 2 x TP 2 (the documents handed to each stage in microbatch order, loss parallel over the
   masked targets), stopped after step 2 (exit 75, a save) and resumed to 4: the reference's 4
   losses within 1e-5 (the sample order, loss mask and documents read back as pre-training
-  data's are; a batch read at a wrong position would differ by ~1e-2).
-Cost: 3 trainer starts (1, 4, 4 processes), 2-4 steps each."""
+  data's are; a batch read at a wrong position would differ by ~1e-2);
+- context parallel 2: the reference's losses and gradient norms within 1e-5.
+Cost: 4 trainer starts (1, 4, 4, 2 processes), 2-4 steps each."""
 
 from __future__ import annotations
 
@@ -56,11 +57,18 @@ def _run(tmp, name, nproc, *sets, steps=4, env=None):
     return proc
 
 
-def test_completion_only_training_resumes_and_agrees_under_pp_x_tp(data):
+@pytest.fixture(scope="module")
+def straight(data) -> list[dict]:
+    """The one-process reference's 4 step records."""
     tmp, _ = data
     ref = _run(tmp, "straight", None)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    want = [e["loss"] for e in step_records(tmp / "straight")]
+    return step_records(tmp / "straight")
+
+
+def test_completion_only_training_resumes_and_agrees_under_pp_x_tp(data, straight):
+    tmp, _ = data
+    want = [e["loss"] for e in straight]
     assert len(want) == 4 and all(0 < x < 10 for x in want)
 
     sets = ("parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2")
@@ -72,3 +80,15 @@ def test_completion_only_training_resumes_and_agrees_under_pp_x_tp(data):
     print(f"\npp2 x tp2, stopped after step 2 and resumed: {got} vs one process {want}")
     assert [s for s, _ in got] == [0, 1, 2, 3]
     assert [x for _, x in got] == pytest.approx(want, abs=1e-5)
+
+
+def test_completion_only_training_agrees_under_context_parallel(data, straight):
+    """cp 2: each rank's completion tokens of its chunks, weighed by dp x cp / the batch's trained targets
+    (the gradient mean runs over dp x cp ranks), the documents masked across the chunk boundaries."""
+    tmp, _ = data
+    proc = _run(tmp, "cp2", 2, "parallel.cp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = step_records(tmp / "cp2")
+    assert [e["first"] for e in got] == [0, 1, 2, 3]
+    assert [e["loss"] for e in got] == pytest.approx([e["loss"] for e in straight], abs=1e-5)
+    assert [e["grad_norm"] for e in got] == pytest.approx([e["grad_norm"] for e in straight], abs=1e-5)

@@ -167,9 +167,11 @@ def test_tp_must_divide_heads(tmp_path):
         _resolve(site, job, tmp_path)
 
 
-def test_context_parallel_refused_on_cpu(tmp_path):
-    with pytest.raises(UserError, match="context parallel needs GPUs"):
-        _resolve(local_site(), {"name": "j", "nodes": 1, "parallel": {"cp": 2}}, tmp_path)
+def test_context_parallel_runs_on_cpu_and_needs_two_chunks_per_rank(tmp_path):
+    assert _resolve(local_site(), {"name": "j", "nodes": 1, "parallel": {"cp": 2}}, tmp_path).layout.cp == 2
+    with pytest.raises(UserError, match=r"field 'parallel': 2\*cp\(6\) must divide seq_len\(64\).*Fix: "):
+        _resolve(local_site(), {"name": "j", "nodes": 1, "parallel": {"cp": 3},
+                                "procs_per_node": 3}, tmp_path)
 
 
 def test_signal_lead_below_time(tmp_path):

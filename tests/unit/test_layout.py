@@ -4,6 +4,7 @@ planner used to apply differently under pp > 1."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -66,12 +67,16 @@ def test_degrees_below_one_and_microbatches_without_a_pipeline_are_refused():
     assert Layout.for_world(4, microbatches=4).microbatches == 1
 
 
-def test_context_parallel_needs_a_gpu():
-    with pytest.raises(UserError, match=r"cp\(2\): context parallel needs GPUs.*site 'x' has none. Fix: set "
-                                        r"parallel.cp: 1"):
-        Layout(cp=2).check_device(False, machine="site 'x'")
-    Layout(cp=2).check_device(True)
-    Layout().check_device(False)
+def test_context_parallel_needs_two_chunks_per_rank_and_a_local_sequence_tp_divides():
+    tiny, small = PRESETS["tiny"], PRESETS["small"]  # seq_len 64; small: 8 heads, 4 kv heads
+    assert Layout(cp=4).shape_problems(tiny) == []
+    assert Layout(cp=3).shape_problems(tiny) == [
+        "2*cp(6) must divide seq_len(64): context parallel gives each cp rank two equal chunks of the sequence "
+        "(load-balanced causal split)"]
+    short = dataclasses.replace(small, seq_len=12)  # cp 2: 6 tokens per rank, not a multiple of tp 4
+    assert Layout(cp=2, tp=4).shape_problems(short) == ["tp(4) must divide seq_len/cp(6) for sequence parallel"]
+    assert Layout(tp=4).shape_problems(short) == []
+    assert Layout(cp=2, dp_shard=3).fsdp_enabled and Layout(cp=2).fsdp_shard == 2  # cp joins FSDP's sharding
 
 
 def test_shape_and_schedule_rules_count_virtual_stages():

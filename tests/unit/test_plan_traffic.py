@@ -71,23 +71,31 @@ def test_70b_example_step_traffic_by_hand():
     ar = rows["dp_replicate", "all_reduce"]  # fp32 shard over 2 replicas: 2(1/2) x local x 4 / 4
     assert ar.sent_bytes == pytest.approx(local) and ar.time_s == pytest.approx(local / 50e9)
     act = 8192 * 8 * 8192 * 2  # s x b x h, bf16 = 1.07 GB
-    for op in ("all_gather", "reduce_scatter"):
-        tp = rows["tp", op]  # 8 microbatches x 40 layers x (2 forward + 2 recomputed + 2 backward)
-        assert (tp.calls, tp.size_bytes, tp.busbw) == (8 * 40 * 6, act, 450)
-        assert tp.sent_bytes == pytest.approx(1920 * act * 7 / 8)
+    # 8 microbatches x 40 layers x (2 forward + 2 backward + the recomputed forward's 2 gathers, 1 scatter)
+    for op, per_layer in (("all_gather", 6), ("reduce_scatter", 5)):
+        tp = rows["tp", op]
+        assert (tp.calls, tp.size_bytes, tp.busbw) == (8 * 40 * per_layer, act, 450)
+        assert tp.sent_bytes == pytest.approx(8 * 40 * per_layer * act * 7 / 8)
     pp = rows["pp", "send_recv"]  # p=2: 2v - 1 = 3 sends per microbatch of s x b x h / tp
     assert (pp.calls, pp.size_bytes) == (24, act / 8)
     assert pp.time_s == pytest.approx(24 * act / 8 / 50e9)
+    norms = rows["tp", "all_reduce"]  # the replicated norm weights' grads: 8 x 2 x 40 (the mean pp rank)
+    assert (norms.calls, norms.size_bytes) == (8 * 80, 8192 * 2)
     by_dim = traffic_by_dim(list(rows.values()))
-    assert by_dim["tp"]["sent_bytes"] == pytest.approx(2 * 1920 * act * 7 / 8)
+    assert by_dim["tp"]["sent_bytes"] == pytest.approx(8 * 40 * 11 * act * 7 / 8 + 8 * 80 * 8192 * 2 * 2 * 7 / 8)
 
 
-def test_fsdp_without_pipeline_gathers_twice_per_pass_and_scales_with_grad_accum():
+def test_fsdp_without_pipeline_gathers_blocks_again_in_backward_and_scales_with_grad_accum():
     lay = Layout(dp_shard=16, tp=2)
     c = Cluster(nodes=4, gpus_per_node=8, gpu_mem_gb=80)  # bandwidth unknown: times are None
-    rows = {(r.dim, r.op): r for r in step_traffic(PRESETS["8b"], lay, Workload(grad_accum=16), c, "selective")}
-    assert rows["dp_shard", "all_gather"].calls == 32 and rows["dp_shard", "reduce_scatter"].calls == 16
-    assert rows["tp", "all_gather"].calls == 16 * 32 * 6  # selective re-issues the forward's collectives too
+    got = step_traffic(PRESETS["8b"], lay, Workload(grad_accum=16), c, "selective")
+    rows = {(r.dim, r.op): r for r in got}
+    fwd, again = [r for r in got if (r.dim, r.op) == ("dp_shard", "all_gather")]
+    assert (fwd.calls, fwd.size_bytes) == (16, PRESETS["8b"].num_params() / 2 * 2)
+    # backward: all again but the last block (kept after forward)
+    assert (again.calls, again.size_bytes) == (16, (PRESETS["8b"].num_params() - PRESETS["8b"].layer_params()) / 2 * 2)
+    assert rows["dp_shard", "reduce_scatter"].calls == 16
+    assert rows["tp", "all_gather"].calls == 16 * (32 * 6 + 2)  # selective re-issues the forward's gathers too
     assert rows["dp_shard", "all_gather"].time_s is None
     assert traffic_by_dim(list(rows.values()))["dp_shard"]["time_s"] is None
     ddp = step_traffic(PRESETS["1b"], Layout(dp_replicate=8), Workload(), Cluster(nodes=1), "none")
@@ -117,3 +125,20 @@ def test_mfu_conversion_by_hand():
     assert at30["mfu"] == 0.3 and at30["tokens_per_s"] == pytest.approx(20_000) and at30["step_s"] == pytest.approx(50)
     assert out["mfu_ceiling"] == pytest.approx(0.9 * 120 / 160)
     assert out["measured"] == pytest.approx({"tokens_per_s": 20_000, "mfu": 0.3, "hfu": 0.4})
+
+
+def test_context_parallel_shards_state_tokens_and_adds_its_kv_collectives():
+    """cp 2 (train/parallel/cp.py): FSDP shards over dp_shard x cp, each rank's TP traffic is of its
+    seq/cp tokens, and each layer gathers K and V (s x kv_dim / tp, bf16) and reduce-scatters their grads."""
+    from dslurm.plan.layout import memory_per_gpu
+
+    model, work = PRESETS["8b"], Workload(micro_batch=1, grad_accum=1)
+    one, two = Layout(tp=2, dp_shard=64), Layout(tp=2, dp_shard=32, cp=2)
+    assert memory_per_gpu(model, two, work)["state"] == pytest.approx(memory_per_gpu(model, one, work)["state"])
+    assert memory_per_gpu(model, two, work)["activations"] < 0.6 * memory_per_gpu(model, one, work)["activations"]
+    rows = {(c.dim, c.op): c for c in step_traffic(model, two, work, H100)}
+    assert rows[("dp_shard", "all_gather")].ranks == 64  # dp_shard 32 x cp 2, tp-strided
+    kv = 8192 * 8 * 128 * 2 / 2  # full sequence x kv_dim x bf16 / tp
+    assert rows[("cp", "all_gather")].size_bytes == kv and rows[("cp", "all_gather")].calls == 32 * 2
+    assert rows[("cp", "reduce_scatter")].calls == 32 * 2 and rows[("cp", "all_gather")].link == "nvlink"
+    assert rows[("tp", "all_gather")].size_bytes == 8192 // 2 * 4096 * 2  # this rank's tokens

@@ -1,11 +1,12 @@
 """Build this rank's model parts, parallelised in torchtitan's order.
 
 full model (same seed on every rank) -> [PP: one copy per owned stage, other layers
-deleted] -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP2/HSDP
--> [PP: PipelineStage + schedule]. On GPU the full model is built on the meta device and
-materialised after sharding (`to_empty` + `init_weights` under the seed), so no rank ever
-holds the unsharded weights; on CPU it is built for real so every layout starts from
-bit-identical weights (the parity tests need that).
+deleted] -> CP (attention over the gathered sequence) -> TP(+SP, loss parallel) -> activation
+checkpointing -> compile -> FSDP2/HSDP (over dp_shard x cp) -> [PP: PipelineStage + schedule].
+On GPU the full model is built on the meta device and materialised after sharding
+(`to_empty` + `init_weights` under the seed), so no rank ever holds the unsharded weights; on
+CPU it is built for real so every layout starts from bit-identical weights (the parity tests
+need that).
 """
 
 from __future__ import annotations
@@ -46,8 +47,14 @@ class Parts:
     """this rank computes the loss (holds the output projection)"""
 
 
-def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, fsdp: bool) -> None:
+def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, fsdp: bool,
+                      precision: str | None = None) -> None:
     lay = dims.layout
+    if lay.cp_enabled:
+        from train.parallel.cp import apply_cp
+
+        cp_mesh = dims.get_mesh("cp")
+        apply_cp(part, cp_mesh.get_group(), cp_mesh.get_local_rank(), lay.cp)
     if lay.tp_enabled:
         from train.parallel.tp import apply_tp
 
@@ -63,9 +70,8 @@ def _parallelize_part(part: Transformer, dims: ParallelDims, train: TrainSpec, f
     if fsdp:
         from train.parallel.fsdp import apply_fsdp
 
-        mesh = (dims.get_mesh(("dp_replicate", "dp_shard")) if lay.dp_replicate_enabled
-                else dims.get_mesh("dp_shard"))
-        apply_fsdp(part, mesh, dtype=train.dtype, device_type=dims.device_type, pp_enabled=lay.pp_enabled)
+        apply_fsdp(part, dims.fsdp_mesh(), dtype=train.dtype, device_type=precision or dims.device_type,
+                   pp_enabled=lay.pp_enabled)
 
 
 def meta_init(device: torch.device) -> bool:
@@ -75,9 +81,11 @@ def meta_init(device: torch.device) -> bool:
 
 def build_parts(shape: ModelShape, job: JobSpec, dims: ParallelDims, device: torch.device, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                fsdp: bool | None = None) -> Parts:
+                fsdp: bool | None = None, precision: str | None = None) -> Parts:
     """Model parts and (with PP) the schedule for this rank. `fsdp=None` applies FSDP when
-    there is data parallelism; True forces it (the 1-process overhead benchmark)."""
+    there is data parallelism; True forces it (the 1-process overhead benchmark). `precision`:
+    the device type whose mixed precision FSDP applies (default the run's; `dslurm plan check`
+    builds a GPU run's parts on a CPU)."""
     train, par, lay = job.train, job.parallel, dims.layout
     fsdp = lay.fsdp_enabled if fsdp is None else fsdp
     meta = meta_init(device)
@@ -93,7 +101,7 @@ def build_parts(shape: ModelShape, job: JobSpec, dims: ParallelDims, device: tor
     else:
         ids, n_stages, stages = [0], 1, [full]
     for part in stages:
-        _parallelize_part(part, dims, train, fsdp)
+        _parallelize_part(part, dims, train, fsdp, precision)
         if meta:
             part.to_empty(device=device)
             torch.manual_seed(train.seed)

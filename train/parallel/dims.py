@@ -6,7 +6,8 @@ needs torch, as torchtitan's does: a lazily built world mesh with dims `DIM_NAME
 (pp, dp_replicate, dp_shard, cp, tp), tp fastest, matching `Layout.coords` so a rank's mesh
 coordinates equal the pure ones. Size-1 dims are kept in the mesh so every name is always
 valid (FSDP on a 1-process mesh is how the benchmark measures wrapper overhead); "dp" is the
-flattened (dp_replicate, dp_shard) pair.
+flattened (dp_replicate, dp_shard) pair and "dp_shard_cp" the flattened (dp_shard, cp) pair: the
+cp ranks join FSDP's sharding (as torchtitan's dp_shard_cp), `fsdp_mesh` says which mesh FSDP gets.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dslurm.config.layout import DIM_NAMES, Layout
 if TYPE_CHECKING:  # torch is imported when the mesh is first built
     from torch.distributed.device_mesh import DeviceMesh
 
-FLAT_NAMES = {"dp": ("dp_replicate", "dp_shard")}
+FLAT_NAMES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,9 +33,7 @@ class ParallelDims:
     """'cpu' (gloo) or 'cuda' (nccl)"""
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        self.layout.check_device(self.device_type != "cpu", machine="this CPU run")
+    _hsdp_cp: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_layout(cls, layout: Layout, world_size: int, device_type: str = "cpu") -> ParallelDims:
@@ -75,3 +74,20 @@ class ParallelDims:
                                  f"ask for its parts {FLAT_NAMES[flat[0]]} instead")
             return self._flat[flat[0]]
         return mesh[names if len(names) > 1 else names[0]]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: dp_shard, joined by cp when context parallel is on (a cp rank
+        holds other tokens of the same sequences, so it shards parameters and averages gradients
+        like a data-parallel rank), and with HSDP the 2-D (dp_replicate, that) mesh."""
+        lay = self.layout
+        if not lay.cp_enabled:
+            return self.get_mesh(("dp_replicate", "dp_shard") if lay.dp_replicate_enabled else "dp_shard")
+        if not lay.dp_replicate_enabled:
+            return self.get_mesh("dp_shard_cp")
+        if self._hsdp_cp is None:
+            # (dp_replicate, dp_shard*cp): the three adjacent dims flattened, then cut in two
+            # (slicing a flattened dim from the root mesh is deprecated, see above).
+            flat = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self._hsdp_cp = flat._unflatten(0, (lay.dp_replicate, lay.dp_shard * lay.cp),
+                                            ("dp_replicate", "dp_shard_cp"))
+        return self._hsdp_cp

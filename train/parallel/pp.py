@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from dslurm.config.layout import stages_per_rank
+from dslurm.config.layout import layer_split, stage_ids
 from train.model import Transformer
+
+__all__ = ["Stage", "build_schedule", "layer_split", "split_stage", "stage_ids"]
 
 if TYPE_CHECKING:  # torch's private base classes: for the type checker only
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -42,24 +44,6 @@ class Stage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         finally:
             model.chunk = None
-
-
-def layer_split(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous layer ranges per stage, the first stages taking one extra when uneven."""
-    if n_stages > n_layers:
-        raise ValueError(f"n_layers({n_layers}) < pipeline stages({n_stages})")
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
-    """Stage indices held by `pp_rank` (loop-style placement)."""
-    return [pp_rank + i * pp for i in range(stages_per_rank(schedule))]
 
 
 def split_stage(full: Transformer, stage: int, n_stages: int) -> Transformer:
