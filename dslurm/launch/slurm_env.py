@@ -86,6 +86,17 @@ def master_port(job_id: str, restart_count: int = 0, step_index: int = 0) -> int
     return PORT_BASE + (int(digits) + 4099 * restart_count + 7919 * step_index) % PORT_SPAN
 
 
+LIGHTHOUSE_STEP = 1000
+"""The step index the Lighthouse's port is derived with (`lighthouse_port`): no job step of a
+start reaches it, and 7919 is prime to PORT_SPAN, so no step's master port equals it."""
+
+
+def lighthouse_port(job_id: str, restart_count: int = 0) -> int:
+    """The port of a replica-group job's torchft Lighthouse (recovery.replicas): the batch script
+    starts it there (dslurm.recover.lighthouse), `dslurm supervise` hands its address to every group."""
+    return master_port(job_id, restart_count, LIGHTHOUSE_STEP)
+
+
 def _job_id(env: Mapping[str, str]) -> str:
     """Slurm's job ids are decimal numbers (array tasks and het components too: their own
     numeric SLURM_JOB_ID); the master port and the facts paths are derived from it."""

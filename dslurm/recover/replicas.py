@@ -1,0 +1,207 @@
+"""The replica groups of a job with `recovery.replicas` (`dslurm supervise`, docs/recovery.md).
+
+The job's `parallel.dp_replicate` groups are whole nodes each (`group_hosts`): every group is its
+own job step (srun on its nodes) and its own torchrun world, and torchft's Lighthouse (started by
+the batch script, dslurm/recover/lighthouse.py) holds their quorum. This loop runs one thread per
+group; when a group's step ends:
+
+- in a failure (crash, node failure, burn-in) while another group still trains, the group is
+  *lost*, not the job: `replica_lost` goes to the ledger (the cause classified from that step's own
+  facts, `endings.classify`; the step from the group's own record, train/replicas.py `PROGRESS`),
+  and the group's step starts again at once, on its nodes when they answer a probe, else on a
+  spare (its nodes blocklisted); the new step heals from a live peer (train/replicas.py). The
+  survivors never stop: torchft leaves the lost group out of their next quorum;
+- otherwise (completed, a stop, the last group alive failing, no node left for it, the restart
+  budget spent) the group is over. Once every group is over, the job's ending is concluded as
+  `requeue-me` would (`requeue.conclude`) from the facts of the lead group's last step: group 0's,
+  the one that owns the checkpoints and the run-wide events, unless another group ended better.
+
+Slurm's USR2/TERM reach every group (recorded in each step's batch.signals, forwarded to each
+srun); no step starts after one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dslurm import endings as E
+from dslurm.config.resolve import Resolved
+from dslurm.errors import UserError
+from dslurm.observe import events as ev
+from dslurm.recover.supervisor import Runner, Step
+
+log = logging.getLogger(__name__)
+
+GROUP_ENV = "DSLURM_REPLICA_GROUP"
+"""the group a job step runs (train/replicas.py reads it)"""
+LOST_STEP_ENV = "DSLURM_REPLICA_LOST_STEP"
+"""a restarted group's: the step it was lost at (its heal counts the samples it missed from there)"""
+PROGRESS = "replica.step"
+"""in a group step's facts dir: the step its rank 0 began last (rewritten every step: a hint)"""
+
+
+def group_hosts(training: Sequence[str], groups: int) -> list[tuple[str, ...]]:
+    """The training nodes split into `groups` groups of whole nodes, in order. Pure."""
+    if groups < 1 or len(training) % groups:
+        raise UserError(f"{len(training)} training node(s) do not split into {groups} replica groups. "
+                        "Fix: set nodes to a multiple of parallel.dp_replicate")
+    per = len(training) // groups
+    return [tuple(training[i * per:(i + 1) * per]) for i in range(groups)]
+
+
+def last_step(facts_dir: Path) -> int | None:
+    """The step a group began last, from its rank 0's record (None: it began none)."""
+    try:
+        return int((facts_dir / PROGRESS).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(slots=True)
+class GroupEnd:
+    """How a group's last job step ended."""
+
+    facts_dir: Path
+    ending: E.Ending
+    rc: int
+
+
+class ReplicaSupervisor:
+    """One thread per replica group; a lost group's step started again while the others train."""
+
+    def __init__(self, r: Resolved, runners: Sequence[Runner], env: Mapping[str, str], alloc: Sequence[str]) -> None:
+        from dslurm.recover import initial_nodes
+        from dslurm.run import read_blocklist
+
+        self.r, self.runners, self.env = r, list(runners), dict(env)
+        self.run_dir = r.run_dir
+        self.job_id = env.get("SLURM_JOB_ID", "")
+        self.restart = int(env.get("SLURM_RESTART_COUNT") or 0)
+        nodes = initial_nodes(alloc, r.nnodes, read_blocklist(self.run_dir))
+        self.hosts = group_hosts(nodes.training, r.job.parallel.dp_replicate)
+        self.spares = list(nodes.spares)
+        self.lock = threading.Lock()
+        self.index = 0
+        self.stopping: str | None = None
+        self.running: dict[int, Path] = {}  # group -> the facts dir of its running step
+        self.ends: dict[int, GroupEnd] = {}
+        self.restarts = [0] * len(self.hosts)
+        self.probe_s = 8.0
+
+    def on_signal(self, name: str) -> None:
+        """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
+        with self.lock:
+            self.stopping = self.stopping or name
+            dirs = list(self.running.values())
+        for d in dirs:
+            try:
+                with open(d / "batch.signals", "a") as fh:
+                    fh.write(f"{name} {time.time():.6f}\n")
+            except OSError as exc:
+                log.error("could not record %s in %s: %s", name, d, exc)
+
+    def signal(self, signum: int) -> None:
+        for runner in self.runners:
+            runner.signal(signum)
+
+    def loop(self) -> int:
+        from dslurm.requeue import _Accounting, conclude
+
+        acct = _Accounting(self.env)
+        threads = [threading.Thread(target=self._group, args=(g,), name=f"dslurm-group-{g}", daemon=True)
+                   for g in range(len(self.hosts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.5)  # the main thread stays free for the signal handlers
+        lead = self._lead()
+        return conclude(self.run_dir, lead.facts_dir, lead.ending, lead.rc, self.env, acct,
+                        act=self.runners[0].act).exit_code
+
+    def _lead(self) -> GroupEnd:
+        """Group 0's end (it owns the checkpoints and the run-wide events), unless another ended in
+        no failure while group 0 failed."""
+        first = self.ends[0]
+        if first.ending.cls not in E.FAILURES:
+            return first
+        return next((e for g, e in sorted(self.ends.items()) if e.ending.cls not in E.FAILURES), first)
+
+    def _step_dir(self) -> tuple[int, Path]:
+        from dslurm.facts import STARTS, start_name
+
+        with self.lock:
+            index, self.index = self.index, self.index + 1
+        d = self.run_dir / STARTS / start_name(self.job_id, self.restart, index)
+        d.mkdir(parents=True, exist_ok=True)
+        return index, d
+
+    def _group(self, g: int) -> None:
+        from dslurm.facts import read_start
+
+        runner = self.runners[g]
+        while True:
+            index, d = self._step_dir()
+            with self.lock:
+                stop = f"SIG{self.stopping}" if self.stopping else None
+                self.running[g] = d
+            log.info("dslurm supervise: replica group %d: step %d on %s", g, index, ",".join(self.hosts[g]))
+            rc = runner.run(Step(index=index, hosts=self.hosts[g], facts_dir=d, stop=stop), lambda: False)
+            t_end = time.time()
+            with self.lock:
+                self.running.pop(g, None)
+            ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
+            self.ends[g] = GroupEnd(d, ending, rc)
+            if not self._restart(g, d, ending, t_end):
+                return
+
+    def _restart(self, g: int, d: Path, ending: E.Ending, t_end: float) -> bool:
+        """After a failure of group g with others training: the ledger's replica_lost, the nodes of
+        its next step; False: the group is over."""
+        from dslurm.observe.ledger import Ledger
+        from dslurm.recover.supervisor import failed_at
+
+        with self.lock:
+            others = bool(self.running)
+            stopping = self.stopping
+        if stopping or ending.cls not in E.FAILURES or not others:
+            return False
+        from dslurm.facts import read_start
+
+        hosts = self.hosts[g]
+        budget = self.r.policy.max_restarts
+        nxt = self._next_hosts(g, hosts) if self.restarts[g] < budget else None
+        Ledger(self.run_dir).append(ev.ReplicaLost(
+            group=g, step=last_step(d), cause=ending.cls, reason=ending.reason[:600], hosts=list(hosts),
+            next_hosts=list(nxt or ()), failed_t=round(failed_at(read_start(d), t_end), 3)))
+        if nxt is None:
+            log.error("dslurm supervise: replica group %d lost (%s) and not started again (%s)", g, ending.cls,
+                      "restart budget spent" if self.restarts[g] >= budget else "no node left for it")
+            return False
+        self.restarts[g] += 1
+        self.hosts[g] = nxt
+        self.runners[g].env[LOST_STEP_ENV] = str(last_step(d) or 0)  # type: ignore[attr-defined]
+        print(f"dslurm: replica group {g} lost ({ending.cls}: {ending.reason}); the others train on; "
+              f"its step starts again on {','.join(nxt)}", flush=True)
+        return True
+
+    def _next_hosts(self, g: int, hosts: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The group's nodes when they answer a probe; a node that does not is swapped for a spare
+        (and blocklisted); None when no spare is left."""
+        from dslurm.run import add_to_blocklist
+
+        dead = set(self.runners[g].probe(hosts, self.probe_s))
+        if not dead:
+            return hosts
+        with self.lock:
+            if len(self.spares) < len(dead):
+                return None
+            take = [self.spares.pop(0) for _ in dead]
+        add_to_blocklist(self.run_dir, sorted(dead))
+        it = iter(take)
+        return tuple(next(it) if h in dead else h for h in hosts)
