@@ -1,0 +1,140 @@
+"""recovery.replicas (issue 50): the config's rules, the rendered script (Lighthouse beside the batch
+shell, --no-kill, supervise), the group split and data slots, and the replica supervisor's loop
+against a fake runner (the real one: tests/cluster/test_replicas.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dslurm import endings as E
+from dslurm.config import load_job, load_site
+from dslurm.config.resolve import resolve
+from dslurm.errors import UserError
+from dslurm.launch.slurm_env import lighthouse_port, master_port
+from dslurm.observe import events as ev
+from dslurm.recover.lighthouse import address
+from dslurm.recover.replicas import PROGRESS, ReplicaSupervisor, group_hosts, last_step
+from dslurm.render import RenderRefs, render_sbatch
+from train.replicas import Context, group_overrides
+
+SITE = "site-configs/local.yaml"
+
+
+def _resolved(tmp_path: Path | None = None, **job):
+    data = {"name": "rep", "nodes": 3, "procs_per_node": 1, "model": {"preset": "tiny"},
+            "parallel": {"dp_replicate": 3}, "recovery": {"replicas": True}, "train": {"global_batch": 6},
+            **({"checkpoint": {"run_dir": str(tmp_path)}} if tmp_path else {}), **job}
+    return resolve(load_site(SITE), load_job(data=data))
+
+
+@pytest.mark.parametrize("job,field,fix", [
+    ({"parallel": {"dp_replicate": 1}}, "recovery.replicas", "dp_replicate: 2 or more"),
+    ({"nodes": 4}, "nodes", "multiple of 3"),
+    ({"recovery": {"replicas": True, "replicas_min": 4}}, "recovery.replicas_min", "between 1 and"),
+    ({"launch": "srun"}, "launch", "launch: torchrun"),
+])
+def test_replica_settings_that_cannot_work_are_refused_with_the_field_and_the_fix(job, field, fix):
+    with pytest.raises(UserError) as err:
+        _resolved(**job)
+    assert field in str(err.value) and fix in str(err.value)
+
+
+def test_the_script_starts_the_lighthouse_beside_itself_and_supervises_the_groups_with_no_kill():
+    text = render_sbatch(_resolved(), RenderRefs(site=SITE, job="job.yaml"))
+    assert "#SBATCH --no-kill" in text and "#SBATCH --nodes=3" in text
+    start = text.index("-m dslurm.recover.lighthouse --min-replicas 1")
+    sup = text.index("-m dslurm supervise")
+    stop = text.index('kill "$lighthouse_pid"')
+    assert start < sup < stop < text.index('exit "$rc"')
+    assert "trap '' USR2; exec" in text[start - 40:start]  # USR2 is the batch shell's to forward
+    res = subprocess.run(["shellcheck", "-"], input=text, text=True, capture_output=True)
+    assert res.returncode == 0, res.stdout
+
+
+def test_a_plain_job_renders_no_lighthouse():
+    text = render_sbatch(_resolved(recovery={}, parallel={"dp_replicate": 3}), RenderRefs(site=SITE, job="j.yaml"))
+    assert "lighthouse" not in text and "--no-kill" not in text
+
+
+def test_the_lighthouse_port_is_no_step_master_port():
+    port = lighthouse_port("4242", 1)
+    assert port not in {master_port("4242", 1, i) for i in range(200)}
+    assert address("node1", "4242", 1) == f"http://node1:{port}"
+
+
+def test_groups_are_whole_nodes_in_order():
+    assert group_hosts(["a", "b", "c", "d"], 2) == [("a", "b"), ("c", "d")]
+    with pytest.raises(UserError, match="multiple of parallel.dp_replicate"):
+        group_hosts(["a", "b", "c"], 2)
+
+
+def test_a_groups_data_slots_depend_on_step_group_and_rank_only():
+    ctx = Context(group=2, groups=3, replicas_min=1)
+    assert [ctx.data_slot(r, 2) for r in range(2)] == [(4, 6), (5, 6)]
+    assert Context(group=0, groups=3, replicas_min=1).data_slot(1, 2) == (1, 6)
+    assert sorted(Context(group=g, groups=3, replicas_min=1).replica_id for g in (2, 0, 1)) == [
+        "dslurm_g0000", "dslurm_g0001", "dslurm_g0002"]  # torchft's replica ranks follow the groups
+
+
+def test_a_group_trains_its_share_of_the_global_batch_on_its_own_world():
+    r = _resolved()
+    assert group_overrides(r.job) == ["parallel.dp_replicate=1", "train.global_batch=2", "recovery.replicas=false",
+                                      "recovery.replicas_min=1"]
+    g = resolve(load_site(SITE), load_job(data={"name": "rep", "nodes": 1, "procs_per_node": 1,
+                                                "model": {"preset": "tiny"}, "parallel": {"dp_replicate": 3},
+                                                "recovery": {"replicas": True}, "train": {"global_batch": 6}},
+                                          overrides=group_overrides(r.job)))
+    assert g.layout.dp == 1 and g.job.train.global_batch == 2
+
+
+class FakeRunner:
+    """What the supervisor asks of a group's runner around a loss (the srun steps themselves:
+    tests/cluster/test_replicas.py)."""
+
+    def __init__(self) -> None:
+        self.env: dict[str, str] = {}
+
+    def signal(self, signum):
+        pass
+
+    def view(self, hosts):
+        return E.SlurmView(state="RUNNING")
+
+    def act(self, dec, ending, env, run_dir, chain):
+        pass
+
+    def drain(self, hosts, reason):
+        pass
+
+    def probe(self, hosts, timeout_s):
+        return ()
+
+
+def test_a_lost_group_is_recorded_and_started_again_while_another_trains(tmp_path):
+    r = _resolved(tmp_path)
+    env = {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)}
+    runners = [FakeRunner(), FakeRunner(), FakeRunner()]
+    sup = ReplicaSupervisor(r, runners, env, ["node1", "node2", "node3"])
+    sup.running = {0: tmp_path}  # group 0 still trains while group 2 fails
+    end = sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="rank 0 killed"), 1.0)
+    assert end is True and sup.hosts[2] == ("node3",) and runners[2].env["DSLURM_REPLICA_LOST_STEP"] == "15"
+    lost = ev.of(ev.read(tmp_path), ev.ReplicaLost)
+    assert [(e.group, e.step, e.cause, e.next_hosts) for e in lost] == [(2, 15, "crash", ["node3"])]
+    sup.running = {}
+    assert sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="again"), 1.0) is False  # alone
+
+
+def _failed_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "starts" / "77.0.9"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / PROGRESS).write_text("15\n")
+    return d
+
+
+def test_the_last_step_a_group_began_is_read_from_its_record(tmp_path):
+    assert last_step(tmp_path) is None
+    (tmp_path / PROGRESS).write_text("23\n")
+    assert last_step(tmp_path) == 23
