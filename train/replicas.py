@@ -218,7 +218,7 @@ class Replicas:
         from torch.distributed.tensor import DTensor
 
         def local(v: Any) -> Any:
-            return v.detach().to_local() if isinstance(v, DTensor) else v
+            return v.to_local().detach() if isinstance(v, DTensor) else v
 
         t = self.t
         return {
@@ -269,7 +269,7 @@ def _transport() -> Any:
     """torchft's HTTP transport, recording what a heal received (seconds, bytes, the peer)."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    class Recording(HTTPTransport[dict[str, Any]]):
+    class Recording(HTTPTransport[dict[str, Any]]):  # type: ignore[misc]  # torchft ships no py.typed
         received: dict[str, Any] | None = None
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:

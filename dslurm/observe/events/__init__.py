@@ -14,10 +14,10 @@ default. A record without a numeric `t` is not an event.
 The package holds the classes by theme: `base` (Event and its envelope), `lifecycle` (submit,
 a start's launch, exit and ending, requeue, recovery), `ckpt` (restores, saves, init_from),
 `training` (step windows, stragglers, evaluations, profiles, trackers), `health` (hang,
-non-finite, SDC, device findings, OOM) and `replicas` (replica groups lost, healed, their steps). This module is the one registry: every class is
-re-exported here (`from dslurm.observe import events as ev; ev.JobStart`), `CATALOGUE` maps
-each NAME to its class, and the reading rules (`decode`, `read`, `of`) live below it. A new
-event: its class in the module of its theme, then its name here (import, `__all__`, `CATALOGUE`).
+non-finite, SDC, device findings, OOM) and `replicas` (replica groups lost, healed, their
+steps). This module is the one registry: every class is re-exported here (`from
+dslurm.observe import events as ev; ev.JobStart`), `CATALOGUE` maps each NAME to its class, and
+the reading rules (`decode`, `read`, `of`) live below it. A new event: its class in the module of its theme, then its name here (import, `__all__`, `CATALOGUE`).
 """
 
 from __future__ import annotations
