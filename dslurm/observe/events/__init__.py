@@ -17,7 +17,8 @@ a start's launch, exit and ending, requeue, recovery), `ckpt` (restores, saves, 
 non-finite, SDC, device findings, OOM) and `replicas` (replica groups lost, healed, their
 steps). This module is the one registry: every class is re-exported here (`from
 dslurm.observe import events as ev; ev.JobStart`), `CATALOGUE` maps each NAME to its class, and
-the reading rules (`decode`, `read`, `of`) live below it. A new event: its class in the module of its theme, then its name here (import, `__all__`, `CATALOGUE`).
+the reading rules (`decode`, `read`, `of`) live below it. A new event: its class in the module of
+its theme, then its name here (import, `__all__`, `CATALOGUE`).
 """
 
 from __future__ import annotations
