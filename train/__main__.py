@@ -69,7 +69,7 @@ def resolve_replicas(args: argparse.Namespace, world: int,
     own dp_replicate 1 and its share of the batch: what it builds and trains), the whole job's
     (the data: every group's slots of one global batch) and the group; None for any other job."""
     from dslurm.config.resolve import load
-    from dslurm.recover.replicas import GROUP_ENV
+    from dslurm.launch.slurm_env import GROUP_ENV
     from train.replicas import Context, group_overrides
 
     if GROUP_ENV not in os.environ:  # dslurm supervise names the group of every replica job's step

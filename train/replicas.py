@@ -16,8 +16,8 @@ its group (`GROUP_ENV`). Across groups, torchft does what a quorum needs, not us
   every group (no optimizer or scheduler step, the data position back), and trained again.
 
 Pure parts first (`Context`, `data_slot`, `group_overrides`); the Manager lives in `Replicas`.
-The names this shares with the supervisor (the group's variable, the progress file) are
-dslurm/recover/replicas.py's.
+The names this shares with the supervisor: the group's variables (dslurm/launch/slurm_env.py), the
+progress file (dslurm/recover/replicas.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from dslurm.recover.replicas import GROUP_ENV, LOST_STEP_ENV, PROGRESS
+from dslurm.launch.slurm_env import GROUP_ENV, LOST_STEP_ENV
+from dslurm.recover.replicas import PROGRESS
 
 if TYPE_CHECKING:
     import torch

@@ -77,6 +77,11 @@ STEP_INDEX_ENV = "DSLURM_STEP_INDEX"  # set by `dslurm supervise` for each job s
 # Set by `dslurm supervise` on a step it starts after Slurm asked to stop (SIGUSR2 / SIGTERM): the
 # launchers leave it for the trainer as if the signal had come during its start-up.
 PENDING_STOP_ENV = "DSLURM_PENDING_STOP"
+# recovery.replicas: the replica group a job step runs (set by `dslurm supervise`, read by the trainer,
+# train/replicas.py; the launcher of a group other than 0 writes no job_start: a group is not a start).
+GROUP_ENV = "DSLURM_REPLICA_GROUP"
+# A restarted replica group's: the step it was lost at (its heal counts the samples it missed from there).
+LOST_STEP_ENV = "DSLURM_REPLICA_LOST_STEP"
 
 
 def master_port(job_id: str, restart_count: int = 0, step_index: int = 0) -> int:

@@ -32,15 +32,12 @@ from pathlib import Path
 from dslurm import endings as E
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.launch.slurm_env import LOST_STEP_ENV
 from dslurm.observe import events as ev
 from dslurm.recover.supervisor import Runner, Step
 
 log = logging.getLogger(__name__)
 
-GROUP_ENV = "DSLURM_REPLICA_GROUP"
-"""the group a job step runs (train/replicas.py reads it)"""
-LOST_STEP_ENV = "DSLURM_REPLICA_LOST_STEP"
-"""a restarted group's: the step it was lost at (its heal counts the samples it missed from there)"""
 PROGRESS = "replica.step"
 """in a group step's facts dir: the step its rank 0 began last (rewritten every step: a hint)"""
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.recover.replicas import GROUP_ENV, ReplicaSupervisor
+from dslurm.launch.slurm_env import GROUP_ENV
+from dslurm.recover.replicas import ReplicaSupervisor
 from dslurm.recover.srun import SrunRunner
 from dslurm.recover.supervisor import Supervisor
 from dslurm.recover.warm_pools import WarmPools

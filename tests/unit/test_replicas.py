@@ -138,3 +138,23 @@ def test_the_last_step_a_group_began_is_read_from_its_record(tmp_path):
     assert last_step(tmp_path) is None
     (tmp_path / PROGRESS).write_text("23\n")
     assert last_step(tmp_path) == 23
+
+
+def test_the_report_gives_participants_per_step_and_each_groups_line_through_its_faults():
+    from dslurm.observe.replica_lines import participants, replica_lines
+
+    evs = [ev.ReplicaSteps(group=0, first=1, participants=[3, 3, 2, 2], discarded=1),
+           ev.ReplicaSteps(group=1, first=1, participants=[3, 3, 2, 2]),
+           ev.ReplicaSteps(group=0, first=5, participants=[3]),
+           ev.ReplicaLost(group=2, step=3, cause="crash", next_hosts=["node3"]),
+           ev.ReplicaHealed(group=2, step=5, heal_s=0.5, bytes=2_800_000, peer="http://node1:1/checkpoint/",
+                            missed_steps=2, missed_samples=4),
+           *(ev.ReplicaEnd(group=g, step=5, params_crc="ab") for g in range(3))]
+    assert participants(evs) == {1: 3, 2: 3, 3: 2, 4: 2, 5: 3}
+    lines = replica_lines(evs)
+    assert lines[0] == ("replica groups: 3; 5 step(s) committed, 2 with fewer groups (steps 3-4, as few as 2); "
+                        "1 step attempt(s) discarded by the commit vote")
+    assert lines[1] == ("  group 2: lost at step 3 (crash), again on node3; healed at step 5 in 0.50 s (2.8 MB from "
+                        "http://node1:1/checkpoint/), missed 2 step(s) = 4 sample(s) untrained")
+    assert lines[2] == "  ended: 3 group(s) at step(s) [5], identical parameters"
+    assert replica_lines([ev.Steps(first=0, last=3)]) == []  # no replica groups: no lines
