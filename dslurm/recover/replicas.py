@@ -9,12 +9,15 @@ group; when a group's step ends:
   *lost*, not the job: `replica_lost` goes to the ledger (the cause classified from that step's own
   facts, `endings.classify`; the step from the group's own record, train/replicas.py `PROGRESS`),
   and the group's step starts again at once, on its nodes when they answer a probe, else on a
-  spare (its nodes blocklisted); the new step heals from a live peer (train/replicas.py). The
+  spare (its nodes blocklisted), else on its nodes once they answer again (probed every 5 s while
+  another group trains); the new step heals from a live peer (train/replicas.py). The
   survivors never stop: torchft leaves the lost group out of their next quorum;
 - otherwise (completed, a stop, the last group alive failing, no node left for it, the restart
-  budget spent) the group is over. Once every group is over, the job's ending is concluded as
-  `requeue-me` would (`requeue.conclude`) from the facts of the lead group's last step: group 0's,
-  the one that owns the checkpoints and the run-wide events, unless another group ended better.
+  budget spent, group 0 over) the group is over. A group still running 30 s after group 0 ended
+  is stopped (frozen, or started again too late to find a peer: it holds nothing durable). Once
+  every group is over, the job's ending is concluded as `requeue-me` would (`requeue.conclude`)
+  from the facts of group 0's last step: group 0 owns the checkpoints and the run-wide events, so a
+  group 0 lost for good ends the start as that failure and the chain resumes from the pointer.
 
 Slurm's USR2/TERM reach every group (recorded in each step's batch.signals, forwarded to each
 srun); no step starts after one.
@@ -87,8 +90,13 @@ class ReplicaSupervisor:
         self.stopping: str | None = None
         self.running: dict[int, Path] = {}  # group -> the facts dir of its running step
         self.ends: dict[int, GroupEnd] = {}
+        self.over: set[int] = set()  # the groups whose thread returned
         self.restarts = [0] * len(self.hosts)
         self.probe_s = 8.0
+        # Groups end within a step of each other (one quorum); one still running this long after
+        # group 0 ended is stopped (`_end_stragglers`).
+        self.after_lead_s = 30.0
+        self.node_wait_s = 5.0
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
@@ -114,20 +122,34 @@ class ReplicaSupervisor:
                    for g in range(len(self.hosts))]
         for t in threads:
             t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(timeout=0.5)  # the main thread stays free for the signal handlers
-        lead = self._lead()
+        ended: float | None = None  # when group 0's last step ended
+        sent: set[int] = set()
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.5)  # the main thread stays free for the signal handlers
+            if ended is None and not threads[0].is_alive():
+                ended = time.monotonic()
+            if ended is not None and time.monotonic() - ended > self.after_lead_s:
+                sent |= self._end_stragglers(sent, escalate=time.monotonic() - ended > 2 * self.after_lead_s)
+        # Group 0's end decides: it owns the checkpoints and the run-wide events, so another group's
+        # completion vouches for nothing durable; a group 0 lost for good ends the start as that failure.
+        lead = self.ends[0]
         return conclude(self.run_dir, lead.facts_dir, lead.ending, lead.rc, self.env, acct,
                         act=self.runners[0].act).exit_code
 
-    def _lead(self) -> GroupEnd:
-        """Group 0's end (it owns the checkpoints and the run-wide events), unless another ended in
-        no failure while group 0 failed."""
-        first = self.ends[0]
-        if first.ending.cls not in E.FAILURES:
-            return first
-        return next((e for g, e in sorted(self.ends.items()) if e.ending.cls not in E.FAILURES), first)
+    def _end_stragglers(self, sent: set[int], *, escalate: bool) -> set[int]:
+        """Group 0 is over and another group's step still runs `after_lead_s` later (frozen, or
+        started again too late to find a peer): TERM to its srun, KILL once `escalate`. Such a group
+        holds nothing durable."""
+        import signal
+
+        with self.lock:
+            running = [g for g in self.running if g != 0]
+        for g in running:
+            if g not in sent or escalate:
+                log.warning("dslurm supervise: replica group %d still runs after group 0 ended: %s", g,
+                            "killing its step" if escalate else "stopping it")
+                self.runners[g].signal(signal.SIGKILL if escalate else signal.SIGTERM)
+        return set(running)
 
     def _step_dir(self) -> tuple[int, Path]:
         from dslurm.facts import STARTS, start_name
@@ -155,6 +177,8 @@ class ReplicaSupervisor:
             ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
             self.ends[g] = GroupEnd(d, ending, rc)
             if not self._restart(g, d, ending, t_end):
+                with self.lock:
+                    self.over.add(g)
                 return
 
     def _restart(self, g: int, d: Path, ending: E.Ending, t_end: float) -> bool:
@@ -166,8 +190,8 @@ class ReplicaSupervisor:
         with self.lock:
             others = bool(self.running)
             stopping = self.stopping
-        if stopping or ending.cls not in E.FAILURES or not others:
-            return False
+        if stopping or ending.cls not in E.FAILURES or not others or (g != 0 and 0 in self.over):
+            return False  # nobody to heal from, or group 0 (the run's truth) is over
         from dslurm.facts import read_start
 
         hosts = self.hosts[g]
@@ -193,12 +217,22 @@ class ReplicaSupervisor:
         from dslurm.run import add_to_blocklist
 
         dead = set(self.runners[g].probe(hosts, self.probe_s))
+        while dead:
+            with self.lock:
+                take = [self.spares.pop(0) for _ in dead] if len(self.spares) >= len(dead) else None
+                others = bool(self.running) and not self.stopping
+            if take is not None or not others:
+                break
+            # No spare: the group waits for its nodes while the others train (a node rebooted, a
+            # slurmd restarted), probed again every `node_wait_s`.
+            log.warning("dslurm supervise: replica group %d: %s not answering and no spare; waiting", g,
+                        ",".join(sorted(dead)))
+            time.sleep(self.node_wait_s)
+            dead = set(self.runners[g].probe(hosts, self.probe_s))
         if not dead:
             return hosts
-        with self.lock:
-            if len(self.spares) < len(dead):
-                return None
-            take = [self.spares.pop(0) for _ in dead]
+        if take is None:
+            return None
         add_to_blocklist(self.run_dir, sorted(dead))
         it = iter(take)
         return tuple(next(it) if h in dead else h for h in hosts)

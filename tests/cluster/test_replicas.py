@@ -16,6 +16,8 @@ import pytest
 from cluster_jobs import events, job_spec, logs, submit, wait_for
 from dslurm import slurm
 from dslurm.cluster.disrupt import signal_pids, workers
+from dslurm.observe import events as ev
+from dslurm.observe.report import summarize
 from dslurm.run import RunDir
 
 STEPS = 60
@@ -67,5 +69,7 @@ def test_kill9_of_one_group_the_others_train_on_and_it_heals(slurm_cluster, cli,
     assert sorted(e["group"] for e in ends if e["step"] == STEPS) == [0, 1, 2], ends
     assert len({e["params_crc"] for e in ends if e["step"] == STEPS}) == 1, ends  # identical parameters
     assert [e["cls"] for e in events(run, "ending")] == ["completed"]
-    starts = [e for e in events(run, "train_start")]
-    assert len(starts) == 1  # group 0 (the run-wide events' writer) never restarted
+    assert len(events(run, "train_start")) == len(events(run, "job_start")) == 1  # one start: group 0's
+    sm = summarize(ev.read(run))
+    assert sm.restarts == 0 and sm.completion.complete, sm.completion
+    assert any("group 2: lost at step" in line and "healed at step" in line for line in sm.replicas), sm.replicas

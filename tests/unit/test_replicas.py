@@ -94,8 +94,9 @@ class FakeRunner:
     """What the supervisor asks of a group's runner around a loss (the srun steps themselves:
     tests/cluster/test_replicas.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probes: list[tuple[str, ...]] | None = None) -> None:
         self.env: dict[str, str] = {}
+        self.probes = list(probes or [])  # what each probe finds gone, in turn (then: all answer)
 
     def signal(self, signum):
         pass
@@ -110,7 +111,7 @@ class FakeRunner:
         pass
 
     def probe(self, hosts, timeout_s):
-        return ()
+        return self.probes.pop(0) if self.probes else ()
 
 
 def test_a_lost_group_is_recorded_and_started_again_while_another_trains(tmp_path):
@@ -125,6 +126,28 @@ def test_a_lost_group_is_recorded_and_started_again_while_another_trains(tmp_pat
     assert [(e.group, e.step, e.cause, e.next_hosts) for e in lost] == [(2, 15, "crash", ["node3"])]
     sup.running = {}
     assert sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="again"), 1.0) is False  # alone
+
+
+def test_a_lost_node_is_swapped_for_a_spare_or_waited_for(tmp_path):
+    r = _resolved(tmp_path, spares=1)
+    env = {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)}
+    runners = [FakeRunner(), FakeRunner(), FakeRunner([("node3",), ("node3",)])]
+    sup = ReplicaSupervisor(r, runners, env, ["node1", "node2", "node3", "node4"])
+    sup.running, sup.node_wait_s = {0: tmp_path}, 0.0
+    assert sup._next_hosts(2, ("node3",)) == ("node4",)  # the spare
+    assert (tmp_path / "blocklist.txt").read_text().split() == ["node3"]
+    # No spare left: probed again until the node answers (here the third probe), the same node then.
+    assert sup._next_hosts(2, ("node3",)) == ("node3",) and runners[2].probes == []
+    sup.running = {}
+    runners[2].probes = [("node3",)]
+    assert sup._next_hosts(2, ("node3",)) is None  # nobody trains: no wait, the group stays out
+
+
+def test_no_group_starts_again_once_group_0_is_over(tmp_path):
+    r = _resolved(tmp_path)
+    sup = ReplicaSupervisor(r, [FakeRunner() for _ in range(3)], {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
+    sup.running, sup.over = {1: tmp_path}, {0}
+    assert sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="x"), 1.0) is False
 
 
 def _failed_dir(tmp_path: Path) -> Path:
