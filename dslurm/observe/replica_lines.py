@@ -47,15 +47,15 @@ def replica_lines(events: Iterable[ev.Event]) -> list[str]:
     lost = list(ev.of(events, ev.ReplicaLost))
     healed = [h for h in ev.of(events, ev.ReplicaHealed) if h.missed_steps or any(x.group == h.group for x in lost)]
     for g in sorted({x.group for x in lost} | {h.group for h in healed}):
-        parts = [f"lost at step {x.step if x.step is not None else '?'} ({x.cause})"
-                 + (f", again on {','.join(x.next_hosts)}" if x.next_hosts else ", not started again")
+        parts = [(x.t, f"lost at step {x.step if x.step is not None else '?'} ({x.cause})"
+                  + (f", again on {','.join(x.next_hosts)}" if x.next_hosts else ", not started again"))
                  for x in lost if x.group == g]
-        parts += [f"healed at step {h.step} in {h.heal_s:.2f} s ({h.bytes / 1e6:.1f} MB from {h.peer})"
-                  + (f", missed {h.missed_steps} step(s) = {h.missed_samples} sample(s) untrained"
-                     if h.missed_steps is not None else "")
-                  for h in healed if h.group == g and h.step > 1]
-        if parts:
-            lines.append(f"  group {g}: " + "; ".join(parts))
+        parts += [(h.t, f"healed at step {h.step} in {h.heal_s:.2f} s ({h.bytes / 1e6:.1f} MB from {h.peer})"
+                   + (f", missed {h.missed_steps} step(s) = {h.missed_samples} sample(s) untrained"
+                      if h.missed_steps is not None else ""))
+                  for h in healed if h.group == g]
+        if parts:  # in the order they happened
+            lines.append(f"  group {g}: " + "; ".join(text for _, text in sorted(parts, key=lambda p: p[0])))
     ends = {e.group: e for e in ev.of(events, ev.ReplicaEnd)}
     if ends:
         crcs = {e.params_crc for e in ends.values()}

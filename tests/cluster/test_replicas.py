@@ -20,7 +20,7 @@ from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 from dslurm.run import RunDir
 
-STEPS = 60
+STEPS = 100  # the restarted group (~15-25 s to start on 2 busy cores) must be back before the end
 
 
 def _group_step(run: Path, group: int) -> int:
@@ -33,7 +33,7 @@ def _group_step(run: Path, group: int) -> int:
 def test_kill9_of_one_group_the_others_train_on_and_it_heals(slurm_cluster, cli, tmp_path):
     env = slurm_cluster.env()
     run = tmp_path / "replicas"
-    spec = job_spec(tmp_path, "replicas", steps=STEPS, nodes=3, tp=1, interval=10, sleep=0.5,
+    spec = job_spec(tmp_path, "replicas", steps=STEPS, nodes=3, tp=1, interval=20, sleep=0.4,
                     procs_per_node=1, parallel={"tp": 1, "dp_replicate": 3}, recovery={"replicas": True},
                     train={"global_batch": 6})
     job = submit(cli, env, spec)

@@ -169,8 +169,8 @@ def test_the_report_gives_participants_per_step_and_each_groups_line_through_its
     evs = [ev.ReplicaSteps(group=0, first=1, participants=[3, 3, 2, 2], discarded=1),
            ev.ReplicaSteps(group=1, first=1, participants=[3, 3, 2, 2]),
            ev.ReplicaSteps(group=0, first=5, participants=[3]),
-           ev.ReplicaLost(group=2, step=3, cause="crash", next_hosts=["node3"]),
-           ev.ReplicaHealed(group=2, step=5, heal_s=0.5, bytes=2_800_000, peer="http://node1:1/checkpoint/",
+           ev.ReplicaLost(group=2, step=3, cause="crash", next_hosts=["node3"], t=2.0),
+           ev.ReplicaHealed(group=2, step=5, t=3.0, heal_s=0.5, bytes=2_800_000, peer="http://node1:1/checkpoint/",
                             missed_steps=2, missed_samples=4),
            *(ev.ReplicaEnd(group=g, step=5, params_crc="ab") for g in range(3))]
     assert participants(evs) == {1: 3, 2: 3, 3: 2, 4: 2, 5: 3}
