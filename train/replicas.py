@@ -116,6 +116,10 @@ class Replicas:
             quorum_timeout=QUORUM_TIMEOUT, rank=rank, world_size=world, replica_id=ctx.replica_id,
             checkpoint_transport=self.transport)
         self.first = 0  # the first step of the window not yet written
+        # A group other than 0 restores nothing (group 0 owns the checkpoints): until a quorum has
+        # healed it to at least the pointer's step, it commits nothing. Without this floor, groups
+        # that started before group 0 on a resumed run would train from step 0 among themselves.
+        self.floor = 0 if ctx.group == 0 else _pointer_step(trainer.run_dir.path)
         self.participants: list[int] = []
         self.discarded = 0
 
@@ -162,8 +166,15 @@ class Replicas:
             offset += n
 
     def commit(self) -> bool:
-        """torchft's vote: every group applies the step, or none does."""
+        """torchft's vote: every rank of the group applies the step, or none does (a step a peer
+        failed inside errors every group's all-reduce: all discard it)."""
+        behind = self.t.step < self.floor
+        if behind:  # not yet healed to the pointer's step: this group's vote is no
+            self.manager.report_error(RuntimeError(f"group {self.ctx.group} at step {self.t.step} is behind "
+                                                   f"the checkpoint pointer's step {self.floor}: waiting to heal"))
         ok = bool(self.manager.should_commit())
+        if behind:
+            time.sleep(0.5)  # the peers it waits for are starting: no busy loop of discarded steps
         if ok:
             self.participants.append(self.manager.num_participants())
         else:
@@ -253,6 +264,17 @@ class Replicas:
             s.load_state_dict(st)
         t.step = int(sd["step"])
         t.loader.load_state_dict(sd["data"])
+
+
+def _pointer_step(run_dir: Any) -> int:
+    """The durable pointer's step (0: none, or unreadable: then group 0's restore decides alone)."""
+    from dslurm.checkpoint import CheckpointError, read_pointer
+
+    try:
+        ptr = read_pointer(run_dir)
+    except CheckpointError:
+        return 0
+    return ptr.step if ptr is not None else 0
 
 
 def _like(p: torch.nn.Parameter, v: Any) -> Any:
