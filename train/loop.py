@@ -215,6 +215,9 @@ class Trainer(Recovery):
             if periodic:
                 self._save(blocking=False)
             self.watch.beat(self.step)
+        if self.replicas is not None:  # every group to the final step (a group started again heals there)
+            with self.watch.paused():
+                self.replicas.gather()
         if result is not None:  # None: resumed at the end already
             self._save_final()
         if self.replicas is not None:

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 QUORUM_TIMEOUT = timedelta(seconds=120)
 """how long a step waits for a quorum (fewer than replicas_min groups alive: none forms)"""
+GATHER_S = 60.0
+"""At the final step, how long the groups wait for a missing group to come back and heal (`gather`)"""
 OP_TIMEOUT = timedelta(seconds=60)
 """the Manager's bound on an all-reduce, a commit vote and a heal's transfer"""
 
@@ -122,6 +124,7 @@ class Replicas:
         self.floor = 0 if ctx.group == 0 else _pointer_step(trainer.run_dir.path)
         self.participants: list[int] = []
         self.discarded = 0
+        self.gathered = False  # a quorum barrier passed at the final step (`barrier`)
 
     def resume(self, step: int) -> None:
         """After the restore: the Manager counts from the trainer's step (the quorum heals the
@@ -144,6 +147,32 @@ class Replicas:
                     fh.write(f"{self.t.step + 1}\n")
             except OSError:
                 pass
+
+    def barrier(self) -> None:
+        """One all-reduce of the quorum's groups: past it, every heal of this quorum is complete
+        (a healing group joins it only after its transfer), so a peer may close its server."""
+        import torch
+
+        self.manager.allreduce(torch.zeros(1)).wait()
+        self.gathered = True
+
+    def gather(self, wait_s: float = GATHER_S) -> None:
+        """At the final step: quorums without training, until every group is in one (a group started
+        again heals there to the final step) or `wait_s` passed, so all groups end at the final step
+        with the same parameters. A group that ended by such a heal has gathered already."""
+        if self.gathered:
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.manager.start_quorum()
+            n = self.manager.num_participants()
+            self.barrier()
+            if n >= self.ctx.groups or time.monotonic() > deadline:
+                if n < self.ctx.groups:
+                    log.warning("replica group %d ends with %d of %d groups in the last quorum", self.ctx.group, n,
+                                self.ctx.groups)
+                return
+            time.sleep(1.0)
 
     def average(self, params: list[torch.nn.Parameter]) -> None:
         """The gradients averaged over the quorum's groups: one flat buffer of this rank's shards

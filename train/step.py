@@ -226,6 +226,11 @@ class Step:
         if self.replicas is not None:  # the quorum of this step; a group behind heals here
             with self.watch.collective("replica_quorum"):
                 self.replicas.quorum()
+                if self.step >= self.train.steps:  # healed to the end: the peers wait in `gather`
+                    self.replicas.barrier()
+                    lr = self.optimizers[0].param_groups[0]["lr"]
+                    return StepResult(step=self.step - 1, loss=math.nan, grad_norm=math.nan, lr=lr, stop=False,
+                                      taken=False, discarded=True)
         with self.metrics.phase("data"):
             while self._position() in self.skip_positions:  # a batch a rollback left behind
                 self.loader.sampler.next_global()
