@@ -142,9 +142,13 @@ class Replicas:
         if got is not None:
             self._healed(before, time.monotonic() - t0, got)
         if self.facts_dir is not None and self.rank == 0:
-            try:  # a hint for the supervisor's replica_lost, rewritten every step: not durable
-                with open(os.path.join(self.facts_dir, PROGRESS), "w") as fh:
+            # A hint for the supervisor's replica_lost, every step: renamed into place (a kill -9 between
+            # a truncate and its write left an empty file, read as no step), not fsynced (not durable).
+            path = os.path.join(self.facts_dir, PROGRESS)
+            try:
+                with open(path + ".tmp", "w") as fh:
                     fh.write(f"{self.t.step + 1}\n")
+                os.replace(path + ".tmp", path)
             except OSError:
                 pass
 
