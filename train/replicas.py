@@ -142,13 +142,12 @@ class Replicas:
         if got is not None:
             self._healed(before, time.monotonic() - t0, got)
         if self.facts_dir is not None and self.rank == 0:
-            # A hint for the supervisor's replica_lost, every step: renamed into place (a kill -9 between
-            # a truncate and its write left an empty file, read as no step), not fsynced (not durable).
-            path = os.path.join(self.facts_dir, PROGRESS)
+            # The supervisor's replica_lost reads it: whole or not at all (a kill -9 between a truncate and
+            # its write left an empty file, read as no step), hence dslurm.durable's write.
+            from dslurm.durable import atomic_write_text
+
             try:
-                with open(path + ".tmp", "w") as fh:
-                    fh.write(f"{self.t.step + 1}\n")
-                os.replace(path + ".tmp", path)
+                atomic_write_text(os.path.join(self.facts_dir, PROGRESS), f"{self.t.step + 1}\n")
             except OSError:
                 pass
 
