@@ -1,6 +1,6 @@
 """recovery.replicas (issue 50): the config's rules, the rendered script (Lighthouse beside the batch
 shell, --no-kill, supervise), the group split and data slots, and the replica supervisor's loop
-against a fake runner (the real one: tests/cluster/test_replicas.py)."""
+against a fake runner (the real one: tests/cluster/test_replica_groups.py)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_a_group_trains_its_share_of_the_global_batch_on_its_own_world():
 
 class FakeRunner:
     """What the supervisor asks of a group's runner around a loss (the srun steps themselves:
-    tests/cluster/test_replicas.py)."""
+    tests/cluster/test_replica_groups.py)."""
 
     def __init__(self, probes: list[tuple[str, ...]] | None = None) -> None:
         self.env: dict[str, str] = {}
