@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     clock.mark("config")
+    if replicas:  # the fault knobs aim at the job's ranks, not the group's (dslurm/faults.py)
+        from dslurm.faults import RANK_ENV
+
+        os.environ[RANK_ENV] = str(replicas[2].job_rank(rank, world))
     import torch.distributed as dist
 
     from dslurm.runtime.stop import StopRequest

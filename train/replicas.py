@@ -75,6 +75,10 @@ class Context:
         the group's number (torchft reads the trailing digits as the group's index)."""
         return f"dslurm_g{self.group:04d}"
 
+    def job_rank(self, rank: int, world: int) -> int:
+        """This process's rank in the whole job (the fault knobs' RANKS): group g's rank r is g*world + r."""
+        return self.group * world + rank
+
     def data_slot(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """The group's data-parallel rank within the whole job's: group g's ranks take the slots
         g*dp..(g+1)*dp-1 of the job's G*dp, so a sample's owner depends only on (step, group,

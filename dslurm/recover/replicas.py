@@ -118,7 +118,10 @@ class ReplicaSupervisor:
         from dslurm.requeue import _Accounting, conclude
 
         acct = _Accounting(self.env)
-        threads = [threading.Thread(target=self._group, args=(g,), name=f"dslurm-group-{g}", daemon=True)
+        # Group g's first job step is step g (DSLURM_STEP_INDEX: a fault knob's @RESTART.STEP names it);
+        # the steps started again after a loss take the next numbers.
+        firsts = [self._step_dir() for _ in self.hosts]
+        threads = [threading.Thread(target=self._group, args=(g, firsts[g]), name=f"dslurm-group-{g}", daemon=True)
                    for g in range(len(self.hosts))]
         for t in threads:
             t.start()
@@ -160,12 +163,12 @@ class ReplicaSupervisor:
         d.mkdir(parents=True, exist_ok=True)
         return index, d
 
-    def _group(self, g: int) -> None:
+    def _group(self, g: int, first: tuple[int, Path]) -> None:
         from dslurm.facts import read_start
 
         runner = self.runners[g]
+        index, d = first
         while True:
-            index, d = self._step_dir()
             with self.lock:
                 stop = f"SIG{self.stopping}" if self.stopping else None
                 self.running[g] = d
@@ -180,6 +183,7 @@ class ReplicaSupervisor:
                 with self.lock:
                     self.over.add(g)
                 return
+            index, d = self._step_dir()
 
     def _restart(self, g: int, d: Path, ending: E.Ending, t_end: float) -> bool:
         """After a failure of group g with others training: the ledger's replica_lost, the nodes of

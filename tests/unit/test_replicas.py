@@ -181,3 +181,14 @@ def test_the_report_gives_participants_per_step_and_each_groups_line_through_its
                         "http://node1:1/checkpoint/), missed 2 step(s) = 4 sample(s) untrained")
     assert lines[2] == "  ended: 3 group(s) at step(s) [5], identical parameters"
     assert replica_lines([ev.Steps(first=0, last=3)]) == []  # no replica groups: no lines
+
+
+def test_a_fault_knob_aims_at_the_jobs_ranks():
+    from dslurm.faults import RANK_ENV, parse_scoped
+
+    ctx = Context(group=2, groups=3, replicas_min=1)
+    assert [ctx.job_rank(r, 2) for r in range(2)] == [4, 5]
+    knob = parse_scoped("15:4@0.2")  # group 2's rank 0 (2 ranks a group), in the group's first job step
+    assert knob.applies({"RANK": "0", RANK_ENV: "4", "DSLURM_STEP_INDEX": "2"})
+    assert not knob.applies({"RANK": "0", RANK_ENV: "0", "DSLURM_STEP_INDEX": "2"})  # group 0's rank 0
+
