@@ -58,13 +58,15 @@ def test_kill9_of_one_group_the_others_train_on_and_it_heals(slurm_cluster, cli,
     assert h["bytes"] > 0 and h["peer"].startswith("http://") and h["heal_s"] > 0, h
     assert h["missed_steps"] == h["step"] - lost[0]["step"] and h["missed_samples"] == 2 * h["missed_steps"], h
     # Each survivor committed every step from its first to the last once (no restart, no gap), and
-    # the participants say who was out: 2 while group 2 was away.
+    # the participants say who was out: 2 in each step group 2 missed (none when it was back before
+    # the survivors' next quorum: a restart faster than torchft's 5 s heartbeat timeout).
     for g in (0, 1):
         wins = sorted((w for w in events(run, "replica_steps") if w["group"] == g), key=lambda w: w["first"])
         steps = [w["first"] + i for w in wins for i in range(len(w["participants"]))]
         assert steps == list(range(steps[0], STEPS + 1)) and steps[0] <= 14, (g, steps)
         parts = dict(zip(steps, (n for w in wins for n in w["participants"])))
-        assert parts[lost[0]["step"] + 1] == 2, (g, parts)
+        short = {s: n for s, n in parts.items() if s > lost[0]["step"] and n < 3}
+        assert len(short) == h["missed_steps"] and set(short.values()) <= {2}, (g, parts, h)
     ends = events(run, "replica_end")
     assert sorted(e["group"] for e in ends if e["step"] == STEPS) == [0, 1, 2], ends
     assert len({e["params_crc"] for e in ends if e["step"] == STEPS}) == 1, ends  # identical parameters
