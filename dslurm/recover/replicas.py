@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +97,9 @@ class ReplicaSupervisor:
         # group 0 ended is stopped (`_end_stragglers`).
         self.after_lead_s = 30.0
         self.node_wait_s = 5.0
+        # A group that begins no step for this long while another group begins later ones is hung
+        # (`_stalled`): its step is ended and started again.
+        self.stall_s = 30.0
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
@@ -173,17 +176,48 @@ class ReplicaSupervisor:
                 stop = f"SIG{self.stopping}" if self.stopping else None
                 self.running[g] = d
             log.info("dslurm supervise: replica group %d: step %d on %s", g, index, ",".join(self.hosts[g]))
-            rc = runner.run(Step(index=index, hosts=self.hosts[g], facts_dir=d, stop=stop), lambda: False)
+            stalled: list[float] = []
+            rc = runner.run(Step(index=index, hosts=self.hosts[g], facts_dir=d, stop=stop),
+                            self._stalled(g, d, stalled))
             t_end = time.time()
             with self.lock:
                 self.running.pop(g, None)
             ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
+            if stalled:  # its step was ended here: a hang, not what srun's end looks like
+                ending = E.Ending(cls=E.CRASH, reason=f"hang: group {g} began no step for {stalled[0]:.0f} s while "
+                                  "the other groups trained past it; its step was killed", step=last_step(d))
             self.ends[g] = GroupEnd(d, ending, rc)
             if not self._restart(g, d, ending, t_end):
                 with self.lock:
                     self.over.add(g)
                 return
             index, d = self._step_dir()
+
+    def _stalled(self, g: int, d: Path, stalled: list[float]) -> Callable[[], bool]:
+        """The step's `abandon`: true once group g began no step for `stall_s` while another group
+        began a later one (its processes frozen, a hang its own watchdog cannot see: a SIGSTOPped
+        one-process group), recorded in `stalled`. A group that has begun none yet (starting, or
+        its heal) is never stalled."""
+        seen: list[int | None] = [None]
+        since = [time.monotonic()]
+
+        def abandon() -> bool:
+            mine, now = last_step(d), time.monotonic()
+            if mine != seen[0]:
+                seen[0], since[0] = mine, now
+                return False
+            with self.lock:
+                if self.stopping:
+                    return False
+                others = [last_step(x) for h, x in self.running.items() if h != g]
+            quiet = now - since[0]
+            if mine is None or quiet < self.stall_s or not any(o is not None and o > mine for o in others):
+                return False
+            log.warning("dslurm supervise: replica group %d began no step for %.0f s while the others went on: "
+                        "ending its step", g, quiet)
+            stalled.append(quiet)
+            return True
+        return abandon
 
     def _restart(self, g: int, d: Path, ending: E.Ending, t_end: float) -> bool:
         """After a failure of group g with others training: the ledger's replica_lost, the nodes of
@@ -201,8 +235,9 @@ class ReplicaSupervisor:
         hosts = self.hosts[g]
         budget = self.r.policy.max_restarts
         nxt = self._next_hosts(g, hosts) if self.restarts[g] < budget else None
+        cause = "hang" if ending.reason.startswith("hang:") else ending.cls
         Ledger(self.run_dir).append(ev.ReplicaLost(
-            group=g, step=last_step(d), cause=ending.cls, reason=ending.reason[:600], hosts=list(hosts),
+            group=g, step=last_step(d), cause=cause, reason=ending.reason[:600], hosts=list(hosts),
             next_hosts=list(nxt or ()), failed_t=round(failed_at(read_start(d), t_end), 3)))
         if nxt is None:
             log.error("dslurm supervise: replica group %d lost (%s) and not started again (%s)", g, ending.cls,

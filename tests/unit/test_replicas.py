@@ -192,3 +192,22 @@ def test_a_fault_knob_aims_at_the_jobs_ranks():
     assert knob.applies({"RANK": "0", RANK_ENV: "4", "DSLURM_STEP_INDEX": "2"})
     assert not knob.applies({"RANK": "0", RANK_ENV: "0", "DSLURM_STEP_INDEX": "2"})  # group 0's rank 0
 
+
+
+def test_a_group_that_begins_no_step_while_another_goes_on_is_ended_as_a_hang(tmp_path):
+    r = _resolved(tmp_path)
+    sup = ReplicaSupervisor(r, [FakeRunner() for _ in range(3)], {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
+    d0, d2 = tmp_path / "g0", tmp_path / "g2"
+    d0.mkdir(), d2.mkdir()
+    stalled: list[float] = []
+    abandon = sup._stalled(2, d2, stalled)
+    sup.running, sup.stall_s = {0: d0, 2: d2}, 0.0
+    assert abandon() is False  # begun none yet: starting or healing, never stalled
+    (d2 / PROGRESS).write_text("15\n")
+    (d0 / PROGRESS).write_text("15\n")
+    assert abandon() is False  # it just began a step
+    assert abandon() is False  # quiet, but nobody is ahead of it
+    (d0 / PROGRESS).write_text("16\n")
+    assert abandon() is True and len(stalled) == 1
+    sup.stall_s = 3600.0
+    assert sup._stalled(2, d2, [])() is False  # not quiet long enough
