@@ -151,7 +151,10 @@ class Replicas:
             from dslurm.durable import atomic_write_text
 
             try:
-                atomic_write_text(os.path.join(self.facts_dir, PROGRESS), f"{self.t.step + 1}\n")
+                # (healed to the end, a group begins no step past the last: never "ahead" of the peers
+                # waiting in `gather`, which the supervisor would take for stalled behind it)
+                atomic_write_text(os.path.join(self.facts_dir, PROGRESS),
+                                  f"{min(self.t.step + 1, self.t.train.steps)}\n")
             except OSError:
                 pass
 
