@@ -62,7 +62,8 @@ variable anywhere else.
   DSLURM_FAULT_SLOW_NODE=HOST:SECONDS[,...]  the burn-in's timed exchanges on HOST sleep SECONDS
                                              each: a slow link for the localization to find
 
-RANKS is a comma list of global ranks (default 0); @RESTART limits the knob to one start
+RANKS is a comma list of global ranks (default 0; with replica groups the job's: group g's rank r
+is g * the group's world + r, `DSLURM_JOB_RANK` set by the trainer); @RESTART limits the knob to one start
 (SLURM_RESTART_COUNT), e.g. crash only on the first start and run clean after the requeue;
 @RESTART.STEP to one job step of that start (DSLURM_STEP_INDEX: the steps an in-allocation
 recovery launches, dslurm/recover/supervise.py), e.g. @0.0 fires in the first step only.
@@ -82,6 +83,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 SLOW_NODE = "DSLURM_FAULT_SLOW_NODE"
+RANK_ENV = "DSLURM_JOB_RANK"
+"""the rank the knobs aim at where RANK is not the job's (a replica group's world: train/replicas.py)"""
 # Every knob; a test checks that no other DSLURM_FAULT_* name appears in the code.
 KNOBS = ("DSLURM_FAULT_STOP", "DSLURM_FAULT_STOP_IN_EVAL", "DSLURM_FAULT_CRASH", "DSLURM_FAULT_KILL9",
          "DSLURM_FAULT_HANG", "DSLURM_FAULT_FREEZE", "DSLURM_FAULT_STALL", "DSLURM_FAULT_OOM",
@@ -103,7 +106,7 @@ class ScopedKnob:
     step: int | None = None
 
     def applies(self, env: Mapping[str, str], *, any_rank: bool = False) -> bool:
-        rank = int(env.get("RANK", "0") or 0)
+        rank = int(env.get(RANK_ENV) or env.get("RANK", "0") or 0)
         restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
         step = int(env.get("DSLURM_STEP_INDEX", "0") or 0)
         return (any_rank or rank in self.ranks) and self.restart in (None, restart) and self.step in (None, step)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # imported where they are used: the config error path stays t
     import torch
 
     from dslurm.config.resolve import Resolved
+    from train.replicas import Context as ReplicaContext
     from train.watchdog import HangVerdict, Watchdog
 
 T_START = time.time()  # process start, for the ledger's startup_s
@@ -50,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_for_world(args: argparse.Namespace, world: int, local_world: int) -> Resolved:
+def resolve_for_world(args: argparse.Namespace, world: int, local_world: int,
+                      extra: list[str] | None = None) -> Resolved:
     """Load site + job with the launcher's world; raises UserError with the numbers."""
     from dslurm.config.resolve import load
     from dslurm.errors import UserError
@@ -58,7 +60,29 @@ def resolve_for_world(args: argparse.Namespace, world: int, local_world: int) ->
     if world % local_world:
         raise UserError(f"WORLD_SIZE({world}) is not a multiple of LOCAL_WORLD_SIZE({local_world})")
     env_overrides = [f"nodes={world // local_world}", f"procs_per_node={local_world}"]
-    return load(args.site, args.job, args.overrides + env_overrides, args.site_overrides)
+    return load(args.site, args.job, args.overrides + (extra or []) + env_overrides, args.site_overrides)
+
+
+def resolve_replicas(args: argparse.Namespace, world: int,
+                     local_world: int) -> tuple[Resolved, Resolved, ReplicaContext] | None:
+    """recovery.replicas (train/replicas.py): this world is one group. Returns the group's job (its
+    own dp_replicate 1 and its share of the batch: what it builds and trains), the whole job's
+    (the data: every group's slots of one global batch) and the group; None for any other job."""
+    from dslurm.config.resolve import load
+    from dslurm.launch.slurm_env import GROUP_ENV
+    from train.replicas import Context, group_overrides
+
+    if GROUP_ENV not in os.environ:  # dslurm supervise names the group of every replica job's step
+        return None
+    whole = load(args.site, args.job, args.overrides, args.site_overrides)
+    ctx = Context.from_env(whole.job, os.environ)
+    if ctx is None:
+        return None
+    group = resolve_for_world(args, world, local_world, group_overrides(whole.job))
+    nodes = world // local_world * ctx.groups
+    data = load(args.site, args.job, args.overrides + [f"nodes={nodes}", f"procs_per_node={local_world}"],
+                args.site_overrides)
+    return group, data, ctx
 
 
 def init_distributed(resolved: Resolved, local_rank: int, world: int) -> torch.device:
@@ -114,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        resolved = resolve_for_world(args, world, local_world)
+        replicas = resolve_replicas(args, world, local_world)
+        resolved = replicas[0] if replicas else resolve_for_world(args, world, local_world)
         from train.software import refuse
 
         refuse(resolved)  # site.refuse: a named NCCL is refused before any process-group work
@@ -123,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     clock.mark("config")
+    if replicas:  # the fault knobs aim at the job's ranks, not the group's (dslurm/faults.py)
+        from dslurm.faults import RANK_ENV
+
+        os.environ[RANK_ENV] = str(replicas[2].job_rank(rank, world))
     import torch.distributed as dist
 
     from dslurm.runtime.stop import StopRequest
@@ -142,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         OUTCOME.stop = StopRequest().install(None)  # a TERM during the build is recorded too
         trainer = OUTCOME.progress = Trainer(resolved, device=device, rank=rank, world_size=world,
                                             t_start=T_START, clock=clock,
-                                            watchdog=make_watchdog(resolved, rank, world))
+                                            watchdog=make_watchdog(resolved, rank, world),
+                                            replicas=replicas[2] if replicas else None,
+                                            data_resolved=replicas[1] if replicas else None)
         OUTCOME.run_dir = resolved.run_dir
         OUTCOME.stop.install(trainer.stop)  # USR2 -> save, exit 75; TERM -> save, exit 143
         code = trainer.run()

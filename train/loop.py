@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ import torch
 
 from dslurm import exitcodes, faults, trackers
 from dslurm.checkpoint import init_from
+from dslurm.facts import ENV as FACTS_ENV
 from dslurm.observe import ctl, events
 from dslurm.observe.ledger import Ledger
 from dslurm.run import RunDir
@@ -55,6 +57,8 @@ from train.parallel.build import build_parts
 from train.parallel.dims import ParallelDims
 from train.profile import make_profiler
 from train.recovery import Recovery
+from train.replicas import Context as ReplicaContext
+from train.replicas import Replicas
 from train.sdc import RunChecks
 from train.startup import StartClock
 from train.step import BatchReader, StepResult
@@ -71,7 +75,8 @@ class Trainer(Recovery):
 
     def __init__(self, resolved: Resolved, *, device: torch.device, rank: int, world_size: int,
                  fsdp: bool | None = None, checkpoint: bool = True, t_start: float | None = None,
-                 clock: StartClock | None = None, watchdog: Watchdog | None = None) -> None:
+                 clock: StartClock | None = None, watchdog: Watchdog | None = None,
+                 replicas: ReplicaContext | None = None, data_resolved: Resolved | None = None) -> None:
         job, self.resolved = resolved.job, resolved
         self.run_dir = RunDir(resolved.run_dir)  # every consumer below gets its files from here
         self.train, self.rank, self.device = job.train, rank, device
@@ -108,11 +113,16 @@ class Trainer(Recovery):
         self.pp_group = self.dims.get_mesh("pp").get_group() if self.dims.layout.pp_enabled else None
         self.clock.mark("build")
         dp_rank, dp_size = resolved.layout.dp_coords(rank)
-        self.loader, eval_data = make_data(resolved, dp_rank, dp_size, device=device, rank=rank)
         self.dp_size = dp_size
+        if replicas is not None:  # one replica group: its slots of the whole job's batch (train/replicas.py)
+            dp_rank, dp_size = replicas.data_slot(dp_rank, dp_size)
+        self.loader, eval_data = make_data(data_resolved or resolved, dp_rank, dp_size, device=device, rank=rank)
         self.evaluator = Evaluator(self, eval_data) if eval_data is not None else None  # train/evaluate.py
         self.clock.mark("data")
-        self.ledger = Ledger(self.run_dir.path) if rank == 0 else None
+        # A replica job's run-wide events (and checkpoints) are group 0's; every group records its own
+        # replica events (train/replicas.py).
+        lead = replicas is None or replicas.group == 0
+        self.ledger = Ledger(self.run_dir.path) if rank == 0 and lead else None
         # TensorBoard / W&B / MLflow from the ledger's own numbers (dslurm/trackers/; rank 0, job.metrics)
         self.trackers = trackers.attach(self.ledger, self.run_dir.path, job.metrics, job.name)
         self.ctl = ctl.Poller(self.run_dir.path) if rank == 0 else None  # `dslurm ctl save|stop|profile` requests
@@ -124,14 +134,19 @@ class Trainer(Recovery):
             tokens_per_step=self.train.global_batch * shape.seq_len, flops_per_token=shape.flops_per_token(),
             peak=peak_for(resolved.site, procs_per_node=resolved.procs_per_node), n_devices=world_size,
             sync=torch.cuda.synchronize if device.type == "cuda" else None)
-        self.ckpt = self._checkpoint_manager() if checkpoint else None
+        self.ckpt = self._checkpoint_manager() if checkpoint and lead else None
         self.checks = RunChecks(resolved, self.dims, self.built.parts, device, rank)  # SDC, device poll
         self.sdc_handled, self.last_clean_step = 0, 0  # corruptions rolled back; the last check passed
+        self.replicas = None if replicas is None else Replicas(
+            replicas, self, rank=rank, world=world_size, facts_dir=os.environ.get(FACTS_ENV),
+            ledger=self.ledger if self.ledger is not None or rank else Ledger(self.run_dir.path))
         self.clock.mark("checkpoint_setup")
 
     def run(self) -> int:
         """Train to `train.steps` or until a stop is agreed; returns the exit code."""
         res = self.restore()
+        if self.replicas is not None:
+            self.replicas.resume(self.step)
         if self.resolved.job.model.init_from:  # published weights, only on a fresh start (resume wins)
             self._event(init_from.start(self.resolved, self.built.parts, res))
         self.last_clean_step = self.step  # a generation is only saved after its step's check passed
@@ -158,6 +173,9 @@ class Trainer(Recovery):
             except torch.OutOfMemoryError as exc:
                 self._out_of_memory(exc)
                 raise
+            if result.discarded and not result.stop:  # a replica step no group applied: trained again
+                self.watch.beat(self.step)
+                continue
             if not result.taken:  # a stop during a data stall: save what the last step left
                 return self._stop_exit(result.terminated, pristine=pristine)
             pristine = False
@@ -179,6 +197,8 @@ class Trainer(Recovery):
                     continue
             if self.step % self.train.log_every == 0 or self.step == self.train.steps or result.stop:
                 self._log_window(result)
+            if self.replicas is not None:
+                self.replicas.flush()
             if self.step % self.train.straggler_every == 0:
                 with self.watch.collective("stragglers"):
                     times, hosts, steps = gather_rank_steps(self.metrics, self.rank)
@@ -197,8 +217,13 @@ class Trainer(Recovery):
             if periodic:
                 self._save(blocking=False)
             self.watch.beat(self.step)
+        if self.replicas is not None:  # every group to the final step (a group started again heals there)
+            with self.watch.paused():
+                self.replicas.gather()
         if result is not None:  # None: resumed at the end already
             self._save_final()
+        if self.replicas is not None:
+            self.replicas.end(EXIT_COMPLETED)
         self._event(events.Exit(reason="completed", step=self.step, code=EXIT_COMPLETED))
         return EXIT_COMPLETED
 
@@ -219,6 +244,8 @@ class Trainer(Recovery):
         return result
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.shutdown()
         self.profiler.close()
         if self.trackers is not None:  # closed at the exit event already, unless the start crashed
             self.trackers.close()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from train.metrics import StepMetrics
     from train.parallel.build import Parts
     from train.parallel.dims import ParallelDims
+    from train.replicas import Replicas
     from train.watchdog import Watch
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class StepResult:
 
     profile_steps: int = 0
     """an operator asked for a profile of this many steps (`dslurm ctl profile`): all ranks agree"""
+    discarded: bool = False
+    """replica groups: torchft's commit vote said no (a peer failed inside the step): no rank applied
+    it, every loader is back where the step began, and the step is trained again (train/replicas.py)"""
 
 
 class BatchReader:
@@ -120,6 +124,8 @@ class Step:
     metrics: StepMetrics
     ledger: Ledger | None
     """rank 0's; None on the other ranks"""
+    replicas: Replicas | None
+    """recovery.replicas: torchft's Manager around the gradient average across groups"""
     ctl: ctl.Poller | None
     """rank 0's `dslurm ctl save|stop|profile` requests"""
     step: int
@@ -210,6 +216,14 @@ class Step:
                 faults.await_files()
         faults.before_step(self.step + 1, self._fault_crash, self._fault_kill9, self._fault_hang,
                            self._fault_freeze)
+        if self.replicas is not None:  # the quorum of this step; a group behind heals here
+            with self.watch.collective("replica_quorum"):
+                self.replicas.quorum()
+                if self.step >= self.train.steps:  # healed to the end: the peers wait in `gather`
+                    self.replicas.barrier()
+                    lr = self.optimizers[0].param_groups[0]["lr"]
+                    return StepResult(step=self.step - 1, loss=math.nan, grad_norm=math.nan, lr=lr, stop=False,
+                                      taken=False, discarded=True)
         with self.metrics.phase("data"):
             while self._position() in self.skip_positions:  # a batch a rollback left behind
                 self.loader.sampler.next_global()
@@ -226,6 +240,9 @@ class Step:
             inputs, targets = self.cp_local(inputs, targets)
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets, *docs)
+        if self.replicas is not None:
+            with self.metrics.phase("compute"), self.watch.collective("replica_allreduce"):
+                self.replicas.average(self.params)
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
             norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
         # Only the ranks holding the last stage contribute a loss (world/pp of them, each a
@@ -245,6 +262,8 @@ class Step:
         loss = vec[0].item() / (self.dims.world_size // self.dims.layout.pp)
         if vec[5].item() > 0:  # a stop during some rank's data stall: nobody takes this step
             return self._untaken(snapshot, position, terminated=vec[2].item() > 0, save_now=vec[4].item() > 0)
+        if self.replicas is not None and not self.replicas.commit():
+            return self._discarded(snapshot, position, stop=vec[1].item() > 0, terminated=vec[2].item() > 0)
         decision = None
         if vec[3].item() > 0 or not math.isfinite(loss):
             decision = health.nonfinite_action(self.train.nonfinite, self.nonfinite_handled,
@@ -296,6 +315,17 @@ class Step:
         lr = self.optimizers[0].param_groups[0]["lr"]
         return StepResult(step=self.step - 1, loss=math.nan, grad_norm=math.nan, lr=lr, stop=True,
                           terminated=terminated, position=position, save_now=save_now, taken=False)
+
+    def _discarded(self, snapshot: dict[str, Any], position: int, *, stop: bool, terminated: bool) -> StepResult:
+        """A replica step torchft's vote discarded: nothing applied, the batch read again."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.loader.load_state_dict(snapshot)
+        self._data_state = snapshot
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        log.warning("[rank %d] step %d discarded by the replica groups' commit vote", self.rank, self.step + 1)
+        return StepResult(step=self.step - 1, loss=math.nan, grad_norm=math.nan, lr=lr, stop=stop,
+                          terminated=terminated, position=position, taken=False, discarded=True)
 
     def _stop_before_first_step(self) -> bool:
         """A stop that came during start-up (build, restore): agreed before the first step, so no

@@ -64,6 +64,14 @@ class RecoverySpec:
         "failure forks its workers instead of importing torch again (docs/recovery.md); auto = where the site "
         "proved it (its recovery.warm, or a passed `dslurm site check` warm row), true = always, false = every "
         "attempt starts cold")
+    replicas: bool = field(
+        False, help="fault-tolerant replica groups (torchft): each parallel.dp_replicate group is its own job step "
+        "and torchrun world; across groups the gradients are averaged through torchft's managed process group, a "
+        "lost group drops out of the quorum at the next step while the others train on, and a restarted group "
+        "heals from a live peer (docs/recovery.md)")
+    replicas_min: int = field(
+        1, help="with replicas: the fewest groups that may train a step; below it no step commits (the survivors "
+        "wait in the quorum for a group to come back, then end after its timeout)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,6 +167,7 @@ class JobSpec:
             raise FieldError("spares", f"spares={self.spares} must not be negative",
                              "set spares: 0 (no spare nodes) or more")
         _check_entry(self.entry)
+        self._check_replicas()
         if self.launch == "srun" and not self.builtin_entry and self.preflight.enabled:
             raise FieldError(("entry", "launch", "preflight"), "a script entry gets its burn-in from a torchrun "
                              "wrapper (dslurm.launch.gate), which srun mode does not have",
@@ -170,6 +179,27 @@ class JobSpec:
             raise FieldError("dependency", f"{self.dependency!r} is not a Slurm dependency",
                              "write it as Slurm does, e.g. afterany:1234 or afterok:12:13")
         check_env(self.env)
+
+    def _check_replicas(self) -> None:
+        """recovery.replicas: the dp_replicate groups are whole nodes each, run by the built-in trainer."""
+        rec, groups = self.recovery, self.parallel.dp_replicate
+        if not 1 <= rec.replicas_min <= max(groups, 1):
+            raise FieldError(("recovery.replicas_min", "parallel.dp_replicate"),
+                             f"replicas_min={rec.replicas_min} is not in 1..dp_replicate({groups})",
+                             "set recovery.replicas_min between 1 and parallel.dp_replicate")
+        if not rec.replicas:
+            return
+        if groups < 2:
+            raise FieldError(("recovery.replicas", "parallel.dp_replicate"), f"dp_replicate={groups}: replica "
+                             "groups need at least 2", "set parallel.dp_replicate: 2 or more (one group per node "
+                             "or per few nodes)")
+        if self.nodes % groups:
+            raise FieldError(("recovery.replicas", "nodes"), f"nodes={self.nodes} do not split into "
+                             f"dp_replicate={groups} groups of whole nodes",
+                             f"set nodes to a multiple of {groups}")
+        if not self.builtin_entry or self.launch != "torchrun":
+            raise FieldError(("recovery.replicas", "entry", "launch"), "replica groups are the built-in "
+                             "trainer's (-m train under torchrun)", "use entry: train and launch: torchrun")
 
     @property
     def builtin_entry(self) -> bool:

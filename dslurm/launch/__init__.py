@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from dslurm import exitcodes
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError
-from dslurm.launch.slurm_env import PENDING_STOP_ENV, LaunchInfo, derive
+from dslurm.launch.slurm_env import GROUP_ENV, PENDING_STOP_ENV, LaunchInfo, derive
 from dslurm.worker_exit import STATUS_DIR_ENV
 
 if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it as __main__
@@ -293,7 +293,8 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
 
     warm_path = (warm.socket_path(info.job_id, info.hostname)
                  if mode == "torchrun" and base_env.get(warm.WARM_ENV) == "1" else None)
-    if info.node_rank == 0 and (mode != "srun" or info.rank == 0) and base_env.get("DSLURM_RUN_DIR"):
+    first_group = base_env.get(GROUP_ENV, "0") == "0"  # replica groups: the start is group 0's
+    if info.node_rank == 0 and (mode != "srun" or info.rank == 0) and base_env.get("DSLURM_RUN_DIR") and first_group:
         from dslurm.observe import events
         from dslurm.observe.ledger import Ledger
 

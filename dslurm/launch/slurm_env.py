@@ -77,6 +77,11 @@ STEP_INDEX_ENV = "DSLURM_STEP_INDEX"  # set by `dslurm supervise` for each job s
 # Set by `dslurm supervise` on a step it starts after Slurm asked to stop (SIGUSR2 / SIGTERM): the
 # launchers leave it for the trainer as if the signal had come during its start-up.
 PENDING_STOP_ENV = "DSLURM_PENDING_STOP"
+# recovery.replicas: the replica group a job step runs (set by `dslurm supervise`, read by the trainer,
+# train/replicas.py; the launcher of a group other than 0 writes no job_start: a group is not a start).
+GROUP_ENV = "DSLURM_REPLICA_GROUP"
+# A restarted replica group's: the step it was lost at (its heal counts the samples it missed from there).
+LOST_STEP_ENV = "DSLURM_REPLICA_LOST_STEP"
 
 
 def master_port(job_id: str, restart_count: int = 0, step_index: int = 0) -> int:
@@ -84,6 +89,17 @@ def master_port(job_id: str, restart_count: int = 0, step_index: int = 0) -> int
     the job steps of one start (in-allocation recovery)."""
     digits = "".join(c for c in job_id if c.isdigit()) or "0"
     return PORT_BASE + (int(digits) + 4099 * restart_count + 7919 * step_index) % PORT_SPAN
+
+
+LIGHTHOUSE_STEP = 1000
+"""The step index the Lighthouse's port is derived with (`lighthouse_port`): no job step of a
+start reaches it, and 7919 is prime to PORT_SPAN, so no step's master port equals it."""
+
+
+def lighthouse_port(job_id: str, restart_count: int = 0) -> int:
+    """The port of a replica-group job's torchft Lighthouse (recovery.replicas): the batch script
+    starts it there (dslurm.recover.lighthouse), `dslurm supervise` hands its address to every group."""
+    return master_port(job_id, restart_count, LIGHTHOUSE_STEP)
 
 
 def _job_id(env: Mapping[str, str]) -> str:

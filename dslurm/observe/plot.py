@@ -76,6 +76,7 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
                                  for r in sm.recoveries)
                      + ")" + (f"; failure to training {_fmt_s(sum(back))} in all, {_fmt_s(max(back))} at most"
                               if back else ""))
+    lines += sm.replicas  # replica groups: participants per step, each group's losses and heals
     if (line := startup_line(sm.starts)) is not None:
         lines.append(line)
     lines += sm.health  # hangs and their cost, silent data corruption, device findings

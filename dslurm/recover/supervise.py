@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.launch.slurm_env import GROUP_ENV
+from dslurm.recover.replicas import ReplicaSupervisor
 from dslurm.recover.srun import SrunRunner
 from dslurm.recover.supervisor import Supervisor
 from dslurm.recover.warm_pools import WarmPools
@@ -33,6 +37,8 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     rd = RunDir(env["DSLURM_RUN_DIR"])
     r = rd.resolved()
     alloc = expand_hosts(env.get("SLURM_JOB_NODELIST", ""))
+    if r.job.recovery.replicas:
+        return _replicas(r, cmd, env, alloc)
     runner = SrunRunner(r, cmd, env)
     # The frozen job.yaml holds the choice made at submit (dslurm/warm_proof.py); auto there means
     # a run frozen otherwise: then the site's own word, else cold.
@@ -55,6 +61,28 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     finally:
         if pools is not None:
             pools.stop()
+
+
+def _replicas(r: Resolved, cmd: Sequence[str], env: dict[str, str], alloc: list[str]) -> int:
+    """recovery.replicas: a runner per group, each step told its group and the Lighthouse the batch
+    script started on this node (dslurm/recover/replicas.py)."""
+    from dslurm.recover.lighthouse import address
+
+    host = env.get("SLURMD_NODENAME") or socket.gethostname()
+    lighthouse = address(host, env.get("SLURM_JOB_ID", "0"), int(env.get("SLURM_RESTART_COUNT") or 0))
+    runners = [SrunRunner(r, cmd, {**env, GROUP_ENV: str(g), "TORCHFT_LIGHTHOUSE": lighthouse})
+               for g in range(r.job.parallel.dp_replicate)]
+    sup = ReplicaSupervisor(r, runners, env, alloc)
+
+    def handler(signum: int, _frame: object) -> None:
+        sup.on_signal(signal.Signals(signum).name.removeprefix("SIG"))
+        sup.signal(signum)
+
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, handler)
+    for name in early_signals(env):
+        sup.on_signal(name)
+    return sup.loop()
 
 
 def early_signals(env: Mapping[str, str]) -> list[str]:

@@ -94,6 +94,11 @@ def step_gpu_flags(r: Resolved) -> list[str]:
     return [] if req is None else [f"--{req[0]}={req[1]}"]
 
 
+def supervised(r: Resolved) -> bool:
+    """`dslurm supervise` runs the job steps (spares, or replica groups) instead of one srun."""
+    return bool(r.spares) or r.job.recovery.replicas
+
+
 def directives(r: Resolved, log_dir: str) -> list[tuple[str, str | None]]:
     """The #SBATCH flags, in a fixed order (deterministic output for golden files)."""
     site, job = r.site, r.job
@@ -103,8 +108,9 @@ def directives(r: Resolved, log_dir: str) -> list[tuple[str, str | None]]:
         ("ntasks-per-node", str(tasks_per_node(r))),
         ("exclusive", None),
     ]
-    if r.spares:
-        flags.append(("no-kill", None))  # a failed node must not end the allocation: the spares take over
+    if supervised(r):
+        # a failed node must not end the allocation: the spares take over, or the other replica groups train on
+        flags.append(("no-kill", None))
     gpus = gpu_request(r)
     if gpus is not None:
         flags.append(gpus)
@@ -214,9 +220,9 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "",
         "# Computed once by dslurm; everything below uses these.",
         *([f"# {r.nnodes} training node(s) + {r.spares} spare(s): dslurm supervise picks each step's nodes."]
-          if r.spares else [f"NNODES={r.nnodes}"]),
+          if supervised(r) else [f"NNODES={r.nnodes}"]),
         f"NPROC_PER_NODE={r.procs_per_node}",
-        *([] if r.spares else [f"CPUS_PER_TASK={cpus_per_task(r)}"]),
+        *([] if supervised(r) else [f"CPUS_PER_TASK={cpus_per_task(r)}"]),
         "",
         "# Site setup (from the site config).",
         *(r.site.setup or [":"]),
@@ -245,7 +251,8 @@ def render_sbatch(r: Resolved, refs: RenderRefs) -> str:
         "trap 'forward TERM' TERM",
         "",
         *_container_note(r),
-        *(_supervised_step(py, launch, trainer) if r.spares
+        *_lighthouse(r, py),
+        *(_supervised_step(py, launch, trainer, replicas=r.job.recovery.replicas) if supervised(r)
           else _plain_step(py, launch_mode, launch, trainer, container.srun_container_flags(r))),
         "",
     ]
@@ -290,7 +297,7 @@ def _container_note(r: Resolved) -> list[str]:
     if c is None:
         return []
     how = "srun's --container-* flags start" if c.runtime == "pyxis" else f"`{c.runtime} exec` wraps"
-    end = "supervise" if r.spares else "requeue-me"
+    end = "supervise" if supervised(r) else "requeue-me"
     return [
         f"# Container: {how} the launcher in the image on every node, and with it",
         "# the burn-in and the training processes (all that needs torch). This shell, its setup and",
@@ -320,12 +327,29 @@ def _plain_step(py: str, launch_mode: str, launch: str, trainer: str, srun_conta
     ]
 
 
-def _supervised_step(py: str, launch: str, trainer: str) -> list[str]:
+def _lighthouse(r: Resolved, py: str) -> list[str]:
+    """recovery.replicas: torchft's Lighthouse beside this shell, on the job's first node, for as
+    long as the script runs (dslurm/recover/lighthouse.py); USR2 is this shell's to forward, not its."""
+    if not r.job.recovery.replicas:
+        return []
+    return [
+        f"# Replica groups: torchft's Lighthouse (the quorum of the {r.job.parallel.dp_replicate} groups) runs here",
+        "# until supervise returns; supervise gives every group its address.",
+        f"( trap '' USR2; exec {py} -m dslurm.recover.lighthouse --min-replicas {q(r.job.recovery.replicas_min)} ) &",
+        "lighthouse_pid=$!",
+        "",
+    ]
+
+
+def _supervised_step(py: str, launch: str, trainer: str, *, replicas: bool = False) -> list[str]:
     """Spares: `dslurm supervise` runs the job steps on the training nodes and recovers inside
-    the allocation (dslurm/recover/supervise.py); it decides the end itself, as requeue-me would."""
+    the allocation (dslurm/recover/supervise.py); it decides the end itself, as requeue-me would.
+    Replica groups: one step per group, a lost group's step started again (dslurm/recover/replicas.py)."""
+    stop = ['kill "$lighthouse_pid" 2>/dev/null || true'] if replicas else []
+    what = "replica groups" if replicas else "spares"
     return [
         'echo "dslurm: job ${SLURM_JOB_ID} start ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}'
-        ' (with spares; recovery inside the allocation)" >&2',
+        f' (with {what}; recovery inside the allocation)" >&2',
         "# USR2 ignored across exec until supervise installs its handler (a USR2 before that would kill",
         "# it and end the job); it reads what came meanwhile from batch.signals, recorded above.",
         f"( trap '' USR2; exec {py} -m dslurm supervise -- {launch}\\",
@@ -334,5 +358,6 @@ def _supervised_step(py: str, launch: str, trainer: str) -> list[str]:
         "",
         "# supervise classified every step's ending from the facts, recovered what it could inside the",
         "# allocation, and took the last decision (requeue, stop or end) like requeue-me: its code is ours.",
+        *stop,
         'exit "$rc"',
     ]

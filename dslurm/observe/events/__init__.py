@@ -13,11 +13,12 @@ default. A record without a numeric `t` is not an event.
 
 The package holds the classes by theme: `base` (Event and its envelope), `lifecycle` (submit,
 a start's launch, exit and ending, requeue, recovery), `ckpt` (restores, saves, init_from),
-`training` (step windows, stragglers, evaluations, profiles, trackers) and `health` (hang,
-non-finite, SDC, device findings, OOM). This module is the one registry: every class is
-re-exported here (`from dslurm.observe import events as ev; ev.JobStart`), `CATALOGUE` maps
-each NAME to its class, and the reading rules (`decode`, `read`, `of`) live below it. A new
-event: its class in the module of its theme, then its name here (import, `__all__`, `CATALOGUE`).
+`training` (step windows, stragglers, evaluations, profiles, trackers), `health` (hang,
+non-finite, SDC, device findings, OOM) and `replicas` (replica groups lost, healed, their
+steps). This module is the one registry: every class is re-exported here (`from
+dslurm.observe import events as ev; ev.JobStart`), `CATALOGUE` maps each NAME to its class, and
+the reading rules (`decode`, `read`, `of`) live below it. A new event: its class in the module of
+its theme, then its name here (import, `__all__`, `CATALOGUE`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from dslurm.observe.events.lifecycle import (
     Submit,
     TrainStart,
 )
+from dslurm.observe.events.replicas import ReplicaEnd, ReplicaHealed, ReplicaLost, ReplicaSteps
 from dslurm.observe.events.training import (
     Eval,
     Profile,
@@ -78,7 +80,8 @@ __all__ = [
     "CkptLocalCommit", "CkptPartnerCommit",
     "CkptRestore", "CkptRestoreFailed", "CkptSave", "CkptSaveFailed", "CkptSaveSkipped",
     "DeviceHealth", "E", "Ending", "Eval", "Event", "Exit", "Hang", "InitFrom", "JobStart", "NonFinite", "Oom",
-    "OperatorRequest", "Preflight", "Profile", "Recovery", "Requeue", "RestoreRejected", "Sdc", "Signal", "StartEnv",
+    "OperatorRequest", "Preflight", "Profile", "Recovery", "ReplicaEnd", "ReplicaHealed", "ReplicaLost",
+    "ReplicaSteps", "Requeue", "RestoreRejected", "Sdc", "Signal", "StartEnv",
     "StartPhases", "Steps",
     "Stragglers", "Submit", "TrackerDelivery", "TrackerDropped", "TrackerFailed", "TrackerHealed", "TrainStart",
     "decode", "decode_all", "of", "read",
@@ -92,7 +95,8 @@ CATALOGUE: dict[str, type[Event]] = {c.NAME: c for c in (
     RestoreRejected, CkptSaveFailed,
     CkptSaveSkipped, Signal, Exit, Hang, NonFinite, Ending, Requeue, Recovery, ChainCancel, BlocklistWaived,
     Sdc, DeviceHealth, Eval,
-    InitFrom, TrackerFailed, TrackerDropped, TrackerHealed, TrackerDelivery, OperatorRequest, Oom, Profile)}
+    InitFrom, TrackerFailed, TrackerDropped, TrackerHealed, TrackerDelivery, OperatorRequest, Oom, Profile,
+    ReplicaLost, ReplicaHealed, ReplicaSteps, ReplicaEnd)}
 ALIASES = {"local_start": JobStart}  # older ledgers
 RESTORES = (CkptFreshStart, CkptRestore, CkptRestoreFailed)  # CkptFallback is a CkptRestore
 

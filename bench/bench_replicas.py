@@ -1,0 +1,128 @@
+"""The same fault under replica groups, spare recovery and requeue, side by side in one run (issue 50;
+docs/recovery.md "Replica groups").
+
+Three jobs on the local Slurm cluster (3 nodes), one after the other, the same tiny model (tp 1, one
+process per node, global batch 6, a checkpoint every 5 steps), and the same fault: kill -9 of the
+training process on the last training node once step 7 has trained:
+
+  (a) replicas   3 nodes, `recovery.replicas: true`, dp_replicate 3: the two other groups train on
+                 (torchft leaves the lost one out of the next quorum); the lost group's step starts
+                 again and heals from a live peer
+  (b) in-alloc   2 nodes + 1 spare (`dslurm supervise`): every rank stops, the step starts again on
+                 the same nodes (no node at fault) and resumes from the checkpoint pointer
+  (c) requeue    3 nodes, no spare: every rank stops, Slurm requeues the job, it resumes from the pointer
+
+Printed per variant: the step time before the fault (median of the 5 steps before it), the
+survivors' time from the kill to their next step done (for (a) the next `steps` event of group 0,
+which was never stopped; for (b) and (c) the next start's first step, by the report's rule,
+`dslurm.observe.endpoints`), that time less one step (the lost time), and for (a) the heal: its
+seconds and bytes and when the group was back in the quorum (kill -> `replica_healed`). Goal of
+the issue: the survivors lose at most one step's time per fault.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_replicas.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "cluster"), str(ROOT / "tests")]
+
+from dslurm import cluster, slurm  # noqa: E402
+from dslurm.cluster.disrupt import signal_pids, workers  # noqa: E402
+from dslurm.observe import endpoints  # noqa: E402
+from dslurm.observe import events as ev  # noqa: E402
+from dslurm.run import RunDir  # noqa: E402
+
+KILL_AFTER = 7
+VARIANTS: dict[str, dict[str, object]] = {
+    "replicas": {"nodes": 3, "parallel": {"tp": 1, "dp_replicate": 3}, "recovery": {"replicas": True}},
+    "in-alloc": {"nodes": 2, "spares": 1, "parallel": {"tp": 1}},
+    "requeue": {"nodes": 3, "parallel": {"tp": 1}},
+}
+
+
+def _wait(what: str, cond: Callable[[], object], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _steps(run: Path) -> list[ev.Steps]:
+    return [e for e in ev.read(run) if isinstance(e, ev.Steps)]
+
+
+def one(tmp: Path, name: str, env: dict[str, str], steps: int) -> dict[str, float | int | None]:
+    run = tmp / name
+    job = {"name": f"bench-{name}", "time": "00:10:00", "model": {"preset": "tiny"}, "procs_per_node": 1,
+           "preflight": {"enabled": False}, "requeue": {"max_restarts": 4, "no_progress_limit": 0},
+           "train": {"steps": steps, "global_batch": 6, "log_every": 1, "step_sleep_s": 0.4},
+           "checkpoint": {"run_dir": str(run), "interval": 5}, **VARIANTS[name]}
+    spec = tmp / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump(job))
+    out = subprocess.run([sys.executable, "-m", "dslurm", "submit", "--site", str(ROOT / "site-configs/local.yaml"),
+                          "--job", str(spec)], cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr)
+    job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)  # type: ignore[union-attr]
+    victim_node = "node3" if name != "in-alloc" else "node2"  # the last training node, never the batch host
+    try:
+        _wait(f"{name}: step {KILL_AFTER}", lambda: any((e.last or 0) >= KILL_AFTER for e in _steps(run)))
+        victims = [p.pid for p in workers(job_id, str(RunDir(run).job_yaml)) if p.node == victim_node]
+        t0 = time.time()
+        if not signal_pids(victims, signal.SIGKILL):
+            raise SystemExit(f"{name}: no training process on {victim_node}")
+        if name == "replicas":
+            _wait("the lost group healed", lambda: any(isinstance(e, ev.ReplicaHealed) and e.t > t0
+                                                       for e in ev.read(run)))
+        else:
+            _wait(f"{name}: training again", lambda: endpoints.since(ev.read(run), t0).first_step is not None)
+    finally:
+        slurm.run_cmd(["scancel", job_id], env=env, check=False)
+        slurm.wait_job(int(job_id), timeout=120, env=env)
+    evs = ev.read(run)
+    before = [e for e in evs if isinstance(e, ev.Steps) and e.t < t0]
+    step_s = statistics.median(b.t - a.t for a, b in zip(before[-6:], before[-5:]))
+    if name == "replicas":
+        nxt = next(e for e in evs if isinstance(e, ev.Steps) and e.t > t0)  # group 0 never stopped
+        back = next(e for e in evs if isinstance(e, ev.ReplicaHealed) and e.t > t0)
+        to_step = nxt.t - t0
+        heal: dict[str, float | int | None] = {"heal_s": back.heal_s, "heal_bytes": back.bytes,
+                                                "back_s": round(back.t - t0, 2), "missed": back.missed_steps}
+    else:
+        to_step = endpoints.since(evs, t0).first_step or float("nan")
+        heal = {}
+    return {"job": int(job_id), "step_s": round(step_s, 3), "to_step_s": round(to_step, 2),
+            "lost_s": round(to_step - step_s, 2), **heal}
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    env = {**os.environ, **cluster.up(nodes=3, accounting=True).env()}
+    with tempfile.TemporaryDirectory(prefix="bench-replicas-") as d:
+        for name in VARIANTS:
+            r = one(Path(d), name, env, steps=60 if name == "replicas" else 30)
+            extra = (f"; heal {r['heal_s']:.2f} s, {int(r['heal_bytes'] or 0) / 1e6:.1f} MB, the group back in "
+                     f"the quorum {r['back_s']:.1f} s after the kill ({r['missed']} step(s) missed)"
+                     if name == "replicas" else "")
+            print(f"{name:>9} (job {r['job']}): step {r['step_s']:.2f} s; kill -> the survivors' next step "
+                  f"{r['to_step_s']:.2f} s, lost {r['lost_s']:.2f} s{extra}; load {os.getloadavg()[0]:.1f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""The replica groups of a job with `recovery.replicas` (`dslurm supervise`, docs/recovery.md).
+
+The job's `parallel.dp_replicate` groups are whole nodes each (`group_hosts`): every group is its
+own job step (srun on its nodes) and its own torchrun world, and torchft's Lighthouse (started by
+the batch script, dslurm/recover/lighthouse.py) holds their quorum. This loop runs one thread per
+group; when a group's step ends:
+
+- in a failure (crash, node failure, burn-in) while another group still trains, the group is
+  *lost*, not the job: `replica_lost` goes to the ledger (the cause classified from that step's own
+  facts, `endings.classify`; the step from the group's own record, train/replicas.py `PROGRESS`),
+  and the group's step starts again at once, on its nodes when they answer a probe, else on a
+  spare (its nodes blocklisted), else on its nodes once they answer again (probed every 5 s while
+  another group trains); the new step heals from a live peer (train/replicas.py). The
+  survivors never stop: torchft leaves the lost group out of their next quorum;
+- otherwise (completed, a stop, the last group alive failing, no node left for it, the restart
+  budget spent, group 0 over) the group is over. A group still running 30 s after group 0 ended
+  is stopped (frozen, or started again too late to find a peer: it holds nothing durable). Once
+  every group is over, the job's ending is concluded as `requeue-me` would (`requeue.conclude`)
+  from the facts of group 0's last step: group 0 owns the checkpoints and the run-wide events, so a
+  group 0 lost for good ends the start as that failure and the chain resumes from the pointer.
+
+Slurm's USR2/TERM reach every group (recorded in each step's batch.signals, forwarded to each
+srun); no step starts after one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dslurm import endings as E
+from dslurm.config.resolve import Resolved
+from dslurm.errors import UserError
+from dslurm.launch.slurm_env import LOST_STEP_ENV
+from dslurm.observe import events as ev
+from dslurm.recover.supervisor import Runner, Step
+
+log = logging.getLogger(__name__)
+
+PROGRESS = "replica.step"
+"""in a group step's facts dir: the step its rank 0 began last (rewritten every step: a hint)"""
+
+
+def group_hosts(training: Sequence[str], groups: int) -> list[tuple[str, ...]]:
+    """The training nodes split into `groups` groups of whole nodes, in order. Pure."""
+    if groups < 1 or len(training) % groups:
+        raise UserError(f"{len(training)} training node(s) do not split into {groups} replica groups. "
+                        "Fix: set nodes to a multiple of parallel.dp_replicate")
+    per = len(training) // groups
+    return [tuple(training[i * per:(i + 1) * per]) for i in range(groups)]
+
+
+def last_step(facts_dir: Path) -> int | None:
+    """The step a group began last, from its rank 0's record (None: it began none)."""
+    try:
+        return int((facts_dir / PROGRESS).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(slots=True)
+class GroupEnd:
+    """How a group's last job step ended."""
+
+    facts_dir: Path
+    ending: E.Ending
+    rc: int
+
+
+class ReplicaSupervisor:
+    """One thread per replica group; a lost group's step started again while the others train."""
+
+    def __init__(self, r: Resolved, runners: Sequence[Runner], env: Mapping[str, str], alloc: Sequence[str]) -> None:
+        from dslurm.recover import initial_nodes
+        from dslurm.run import read_blocklist
+
+        self.r, self.runners, self.env = r, list(runners), dict(env)
+        self.run_dir = r.run_dir
+        self.job_id = env.get("SLURM_JOB_ID", "")
+        self.restart = int(env.get("SLURM_RESTART_COUNT") or 0)
+        nodes = initial_nodes(alloc, r.nnodes, read_blocklist(self.run_dir))
+        self.hosts = group_hosts(nodes.training, r.job.parallel.dp_replicate)
+        self.spares = list(nodes.spares)
+        self.lock = threading.Lock()
+        self.index = 0
+        self.stopping: str | None = None
+        self.running: dict[int, Path] = {}  # group -> the facts dir of its running step
+        self.ends: dict[int, GroupEnd] = {}
+        self.over: set[int] = set()  # the groups whose thread returned
+        self.restarts = [0] * len(self.hosts)
+        self.probe_s = 8.0
+        # Groups end within a step of each other (one quorum); one still running this long after
+        # group 0 ended is stopped (`_end_stragglers`).
+        self.after_lead_s = 30.0
+        self.node_wait_s = 5.0
+        # A group that begins no step for this long while another group begins later ones is hung
+        # (`_stalled`): its step is ended and started again.
+        self.stall_s = 30.0
+
+    def on_signal(self, name: str) -> None:
+        """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
+        with self.lock:
+            self.stopping = self.stopping or name
+            dirs = list(self.running.values())
+        for d in dirs:
+            try:
+                with open(d / "batch.signals", "a") as fh:
+                    fh.write(f"{name} {time.time():.6f}\n")
+            except OSError as exc:
+                log.error("could not record %s in %s: %s", name, d, exc)
+
+    def signal(self, signum: int) -> None:
+        for runner in self.runners:
+            runner.signal(signum)
+
+    def loop(self) -> int:
+        from dslurm.requeue import _Accounting, conclude
+
+        acct = _Accounting(self.env)
+        # Group g's first job step is step g (DSLURM_STEP_INDEX: a fault knob's @RESTART.STEP names it);
+        # the steps started again after a loss take the next numbers.
+        firsts = [self._step_dir() for _ in self.hosts]
+        threads = [threading.Thread(target=self._group, args=(g, firsts[g]), name=f"dslurm-group-{g}", daemon=True)
+                   for g in range(len(self.hosts))]
+        for t in threads:
+            t.start()
+        ended: float | None = None  # when group 0's last step ended
+        sent: set[int] = set()
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.5)  # the main thread stays free for the signal handlers
+            if ended is None and not threads[0].is_alive():
+                ended = time.monotonic()
+            if ended is not None and time.monotonic() - ended > self.after_lead_s:
+                sent |= self._end_stragglers(sent, escalate=time.monotonic() - ended > 2 * self.after_lead_s)
+        # Group 0's end decides: it owns the checkpoints and the run-wide events, so another group's
+        # completion vouches for nothing durable; a group 0 lost for good ends the start as that failure.
+        lead = self.ends[0]
+        return conclude(self.run_dir, lead.facts_dir, lead.ending, lead.rc, self.env, acct,
+                        act=self.runners[0].act).exit_code
+
+    def _end_stragglers(self, sent: set[int], *, escalate: bool) -> set[int]:
+        """Group 0 is over and another group's step still runs `after_lead_s` later (frozen, or
+        started again too late to find a peer): TERM to its srun, KILL once `escalate`. Such a group
+        holds nothing durable."""
+        import signal
+
+        with self.lock:
+            running = [g for g in self.running if g != 0]
+        for g in running:
+            if g not in sent or escalate:
+                log.warning("dslurm supervise: replica group %d still runs after group 0 ended: %s", g,
+                            "killing its step" if escalate else "stopping it")
+                self.runners[g].signal(signal.SIGKILL if escalate else signal.SIGTERM)
+        return set(running)
+
+    def _step_dir(self) -> tuple[int, Path]:
+        from dslurm.facts import STARTS, start_name
+
+        with self.lock:
+            index, self.index = self.index, self.index + 1
+        d = self.run_dir / STARTS / start_name(self.job_id, self.restart, index)
+        d.mkdir(parents=True, exist_ok=True)
+        return index, d
+
+    def _group(self, g: int, first: tuple[int, Path]) -> None:
+        from dslurm.facts import read_start
+
+        runner = self.runners[g]
+        index, d = first
+        while True:
+            with self.lock:
+                stop = f"SIG{self.stopping}" if self.stopping else None
+                self.running[g] = d
+            log.info("dslurm supervise: replica group %d: step %d on %s", g, index, ",".join(self.hosts[g]))
+            stalled: list[float] = []
+            rc = runner.run(Step(index=index, hosts=self.hosts[g], facts_dir=d, stop=stop),
+                            self._stalled(g, d, stalled))
+            t_end = time.time()
+            with self.lock:
+                self.running.pop(g, None)
+            ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
+            if stalled:  # its step was ended here: a hang, not what srun's end looks like
+                ending = E.Ending(cls=E.CRASH, reason=f"hang: group {g} began no step for {stalled[0]:.0f} s while "
+                                  "the other groups trained past it; its step was killed", step=last_step(d))
+            self.ends[g] = GroupEnd(d, ending, rc)
+            if not self._restart(g, d, ending, t_end):
+                with self.lock:
+                    self.over.add(g)
+                return
+            index, d = self._step_dir()
+
+    def _stalled(self, g: int, d: Path, stalled: list[float]) -> Callable[[], bool]:
+        """The step's `abandon`: true once group g began no step for `stall_s` while another group
+        began a later one (its processes frozen, a hang its own watchdog cannot see: a SIGSTOPped
+        one-process group), recorded in `stalled`. A group that has begun none yet (starting, or
+        its heal) is never stalled."""
+        seen: list[int | None] = [None]
+        since = [time.monotonic()]
+
+        def abandon() -> bool:
+            mine, now = last_step(d), time.monotonic()
+            if mine != seen[0]:
+                seen[0], since[0] = mine, now
+                return False
+            with self.lock:
+                if self.stopping:
+                    return False
+                others = [last_step(x) for h, x in self.running.items() if h != g]
+            quiet = now - since[0]
+            if mine is None or quiet < self.stall_s or not any(o is not None and o > mine for o in others):
+                return False
+            log.warning("dslurm supervise: replica group %d began no step for %.0f s while the others went on: "
+                        "ending its step", g, quiet)
+            stalled.append(quiet)
+            return True
+        return abandon
+
+    def _restart(self, g: int, d: Path, ending: E.Ending, t_end: float) -> bool:
+        """After a failure of group g with others training: the ledger's replica_lost, the nodes of
+        its next step; False: the group is over."""
+        from dslurm.observe.ledger import Ledger
+        from dslurm.recover.supervisor import failed_at
+
+        with self.lock:
+            others = bool(self.running)
+            stopping = self.stopping
+        if stopping or ending.cls not in E.FAILURES or not others or (g != 0 and 0 in self.over):
+            return False  # nobody to heal from, or group 0 (the run's truth) is over
+        from dslurm.facts import read_start
+
+        hosts = self.hosts[g]
+        budget = self.r.policy.max_restarts
+        nxt = self._next_hosts(g, hosts) if self.restarts[g] < budget else None
+        cause = "hang" if ending.reason.startswith("hang:") else ending.cls
+        Ledger(self.run_dir).append(ev.ReplicaLost(
+            group=g, step=last_step(d), cause=cause, reason=ending.reason[:600], hosts=list(hosts),
+            next_hosts=list(nxt or ()), failed_t=round(failed_at(read_start(d), t_end), 3)))
+        if nxt is None:
+            log.error("dslurm supervise: replica group %d lost (%s) and not started again (%s)", g, ending.cls,
+                      "restart budget spent" if self.restarts[g] >= budget else "no node left for it")
+            return False
+        self.restarts[g] += 1
+        self.hosts[g] = nxt
+        self.runners[g].env[LOST_STEP_ENV] = str(last_step(d) or 0)  # type: ignore[attr-defined]
+        print(f"dslurm: replica group {g} lost ({ending.cls}: {ending.reason}); the others train on; "
+              f"its step starts again on {','.join(nxt)}", flush=True)
+        return True
+
+    def _next_hosts(self, g: int, hosts: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The group's nodes when they answer a probe; a node that does not is swapped for a spare
+        (and blocklisted); None when no spare is left."""
+        from dslurm.run import add_to_blocklist
+
+        dead = set(self.runners[g].probe(hosts, self.probe_s))
+        while dead:
+            with self.lock:
+                take = [self.spares.pop(0) for _ in dead] if len(self.spares) >= len(dead) else None
+                others = bool(self.running) and not self.stopping
+            if take is not None or not others:
+                break
+            # No spare: the group waits for its nodes while the others train (a node rebooted, a
+            # slurmd restarted), probed again every `node_wait_s`.
+            log.warning("dslurm supervise: replica group %d: %s not answering and no spare; waiting", g,
+                        ",".join(sorted(dead)))
+            time.sleep(self.node_wait_s)
+            dead = set(self.runners[g].probe(hosts, self.probe_s))
+        if not dead:
+            return hosts
+        if take is None:
+            return None
+        add_to_blocklist(self.run_dir, sorted(dead))
+        it = iter(take)
+        return tuple(next(it) if h in dead else h for h in hosts)
