@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from dslurm.process_group import await_store  # noqa: E402
+from dslurm.health.process_group import await_store  # noqa: E402
 
 WORKER = ("import os, sys, time\nif os.environ['RANK'] == '1':\n    print(time.time(), flush=True)\n    sys.exit(1)\n"
           "time.sleep(60)\n")

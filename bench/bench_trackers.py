@@ -202,7 +202,7 @@ def main() -> None:
           f"the frozen server holds all {len(want)} ledger steps once, run {status}, after {heal.outages} "
           f"outage(s), {heal.backfilled} item(s) sent late")
     sys.stdout.flush()
-    # As the trainer leaves (dslurm.worker_exit.leave): W&B's atexit teardown would wait on its
+    # As the trainer leaves (dslurm.endings.worker_exit.leave): W&B's atexit teardown would wait on its
     # service, which still waits on the silent server.
     os._exit(0)
 

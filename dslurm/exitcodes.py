@@ -1,7 +1,7 @@
 """Exit codes that carry meaning between the trainer, the launcher and the batch script.
 
 They are a summary for Slurm and the user; decisions read the recorded facts
-(dslurm/facts.py, dslurm/endings.py), because srun and torchrun fold endings together.
+(dslurm/endings/facts.py, dslurm/endings/__init__.py), because srun and torchrun fold endings together.
 """
 
 OK = 0
@@ -30,7 +30,7 @@ NAMES = {OK: "completed", USER_ERROR: "user_error", SAVE_FAILED: "save_failed", 
          NO_PROGRESS: "no_progress", BUDGET: "budget", PREFLIGHT_FAILED: "preflight_failed",
          REFUSED: "refused", HANG: "hang", NONFINITE: "nonfinite", OOM: "oom", TERMINATED: "terminated"}
 
-# How a training process describes its own exit code in its report (dslurm/facts.py).
+# How a training process describes its own exit code in its report (dslurm/endings/facts.py).
 KIND_OF_CODE = {OK: "completed", REQUEUE: "stop_saved", TERMINATED: "terminated_saved",
                 USER_ERROR: "user_error", PREFLIGHT_FAILED: "burnin_rejected", SAVE_FAILED: "save_failed",
                 REFUSED: "refused", HANG: "crash", NONFINITE: "diverged"}

@@ -35,7 +35,7 @@ BLOCKLIST = "blocklist.txt"
 LEDGER = "ledger.jsonl"
 """the run's events, one JSON line each (dslurm/observe/ledger.py)"""
 STARTS = "starts"
-"""one directory of facts per start: starts/<job_id>.<restart>[.<step>]/ (dslurm/facts.py)"""
+"""one directory of facts per start: starts/<job_id>.<restart>[.<step>]/ (dslurm/endings/facts.py)"""
 CTL_REQUEST, CTL_TAKEN, CTL_STALE = "ctl_request.json", "ctl_taken.json", "ctl_stale.json"
 """`dslurm ctl RUN save|stop|profile`: the request waiting for rank 0, the one it took, and one it
 set aside as written for another start"""

@@ -1,7 +1,7 @@
 """The import graph between dslurm's packages, computed from the source (importable as
 `package_graph`: pytest puts tests/ on the path).
 
-A node is a package or top-level module of `dslurm` (`config`, `observe`, `submit`, `cli`, ...);
+A node is a package or top-level module of `dslurm` (`config`, `observe`, `slurm`, `cli`, ...);
 an edge A -> B means some file of A imports something of B. Every import counts, function-level
 ones included (they hide an edge from a reader, not from this graph), except those under
 `if TYPE_CHECKING:`, which never run. The graph must be one-way: `cycles()` lists every group of
@@ -38,7 +38,7 @@ class Edge:
 
 
 def node_of(path: Path) -> str:
-    """The node a file belongs to: `dslurm/observe/report.py` -> `observe`, `dslurm/cli.py` -> `cli`."""
+    """The node a file belongs to: `dslurm/observe/report.py` -> `observe`, `dslurm/cli/__init__.py` -> `cli`."""
     rel = path.relative_to(PKG)
     if len(rel.parts) == 1:
         return "dslurm" if rel.name == "__init__.py" else rel.stem

@@ -8,7 +8,7 @@ job file's node count: `nodes` and `procs_per_node` are taken from torchrun's en
 Exit codes: 0 complete, 75 requeue me (stopped on request, checkpoint saved), 143 stopped by
 TERM (saved), 2 user error, 74 a save the ending needs failed, 79 refused (run dir locked),
 80 the hang watchdog fired (train/watchdog.py), 81 the loss diverged under train.nonfinite=stop.
-On its way out every process writes its own report (dslurm/facts.py): what kind of ending,
+On its way out every process writes its own report (dslurm/endings/facts.py): what kind of ending,
 its code, the step reached, the error, and the time the failure happened -- the facts from
 which `dslurm requeue-me` classifies the step's ending.
 """
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from dslurm.worker_exit import Outcome, leave, report, world_from_env
+from dslurm.endings.worker_exit import Outcome, leave, report, world_from_env
 
 if TYPE_CHECKING:  # imported where they are used: the config error path stays torch-free
     import torch
@@ -35,7 +35,7 @@ T_START = time.time()  # process start, for the ledger's startup_s
 # What a warm pool (dslurm/launch/warm.py) imports once for the workers it forks: what `main`
 # imports, the parallel wrappers every tiny-to-large layout uses, the checkpoint. Importing them
 # starts no thread and no CUDA context (the pool checks).
-WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.preflight.in_job", "dslurm.facts",
+WARM_PRELOAD = ("dslurm.config.resolve", "dslurm.runtime.stop", "dslurm.preflight.in_job", "dslurm.endings.facts",
                 "train.startup", "train.loop", "train.watchdog", "train.parallel.build", "train.parallel.fsdp",
                 "train.parallel.tp", "dslurm.checkpoint.dcp")
 
@@ -86,10 +86,10 @@ def resolve_replicas(args: argparse.Namespace, world: int,
 
 
 def init_distributed(resolved: Resolved, local_rank: int, world: int) -> torch.device:
-    """Process group + device (dslurm.process_group: the one init every entry point uses).
+    """Process group + device (dslurm.health.process_group: the one init every entry point uses).
     A CPU site on a machine with GPUs still trains on the CPU with its own backend."""
     from dslurm import health
-    from dslurm.process_group import init_process_group
+    from dslurm.health.process_group import init_process_group
 
     gpus, spec = resolved.site.node.gpus > 0, resolved.job.health
     device: torch.device = init_process_group(
@@ -99,7 +99,7 @@ def init_distributed(resolved: Resolved, local_rank: int, world: int) -> torch.d
     return device
 
 
-OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/worker_exit.py)
+OUTCOME = Outcome()  # this process's ending, reported on its way out (dslurm/endings/worker_exit.py)
 
 
 def on_hang(verdict: HangVerdict) -> None:
@@ -120,7 +120,7 @@ def make_watchdog(resolved: Resolved, rank: int, world: int) -> Watchdog | None:
     """The hang watchdog of this process (None when health.watchdog is off)."""
     if not resolved.job.health.watchdog:
         return None
-    from dslurm import facts
+    from dslurm.endings import facts
     from dslurm.run import RunDir
     from train.watchdog import Watchdog
 
@@ -224,7 +224,7 @@ def _entry() -> None:
 
         traceback.print_exc()
         code = 1
-    leave(code)  # not sys.exit: see dslurm.worker_exit.leave
+    leave(code)  # not sys.exit: see dslurm.endings.worker_exit.leave
 
 
 if __name__ == "__main__":  # guard: async checkpoint processes re-import the main module

@@ -22,7 +22,7 @@ Silent data corruption (train/sdc.py): the HSDP replicas compare parameter finge
 health.sdc_every steps and before every save, so every generation was checked clean at its own
 step; on a mismatch the named node is blocklisted and all ranks roll back to the pointer's.
 
-Non-finite steps (dslurm/health.py): the loss and "is the gradient norm finite" ride in the one
+Non-finite steps (dslurm/health/__init__.py): the loss and "is the gradient norm finite" ride in the one
 all-reduce that carries the stop flag, taken before the optimizer step, so every rank sees the
 same verdict and applies `train.nonfinite` together: skip the optimizer step, roll back to the
 pointer's generation and never read the offending batch again, or stop.
@@ -43,7 +43,7 @@ import torch
 
 from dslurm import exitcodes, faults, trackers
 from dslurm.checkpoint import init_from
-from dslurm.facts import ENV as FACTS_ENV
+from dslurm.endings.facts import ENV as FACTS_ENV
 from dslurm.observe import ctl, events
 from dslurm.observe.ledger import Ledger
 from dslurm.run import RunDir

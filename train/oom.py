@@ -6,8 +6,8 @@ with the allocation history when it is being recorded, e.g. during a profile) go
 `<start dir>/oom-rank-NNNNN.pickle` (`torch.cuda.memory._dump_snapshot`: drag it onto
 https://pytorch.org/memory_viz), the allocator's numbers and the step/phase to
 `oom-rank-NNNNN.json`, and the ledger gets an `oom` event from this rank. The rank then reports
-the kind `oom` (dslurm/worker_exit.py reads the exception's type), the start ends as `oom`
-(dslurm/endings.py) and requeue-me stops with the planner's fix instead of retrying
+the kind `oom` (dslurm/endings/worker_exit.py reads the exception's type), the start ends as `oom`
+(dslurm/endings/__init__.py) and requeue-me stops with the planner's fix instead of retrying
 the same layout and batch (dslurm/requeue/oom.py).
 
 On a CPU (this machine) the same path runs with DSLURM_FAULT_OOM raising the error; there is no

@@ -150,7 +150,7 @@ class StepProfiler:
 def make_profiler(resolved: Resolved, run: RunDir, *, rank: int, world: int, device: torch.device,
                   ledger: Ledger | None) -> StepProfiler:
     """The loop's profiler, with the job's schedule (health.profile_at / profile_steps)."""
-    from dslurm.facts import start_dir
+    from dslurm.endings.facts import start_dir
 
     d = start_dir(run_dir=run.path)
     spec = resolved.job.health

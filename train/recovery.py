@@ -1,6 +1,6 @@
 """Saves, restores and the ways a run leaves the plain step (`train.loop.Trainer` is a `Recovery`):
 the agreed stop (save, exit event, leave together), a non-finite loss (skip, roll back or stop:
-dslurm/health.py decides), silent data corruption between replicas (blocklist the node, roll
+dslurm/health/__init__.py decides), silent data corruption between replicas (blocklist the node, roll
 back: train/sdc.py checks), and this rank running out of memory (train/oom.py records).
 """
 
@@ -109,7 +109,7 @@ class Recovery(Step):
     def _out_of_memory(self, exc: BaseException) -> None:
         """This rank ran out of memory (train/oom.py): snapshot, note, ledger event; the error
         then ends the process and the start ends as `oom` (not retried blindly)."""
-        from dslurm.facts import start_dir
+        from dslurm.endings.facts import start_dir
 
         phase, coll = oom.phase_of(self.metrics, self.watch)
         oom.record(exc, rank=self.rank, step=self.step + 1, phase=phase, collective=coll, device=self.device,

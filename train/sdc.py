@@ -1,4 +1,4 @@
-"""Silent data corruption across HSDP replicas, and the periodic NVML poll (the rules: dslurm/health.py).
+"""Silent data corruption across HSDP replicas, and the periodic NVML poll (the rules: dslurm/health/__init__.py).
 
 Fingerprint. Per parameter, the integer sum of the words of this rank's local shard (int32 words
 for fp32, int16 for bf16), summed as int64 on the device. Integer addition is exact and

@@ -164,7 +164,7 @@ def _probe(trainer: Trainer) -> torch.Tensor:
 
 def start(args: argparse.Namespace) -> tuple[SiteConfig, torch.device, Report]:
     """Site, process group (a world of one) and the empty report; a UserError if either is wrong."""
-    from dslurm.process_group import init_process_group
+    from dslurm.health.process_group import init_process_group
 
     site, dry = load_site(args.site), args.dry_run
     device = init_process_group("gloo" if dry else site.network.backend, require_cuda=not dry, cpu_only=dry,

@@ -209,7 +209,7 @@ class Step:
 
     def train_step(self) -> StepResult:
         """One optimizer step. Before the optimizer acts, one all-reduce agrees on the logged loss,
-        the stop flag and whether the step is finite (dslurm/health.py decides what to do then)."""
+        the stop flag and whether the step is finite (dslurm/health/__init__.py decides what to do then)."""
         if self._fault_await is not None and self.step + 1 >= self._fault_await:  # every rank, once,
             self._fault_await = None                                                # outside any collective
             with self.watch.paused():  # the wait is no step time, and no hang

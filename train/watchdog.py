@@ -1,4 +1,4 @@
-"""The hang watchdog of one training process (the rules: dslurm/health.py).
+"""The hang watchdog of one training process (the rules: dslurm/health/__init__.py).
 
 The loop calls `beat(step)` after every step and wraps its own collectives in
 `collective(name)`; both are a few attribute writes. A daemon thread looks every

@@ -212,7 +212,7 @@ def sweep(job: str | Path, *, site: str | Path, grid: dict[str, list[Any]] | Non
     import submitit
 
     from dslurm.api.job import TrainTask
-    from dslurm.job_array import max_array_size, split_arrays
+    from dslurm.slurm.job_array import max_array_size, split_arrays
     from dslurm.submission import record_submission
     from dslurm.sweep.build import resolve_sweep
     from dslurm.sweep.spec import parse

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _console() -> Any:  # rich only when a person is going to read something
-    from dslurm.table import console
+    from dslurm.observe.table import console
     return console()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dslurm.checkpoint.pointer import HOLDER, LOCK, RunLocked, atomic_write_json, holder_identity
-from dslurm.facts import ENOSPC_RETRY_S
+from dslurm.endings.facts import ENOSPC_RETRY_S
 
 log = logging.getLogger(__name__)
 

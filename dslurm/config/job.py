@@ -21,7 +21,7 @@ from dslurm.config.training import CheckpointSpec, DataSpec, ModelSpec, Parallel
 
 @dataclass(kw_only=True, slots=True)
 class HealthSpec:
-    watchdog: bool = field(True, help="hang watchdog in every training process (dslurm/health.py)")
+    watchdog: bool = field(True, help="hang watchdog in every training process (dslurm/health/__init__.py)")
     hang_k: float = field(10.0, help="a step without progress for hang_k x the median step time is a hang")
     hang_floor_s: float = field(120.0, help="the hang bound is never below this (seconds)")
     hang_ceiling_s: float = field(1800.0, help="the hang bound before step times are known and during saves; "

@@ -3,7 +3,7 @@
 One array task per shard still to do, `--array=IDS%K`; each runs
 `PYTHON -m dslurm.data.task OUT $SLURM_ARRAY_TASK_ID OFFSET` (shard = offset + id) after the
 site's setup lines and environment. More shards than the site's MaxArraySize are cut into
-several arrays as sweeps are (`dslurm.job_array.split_arrays`: array k holds shards
+several arrays as sweeps are (`dslurm.slurm.job_array.split_arrays`: array k holds shards
 k*size + id), each after the previous one (`--dependency=afterany`), so %K still bounds the
 tasks running at once. `--cpus-per-task` N gives each task N CPUs and N encode threads
 (RAYON_NUM_THREADS, the `tokenizers` pool). Every value that lands in the script goes through
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dslurm.config import SiteConfig
-from dslurm.job_array import array_ids, max_array_size, split_arrays
+from dslurm.slurm.job_array import array_ids, max_array_size, split_arrays
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,7 +10,7 @@ inherited across exec, and the trainer installs its own handler explicitly.
 Exit code: torchrun reports any worker failure as 1, which would hide the trainer's
 "requeue me" code (75). Workers write their exit code into a status directory the
 launcher owns; the launcher returns the workers' agreed code. That code is only a summary:
-the launcher also records its facts (dslurm/facts.py) -- which signals *it* received and
+the launcher also records its facts (dslurm/endings/facts.py) -- which signals *it* received and
 when (srun's teardown after another node's crash reaches launchers, never the batch
 shell), torchrun's code, the workers' codes, and which local ranks left no code at all.
 """
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 from dslurm import exitcodes
 from dslurm.durable import atomic_write_text
+from dslurm.endings.worker_exit import STATUS_DIR_ENV
 from dslurm.errors import UserError
 from dslurm.launch.slurm_env import GROUP_ENV, PENDING_STOP_ENV, LaunchInfo, derive
-from dslurm.worker_exit import STATUS_DIR_ENV
 
 if TYPE_CHECKING:  # imported where used: `python -m dslurm.launch.warm` runs it as __main__
     from dslurm.launch import warm
@@ -157,7 +157,7 @@ class _Forwarder:
         warning forwarded before its handler existed was dropped, never fatal, and the batch
         shell's trap and supervise record each stop there before they forward it. A stop the
         handler already took is not taken twice."""
-        from dslurm import facts
+        from dslurm.endings import facts
 
         if not env.get(facts.ENV):  # set by the rendered script (and supervise, per step): else none
             return
@@ -334,10 +334,10 @@ def launch(cmd: Sequence[str], *, mode: str = "torchrun", nproc_per_node: int | 
 
 def record(node_rank: int | None, rc: int | None, codes: dict[str, int], silent: list[int], code: int,
            env: dict[str, str]) -> None:
-    """This launcher's facts for requeue-me (dslurm/facts.py)."""
+    """This launcher's facts for requeue-me (dslurm/endings/facts.py)."""
     import socket
 
-    from dslurm import facts
+    from dslurm.endings import facts
 
     facts.write_launcher_report(facts.LauncherReport(
         host=socket.gethostname(), node_rank=node_rank, signals=list(SIGNALS), torchrun_rc=rc,

@@ -33,9 +33,9 @@ def main(argv: list[str]) -> int:
     if os.environ.get(REPORT_ENV):
         import torch.distributed as dist
 
+        from dslurm.endings.worker_exit import Outcome, report
+        from dslurm.health.process_group import init_process_group
         from dslurm.preflight.in_job import gate_in_process
-        from dslurm.process_group import init_process_group
-        from dslurm.worker_exit import Outcome, report
 
         device = init_process_group(store_prefix=STORE_PREFIX)
         outcome = Outcome()

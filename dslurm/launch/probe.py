@@ -30,11 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from dslurm.endings.worker_exit import Outcome, report
     from dslurm.faults import await_files, await_step, step_fault
+    from dslurm.health.process_group import init_process_group
     from dslurm.launch.warm import FORKED_ENV
     from dslurm.preflight.in_job import gate_in_process
-    from dslurm.process_group import init_process_group
-    from dslurm.worker_exit import Outcome, report
 
     t0 = time.time()
     device = init_process_group()

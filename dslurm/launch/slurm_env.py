@@ -2,7 +2,7 @@
 
 Pure: `derive(env)` takes a mapping (os.environ inside a job) and returns a
 `LaunchInfo`, or raises `UserError` naming the variable that is missing or wrong.
-Host lists are expanded by `dslurm.hosts` (python-hostlist, not a home-made parser).
+Host lists are expanded by `dslurm.slurm.hosts` (python-hostlist, not a home-made parser).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Literal
 import hostlist
 
 from dslurm.errors import UserError
-from dslurm.hosts import expand_hosts
+from dslurm.slurm.hosts import expand_hosts
 
 # Rendezvous ports are derived from the job id, so every node computes the same port
 # without talking. The range stays below Linux's ephemeral range (32768+) and above

@@ -1,5 +1,5 @@
 """`python -m dslurm.launch.torchrun ARGS`: torchrun (`torch.distributed.run`), leaving through
-`worker_exit.leave` instead of the interpreter's finalization.
+`endings.worker_exit.leave` instead of the interpreter's finalization.
 
 torchrun imports torch, and finalizing that took ~0.45 s here after its workers had ended
 (a worker's failure -> the process gone: 0.59 s as `-m torch.distributed.run`, 0.14 s through
@@ -16,7 +16,7 @@ import traceback
 def main() -> None:
     from torch.distributed.run import main as torchrun  # in-job: this process is torch's launcher
 
-    from dslurm.worker_exit import leave
+    from dslurm.endings.worker_exit import leave
 
     try:
         torchrun()

@@ -36,7 +36,7 @@ QUEUE, IDLE, STARTUP, BURNIN = "queue wait", "no job queued", "startup", "burn-i
 TRAINING, REDONE, SAVE, EVAL = "training", "redone", "save stall", "eval"
 HUNG, TEARDOWN, BETWEEN = "hung", "teardown + requeue", "between steps"
 KINDS = (QUEUE, IDLE, STARTUP, BURNIN, TRAINING, REDONE, SAVE, EVAL, HUNG, TEARDOWN, BETWEEN)
-# Endings that a marker calls a crash: the run's own failures (dslurm/endings.py).
+# Endings that a marker calls a crash: the run's own failures (dslurm/endings/__init__.py).
 CRASHES = (E.CRASH, E.NODE_FAILURE, E.OOM, E.SAVE_FAILED, E.DIVERGED)
 
 

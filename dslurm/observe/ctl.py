@@ -183,7 +183,7 @@ class Poller:
 
 def record_stop(req: Request, run_dir: str | Path) -> bool:
     """A `stop` on record for requeue-me, as `dslurm cancel --save` records one (the start's facts dir)."""
-    from dslurm.facts import start_dir, write_cancel_request
+    from dslurm.endings.facts import start_dir, write_cancel_request
 
     d = start_dir(run_dir=run_dir)
     return d is not None and d.is_dir() and write_cancel_request(d, save=True, user=f"{req.user} (dslurm ctl stop)",

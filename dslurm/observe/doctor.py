@@ -393,7 +393,7 @@ _ENDING_HELP = {
 
 
 def _endings(starts: list[Start], logs: list[LogLine]) -> list[Finding]:
-    """Starts whose classified ending (dslurm/endings.py) was a failure, with its evidence."""
+    """Starts whose classified ending (dslurm/endings/__init__.py) was a failure, with its evidence."""
     out = []
     for cls, (cause, fix) in _ENDING_HELP.items():
         hits = [s for s in starts if s.ending == cls]

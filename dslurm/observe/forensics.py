@@ -1,7 +1,7 @@
 """Which rank did not enter which collective: PyTorch's Flight Recorder dumps, read. Pure, but for `read_dumps`.
 
 Every process group records each collective it is asked for (torch's Flight Recorder, the
-`TORCH_FR_BUFFER_SIZE` ring; dslurm turns it on in `dslurm.process_group`): its
+`TORCH_FR_BUFFER_SIZE` ring; dslurm turns it on in `dslurm.health.process_group`): its
 process group, its per-group sequence number (`collective_seq_id`), the op
 (`profiling_name`, e.g. `gloo:all_gather_into_tensor`), the tensor sizes, when it was
 enqueued (`time_created_ns`) and whether it finished (`retired`). The torch 2.13 CPU build

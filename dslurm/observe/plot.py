@@ -36,8 +36,8 @@ def print_summary(sm: Summary, run_dir: Path) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from dslurm.table import console as wide_console
-    from dslurm.table import print_table
+    from dslurm.observe.table import console as wide_console
+    from dslurm.observe.table import print_table
 
     gp = "n/a" if sm.goodput is None else f"{sm.goodput:.1%}"
     tps = "n/a" if sm.tokens_per_s is None else f"{sm.tokens_per_s:,.0f}"

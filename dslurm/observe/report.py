@@ -233,7 +233,7 @@ class Summary:
     """replica groups: participants per step, each group's losses and heals (`replica_lines`)"""
     warm: str | None = None
     """with spares: whether recoveries inside the allocation start warm, and why (the last submit's
-    choice, dslurm/warm_proof.py)"""
+    choice, dslurm/submission/warm_proof.py)"""
 
     def to_dict(self) -> dict[str, Any]:
         """The --json form: the completion's fields (status, complete, target_steps, stopped_at,

@@ -89,7 +89,7 @@ def image_digest(image: str | None) -> str | None:
 
 
 def nodes_from_env(environ: Mapping[str, str]) -> list[str]:
-    from dslurm.hosts import expand_hosts
+    from dslurm.slurm.hosts import expand_hosts
 
     nodelist = environ.get("SLURM_JOB_NODELIST")
     if not nodelist:

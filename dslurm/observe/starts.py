@@ -70,7 +70,7 @@ class Start:
     exit_reason: str = DIED
     decision: str | None = None
     ending: str | None = None
-    """the classified ending (dslurm/endings.py): completed, crash, preempted, save_failed, ..."""
+    """the classified ending (dslurm/endings/__init__.py): completed, crash, preempted, save_failed, ..."""
     ending_reason: str | None = None
     phases: list[tuple[str, float]] = field(default_factory=list)
     """start-up phase by phase (dslurm.observe.phases): (name, seconds), spawn first"""
@@ -161,7 +161,7 @@ OPERATOR = "operator stop (dslurm ctl stop, saved)"
 
 def _reason_of_ending(ending: str, rc: int | None) -> str:
     """A start's exit reason, in the words of exitcodes.NAMES, from its classified ending
-    (dslurm/endings.py) rather than srun's code: a burn-in rejection or a warned stop
+    (dslurm/endings/__init__.py) rather than srun's code: a burn-in rejection or a warned stop
     that srun tore down on the other node returns 143, a crash torchrun folds into 1. Pure."""
     from dslurm import endings as E
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from dslurm.config.layout import stages_per_rank
-from dslurm.table import print_table
+from dslurm.observe.table import print_table
 
 GB = 1e9
 
 
 def print_plan(out: dict[str, Any], primary: str) -> None:
     """The model line, one table per layout, then the collectives and the MFU conversion of `primary`."""
-    from dslurm.table import console as wide_console
+    from dslurm.observe.table import console as wide_console
 
     console = wide_console()
     m, c = out["model"], out["cluster"]

@@ -142,8 +142,8 @@ def _kwargs(cfg: Any) -> dict[str, Any]:
 def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
     from rich.table import Table
 
-    from dslurm.table import console as wide_console
-    from dslurm.table import print_table
+    from dslurm.observe.table import console as wide_console
+    from dslurm.observe.table import print_table
 
     console = wide_console()
     first = out["results"][0]

@@ -2,7 +2,7 @@
 
 Two ways:
 - `dslurm burnin --site S --nodes N [--wait]`: a standalone sbatch job of N whole nodes,
-  rendered and submitted like a training job (dslurm/submission.py), that runs the same gate
+  rendered and submitted like a training job (dslurm/submission/__init__.py), that runs the same gate
   every training job runs first and nothing else. Its report, ledger and blocklist land
   in the run directory (default <storage.durable>/burnin-N); a later training job of the
   same run directory --excludes the bad nodes.

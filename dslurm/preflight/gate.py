@@ -124,7 +124,7 @@ def render_table(report: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    from dslurm.table import WIDE, print_table
+    from dslurm.observe.table import WIDE, print_table
 
     verdict = report["verdict"]
     table = Table(title=f"burn-in: {len(report['nodes'])} node(s), {report['world_size']} ranks, "

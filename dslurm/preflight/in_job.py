@@ -42,7 +42,7 @@ def preflight_env(env: Mapping[str, str], site_path: str, job_id: str, restart: 
 def gate_in_process(device: Any, env: Mapping[str, str] | None = None, outcome: Any = None) -> int:
     """Run the burn-in on the default process group if the launcher asked for it.
     0: train; PREFLIGHT_FAILED: every rank returns it, the node list is in the blocklist, and
-    `outcome` (a dslurm.worker_exit.Outcome) holds the verdict for this rank's report: the
+    `outcome` (a dslurm.endings.worker_exit.Outcome) holds the verdict for this rank's report: the
     ending is read from that report, since srun may return 143 for it (it TERMs the other
     nodes' launchers when the first one exits 78)."""
     env = os.environ if env is None else env

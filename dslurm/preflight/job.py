@@ -12,9 +12,9 @@ import sys
 def main() -> int:
     import torch.distributed as dist
 
+    from dslurm.endings.worker_exit import Outcome, report
+    from dslurm.health.process_group import init_process_group
     from dslurm.preflight.in_job import gate_in_process
-    from dslurm.process_group import init_process_group
-    from dslurm.worker_exit import Outcome, report
 
     device = init_process_group()
     outcome = Outcome()

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     th = load_thresholds(args)
     import torch.distributed as dist
 
-    from dslurm.process_group import init_process_group
+    from dslurm.health.process_group import init_process_group
 
     device = init_process_group()
     try:

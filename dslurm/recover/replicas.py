@@ -158,7 +158,7 @@ class ReplicaSupervisor:
         return set(running)
 
     def _step_dir(self) -> tuple[int, Path]:
-        from dslurm.facts import STARTS, start_name
+        from dslurm.endings.facts import STARTS, start_name
 
         with self.lock:
             index, self.index = self.index, self.index + 1
@@ -167,7 +167,7 @@ class ReplicaSupervisor:
         return index, d
 
     def _group(self, g: int, first: tuple[int, Path]) -> None:
-        from dslurm.facts import read_start
+        from dslurm.endings.facts import read_start
 
         runner = self.runners[g]
         index, d = first
@@ -230,7 +230,7 @@ class ReplicaSupervisor:
             stopping = self.stopping
         if stopping or ending.cls not in E.FAILURES or not others or (g != 0 and 0 in self.over):
             return False  # nobody to heal from, or group 0 (the run's truth) is over
-        from dslurm.facts import read_start
+        from dslurm.endings.facts import read_start
 
         hosts = self.hosts[g]
         budget = self.r.policy.max_restarts

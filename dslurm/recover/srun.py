@@ -58,7 +58,7 @@ class SrunRunner:
                 *self.cmd, *extra]
 
     def run(self, step: Step, abandon: Callable[[], bool]) -> int:
-        from dslurm.facts import ENV
+        from dslurm.endings.facts import ENV
         from dslurm.launch.slurm_env import PENDING_STOP_ENV, STEP_INDEX_ENV
         from dslurm.launch.warm import WARM_ENV
 
@@ -218,7 +218,7 @@ def _relay(proc: subprocess.Popen[bytes], facts_dir: Path) -> None:
     """Copy srun's stderr to ours line by line; the first refusal goes to the facts dir."""
     import sys
 
-    from dslurm.facts import write_refusal
+    from dslurm.endings.facts import write_refusal
 
     assert proc.stderr is not None
     said = False

@@ -24,12 +24,12 @@ from dslurm.recover.srun import SrunRunner
 from dslurm.recover.supervisor import Supervisor
 from dslurm.recover.warm_pools import WarmPools
 from dslurm.run import RunDir
-from dslurm.warm_proof import choice_for
+from dslurm.submission.warm_proof import choice_for
 
 
 def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     """Inside the batch script: the frozen config of the run, the allocation's nodes, the loop."""
-    from dslurm.hosts import expand_hosts
+    from dslurm.slurm.hosts import expand_hosts
 
     env = dict(os.environ if env is None else env)
     if not cmd:
@@ -40,7 +40,7 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     if r.job.recovery.replicas:
         return _replicas(r, cmd, env, alloc)
     runner = SrunRunner(r, cmd, env)
-    # The frozen job.yaml holds the choice made at submit (dslurm/warm_proof.py); auto there means
+    # The frozen job.yaml holds the choice made at submit (dslurm/submission/warm_proof.py); auto there means
     # a run frozen otherwise: then the site's own word, else cold.
     pools = WarmPools(r, cmd, env, alloc) if choice_for(r.job, r.site, str(rd.site_yaml)).warm else None
     sup = Supervisor(r, runner, env, alloc, pools)
@@ -87,7 +87,7 @@ def _replicas(r: Resolved, cmd: Sequence[str], env: dict[str, str], alloc: list[
 
 def early_signals(env: Mapping[str, str]) -> list[str]:
     """The stop signals the batch shell recorded for this start before supervise could handle them."""
-    from dslurm.facts import ENV
+    from dslurm.endings.facts import ENV
 
     try:
         text = (Path(env[ENV]) / "batch.signals").read_text()

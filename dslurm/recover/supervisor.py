@@ -5,7 +5,7 @@ srun plus `dslurm requeue-me`. It starts each job step with `srun --nodelist` on
 nodes, and when a step ends:
 
 1. classifies the ending from that step's own facts dir (`starts/<job>.<restart>.<step>`,
-   dslurm/facts.py) and what Slurm says about the step's nodes (`endings.classify`),
+   dslurm/endings/facts.py) and what Slurm says about the step's nodes (`endings.classify`),
    never from srun's code alone;
 2. a failure (crash, node failure, burn-in rejection) that a requeue would retry (`requeue.decide`:
    restart budget, no-progress guard) is recovered here: the nodes at fault go on the run's
@@ -32,8 +32,8 @@ from typing import Protocol
 
 from dslurm import endings as E
 from dslurm.config.resolve import Resolved
+from dslurm.endings.facts import StartFacts
 from dslurm.errors import UserError
-from dslurm.facts import StartFacts
 from dslurm.observe import events as ev
 from dslurm.recover import Nodes, Plan, initial_nodes, nodes_at_fault, plan_recovery, shrink_grad_accum
 from dslurm.requeue import Decision, _Accounting
@@ -135,7 +135,7 @@ class Supervisor:
         return self.probe_base_s * slurm.load_factor()
 
     def step_dir(self, index: int) -> Path:
-        from dslurm.facts import STARTS, start_name
+        from dslurm.endings.facts import STARTS, start_name
 
         d = self.run_dir / STARTS / start_name(self.job_id, self.restart, index)
         d.mkdir(parents=True, exist_ok=True)
@@ -143,7 +143,7 @@ class Supervisor:
 
     def loop(self) -> int:
         """Run steps until one ends in something not recovered here; return the script's exit code."""
-        from dslurm.facts import read_start
+        from dslurm.endings.facts import read_start
         from dslurm.requeue import _Accounting, frozen_policy, retry_decision
         from dslurm.run import read_blocklist
 
@@ -185,7 +185,7 @@ class Supervisor:
         nothing, so nothing failed: it is started again after a pause, doubling to 8 s, for up to
         `refused_s`. Chaos seed 4444: a slurmctld restart as a start began refused its step and
         the probes; both nodes were read as lost, the restart budget spent, the job requeued."""
-        from dslurm.facts import REFUSED, read_start
+        from dslurm.endings.facts import REFUSED, read_start
 
         deadline = time.monotonic() + self.refused_s()
         pause = self.refused_pause_s
@@ -222,7 +222,7 @@ class Supervisor:
         """The `abandon` of one step: true once a launcher reported a failure `grace_s` ago, some
         training nodes left no report, and those nodes do not answer a probe (they are probed once:
         a silent node that answers is alive and srun will end the step itself)."""
-        from dslurm.facts import read_start
+        from dslurm.endings.facts import read_start
 
         probed = False
 
@@ -251,7 +251,7 @@ class Supervisor:
         (`srun --overlap -w NODE true`): one that does not answer within `probe_s` counts as down,
         with that evidence; one that answers is alive, so the step is read as a crash. A lost node is
         thus never read as a crash of the nodes that did report, and no time goes into waiting."""
-        from dslurm.facts import read_start
+        from dslurm.endings.facts import read_start
 
         view = self.runner.view(hosts)
         facts = read_start(d)
@@ -333,7 +333,7 @@ def silent_hosts(launchers: Sequence[Mapping[str, object]], hosts: Sequence[str]
 def failed_at(facts: StartFacts, t_end: float) -> float:
     """When the failure happened: the earliest own failure a rank reported, else the earliest
     launcher report, else when the step ended (a lost node reports nothing)."""
-    from dslurm.facts import OWN_FAILURES
+    from dslurm.endings.facts import OWN_FAILURES
 
     own = [float(r["t"]) for r in facts.ranks if r.get("kind") in OWN_FAILURES and r.get("t")]
     launchers = [float(x["t"]) for x in facts.launchers if x.get("t")]

@@ -6,7 +6,7 @@ host is asked whether dslurm runs there, then ONE ssh call ships the code snapsh
 with the cluster's run dir), and runs `dslurm submit --code` there; the job's script runs that
 snapshot on every start. The local handle (dslurm.remote.handle) remembers where the run is.
 
-A refusal there (sbatch's, said as a field and its fix by dslurm.sbatch_errors, naming the files
+A refusal there (sbatch's, said as a field and its fix by dslurm.slurm.refusals, naming the files
 as given here: `submit/origin.json`) comes back as the cluster said it (`failed_there`).
 `submit --run-dir HANDLE` (`resubmit`) continues the run there from its frozen config and snapshot.
 
@@ -151,7 +151,7 @@ def resubmit_body(run_dir: str, code: str | None, flags: list[str]) -> list[str]
 
 def failed_there(login: ssh.Login, returncode: int, stderr: bytes) -> UserError:
     """The cluster's `dslurm submit` refused: its message as it said it (the site field and the fix,
-    dslurm.sbatch_errors), with the host named; what it said before (warnings) goes to stderr."""
+    dslurm.slurm.refusals), with the host named; what it said before (warnings) goes to stderr."""
     from dslurm.errors import SlurmError
 
     err = stderr.decode(errors="replace")

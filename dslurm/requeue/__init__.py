@@ -2,7 +2,7 @@
 
 The batch script runs `dslurm requeue-me --rc RC` on node 0 once the step is over and
 exits with what it returns. First the ending is classified from the facts recorded during
-the start (dslurm/endings.py: who received which signal, each rank's own report, what Slurm
+the start (dslurm/endings/__init__.py: who received which signal, each rank's own report, what Slurm
 says), never from the step's exit code alone; then the policy (`decide`, pure) follows the
 class:
 
@@ -183,7 +183,7 @@ def _record_ending(run_dir: Path, d: Path, ending: E.Ending, *, step_rc: int | N
                    late_for: tuple[str, int] | None = None, slurm_state: str | None = None) -> None:
     """The ending into its start's directory and the ledger; `late_for`: (job, restart) of an
     earlier start whose batch shell left no ending."""
-    from dslurm.facts import write_ending
+    from dslurm.endings.facts import write_ending
     from dslurm.observe.ledger import Ledger
 
     job_id, restart = late_for or (None, None)
@@ -213,7 +213,7 @@ Accounting = _Accounting  # for the submitit path (dslurm/api/job.py), which con
 
 def _hosts(nodelist: str) -> list[str]:
     """sacct's node list of an incarnation as host names ([] when none or unreadable)."""
-    from dslurm.hosts import expand_hosts
+    from dslurm.slurm.hosts import expand_hosts
 
     if not nodelist or nodelist in ("None assigned", "None"):
         return []
@@ -228,7 +228,7 @@ def close_earlier_starts(run_dir: Path, current: Path | None, env: Mapping[str, 
     """Write the ending of every earlier start that has none: its batch shell died with it
     (node failure, SIGKILL of the whole job). Whoever runs next records it, from that start's
     facts and what accounting says about that incarnation."""
-    from dslurm.facts import list_starts, parse_start_name, read_start
+    from dslurm.endings.facts import list_starts, parse_start_name, read_start
 
     acct = acct or _Accounting(env)
     for d in list_starts(run_dir):
@@ -254,7 +254,7 @@ def classify_this_start(run_dir: Path, rc: int, env: Mapping[str, str], acct: _A
     and Slurm's view of `hosts` (default: the whole allocation; a supervised step passes its own
     nodes, so a spare that is down is never taken for the node that ended the step)."""
     from dslurm import slurm
-    from dslurm.facts import StartFacts, read_start, start_dir
+    from dslurm.endings.facts import StartFacts, read_start, start_dir
 
     d = d if d is not None else start_dir(env, run_dir)
     facts = read_start(d) if d is not None else StartFacts("?", [], [], [], None)

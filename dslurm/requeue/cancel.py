@@ -3,7 +3,7 @@
 A TERM that reaches only the job step is nobody's decision to end the run (a stray stop,
 docs/endings.md): the run is requeued. A run is stopped by a signal that reaches the batch
 shell, and this command sends one, after recording who asked in the start's facts dir
-(`cancel.json`, dslurm/facts.py), so the ending says the user cancelled it:
+(`cancel.json`, dslurm/endings/facts.py), so the ending says the user cancelled it:
 
 - plain: `scancel JOB`. Slurm TERMs the batch shell and the step and KILLs what is left after
   KillWait: the ranks save if the save fits in KillWait. Ending `cancelled`; the job CANCELLED.
@@ -45,7 +45,7 @@ def _record(run_dir: Path | None, job: str, save: bool, env: Mapping[str, str] |
     """Write the request into the facts dir of the job's running start; None when there is no
     running start of a dslurm run to write it into."""
     from dslurm import slurm
-    from dslurm.facts import STARTS, start_name, write_cancel_request
+    from dslurm.endings.facts import STARTS, start_name, write_cancel_request
 
     if run_dir is None:
         return None

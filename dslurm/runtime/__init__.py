@@ -36,7 +36,7 @@ Stop semantics are the trainer's (dslurm/runtime/stop.py): the USR2/TERM handler
 flag; `stop_requested` agrees on it with one SUM all-reduce of two numbers, or rides on
 values the script all-reduces anyway (`ride=`), so it costs no extra collective. Exit codes
 are dslurm/exitcodes.py's; every rank leaves its own report for `dslurm requeue-me`
-(dslurm/worker_exit.py). An uncaught error is reported too: a dslurm error (a failed final
+(dslurm/endings/worker_exit.py). An uncaught error is reported too: a dslurm error (a failed final
 save: 74) exits with its code and one line, anything else as a crash (1).
 Torch is imported only inside these functions (in-job).
 """
@@ -52,12 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import exitcodes
+from dslurm.endings.worker_exit import Outcome, leave, report, world_from_env
 from dslurm.run import RunDir
 from dslurm.runtime import flight
 from dslurm.runtime.checkpoint import Checkpoint as _Checkpoint
 from dslurm.runtime.checkpoint import per_rank, shared
 from dslurm.runtime.stop import StopFlags, StopRequest
-from dslurm.worker_exit import Outcome, leave, report, world_from_env
 
 __all__ = ["Checkpoint", "Runtime", "catch_stops", "current", "exit_for_requeue", "finish", "init", "log_metrics",
            "per_rank", "shared", "stop_requested"]
@@ -225,7 +225,7 @@ class Runtime:
         that did not enter the collective the others waited in; dslurm/observe/forensics.py)."""
         import torch.distributed as dist
 
-        from dslurm.facts import start_dir
+        from dslurm.endings.facts import start_dir
 
         if dist.is_available() and dist.is_initialized():
             flight.dump(start_dir(run_dir=self.run_dir) if self.run_dir is not None else None, self.rank)
@@ -276,7 +276,7 @@ def _at_exit() -> None:
 
 def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None = None) -> Runtime:
     """Join the job: stop handlers first (a TERM during start-up is kept), the process group
-    and device from the environment the launcher set (dslurm/process_group.py), then
+    and device from the environment the launcher set (dslurm/health/process_group.py), then
     the burn-in gate when the launcher asked for one (exits 78 on bad nodes). Idempotent."""
     global _CURRENT
     if _CURRENT is not None:
@@ -289,8 +289,8 @@ def init(*, run_dir: str | os.PathLike[str] | None = None, backend: str | None =
     rt.outcome.stop = (_EARLY or StopRequest()).install(rt.flags)
     sys.excepthook = _excepthook
     atexit.register(_at_exit)
+    from dslurm.health.process_group import init_process_group
     from dslurm.preflight.in_job import gate_in_process
-    from dslurm.process_group import init_process_group
 
     gpus = bool(site and site.node.gpus)
     rt.device = init_process_group(backend or (site.network.backend if site else None), require_cuda=gpus,

@@ -1,7 +1,7 @@
 """PyTorch's Flight Recorder in a dslurm job: dumped at a hang, read for the straggler split.
 
 In-job (torch imported inside the functions). The recorder is switched on by
-`dslurm.process_group.init_process_group` (`health.enable_flight_recorder`: the one init
+`dslurm.health.process_group.init_process_group` (`health.enable_flight_recorder`: the one init
 of the trainer, the burn-in and every `dslurm.runtime` script), before any group exists.
 
 `dump` writes this process's ring as PyTorch's own pickle (`<start dir>/fr/rank-NNNNN`, what

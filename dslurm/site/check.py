@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from dslurm import slurm_facts as F
 from dslurm.config import SiteConfig
 from dslurm.site.discover import SHARED_FS
+from dslurm.slurm import facts as F
 
 Status = Literal["ok", "fail", "skip"]
 

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 def _warm_note(rows: list[Row], site_path: str) -> None:
     """Where the warm row went, and what `recovery.warm: auto` (the default) does with it."""
     from dslurm.site.check import P_WARM
-    from dslurm.warm_proof import record_path
+    from dslurm.submission.warm_proof import record_path
 
     row = next((r for r in rows if r.promise == P_WARM), None)
     if row is None or row.status == "skip":

@@ -1,6 +1,6 @@
 """`dslurm site discover`: Slurm's answers and one node's probe -> a commented site YAML.
 
-`propose` is pure: SlurmFacts (facts.py), the probe's record (probe.py) and what the submitting
+`propose` is pure: SlurmFacts (dslurm/slurm/facts.py), the probe's record (probe.py) and what the submitting
 shell knows (its virtual environment) in, the YAML text out, every value with a comment naming
 where it came from and GUESS on what no answer decided. The text is written by hand (a YAML
 dumper drops comments) and loaded back through dslurm.config.load_site before it is written.
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import slurm
-from dslurm import slurm_facts as F
 from dslurm.errors import SlurmError, UserError
 from dslurm.site.probe import TAG
+from dslurm.slurm import facts as F
 
 PROBE_TIMEOUT_S = 180.0  # a one-node srun: queue wait + `import torch` on the node
 
@@ -272,7 +272,7 @@ def gather(partition: str | None, timeout: float = 60) -> tuple[F.SlurmFacts, F.
 
 def partition_nodes(part: F.Partition, timeout: float = 60) -> list[F.Node]:
     """The partition's nodes as `scontrol show node` lists them, else as its totals say (hidden nodes)."""
-    from dslurm.hosts import expand_hosts
+    from dslurm.slurm.hosts import expand_hosts
 
     nodes = F.parse_nodes(slurm.run_cmd(["scontrol", "-o", "show", "node"], timeout=timeout).stdout, part.name)
     return nodes or F.hidden_nodes(part, expand_hosts(part.nodes_expr) if part.nodes_expr else [])

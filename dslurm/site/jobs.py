@@ -10,7 +10,7 @@ jobs whose output the rows of dslurm.site.check are decided from.
 - the warm job (1 node + 1 spare, `recovery.warm: true`, the connectivity probe as its entry): rank 0
   crashes in the cold step once both nodes' warm pools serve, `dslurm supervise` recovers on the
   same node, warm; each step's probe records which GPU device files its workers open. Its row is
-  written beside the site file (dslurm/warm_proof.py): `recovery.warm: auto` reads it at submit.
+  written beside the site file (dslurm/submission/warm_proof.py): `recovery.warm: auto` reads it at submit.
 All four are submitted at once and waited for with one deadline; a job still running at the
 deadline is cancelled. Every Slurm command goes through slurm.run_cmd.
 """
@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from dslurm import slurm
-from dslurm import slurm_facts as F
 from dslurm.config import SiteConfig, load_job
 from dslurm.config.resolve import Resolved, resolve
 from dslurm.durable import atomic_write_text
@@ -36,6 +35,7 @@ from dslurm.errors import SlurmError
 from dslurm.render import container, directives, q, words
 from dslurm.site import check as C
 from dslurm.site.probe import TAG
+from dslurm.slurm import facts as F
 from dslurm.submission import Submission
 
 REQUEUE_TIME = "00:02:00"
@@ -225,7 +225,7 @@ def _warm_row(site: SiteConfig, site_path: str, nodes: int, warm: Submission | N
     """The warm row from the warm job's ledger and probe records; a decided row (ok or fail) is
     recorded beside the site file for `recovery.warm: auto`."""
     from dslurm.observe import events
-    from dslurm.warm_proof import write_record
+    from dslurm.submission.warm_proof import write_record
 
     if warm is None:
         return C.row_warm(site, nodes, [], [], {}, "", setup_holds)

@@ -20,8 +20,8 @@ from typing import Any
 from dslurm import __version__
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
-from dslurm.job_array import ArrayPart, array_ids
 from dslurm.run import SCRIPT
+from dslurm.slurm.job_array import ArrayPart, array_ids
 from dslurm.sweep.spec import SweepSpec, override_text, task_dir_name
 
 MAP_FILE = "sweep.json"

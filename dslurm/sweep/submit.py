@@ -18,7 +18,7 @@ from typing import Any
 
 from dslurm.durable import atomic_write_text
 from dslurm.errors import UserError, check_output_file
-from dslurm.job_array import ArrayPart, max_array_size, split_arrays
+from dslurm.slurm.job_array import ArrayPart, max_array_size, split_arrays
 from dslurm.sweep.build import MAP_FILE, Sweep, check_map, render_array, sweep_map, task_logs
 
 

@@ -94,7 +94,7 @@ class WandbTracker:
         self.run.finish(exit_code=code)
         # finish() can return before W&B's service process has written the run's records (seen: a
         # .wandb file holding its header alone); teardown waits for the service to end, and no
-        # atexit hook is left to do it: the trainer exits without finalization (dslurm.worker_exit.leave).
+        # atexit hook is left to do it: the trainer exits without finalization (dslurm.endings.worker_exit.leave).
         # Both wait on W&B's service (online: on its uploads): the lane bounds them
         # (metrics.tracker_close_s); a slower service is a tracker_failed at close, the run left
         # unfinished (offline, its last records may be missing; online, `wandb sync` the run dir).

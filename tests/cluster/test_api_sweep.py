@@ -11,9 +11,10 @@ import json
 import pytest
 
 from cluster_jobs import ROOT, SITE, job_spec, wait_for
-from dslurm import api, job_array, slurm
+from dslurm import api, slurm
 from dslurm.errors import UserError
 from dslurm.observe.ledger import read_events
+from dslurm.slurm import job_array
 from dslurm.sweep import submit as sweep_submit
 
 

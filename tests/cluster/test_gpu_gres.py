@@ -22,8 +22,8 @@ import pytest
 
 from cluster_jobs import GPUS, ROOT, logs, probe_job, session_shapes
 from dslurm import slurm
-from dslurm.hosts import expand_hosts
 from dslurm.launch.slurm_env import gpus_on_node
+from dslurm.slurm.hosts import expand_hosts
 
 SITE = "site-configs/local-gpu.yaml"
 DIRECTIVE = {"gpus-per-node": f"#SBATCH --gpus-per-node={GPUS}", "gres": f"#SBATCH --gres=gpu:{GPUS}"}
@@ -81,9 +81,9 @@ def test_cpu_job_on_gpu_nodes_sees_no_gpus_in_its_steps(slurm_cluster, tmp_path)
 
 
 def _gpu_examples() -> list[tuple[str, str]]:
-    """Every shipped example rendered for a GPU site (the golden list, dslurm/render_cmd.py)."""
+    """Every shipped example rendered for a GPU site (the golden list, dslurm/cli/render.py)."""
+    from dslurm.cli.render import EXAMPLES
     from dslurm.config import load_site
-    from dslurm.render_cmd import EXAMPLES
 
     return [(s, j) for s, j in EXAMPLES if load_site(ROOT / s).node.gpus]
 

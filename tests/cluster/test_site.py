@@ -28,7 +28,7 @@ from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.render import RenderRefs, render_sbatch
 from dslurm.site import check as C
-from dslurm.slurm_facts import parse_config
+from dslurm.slurm.facts import parse_config
 from testkit import load_scaled
 
 
@@ -85,7 +85,7 @@ def test_discovered_site_checks_out_and_bad_sites_are_named_with_fixes(slurm_clu
     # the warm row proved a warm restart under the device constraint, with the node's 2 GPU device files,
     # and recorded it beside the site file: `recovery.warm: auto` (the discovered site's) now chooses warm
     assert f"{GPUS} GPU device(s)" in _rows(res.stdout)[C.P_WARM][1], res.stdout
-    from dslurm.warm_proof import choice_for
+    from dslurm.submission.warm_proof import choice_for
 
     spares = load_job(data={"name": "w", "nodes": 1, "spares": 1})
     assert load_site(out).recovery.warm == "auto" and choice_for(spares, load_site(out), str(out)).warm, res.stdout

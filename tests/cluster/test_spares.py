@@ -133,7 +133,7 @@ def test_spares_exhausted_with_requeue_requeues_to_wait_for_the_lost_nodes(slurm
     they are back (BadConstraints for ever). So both are readmitted and the job waits for them,
     pending for a reason a wait clears (the test cancels it)."""
     from dslurm import cluster
-    from dslurm.hosts import expand_hosts
+    from dslurm.slurm.hosts import expand_hosts
 
     env = slurm_cluster.env()
     run = tmp_path / "spares-rq"

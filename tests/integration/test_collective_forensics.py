@@ -29,7 +29,7 @@ import pytest
 
 from dslurm import endings as E
 from dslurm import exitcodes as X
-from dslurm.facts import list_starts, read_start
+from dslurm.endings.facts import list_starts, read_start
 from dslurm.observe import ctl, doctor, perfdoctor, report
 from dslurm.observe import events as ev
 from dslurm.requeue import decide_for

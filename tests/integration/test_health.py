@@ -13,7 +13,7 @@ import pytest
 from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm.checkpoint import read_pointer
-from dslurm.facts import list_starts, read_start
+from dslurm.endings.facts import list_starts, read_start
 from dslurm.observe import events as ev
 from dslurm.observe.bands import HUNG, timeline
 from dslurm.observe.report import summarize

@@ -152,5 +152,5 @@ if __name__ == "__main__":
         worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
     finally:
         dist.destroy_process_group()
-    from dslurm.worker_exit import leave
+    from dslurm.endings.worker_exit import leave
     leave(0)  # not the interpreter's finalization: it can abort a finished gloo worker (see leave)

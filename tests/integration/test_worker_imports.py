@@ -25,11 +25,11 @@ from train_helpers import run_train, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-# The trainer leaves without the interpreter's finalization (dslurm.worker_exit.leave: no atexit),
+# The trainer leaves without the interpreter's finalization (dslurm.endings.worker_exit.leave: no atexit),
 # so the dump rides on `leave` itself: the modules as they are when the worker exits.
 WRAPPER = """\
 import json, os, runpy, sys
-import dslurm.worker_exit as ex
+import dslurm.endings.worker_exit as ex
 out, real = sys.argv[1], ex.leave
 def leave(code):
     open(out % os.environ.get("RANK", "0"), "w").write(json.dumps(sorted(sys.modules)))

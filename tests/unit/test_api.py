@@ -12,12 +12,12 @@ from submitit.slurm.slurm import _make_sbatch_string
 
 from dslurm import api
 from dslurm.api.job import job_env, output_tail, summarize, trainer_argv
+from dslurm.cli.render import EXAMPLES
 from dslurm.config import load_job, load_site, parse_time
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
 from dslurm.observe.events import decode_all
 from dslurm.render import RenderRefs, directives, render_sbatch
-from dslurm.render_cmd import EXAMPLES
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_job_env_is_what_the_script_exports():
     exported = {ln.split("=", 1)[0].removeprefix("export ") for ln in script.splitlines() if ln.startswith("export ")}
     env = job_env(r)
     # The facts dir names the job id and restart, known only at run time: the script exports it
-    # from SLURM_*, the submitit path derives the same path (dslurm.facts.start_dir).
+    # from SLURM_*, the submitit path derives the same path (dslurm.endings.facts.start_dir).
     exported.discard("DSLURM_FACTS_DIR")
     assert set(env) == exported and env["DSLURM_RUN_DIR"] == str(r.run_dir) and env["OMP_NUM_THREADS"] == "1"
 

@@ -1,4 +1,4 @@
-"""`dslurm.process_group.await_store`: a worker that is not rank 0 waits for rank 0's store
+"""`dslurm.health.process_group.await_store`: a worker that is not rank 0 waits for rank 0's store
 port before torch's client connects (a client started early backs off ~0.6 s, a third of a warm
 restart). Real sockets on loopback, no torch."""
 
@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from dslurm.process_group import await_store
+from dslurm.health.process_group import await_store
 
 
 def _free_port() -> int:

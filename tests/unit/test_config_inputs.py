@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dslurm.cli.render import render_files
 from dslurm.config import load_job, load_site, yaml12
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
-from dslurm.render_cmd import render_files
 from testkit import sbatch_flags
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dslurm.cli.render import render_files
 from dslurm.config import load_site
 from dslurm.config.resolve import load
 from dslurm.errors import UserError
@@ -21,7 +22,6 @@ from dslurm.recover.srun import SrunRunner
 from dslurm.recover.supervisor import Step
 from dslurm.render import LAUNCHER_WRAP, RenderRefs, render_sbatch
 from dslurm.render.container import PWD, auto_paths, launcher_prefix, srun_container_flags
-from dslurm.render_cmd import render_files
 from testkit import shellcheck
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Classifying how a job step ended from recorded facts (dslurm/endings.py), never from rc.
+"""Classifying how a job step ended from recorded facts (dslurm/endings/__init__.py), never from rc.
 
 The race that once lost a retry: node1's ranks crash, `srun --kill-on-bad-exit` TERMs node2's
 launcher, srun returns 143. Both exit orders are built here explicitly, with the step's
@@ -8,7 +8,7 @@ return code set to what srun really returns in each, and must classify as the sa
 from __future__ import annotations
 
 from dslurm import endings as E
-from dslurm.facts import StartFacts
+from dslurm.endings.facts import StartFacts
 
 T0 = 1_000.0
 
@@ -122,7 +122,7 @@ def test_a_step_that_died_before_any_fact_with_143_is_a_crash_unless_someone_sto
 
 
 def test_peer_error_patterns():
-    from dslurm.facts import is_peer_error, victim_kind
+    from dslurm.endings.facts import is_peer_error, victim_kind
 
     assert is_peer_error(PEER) and is_peer_error("Connection reset by peer")
     assert not is_peer_error("RuntimeError: injected crash before step 15")
@@ -228,7 +228,7 @@ def test_a_fact_that_meets_a_disk_full_for_seconds_is_written_once_it_has_room(t
     and the start read as a stray stop. ENOSPC is tried again for ENOSPC_RETRY_S; other errors are not."""
     import errno
 
-    from dslurm import facts as F
+    from dslurm.endings import facts as F
 
     real, calls = F.atomic_write_text, []
 

@@ -1,6 +1,6 @@
 """Endings that were decided by srun's code, or by the order the nodes exited in, instead of by
-the facts (dslurm/endings.py). Each case writes its facts with the real writers
-(dslurm.worker_exit.report for the rank that fails, dslurm.facts for the rest, with the
+the facts (dslurm/endings/__init__.py). Each case writes its facts with the real writers
+(dslurm.endings.worker_exit.report for the rank that fails, dslurm.endings.facts for the rest, with the
 fields and signal times each party really records) and classifies them under every return code
 srun gives for that interleaving: one that is crash (1), one where srun TERMed the other
 launcher (143).
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 
 from dslurm import endings as E
-from dslurm import facts as F
+from dslurm.endings import facts as F
+from dslurm.endings.worker_exit import Outcome, report
 from dslurm.runtime.stop import StopRequest
-from dslurm.worker_exit import Outcome, report
 
 PEER = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
 RUNNING = E.SlurmView(state="RUNNING")
@@ -222,7 +222,7 @@ def test_the_signal_a_rank_reports_is_the_one_that_came_before_its_failure():
     # The writer's rule behind the first test, on its own: USR2 first, then the rank fails, then
     # torchrun's TERM. The report's signal is the USR2 (a warning: not a teardown), never the TERM
     # that came after the failure.
-    from dslurm.worker_exit import signal_before_failure
+    from dslurm.endings.worker_exit import signal_before_failure
 
     stop = StopRequest()
     stop._handle(signal.SIGUSR2, None)

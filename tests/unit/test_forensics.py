@@ -15,15 +15,15 @@ import pytest
 from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm import faults, health
+from dslurm.endings.facts import StartFacts
+from dslurm.endings.worker_exit import Outcome, is_oom
 from dslurm.errors import UserError
-from dslurm.facts import StartFacts
 from dslurm.observe import ctl, forensics, perfdoctor, perflines, slowrank
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 from dslurm.requeue import decide
 from dslurm.requeue.oom import oom_fix
 from dslurm.run import RunDir
-from dslurm.worker_exit import Outcome, is_oom
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Health during the run (dslurm/health.py and its shells): the hang bound, suspects, the
+"""Health during the run (dslurm/health/__init__.py and its shells): the hang bound, suspects, the
 non-finite policy, their config fields, their endings, and the watchdog with a fake clock-free
 run (a tiny bound, a stuck 'main thread')."""
 
@@ -13,8 +13,8 @@ from dslurm import endings as E
 from dslurm import exitcodes as X
 from dslurm import faults, health
 from dslurm.config import load_job
+from dslurm.endings.facts import StartFacts
 from dslurm.errors import UserError
-from dslurm.facts import StartFacts
 from dslurm.observe import events as ev
 from dslurm.requeue import decide
 from dslurm.run import RunDir

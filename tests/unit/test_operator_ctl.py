@@ -16,9 +16,9 @@ import pytest
 
 from dslurm import endings as E
 from dslurm import exitcodes as X
-from dslurm import facts as F
 from dslurm import slurm
 from dslurm.cli import main
+from dslurm.endings import facts as F
 from dslurm.errors import SlurmError
 from dslurm.observe import ctl
 from dslurm.observe import events as ev

@@ -84,7 +84,7 @@ def test_plan_cli_imports_no_numpy_rich_or_torch():
 
 # ------------------------------------------------------------------ shipped examples and the site path
 
-from dslurm.render_cmd import EXAMPLES  # noqa: E402  (the one list of shipped (site, job) pairs)
+from dslurm.cli.render import EXAMPLES  # noqa: E402  (the one list of shipped (site, job) pairs)
 
 
 @pytest.mark.parametrize("site,job", EXAMPLES)

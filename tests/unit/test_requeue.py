@@ -126,8 +126,8 @@ def test_dslurm_cancel_records_the_request_then_signals(tmp_path, monkeypatch):
     import subprocess
 
     from dslurm import slurm
+    from dslurm.endings.facts import read_start
     from dslurm.errors import UserError
-    from dslurm.facts import read_start
     from dslurm.requeue import cancel as C
 
     run = tmp_path / "run"

@@ -83,7 +83,7 @@ def test_requeue_me_applies_the_frozen_budget_without_any_policy_variable(tmp_pa
     """max_restarts: 1 in the job (site 4, config default 5, the old env default 3): after one
     earlier crash, a second crash spends the budget -- read from run_dir/job.yaml, no DSLURM_*."""
     from dslurm import requeue, slurm
-    from dslurm.facts import RankReport, write_rank_report
+    from dslurm.endings.facts import RankReport, write_rank_report
 
     run = tmp_path / "run"
     r = load(SITE, _job(tmp_path, run, max_restarts=1, no_progress_limit=0))
@@ -106,7 +106,7 @@ def test_a_start_that_died_with_its_node_gets_a_late_ending_naming_the_node(tmp_
     import json
 
     from dslurm import requeue, slurm
-    from dslurm.facts import LauncherReport, write_launcher_report
+    from dslurm.endings.facts import LauncherReport, write_launcher_report
     from dslurm.observe.ledger import read_events
 
     run = tmp_path / "run"
@@ -128,7 +128,7 @@ def test_requeue_me_requeues_a_stray_stop_within_the_frozen_stray_budget(tmp_pat
     saved; requeue-me records a stray stop and requeues (max_stray_stops: 1 in the job, read from
     run_dir/job.yaml); the second stray stop of the same job spends that budget and stops (77)."""
     from dslurm import requeue, slurm
-    from dslurm.facts import LauncherReport, RankReport, write_launcher_report, write_rank_report
+    from dslurm.endings.facts import LauncherReport, RankReport, write_launcher_report, write_rank_report
     from dslurm.observe.ledger import read_events
 
     run = tmp_path / "run"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from dslurm import facts
 from dslurm import run as run_mod
 from dslurm.config.resolve import load
+from dslurm.endings import facts
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import FILENAME, Ledger
 from dslurm.preflight.in_job import report_path

@@ -1,4 +1,4 @@
-"""dslurm.worker_exit.leave: the exit without finalization still delivers what was printed
+"""dslurm.endings.worker_exit.leave: the exit without finalization still delivers what was printed
 and logged (block-buffered into a pipe, as under srun), and the code; finalization's handlers
 (where torch's C++ threads can abort a finished process) never run."""
 
@@ -16,7 +16,7 @@ atexit.register(lambda: print("finalized"))
 logging.basicConfig(stream=sys.stderr, format="%(message)s")
 print("buffered line", end="")
 logging.getLogger("x").warning("logged line")
-from dslurm.worker_exit import leave
+from dslurm.endings.worker_exit import leave
 leave(75)
 """
 

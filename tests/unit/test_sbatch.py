@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dslurm.cli.render import EXAMPLES, examples, golden_path, render_files
 from dslurm.config.resolve import load
 from dslurm.render import LAUNCHER_WRAP, RenderRefs, render_sbatch
-from dslurm.render_cmd import EXAMPLES, examples, golden_path, render_files
 from testkit import sbatch_flags, shellcheck
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""sbatch's refusals said as a field and its fix (dslurm/sbatch_errors.py; the shell in dslurm/submit.py).
+"""sbatch's refusals said as a field and its fix (dslurm/slurm/refusals.py; the shell in dslurm/cli/submit.py).
 
 The sbatch and scontrol texts are recorded from Slurm 22.05 (the local cluster, and the words
 22.05's slurmctld sends back for account, QOS and limit refusals). Pure; a fake sbatch for
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dslurm import slurm_facts as F
 from dslurm.config.resolve import load
 from dslurm.errors import SlurmError, UserError
-from dslurm.sbatch_errors import ClusterFacts, Origin, explain, parse_assoc_rows, sbatch_said
+from dslurm.slurm import facts as F
+from dslurm.slurm.refusals import ClusterFacts, Origin, explain, parse_assoc_rows, sbatch_said
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = "site-configs/local.yaml"
@@ -146,14 +146,15 @@ def test_an_unknown_refusal_is_left_to_the_caller():
 @pytest.fixture
 def refusing_sbatch(monkeypatch):
     """sbatch refuses the partition (its recorded words); scontrol/sacctmgr answer as recorded."""
-    from dslurm import sbatch_errors, slurm
+    from dslurm import slurm
+    from dslurm.slurm import refusals as sbatch_errors
 
     def sbatch(script, extra, **kw):
         raise SlurmError(slurm.failure_message(["sbatch", "--parsable", str(script)], 1, BAD_PARTITION))
 
     monkeypatch.setattr(slurm, "sbatch", sbatch)
     monkeypatch.setattr(sbatch_errors, "cluster_facts", lambda partition, env=None: _facts())
-    from dslurm import submit as submit_mod
+    from dslurm.cli import submit as submit_mod
 
     monkeypatch.setattr(submit_mod, "active_jobs_of_run", lambda run_dir, env=None: [])
 
@@ -195,8 +196,9 @@ def test_a_refused_resubmit_keeps_the_runs_frozen_config(tmp_path, refusing_sbat
 
 
 def test_a_chain_refused_halfway_cancels_its_first_link(tmp_path, monkeypatch):
-    from dslurm import sbatch_errors, slurm
-    from dslurm import submit as submit_mod
+    from dslurm import slurm
+    from dslurm.cli import submit as submit_mod
+    from dslurm.slurm import refusals as sbatch_errors
 
     calls: list[int] = []
 
@@ -219,7 +221,7 @@ def test_a_chain_refused_halfway_cancels_its_first_link(tmp_path, monkeypatch):
 def test_the_origin_file_names_the_laptops_site_file(tmp_path):
     from argparse import Namespace
 
-    from dslurm.submit import origin_of
+    from dslurm.cli.submit import origin_of
 
     o = tmp_path / "origin.json"
     o.write_text(json.dumps({"site": "laptop/site.yaml", "job": "laptop/job.yaml", "site_sets": ["slurm.qos=x"]}))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dslurm import slurm_facts as F
 from dslurm.config import load_site
 from dslurm.site import check as C
 from dslurm.site.jobs import node_script, requeue_script, resolved
+from dslurm.slurm import facts as F
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "site-configs/local.yaml")
@@ -236,7 +236,7 @@ def test_warm_row_skips_what_it_cannot_judge():
 
 def test_auto_is_warm_only_where_the_site_or_its_record_says_so(tmp_path):
     from dslurm.config import load_job
-    from dslurm.warm_proof import choose, read_record, record_path, write_record
+    from dslurm.submission.warm_proof import choose, read_record, record_path, write_record
 
     auto = load_job(data={"name": "j", "nodes": 1, "spares": 1})
     s = site("recovery.warm=auto")

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dslurm import slurm_facts as F
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.render import RenderRefs, render_sbatch
 from dslurm.site.discover import Submitter, pick_interface, propose
 from dslurm.site.probe import fs_type, interfaces
+from dslurm.slurm import facts as F
 
 ROOT = Path(__file__).resolve().parents[2]
 

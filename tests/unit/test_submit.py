@@ -56,7 +56,7 @@ def test_auto_signal_lead_is_measured_from_the_runs_ledger(tmp_path):
 def fake_sbatch(monkeypatch):
     """No controller here: sbatch records its calls and answers a job id; no job is active."""
     from dslurm import slurm
-    from dslurm import submit as submit_mod
+    from dslurm.cli import submit as submit_mod
 
     calls: list[list[str]] = []
     monkeypatch.setattr(slurm, "sbatch", lambda script, extra, **kw: calls.append(list(extra)) or 4242)

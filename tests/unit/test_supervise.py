@@ -14,9 +14,9 @@ import pytest
 
 from dslurm import endings as E
 from dslurm import exitcodes as X
-from dslurm import facts as F
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
+from dslurm.endings import facts as F
 from dslurm.observe import events as ev
 from dslurm.observe.ledger import Ledger
 from dslurm.observe.report import summarize

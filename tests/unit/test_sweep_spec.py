@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dslurm.errors import UserError
-from dslurm.job_array import ArrayPart, parse_max_array_size, split_arrays
+from dslurm.slurm.job_array import ArrayPart, parse_max_array_size, split_arrays
 from dslurm.sweep.build import check_map, render_array, resolve_sweep, sweep_map
 from dslurm.sweep.report import TaskRow, sort_rows, table
 from dslurm.sweep.spec import parse, slug, task_dir_name

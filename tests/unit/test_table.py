@@ -1,4 +1,4 @@
-"""Tables never cut a value (dslurm/table.py, issue 40): piped, `dslurm plan simulate --gpus 16384`
+"""Tables never cut a value (dslurm/observe/table.py, issue 40): piped, `dslurm plan simulate --gpus 16384`
 printed `reque…` and `81.0…` at 80 columns. Every name and number of the --json form must appear
 whole in the text form, piped or in a terminal narrower than the table. Pure (rich, no Slurm)."""
 
@@ -8,8 +8,8 @@ import io
 import json
 
 from dslurm.cli import main
+from dslurm.observe.table import console, print_table, render
 from dslurm.site.check import as_json, fail, ok, skip, table
-from dslurm.table import console, print_table, render
 
 
 def _wide_table():

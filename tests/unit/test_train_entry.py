@@ -63,8 +63,8 @@ def test_a_signal_after_a_rank_failed_of_its_own_is_not_recorded_as_its_cause():
     tearing the step down = its own failure (signal dropped, the report stays a crash)."""
     from types import SimpleNamespace
 
-    from dslurm.facts import victim_kind
-    from dslurm.worker_exit import signal_before_failure
+    from dslurm.endings.facts import victim_kind
+    from dslurm.endings.worker_exit import signal_before_failure
 
     term_first = SimpleNamespace(signame="SIGTERM", times={"SIGTERM": 100.0})  # a StopRequest's fields
     assert signal_before_failure(term_first, 101.0) == "SIGTERM"

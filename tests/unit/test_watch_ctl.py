@@ -104,7 +104,7 @@ def test_ctl_refuses_what_is_not_a_run_or_an_action(tmp_path, capsys):
 
 
 def test_a_stop_is_put_on_record_for_requeue_me(tmp_path, monkeypatch):
-    from dslurm.facts import CANCEL
+    from dslurm.endings.facts import CANCEL
 
     facts = tmp_path / "starts" / "77.0"
     facts.mkdir(parents=True)

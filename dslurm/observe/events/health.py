@@ -1,6 +1,6 @@
 """The events of something wrong inside a running start: a hang the watchdog caught, a
 non-finite step, silent data corruption between replicas, a device finding of the NVML poll, a
-rank out of memory. The rules behind them are in dslurm/health.py; doctor and report's health
+rank out of memory. The rules behind them are in dslurm/health/__init__.py; doctor and report's health
 lines (dslurm/observe/report.py, perflines.py) read them.
 
 The catalogue and the reading rules are in dslurm/observe/events/__init__.py.
@@ -16,7 +16,7 @@ from dslurm.observe.events.base import Event
 
 @dataclass(frozen=True, kw_only=True)
 class Hang(Event):
-    """The hang watchdog fired (train/watchdog.py; the rules: dslurm/health.py). Written once, by
+    """The hang watchdog fired (train/watchdog.py; the rules: dslurm/health/__init__.py). Written once, by
     the lowest rank that fired; every rank's stacks are in `stacks_dir`."""
     NAME = "hang"
     step: int | None = None
@@ -63,7 +63,7 @@ class NonFinite(Event):
 @dataclass(frozen=True, kw_only=True)
 class Sdc(Event):
     """Silent data corruption: the fingerprints of replicated parameter shards disagreed
-    (train/sdc.py; the rules: dslurm/health.py). Written once by rank 0 for all replicas."""
+    (train/sdc.py; the rules: dslurm/health/__init__.py). Written once by rank 0 for all replicas."""
     NAME = "sdc"
     step: int | None = None
     """optimizer steps completed when the check ran"""

@@ -29,7 +29,7 @@ class Submit(Event):
     """this submission's Slurm log files when they are not under <run_dir>/logs (a sweep's array
     task writes <sweep dir>/logs/NAME-ARRAY_TASK.out|.err; `dslurm doctor` reads them too)"""
     warm: bool | None = None
-    """with spares: whether attempts after a failure start warm (recovery.warm, dslurm/warm_proof.py)"""
+    """with spares: whether attempts after a failure start warm (recovery.warm, dslurm/submission/warm_proof.py)"""
     warm_reason: str | None = None
 
 
@@ -144,7 +144,7 @@ class Exit(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Ending(Event):
-    """How a start ended (dslurm/endings.py). late=True: the next start wrote it."""
+    """How a start ended (dslurm/endings/__init__.py). late=True: the next start wrote it."""
     NAME = "ending"
     cls: str = ""
     reason: str = ""

@@ -17,8 +17,8 @@ from typing import Any
 from dslurm import slurm
 from dslurm.cluster import disrupt
 from dslurm.errors import SlurmError
-from dslurm.hosts import expand_hosts
 from dslurm.selftest.chaos.schedule import Fault, pick
+from dslurm.slurm.hosts import expand_hosts
 
 log = logging.getLogger(__name__)
 FILLER = ".chaos-fill"  # the file that fills the durable filesystem, at its root (never in the run dir)

@@ -1,6 +1,6 @@
 """What happened in one start of a run, recorded by each participant as it happens.
 
-Decisions about how a job step ended (dslurm/endings.py) read these records, never srun's
+Decisions about how a job step ended (dslurm/endings/__init__.py) read these records, never srun's
 or torchrun's return code alone: those fold a crash, a preemption and a teardown by srun
 into the same numbers. Each start of a run gets a directory of its own:
 
@@ -189,7 +189,7 @@ def write_ending(d: Path, ending: dict[str, Any]) -> bool:
 def write_cancel_request(d: Path, *, save: bool, user: str, via: str = "cancel") -> bool:
     """`dslurm cancel`'s record, in the facts dir of the start it stops, before it signals;
     `via="ctl"`: `dslurm ctl stop`'s, written by the rank that took it (an operator's stop,
-    its own ending: dslurm/endings.py)."""
+    its own ending: dslurm/endings/__init__.py)."""
     return _write_json(d / CANCEL, {"t": time.time(), "save": save, "user": user, "via": via})
 
 

@@ -102,7 +102,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.examples:
-        root = Path(__file__).resolve().parents[1]  # the repository: dslurm/render_cmd.py -> ../..
+        root = Path(__file__).resolve().parents[2]  # the repository: dslurm/cli/render.py -> ../../..
         stale = examples(root, write=args.examples == "write")
         if stale:
             print("stale golden files (run `dslurm render --examples write`):\n  " + "\n  ".join(stale),

@@ -26,7 +26,7 @@ from dslurm.submission import active_jobs_of_run, completed_note, submit
 if TYPE_CHECKING:
     from dslurm.remote.handle import Handle
     from dslurm.remote.proxy import Submitted
-    from dslurm.sbatch_errors import Origin
+    from dslurm.slurm.refusals import Origin
 
 
 
@@ -106,7 +106,7 @@ def inputs_of(args: argparse.Namespace) -> tuple[str, str, list[str]]:
 def origin_of(args: argparse.Namespace, site: str, job: str) -> Origin:
     """Where the fields came from: the files and overrides given here, or (`--origin`, a remote
     submit) the names on the machine the user typed them on."""
-    from dslurm.sbatch_errors import Origin
+    from dslurm.slurm.refusals import Origin
 
     given = getattr(args, "origin", None)
     if given:
@@ -177,7 +177,7 @@ def run_submit(args: argparse.Namespace) -> int:
     print(f"  run dir: {sub.run_dir}")
     print(f"  logs   : {sub.log_dir}/{r.job.name}-<jobid>.out|.err")
     if r.spares:  # what recovery.warm (auto by default) chose, as the submit event records it
-        from dslurm.warm_proof import choice_for
+        from dslurm.submission.warm_proof import choice_for
 
         warm = choice_for(r.job, r.site, r.site_path)
         print(f"  restart: {'warm' if warm.warm else 'cold'} after a failure ({warm.reason})")

@@ -1,4 +1,4 @@
-"""Submitting a run, the library half of `dslurm submit` (the command is dslurm/submit.py; the
+"""Submitting a run, the library half of `dslurm submit` (the command is dslurm/cli/submit.py; the
 notebook API, sweeps, the site check and `dslurm burnin` submit through here too).
 
 The site and job are frozen into the run directory at submit time (`site.yaml`,
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
 from dslurm.run import CODE, CODE_CURRENT, FROZEN, SCRIPT, RunDir, read_blocklist
-from dslurm.warm_proof import choice_for
+from dslurm.submission.warm_proof import choice_for
 
 if TYPE_CHECKING:
-    from dslurm.sbatch_errors import Origin
+    from dslurm.slurm.refusals import Origin
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def freeze_and_render(r: Resolved, overrides: list[str] | None = None,
     site_file, job_file = run.site_yaml, run.job_yaml
     job_data = to_dict(r.job)
     job_data["checkpoint"]["run_dir"] = str(run.path)  # absolute: the same on every node
-    # `recovery.warm: auto` decided now, from the site's word or its check's record (dslurm/warm_proof.py):
+    # `recovery.warm: auto` decided now, from the site's word or its check's record (dslurm/submission/warm_proof.py):
     # every start of the run does what was decided at submit.
     job_data["recovery"]["warm"] = choice_for(r.job, r.site, r.site_path).warm
     # yaml12.dump quotes what the loader would otherwise retype ('1e3', '12:00:00', 'yes').
@@ -134,7 +134,7 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
     `<run_dir>/code/<digest>`, on every start; without it, the snapshot the run was last
     submitted with (`current_code`), if any. When sbatch refuses, nothing is left submitted:
     the frozen files are put back, links already queued are cancelled, no submit event is
-    written, and the UserError names the field and its fix (dslurm.sbatch_errors)."""
+    written, and the UserError names the field and its fix (dslurm.slurm.refusals)."""
     from dslurm import slurm
     from dslurm.errors import SlurmError
 
@@ -174,9 +174,9 @@ def submit(r: Resolved, *, chain: int = 1, dry_run: bool = False,
 
 
 def refused(exc: Exception, r: Resolved, origin: Origin | None, env: dict[str, str] | None) -> UserError:
-    """sbatch's refusal as a field and its fix (dslurm.sbatch_errors), else sbatch's own words."""
+    """sbatch's refusal as a field and its fix (dslurm.slurm.refusals), else sbatch's own words."""
     from dslurm.errors import SlurmError
-    from dslurm.sbatch_errors import Origin, cluster_facts, explain
+    from dslurm.slurm.refusals import Origin, cluster_facts, explain
 
     text = str(exc)
     origin = origin or Origin(site_file=r.site_path, job_file=r.job_path)

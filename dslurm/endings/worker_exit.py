@@ -3,7 +3,7 @@
 Torch-free. Every in-job entry that trains (the built-in trainer, a script using
 `dslurm.runtime`) reports the same way: the worker code the launcher reads (torchrun folds
 every failure into 1, which would hide a requeue request) and the rank report of
-dslurm/facts.py -- what kind of ending, its code, the step reached, the error and
+dslurm/endings/facts.py -- what kind of ending, its code, the step reached, the error and
 when the failure happened -- from which `dslurm requeue-me` classifies the step's ending.
 Exit codes are dslurm/exitcodes.py's.
 """
@@ -86,7 +86,8 @@ def signal_before_failure(stop: object, failed_t: float | None) -> str | None:
 
 def report(outcome: Outcome, code: int, rank: int) -> None:
     """This process's own account of its ending, for the launcher and for requeue-me."""
-    from dslurm import exitcodes, facts
+    from dslurm import exitcodes
+    from dslurm.endings import facts
 
     write_worker_code(code)
     signame = signal_before_failure(outcome.stop, outcome.t)

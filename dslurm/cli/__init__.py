@@ -21,9 +21,9 @@ from dslurm.errors import UserError
 # Only the module of the command being run is imported, so a command pays for its own
 # imports alone (`dslurm render` must stay near the cost of starting Python).
 COMMANDS = {
-    "render": "dslurm.render_cmd",
-    "submit": "dslurm.submit",
-    "status": "dslurm.submit",
+    "render": "dslurm.cli.render",
+    "submit": "dslurm.cli.submit",
+    "status": "dslurm.cli.submit",
     "cancel": "dslurm.requeue.cancel",
     "cluster": "dslurm.cluster",
     "site": "dslurm.site.cli",

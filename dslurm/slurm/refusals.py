@@ -15,10 +15,10 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dslurm import slurm_facts as F
 from dslurm.config import format_time, parse_time
 from dslurm.config.resolve import Resolved
 from dslurm.errors import UserError
+from dslurm.slurm import facts as F
 
 DISCOVER = "`dslurm site discover --partition P` writes a site file from what Slurm says; `dslurm site check` tests one"
 
@@ -274,7 +274,7 @@ def cluster_facts(partition: str, env: Mapping[str, str] | None = None, timeout:
         nodes = tuple(F.parse_nodes(text, partition))
         part = next((p for p in parts or () if p.name == partition), None)
         if not nodes and part is not None and part.nodes_expr:
-            from dslurm.hosts import expand_hosts
+            from dslurm.slurm.hosts import expand_hosts
 
             nodes = tuple(F.hidden_nodes(part, expand_hosts(part.nodes_expr)))
     user = getpass.getuser()

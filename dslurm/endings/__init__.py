@@ -1,4 +1,4 @@
-"""How a job step ended, decided from the facts its participants recorded (dslurm/facts.py)
+"""How a job step ended, decided from the facts its participants recorded (dslurm/endings/facts.py)
 and from what Slurm says about the job. Pure: no I/O; `dslurm requeue-me` gathers the inputs.
 
 Rules, first match wins:
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dslurm import exitcodes as X
-from dslurm.facts import OWN_FAILURES, StartFacts, is_term, victim_kind
+from dslurm.endings.facts import OWN_FAILURES, StartFacts, is_term, victim_kind
 
 COMPLETED, WARNED_STOP, CANCELLED, PREEMPTED, TIME_LIMIT = (
     "completed", "warned_stop", "cancelled", "preempted", "time_limit")
