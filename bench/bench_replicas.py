@@ -19,11 +19,13 @@ which was never stopped; for (b) and (c) the next start's first step, by the rep
 seconds and bytes and when the group was back in the quorum (kill -> `replica_healed`). Goal of
 the issue: the survivors lose at most one step's time per fault.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/bench_replicas.py
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_replicas.py          # 60 steps (replicas), 30 (the others)
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_replicas.py --tiny   # the suite's run: 12 steps each
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -111,11 +113,16 @@ def one(tmp: Path, name: str, env: dict[str, str], steps: int) -> dict[str, floa
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--tiny", action="store_true",
+                    help="12 steps per variant (the suite's run: the script works, its numbers are not kept)")
+    args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     env = {**os.environ, **cluster.up(nodes=3, accounting=True).env()}
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as d:
         for name in VARIANTS:
-            r = one(Path(d), name, env, steps=60 if name == "replicas" else 30)
+            r = one(Path(d), name, env, steps=12 if args.tiny else 60 if name == "replicas" else 30)
             extra = (f"; heal {r['heal_s']:.2f} s, {int(r['heal_bytes'] or 0) / 1e6:.1f} MB, the group back in "
                      f"the quorum {r['back_s']:.1f} s after the kill ({r['missed']} step(s) missed)"
                      if name == "replicas" else "")

@@ -231,6 +231,7 @@ TINY_BENCHES: dict[str, tuple[list[str], str, bool]] = {
                          "restore partner / local", False),
     "bench_burnin_gate.py": (["--steps", "3"], "burn-in", True),
     "bench_requeue.py": (["--tiny"], "goodput", True),
+    "bench_replicas.py": (["--tiny"], "replicas (job", True),
     "bench_submit.py": (["--runs", "1"], "ratio", True),
     "bench_warm_restart.py": (["--tiny"], "warm restart: failure ->", True),
     "bench_warm_spare.py": (["--tiny"], "(a) warm swap", True),

@@ -64,8 +64,10 @@ def register(sub: Any) -> None:
                        "than 10%% apart: exit 1. See docs/plan.md.")
     chk.add_argument("--site", required=True, help="site YAML")
     chk.add_argument("--job", required=True, help="job YAML")
-    chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    chk.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE")
+    chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a job field, e.g. --set parallel.cp=2 (repeatable; YAML 1.2 values)")
+    chk.add_argument("--site-set", dest="site_overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a site field, e.g. --site-set slurm.partition=debug (repeatable)")
     chk.add_argument("--ranks", help="comma-separated ranks (default: the first rank of the first and of the last "
                      "pipeline stage, and the world's last rank: a TP edge)")
     chk.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -1,6 +1,6 @@
 """`dslurm plan check`'s pure half (dslurm/plan/check.py, dslurm/plan/rank.py): which ranks, what the
 planner expects of one rank, and the 10% verdict. The measured half runs in
-tests/integration/test_plan_check.py against a real gloo run."""
+tests/integration/test_plan_check_gloo.py against a real gloo run."""
 
 from __future__ import annotations
 
