@@ -119,11 +119,9 @@ def test_the_local_test_sites_record_but_never_exclude_a_node():
     """The suite's own faults (burn-in failures, hangs, SDC, stragglers by load on shared cores) are
     evidence against the local cluster's 3 nodes; with the default policy its later jobs were
     submitted with `--exclude node1` and refused. The local sites keep the record, never exclude."""
-    from pathlib import Path
-
     from dslurm.config import load_site
 
-    sites = sorted((Path(__file__).resolve().parents[2] / "site-configs").glob("local*.yaml"))
+    sites = sorted((ROOT / "site-configs").glob("local*.yaml"))
     assert len(sites) >= 2
     for path in sites:
         assert load_site(path).nodes.exclude_after == 0, path
