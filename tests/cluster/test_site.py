@@ -75,6 +75,10 @@ def test_discovered_site_checks_out_and_bad_sites_are_named_with_fixes(slurm_clu
     # site-configs/local-gpu.yaml does, for the warm row to compare what the workers open.
     found = yaml.safe_load(out.read_text())
     found.setdefault("env", {})["DSLURM_GPU_DEVICES"] = f"{slurm_cluster.state_dir}/dev/$SLURMD_NODENAME/gpu*"
+    # Its durable path is the checkout's checkpoints/, where the suite's own injected faults are on
+    # record against node1..node3 (the site's node memory): as the shipped local sites, record but
+    # never exclude, or the check's 2-node jobs find no nodes left.
+    found["nodes"] = {"exclude_after": 0}
     out.write_text(yaml.safe_dump(found))
     res = cli("site", "check", str(out), "--work-dir", str(tmp_path / "check"), "--timeout", "240", env=env,
               timeout=load_scaled(300))
