@@ -73,6 +73,8 @@ def mismatches(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[tuple[
     for key in sorted(want.keys() & got.keys()):
         if list(got[key]) != list(want[key]):
             (c0, s0, d0), (c1, s1, d1) = want[key], got[key]
+            if d0 != d1:  # restored into another dtype: DCP casts, so the bytes cannot be compared
+                continue
             what = f"crc32 {c1} != saved {c0}" if (s0, d0) == (s1, d1) else f"{d1}{s1} != saved {d0}{s0}"
             out.append((key, what))
     return out
