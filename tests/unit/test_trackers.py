@@ -211,7 +211,11 @@ def test_a_hung_wandb_close_is_bounded_and_reported_once(offline, monkeypatch):
     assert waited < 3  # tracker_close_s, not W&B's 60 s
     failed = [e for e in ev.read(offline) if isinstance(e, ev.TrackerFailed)]
     assert [(e.tracker, e.during) for e in failed] == [("wandb", "close")]
-    assert "no answer within 0.5 s" in failed[0].error and "left unfinished" in failed[0].error, failed[0].error
+    # Two interleavings, one fact: the close's bound ran out while W&B's call was waited for ("no answer
+    # within 0.5 s ... left unfinished"), or the start's end found the call already waiting and left it
+    # at once ("left at the start's end after 0.5 s ... stays in the ledger"; a loaded machine).
+    err = failed[0].error
+    assert "0.5 s" in err and ("left unfinished" in err or "stays in the ledger" in err), err
     assert read_state(offline)["wandb"]["closed"] is False  # the next start or a sync finishes it
 
 
