@@ -13,7 +13,7 @@ import argparse
 import os
 import signal
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from dslurm.config.resolve import Resolved
@@ -45,17 +45,7 @@ def supervise(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     pools = WarmPools(r, cmd, env, alloc) if choice_for(r.job, r.site, str(rd.site_yaml)).warm else None
     sup = Supervisor(r, runner, env, alloc, pools)
 
-    def handler(signum: int, _frame: object) -> None:
-        sup.on_signal(signal.Signals(signum).name.removeprefix("SIG"))
-        runner.signal(signum)
-
-    for sig in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(sig, handler)
-    # The batch shell starts this process with USR2 ignored (a handler is not inherited across exec,
-    # and the default action would end the job: seen under `dslurm selftest chaos`); what it
-    # forwarded before these handlers existed is in the start's batch.signals: taken from there.
-    for name in early_signals(env):
-        sup.on_signal(name)
+    take_stops(sup.on_signal, runner.signal, env)
     try:
         return sup.loop()
     finally:
@@ -74,15 +64,23 @@ def _replicas(r: Resolved, cmd: Sequence[str], env: dict[str, str], alloc: list[
                for g in range(r.job.parallel.dp_replicate)]
     sup = ReplicaSupervisor(r, runners, env, alloc)
 
+    take_stops(sup.on_signal, sup.signal, env)
+    return sup.loop()
+
+
+def take_stops(record: Callable[[str], None], forward: Callable[[int], None], env: Mapping[str, str]) -> None:
+    """USR2 and TERM recorded (by name) and forwarded to the steps. The batch shell starts this process
+    with USR2 ignored (a handler is not inherited across exec, and the default action would end the
+    job: seen under `dslurm selftest chaos`); what it forwarded before these handlers existed is in the
+    start's batch.signals: taken from there."""
     def handler(signum: int, _frame: object) -> None:
-        sup.on_signal(signal.Signals(signum).name.removeprefix("SIG"))
-        sup.signal(signum)
+        record(signal.Signals(signum).name.removeprefix("SIG"))
+        forward(signum)
 
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, handler)
     for name in early_signals(env):
-        sup.on_signal(name)
-    return sup.loop()
+        record(name)
 
 
 def early_signals(env: Mapping[str, str]) -> list[str]:
