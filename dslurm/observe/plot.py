@@ -15,6 +15,7 @@ from dslurm.observe import events as ev
 from dslurm.observe.durability import lines as durability_lines
 
 if TYPE_CHECKING:
+    from dslurm.observe.replica_spans import GroupLane
     from dslurm.observe.report import Summary
     from dslurm.observe.starts import Start
 
@@ -185,6 +186,37 @@ def _markers(ax: Any, tl: B.Timeline, starts: list[Start], x: Any) -> None:
             ax.annotate(s.outcome, (x(when), s.index), xytext=(4, 6), textcoords="offset points", fontsize=7)
 
 
+REPLICA_IN, REPLICA_OUT = "#2a9d8f", "#e76f51"  # a group in the quorum / out of it (failure -> heal)
+
+
+def replica_panel(ax: Any, lanes: list[GroupLane], x: Any, scale: float) -> None:
+    """One lane per replica group: in the quorum, out of it from its failure to its heal (shaded),
+    a cross where it was lost (step, cause) and a dot where it healed (step, seconds)."""
+    from matplotlib.patches import Patch
+
+    for lane in lanes:
+        ax.broken_barh([(x(lane.t0), (lane.t1 - lane.t0) / scale)], (lane.group - 0.3, 0.6), color=REPLICA_IN)
+        for o in lane.outs:
+            ax.broken_barh([(x(o.t0), (o.t1 - o.t0) / scale)], (lane.group - 0.3, 0.6), color=REPLICA_OUT,
+                           hatch="///" if o.healed_step is None else None)
+            if o.losses:  # a late join has no loss to mark
+                ax.plot(x(o.t0), lane.group, "X", color="crimson", ms=8)
+            ax.annotate(f"lost @{o.step if o.step is not None else '?'} ({o.cause})" + (f" x{o.losses}" if o.losses > 1
+                                                                                     else "") if o.losses else o.cause,
+                        (x(o.t0), lane.group - 0.3), xytext=(2, 2), textcoords="offset points", fontsize=7,
+                        color="crimson")
+            if o.healed_step is not None:
+                ax.plot(x(o.t1), lane.group, "o", color="black", ms=5)
+                ax.annotate(f"healed @{o.healed_step}" + (f" {o.heal_s:.2f}s" if o.heal_s is not None else ""),
+                            (x(o.t1), lane.group + 0.3), xytext=(2, -8), textcoords="offset points", fontsize=7)
+    ax.set_yticks([lane.group for lane in lanes], [f"group {lane.group}" for lane in lanes], fontsize=8)
+    ax.set_ylim(max(lane.group for lane in lanes) + 0.6, min(lane.group for lane in lanes) - 0.6)
+    ax.set_title("replica groups: out of the quorum from the failure to the heal", fontsize=8, loc="left")
+    ax.legend(handles=[Patch(color=REPLICA_IN, label="in the quorum"),
+                       Patch(color=REPLICA_OUT, label="out (failure -> healed; hatched: not back)")],
+              fontsize=7, ncol=2, loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, borderaxespad=0.1)
+
+
 # The markers of `_markers`, as the legend names them (marker, colour, label).
 MARKERS = [("|", COLORS[B.SAVE], "save"), ("v", "crimson", "interruption (stop signal)"),
            ("D", COLORS[B.HUNG], "hang detected"), ("*", "crimson", "crash (the run's own failure)"),
@@ -236,8 +268,14 @@ def timeline_figure(sm: Summary) -> Any:
     def x(t: float) -> float:
         return (t - t0) / scale
 
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 2.2 + 0.5 * len(starts) + 2.5),
-                                      gridspec_kw={"height_ratios": [max(1, len(starts)), 2]})
+    lanes = sm.replica_lanes  # replica groups: a panel of one lane per group between the starts and the loss
+    rows = [max(1, len(starts)), *([max(1.2, 0.45 * len(lanes))] if lanes else []), 2]
+    fig, axes = plt.subplots(len(rows), 1, sharex=True, squeeze=False,
+                             figsize=(11, 2.2 + 0.5 * len(starts) + 2.5 + (0.6 + 0.35 * len(lanes) if lanes else 0)),
+                             gridspec_kw={"height_ratios": rows})
+    top, bottom = axes[0][0], axes[-1][0]
+    if lanes:
+        replica_panel(axes[1][0], lanes, x, scale)
     palette = {**COLORS, **PHASE_COLORS}
     for b in tl.bands:
         color = palette.get(b.kind, COLORS[B.STARTUP])  # a phase without its own colour: start-up's

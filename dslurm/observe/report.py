@@ -28,6 +28,7 @@ from dslurm.observe.completion import target_steps as frozen_target
 from dslurm.observe.durability import Durability, durability
 from dslurm.observe.events import Event
 from dslurm.observe.replica_lines import replica_lines
+from dslurm.observe.replica_spans import GroupLane, group_lanes
 from dslurm.observe.starts import DIED as DIED  # re-exported: doctor imports it from here
 from dslurm.observe.starts import Start as Start  # re-exported: doctor, perfdoctor, selftest.chaos import it from here
 from dslurm.observe.starts import starts_of
@@ -231,6 +232,8 @@ class Summary:
     """evaluations: last loss and perplexity, their time apart from training (`eval_summary`)"""
     replicas: list[str] = field(default_factory=list)
     """replica groups: participants per step, each group's losses and heals (`replica_lines`)"""
+    replica_lanes: list[GroupLane] = field(default_factory=list)
+    """replica groups: each group's lane, out of the quorum from its failure to its heal (the PNG's)"""
     warm: str | None = None
     """with spares: whether recoveries inside the allocation start warm, and why (the last submit's
     choice, dslurm/submission/warm_proof.py)"""
@@ -348,7 +351,7 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0, target_steps: int
         durability=durability([s.events for s in starts]), health=health_lines(starts),
         trackers=trackerlines.lines(events, str(run_dir)), software=software.change_lines(events),
         completion=completion(starts, events, target_steps, run_dir), eval=eval_summary(starts),
-        replicas=replica_lines(events),
+        replicas=replica_lines(events), replica_lanes=group_lanes(events),
         warm=next((f"{'warm' if e.warm else 'cold'} ({e.warm_reason})" for e in reversed(list(ev.of(events, ev.Submit)))
                    if e.warm is not None), None))
 
