@@ -29,7 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MECHANISMS = ("requeue", "spare", "shrink")
+MECHANISMS = ("requeue", "spare", "shrink")  # the ones that stop the world; `plan simulate`'s default
+REPLICA = "replica"  # replica groups train on through a loss (dslurm/plan/replica_sim.py): asked for by name
+ALL_MECHANISMS = (*MECHANISMS, REPLICA)
 SAVES = ("sync", "async", "two_tier", "partner")
 
 
@@ -41,6 +43,9 @@ class Draws:
     """(trials, segments) training seconds from a (re)start to the next failure"""
     node_loss: Any
     """(trials, segments) bool: that failure took out a node (else: a process crash)"""
+    which: Any = None
+    """(trials, segments) uniform in [0, 1): which node a node loss took out (the batch node when
+    below 1/nodes); drawn only for the replica mode, so the other modes' draws stay as they were"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,16 @@ class Costs:
     """partner copies: a node lost and replaced in the allocation restores at local speed too"""
     durable_restore_s: float = 0.0
     """extra downtime of a restore from the durable tier over one from node-local copies"""
+    groups: int = 1
+    """replica mode: the data-parallel replica groups (a lost one is 1/groups of the throughput)"""
+    quorum_s: float = 0.0
+    """replica mode: the survivors' wait for a lost group's heartbeat to lapse"""
+    step_s: float = 0.0
+    """replica mode: one training step (the one in flight is discarded and trained again)"""
+    group_restart_s: float = 0.0
+    """replica mode: a lost group's failure -> its step started again and at its first quorum"""
+    heal_s: float = 0.0
+    """replica mode: the state's transfer from a live peer and its load"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +93,9 @@ class Timeline:
     """failures that went through the queue"""
     shrank: Any
     """failures after which the job trained on fewer nodes than before"""
+    absent_s: Any = None
+    """replica mode: (trials,) seconds of the whole job's training lost to groups out of the
+    quorum (group-seconds out / groups); None for the other mechanisms"""
 
 
 def timeline(mechanism: str, draws: Draws, c: Costs) -> Timeline:

@@ -12,10 +12,12 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from dslurm.plan.recovery_sim import MECHANISMS, SAVES
+from dslurm.plan.recovery_sim import ALL_MECHANISMS, MECHANISMS, REPLICA, SAVES
 
 # The cost inputs whose default is another input (SimConfig.cost_inputs resolves them).
-DEFAULTS_TO = {"durable_lag_s": "save_s", "relaunch_s": "restart_s", "swap_s": "restart_s"}
+DEFAULTS_TO = {"durable_lag_s": "save_s", "relaunch_s": "restart_s", "swap_s": "restart_s",
+               "group_restart_s": "relaunch_s"}
+REPLICA_INPUTS = ("quorum_s", "step_s", "group_restart_s", "heal_s")  # shown only when the replica mode is asked
 # SimConfig fields a flag or a run can set: (flag, help). Flags default to None so an explicit
 # value is told apart from SimConfig's default.
 COSTS = {
@@ -29,6 +31,12 @@ COSTS = {
     "swap_s": ("--swap-s", "in-allocation spare swap or shrink, failure -> training (--restart-s)"),
     "partner_lag_s": ("--partner-lag-s", "two tiers with partner copies: local commit -> partner commit (10)"),
     "durable_restore_s": ("--durable-restore-s", "extra seconds of a restore from durable over a node-local one (0)"),
+    "quorum_s": ("--quorum-s", "replica: the survivors' wait until a lost group is out of the quorum (5, torchft's "
+                 "heartbeat timeout)"),
+    "step_s": ("--step-s", "replica: one training step, the failed one trained again (6, Llama 3 405B's)"),
+    "group_restart_s": ("--group-restart-s", "replica: a lost group's failure -> its step in the quorum again "
+                        "(--relaunch-s)"),
+    "heal_s": ("--heal-s", "replica: a group's heal from a live peer (60, an assumption)"),
 }
 
 
@@ -36,8 +44,9 @@ def add_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     sim.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (8)")
     sim.add_argument("--mtbf-years", type=float, default=5.0, help="MTBF of one GPU, years (5, seed 004)")
-    sim.add_argument("--mechanism", action="append", choices=MECHANISMS,
-                     help="recovery mechanism to simulate (repeatable; default: all)")
+    sim.add_argument("--mechanism", action="append", choices=ALL_MECHANISMS,
+                     help="recovery mechanism to simulate (repeatable; default: requeue, spare, shrink; "
+                     "replica only when named)")
     sim.add_argument("--save", action="append", choices=SAVES, help="save mode (repeatable; default: all)")
     sim.add_argument("--async", dest="async_save", action="store_true", help="same as --save async")
     for name, (flag, text) in COSTS.items():
@@ -51,6 +60,8 @@ def add_arguments(sim: argparse.ArgumentParser) -> None:
                      help="spare nodes for spare and shrink (default: the count --probability asks for)")
     sim.add_argument("--probability", type=float, default=0.99,
                      help="chance the spares keep the run at full size all along (0.99)")
+    sim.add_argument("--group-nodes", type=int, default=None,
+                     help="replica: nodes per replica group (1; Llama 3 405B's TP 8 x PP 16: 16)")
     sim.add_argument("--repair-h", type=float, default=None, help="hours until a lost node is back (24)")
     sim.add_argument("--horizon-days", type=float, default=30.0, help="wall clock per run, days (30)")
     sim.add_argument("--trials", type=_whole, default=1000,
@@ -87,7 +98,7 @@ def inputs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             values[name], sources[name] = measured[name]
         else:
             sources[name] = f"default, as {COSTS[DEFAULTS_TO[name]][0]}" if name in DEFAULTS_TO else "default"
-    for name in ("node_loss_fraction", "repair_h"):
+    for name in ("node_loss_fraction", "repair_h", "group_nodes"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return values, sources
@@ -103,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
     positive("--mtbf-years", args.mtbf_years)
     positive("--horizon-days", args.horizon_days)
     values, sources = inputs(args)
+    mechanisms = list(dict.fromkeys(args.mechanism or MECHANISMS))
+    # The replica mode draws which node each loss took: the others' draws stay as without it.
     base = SimConfig(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                     mechanism=REPLICA if REPLICA in mechanisms else "requeue",
                      gpu_mtbf_h=args.mtbf_years * HOURS_PER_YEAR, horizon_h=args.horizon_days * 24.0,
                      trials=args.trials, seed=args.seed, **values)
     sizing = size_spares_streamed(base, args.probability)
@@ -111,10 +125,12 @@ def run(args: argparse.Namespace) -> int:
     saves = args.save or (["async"] if args.async_save else list(SAVES))
     results = score_streamed(base, [SimConfig(**{**_kwargs(base), "mechanism": m, "save": s,
                                                  "spares": 0 if m == "requeue" else spares})
-                                    for m in (args.mechanism or MECHANISMS) for s in dict.fromkeys(saves)],
+                                    for m in mechanisms for s in dict.fromkeys(saves)],
                              args.interval_s)
-    out = {"inputs": {n: {"value": v, "source": sources[n]} for n, v in base.cost_inputs().items()},
+    shown = [n for n in base.cost_inputs() if REPLICA in mechanisms or n not in REPLICA_INPUTS]
+    out = {"inputs": {n: {"value": base.cost_inputs()[n], "source": sources[n]} for n in shown},
            "assumed": {"gpus_per_node": base.gpus_per_node, "node_loss_fraction": base.node_loss_fraction,
+                       **({"group_nodes": base.group_nodes} if REPLICA in mechanisms else {}),
                        "repair_h": base.repair_h, "gpu_mtbf_h": base.gpu_mtbf_h},
            "spares": {"probability": sizing.probability, "spares": sizing.spares,
                       "mean_most_in_repair": sizing.mean_most_in_repair, "used": spares},

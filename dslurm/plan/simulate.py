@@ -34,8 +34,9 @@ from typing import Any
 
 from dslurm.errors import UserError
 from dslurm.plan._check import count, non_negative, positive
-from dslurm.plan.recovery_sim import MECHANISMS, SAVES, Costs, Draws, max_in_repair, spares_for, timeline
+from dslurm.plan.recovery_sim import ALL_MECHANISMS, REPLICA, SAVES, Costs, Draws, max_in_repair, spares_for, timeline
 from dslurm.plan.reliability import HOURS_PER_YEAR, job_mtbf_h, young_daly_interval_s
+from dslurm.plan.replica_sim import replica_timeline
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,7 +54,7 @@ class SimConfig:
     1.0: seed 004 lists only hardware faults (GPU, memory, NVLink/NIC, host crashes) and gives
     no split, so every failure is taken to cost a node: the worst case for spares and two tiers."""
     mechanism: str = "requeue"
-    """requeue | spare | shrink (dslurm.plan.recovery_sim)"""
+    """requeue | spare | shrink (dslurm.plan.recovery_sim) | replica (dslurm.plan.replica_sim)"""
     save: str = "sync"
     """sync | async | two_tier | partner (two tiers with partner copies)"""
     save_s: float = 240.0
@@ -79,7 +80,24 @@ class SimConfig:
     swap_s: float | None = None
     """In-allocation recovery with a spare or a shrink, failure -> training (None: `restart_s`)."""
     spares: int = 0
-    """Spare nodes in the allocation (spare and shrink)."""
+    """Spare nodes in the allocation (spare, shrink and replica)."""
+    group_nodes: int = 1
+    """Replica mode: nodes per replica group (its FSDP/TP/PP inside); a lost group is
+    group_nodes/nodes of the throughput. 1 by default (the issue's layout); Llama 3 405B's
+    TP 8 x PP 16 is 16 nodes per group."""
+    quorum_s: float = 5.0
+    """Replica mode: the survivors' wait until a lost group is out of the quorum: torchft's
+    heartbeat timeout, 5 s (`HEARTBEAT_TIMEOUT_MS`, dslurm/recover/lighthouse.py)."""
+    step_s: float = 6.0
+    """Replica mode: one training step, discarded and trained again when a group fails inside it.
+    6 s: Llama 3 405B's 16M-token step at 400 TFLOP/s per GPU on 16,384 GPUs (the Llama 3 paper's
+    own figures: 6 x 405e9 x 16e6 / (16,384 x 400e12)); an assumption, not a measurement."""
+    group_restart_s: float | None = None
+    """Replica mode: a lost group's failure -> its step started again and in its first quorum
+    (None: `relaunch_s`, the same in-allocation restart)."""
+    heal_s: float = 60.0
+    """Replica mode: the heal from a live peer (transfer and load). 60 s: an assumption (measured
+    locally: 0.36 s for a 2.8 MB tiny model, docs/recovery.md; a GPU-scale heal is not measured)."""
     repair_h: float = 24.0
     """Hours until a lost node is back in the spare pool. An assumption by default."""
     horizon_h: float = 30 * 24.0
@@ -94,16 +112,22 @@ class SimConfig:
         count("trials", self.trials)
         count("gpus_per_node", self.gpus_per_node)
         count("spares", self.spares, minimum=0)
+        count("group_nodes", self.group_nodes)
         if self.gpus % self.gpus_per_node:
             raise UserError(f"gpus={self.gpus} is not a whole number of nodes of gpus_per_node="
                             f"{self.gpus_per_node}. Fix: give a multiple of {self.gpus_per_node}")
-        for name, allowed in (("mechanism", MECHANISMS), ("save", SAVES)):
+        if self.nodes % self.group_nodes:
+            raise UserError(f"group_nodes={self.group_nodes} does not divide the job's {self.nodes} nodes "
+                            f"(gpus={self.gpus} / gpus_per_node={self.gpus_per_node}). Fix: give a divisor of "
+                            f"{self.nodes}")
+        for name, allowed in (("mechanism", ALL_MECHANISMS), ("save", SAVES)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name}={getattr(self, name)!r} is unknown; choose one of {', '.join(allowed)}")
         for name in ("gpu_mtbf_h", "save_s", "horizon_h", "repair_h"):
             positive(name, getattr(self, name))
         for name in ("async_stall_s", "local_stall_s", "restart_s", "requeue_s", "durable_lag_s",
-                     "relaunch_s", "swap_s", "partner_lag_s", "durable_restore_s"):
+                     "relaunch_s", "swap_s", "partner_lag_s", "durable_restore_s", "quorum_s", "step_s",
+                     "group_restart_s", "heal_s"):
             if getattr(self, name) is not None:
                 non_negative(name, getattr(self, name))
         if not 0.0 <= non_negative("node_loss_fraction", self.node_loss_fraction) <= 1.0:
@@ -131,9 +155,19 @@ class SimConfig:
         return {"sync": 0.0, "async": self.save_s, "two_tier": durable, "partner": durable}[self.save]
 
     @property
+    def rollback_mtbf_s(self) -> float:
+        """Mean training time between failures that go back to a checkpoint: every failure, but
+        in replica mode only the loss of the batch node (1 node of `nodes`; the horizon when none)."""
+        if self.mechanism != REPLICA:
+            return self.mtbf_s
+        rate = self.node_loss_fraction / self.nodes
+        return self.mtbf_s / rate if rate > 0 else self.horizon_h * 3600.0
+
+    @property
     def young_daly_s(self) -> float:
-        """sqrt(2·stall·MTBF): the first-order optimum, with the stall as the save cost."""
-        return young_daly_interval_s(max(self.stall_s, 1e-9), self.mtbf_s)
+        """sqrt(2·stall·MTBF): the first-order optimum, with the stall as the save cost and the
+        failures that roll back to a checkpoint."""
+        return young_daly_interval_s(max(self.stall_s, 1e-9), self.rollback_mtbf_s)
 
     def cost_inputs(self) -> dict[str, float]:
         """Every cost input in seconds, the ones left None resolved to what they default to."""
@@ -142,14 +176,20 @@ class SimConfig:
                 "restart_s": self.restart_s, "requeue_s": self.requeue_s,
                 "relaunch_s": self.restart_s if self.relaunch_s is None else self.relaunch_s,
                 "swap_s": self.restart_s if self.swap_s is None else self.swap_s,
-                "partner_lag_s": self.partner_lag_s, "durable_restore_s": self.durable_restore_s}
+                "partner_lag_s": self.partner_lag_s, "durable_restore_s": self.durable_restore_s,
+                "quorum_s": self.quorum_s, "step_s": self.step_s,
+                "group_restart_s": ((self.restart_s if self.relaunch_s is None else self.relaunch_s)
+                                    if self.group_restart_s is None else self.group_restart_s),
+                "heal_s": self.heal_s}
 
     def costs(self) -> Costs:
         c = self.cost_inputs()
         return Costs(restart_s=self.restart_s, requeue_s=self.requeue_s, relaunch_s=c["relaunch_s"],
                      swap_s=c["swap_s"], nodes=self.nodes, spares=self.spares, repair_s=self.repair_h * 3600.0,
                      horizon_s=self.horizon_h * 3600.0, local_tier=self.save in ("two_tier", "partner"),
-                     partner=self.save == "partner", durable_restore_s=self.durable_restore_s)
+                     partner=self.save == "partner", durable_restore_s=self.durable_restore_s,
+                     groups=self.nodes // self.group_nodes, quorum_s=self.quorum_s, step_s=self.step_s,
+                     group_restart_s=c["group_restart_s"], heal_s=self.heal_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,6 +210,8 @@ class SimResult:
     """Mean failures per run that went through the queue."""
     shrinks_mean: float = 0.0
     """Mean failures per run after which the job went on with fewer nodes."""
+    absent_mean: float = 0.0
+    """Replica mode: mean seconds per run of the whole job's training lost to groups out of the quorum."""
     best: int = field(default=0)
     """Index of the interval with the highest mean goodput."""
 
@@ -185,6 +227,8 @@ class SimResult:
         """Plain values for JSON output and docs."""
         i, c = self.best, self.config
         return {"mechanism": c.mechanism, "save": c.save, "spares": c.spares if c.mechanism != "requeue" else 0,
+                **({"groups": c.nodes // c.group_nodes, "group_out_h_per_run": self.absent_mean / 3600.0}
+                   if c.mechanism == REPLICA else {}),
                 "gpus": c.gpus, "job_mtbf_h": c.mtbf_s / 3600.0,
                 "failures_per_run": self.failures_mean, "requeues_per_run": self.requeues_mean,
                 "shrinks_per_run": self.shrinks_mean, "horizon_h": c.horizon_h,
@@ -195,9 +239,11 @@ class SimResult:
 
 def segments_per_trial(cfg: SimConfig) -> tuple[float, int]:
     """(the shortest recovery of any mechanism, failures drawn per trial): enough to pass the
-    horizon with that recovery, with a margin of 8 standard deviations."""
+    horizon with that recovery, with a margin of 8 standard deviations. The replica mode's pause
+    counts only when it is asked for (cfg.mechanism), so the other modes' draws stay as they were."""
     c = cfg.costs()
-    down = min(c.restart_s + c.requeue_s, c.relaunch_s, c.swap_s)
+    down = min(c.restart_s + c.requeue_s, c.relaunch_s, c.swap_s,
+               *([c.quorum_s + c.step_s] if cfg.mechanism == REPLICA else []))
     expected = cfg.horizon_h * 3600.0 / (cfg.mtbf_s + down)
     return down, int(expected + 8 * math.sqrt(expected) + 16)
 
@@ -214,7 +260,9 @@ def draw_failures(cfg: SimConfig, rng: Any = None) -> Draws:
     while True:
         runs = rng.exponential(cfg.mtbf_s, size=(cfg.trials, segments))
         if np.all((runs + down).sum(axis=1) >= horizon):
-            return Draws(runs=runs, node_loss=rng.random(runs.shape) < cfg.node_loss_fraction)
+            node_loss = rng.random(runs.shape) < cfg.node_loss_fraction
+            return Draws(runs=runs, node_loss=node_loss,
+                         which=rng.random(runs.shape) if cfg.mechanism == REPLICA else None)
         segments *= 2  # rare: redraw longer rather than bias the tail
 
 
@@ -232,7 +280,10 @@ def goodput_per_trial(cfg: SimConfig, interval_s: float, line: Any) -> Any:
     if cfg.save == "partner":
         lags = np.where(line.partner_restore, cfg.partner_lag_s, lags)
     kept = np.floor(np.clip(line.run_times - lags, 0.0, None) / cycle)
-    return (kept * line.speed).sum(axis=1) * interval_s / (cfg.horizon_h * 3600.0)
+    useful = (kept * line.speed).sum(axis=1) * interval_s
+    if line.absent_s is not None:  # replica mode: a group out trains none of its share (of the useful part)
+        useful = useful - line.absent_s * interval_s / cycle
+    return useful / (cfg.horizon_h * 3600.0)
 
 
 GRID_POINTS = 41  # log-spaced intervals scored from Young/Daly / 8 to x 8 (plan simulate's search)
@@ -270,13 +321,14 @@ class Accumulator:
         self.n, self.sum = 0, np.zeros(len(self.intervals))
         self.exact: Any = None
         self.hist: Any = None
-        self.failures = self.queued = self.shrank = 0.0
+        self.failures = self.queued = self.shrank = self.absent = 0.0
         self.failed_time, self.failed_n = 0.0, 0
 
     def add(self, draws: Draws) -> None:
         import numpy as np
 
-        line = timeline(self.cfg.mechanism, draws, self.cfg.costs())
+        line = (replica_timeline(draws, self.cfg.costs()) if self.cfg.mechanism == REPLICA
+                else timeline(self.cfg.mechanism, draws, self.cfg.costs()))
         table = np.stack([goodput_per_trial(self.cfg, float(t), line) for t in self.intervals])
         self.n += table.shape[1]
         self.sum += table.sum(axis=1)
@@ -292,6 +344,8 @@ class Accumulator:
         self.failed_n += int(failed.sum())
         self.queued += float(line.queued.sum())
         self.shrank += float(line.shrank.sum())
+        if line.absent_s is not None:
+            self.absent += float(line.absent_s.sum())
 
     def _binned(self, table: Any) -> Any:
         import numpy as np
@@ -318,6 +372,7 @@ class Accumulator:
                          time_between_failures_h=(self.failed_time / self.failed_n / 3600.0 if self.failed_n
                                                   else math.inf),
                          requeues_mean=self.queued / self.n, shrinks_mean=self.shrank / self.n,
+                         absent_mean=self.absent / self.n,
                          best=int(np.argmax(mean)))
 
 
