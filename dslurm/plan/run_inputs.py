@@ -96,8 +96,50 @@ def measure(events: list[ev.Event]) -> dict[str, Measured]:
         "partner_lag_s": _median([e.partner_s for e in ev.of(events, ev.CkptPartnerCommit) if e.ok],
                                  "partner commits' partner_s (ckpt_partner_commit)"),
         "durable_restore_s": _restore_gap(list(ev.of(events, ev.CkptRestore))),
+        **replica_costs(events),
     }
     return {k: v for k, v in found.items() if v is not None}
+
+
+def replica_costs(events: list[ev.Event]) -> dict[str, Measured | None]:
+    """The replica mode's inputs (`recovery.replicas`) from the replica events (pure): per lost group
+    that healed, the heal (`heal_s`), its failure -> back in the quorum less the heal
+    (`group_restart_s`), and the survivors' lost time (`quorum_s`); the step (`step_s`) from the windows."""
+    from dslurm.observe.replica_spans import group_lanes
+
+    pace = _median([w.step_time_s for w in ev.of(events, ev.Steps)], "steps windows' step_time_s (steps)")
+    healed = [(lane.group, o) for lane in group_lanes(events) for o in lane.outs if o.losses and o.healed_step]
+    lost = [p for g, o in healed if (p := _survivors_lost(events, g, o.t0, o.step, pace)) is not None]
+    return {
+        "step_s": pace,
+        "heal_s": _median([o.heal_s for _, o in healed], "heals after a loss' heal_s (replica_healed)"),
+        "group_restart_s": _median([o.t1 - o.t0 - (o.heal_s or 0.0) for _, o in healed if o.losses == 1],
+                                   "lost groups' failure -> healed less the heal (replica_lost failed_t -> "
+                                   "replica_healed)"),
+        "quorum_s": _median(lost, "survivors' lost time per loss: failure -> their first step without the group "
+                            "done, less one step and the discarded attempts (replica_steps)"),
+    }
+
+
+def _survivors_lost(events: list[ev.Event], group: int, failed_t: float, step: int | None,
+                    pace: Measured | None) -> float | None:
+    """The seconds a loss cost the survivors: from the failure to the end of the first step they
+    committed without the group, less that step and the attempts the vote discarded in its window.
+    From the lowest surviving group's `replica_steps` windows; None without them or a pace."""
+    by: dict[int, list[ev.ReplicaSteps]] = {}
+    for w in ev.of(events, ev.ReplicaSteps):
+        if w.group != group:
+            by.setdefault(w.group, []).append(w)
+    if not by or pace is None:
+        return None
+    windows = sorted(by[min(by)], key=lambda w: w.first)
+    most = max(n for w in windows for n in w.participants)
+    for w in windows:
+        for i, n in enumerate(w.participants):
+            if n < most and w.first + i >= (step or 0) and w.t > failed_t:
+                end = w.t - (len(w.participants) - 1 - i) * pace.value  # the step's end inside its window
+                return round(max(0.0, end - failed_t - pace.value * (1 + w.discarded)), 4)
+    return None
 
 
 def _restore_gap(restores: list[ev.CkptRestore]) -> Measured | None:

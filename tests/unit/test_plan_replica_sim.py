@@ -113,3 +113,54 @@ def test_cli_refuses_groups_that_do_not_divide_the_nodes(capsys):
     assert main(["plan", "simulate", "--gpus", "256", "--mechanism", "replica", "--group-nodes", "3"]) == 2
     err = capsys.readouterr().err
     assert "group_nodes=3" in err and "32 nodes" in err
+
+
+# ---------------------------------------------------------------- --from-run: the replica costs of a real run
+
+RUN = "tests/unit/data/replicas-6083894"  # tests/cluster/test_replica_groups.py: group 2 killed -9 at step 15
+
+
+def _raw(name: str) -> list[dict]:
+    from pathlib import Path
+
+    lines = (json.loads(x) for x in (Path(RUN) / "ledger.jsonl").read_text().splitlines())
+    return [x for x in lines if x["event"] == name]
+
+
+def test_from_run_reads_the_heal_the_group_restart_and_the_survivors_pause():
+    from statistics import median
+
+    from dslurm.plan.run_inputs import from_runs
+
+    got = {k: v for k, (v, _) in from_runs([RUN]).items()}
+    (lost,) = _raw("replica_lost")
+    heal = next(h for h in _raw("replica_healed") if h["group"] == 2 and h["step"] > 15)
+    pace = median(w["step_time_s"] for w in _raw("steps"))
+    # Group 0's first step without group 2 is step 16 (participants [2]); one step per window here.
+    first_short = next(w for w in _raw("replica_steps") if w["group"] == 0 and w["first"] == 16)
+    assert first_short["participants"] == [2] and first_short["discarded"] == 0
+    assert got["heal_s"] == heal["heal_s"] == 0.406
+    assert got["group_restart_s"] == pytest.approx(heal["t"] - lost["failed_t"] - heal["heal_s"], abs=1e-4)
+    assert got["step_s"] == pytest.approx(pace, abs=1e-4)
+    assert got["quorum_s"] == pytest.approx(first_short["t"] - lost["failed_t"] - pace, abs=1e-4)
+    assert 4.0 < got["quorum_s"] < 5.0  # torchft's 5 s heartbeat timeout, less what had passed at the kill
+
+
+def test_survivors_pause_inside_a_window_of_several_steps_less_the_discarded_attempts():
+    from dslurm.observe import events as ev
+    from dslurm.plan.run_inputs import replica_costs
+
+    events = [
+        ev.Steps(t=t, first=f, last=f + 3, step_time_s=1.0, duration_s=4.0) for t, f in ((4.0, 0), (8.0, 4))
+    ] + [
+        ev.ReplicaSteps(t=8.0, group=0, first=1, participants=[2] * 8),
+        # Group 1 lost at t=9.5 during step 9; group 0's window 9-12 ends at t=20: step 10, the first
+        # without group 1, ended at 20 - 2 steps = 18, one attempt of it discarded.
+        ev.ReplicaLost(t=10.0, group=1, step=9, cause="crash", failed_t=9.5),
+        ev.ReplicaSteps(t=20.0, group=0, first=9, participants=[2, 1, 1, 1], discarded=1),
+        ev.ReplicaHealed(t=30.0, group=1, step=14, heal_s=2.0, missed_steps=5),
+        ev.Steps(t=20.0, first=8, last=11, step_time_s=1.0, duration_s=12.0),
+    ]
+    got = {k: m.value for k, m in replica_costs(events).items() if m is not None}
+    assert got == {"step_s": 1.0, "heal_s": 2.0, "group_restart_s": 30.0 - 9.5 - 2.0,
+                   "quorum_s": 18.0 - 9.5 - 1.0 * (1 + 1)}
