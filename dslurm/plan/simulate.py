@@ -227,7 +227,7 @@ class SimResult:
         """Plain values for JSON output and docs."""
         i, c = self.best, self.config
         return {"mechanism": c.mechanism, "save": c.save, "spares": c.spares if c.mechanism != "requeue" else 0,
-                **({"groups": c.nodes // c.group_nodes, "group_out_h_per_run": self.absent_mean / 3600.0}
+                **({"groups": c.nodes // c.group_nodes, "lost_to_groups_out_h": self.absent_mean / 3600.0}
                    if c.mechanism == REPLICA else {}),
                 "gpus": c.gpus, "job_mtbf_h": c.mtbf_s / 3600.0,
                 "failures_per_run": self.failures_mean, "requeues_per_run": self.requeues_mean,

@@ -374,3 +374,38 @@ def test_the_e_prose(e_runs, d_runs):
     saved = d_runs["1"]["inputs"]["swap_s"]["value"] - e_runs["1"]["inputs"]["swap_s"]["value"]
     check(f"{m[1]} {m[2]}", e["failures_per_run"], saved)
     check(m[3], 100 * e["failures_per_run"] * saved / (3600 * e["horizon_h"]))
+
+
+# --- Replica groups (F) --------------------------------------------------------------------------
+
+F = section("Replica groups: train on through a loss")
+
+
+@pytest.fixture(scope="module")
+def f_runs(simulate) -> dict[str, Out]:
+    """The output of the F commands, by the run's name in their comments (F1..F4)."""
+    return {c.comment.split(":")[0]: simulate(c) for c in commands(F)}
+
+
+def test_the_f_table(f_runs):
+    rows = table(F, "run", "mechanism")
+    assert {r["run"] for r in rows} == set(f_runs) == {"F1", "F2", "F3", "F4"} and len(rows) == 10
+    for row in rows:
+        r = result(f_runs[row["run"]], row["mechanism"], "async")
+        assert row["spares"] == str(r["spares"])
+        check(row["mean goodput (p5–p95)"], *goodput(r))
+        check(row["best interval"], minutes(r["best_interval_s"]))
+
+
+def test_the_f_prose(f_runs):
+    f1, f3, f4 = (result(f_runs[k], "replica", "async") for k in ("F1", "F3", "F4"))
+    m = find(r"at (\d+)–(\d+) failures a month \(one every ~([\d.]+) hours", F)
+    fails = [r["failures_per_run"] for out in f_runs.values() for r in out["results"]]
+    check(" ".join(m.groups()), min(fails), max(fails), f1["job_mtbf_h"])
+    check(find(r"in all ([\d.]+) h of the whole job's training a month", F)[1], f1["lost_to_groups_out_h"])
+    check(find(r"the batch node's loss \(([\d.]+) a month\)", F)[1], f1["requeues_per_run"])
+    check(find(r"([\d.]+) h of the whole job's training lost a month", F)[1], f3["lost_to_groups_out_h"])
+    inputs = f4["groups"], f_runs["F4"]["inputs"]
+    m = find(r"quorum ([\d.]+) s, group restart ([\d.]+) s, heal ([\d.]+) s", F)
+    check(" ".join(m.groups()), *(inputs[1][k]["value"] for k in ("quorum_s", "group_restart_s", "heal_s")))
+    assert f1["groups"] == inputs[0] == 128 and "replicas-6083894" in inputs[1]["heal_s"]["source"]
