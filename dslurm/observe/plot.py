@@ -195,7 +195,7 @@ def replica_panel(ax: Any, lanes: list[GroupLane], x: Any, scale: float) -> None
     from matplotlib.patches import Patch
 
     for lane in lanes:
-        ax.broken_barh([(x(lane.t0), (lane.t1 - lane.t0) / scale)], (lane.group - 0.3, 0.6), color=REPLICA_IN)
+        ax.broken_barh([(x(a), (b - a) / scale) for a, b in lane.trained], (lane.group - 0.3, 0.6), color=REPLICA_IN)
         for o in lane.outs:
             ax.broken_barh([(x(o.t0), (o.t1 - o.t0) / scale)], (lane.group - 0.3, 0.6), color=REPLICA_OUT,
                            hatch="///" if o.healed_step is None else None)

@@ -42,13 +42,17 @@ class GroupLane:
     t1: float
     """the group's end (`replica_end`), else its last replica event"""
     outs: list[Out] = field(default_factory=list)
+    trained: list[tuple[float, float]] = field(default_factory=list)
+    """the stretches of [t0, t1] in which the job trained (each start's first step to its end):
+    a requeue's gap is not drawn as time in the quorum"""
 
     def out_s(self) -> float:
         return sum(o.t1 - o.t0 for o in self.outs)
 
 
-def group_lanes(events: Iterable[ev.Event]) -> list[GroupLane]:
-    """One lane per group seen in the replica events, by group number; [] for a run without them."""
+def group_lanes(events: Iterable[ev.Event], trained: list[tuple[float, float]] | None = None) -> list[GroupLane]:
+    """One lane per group seen in the replica events, by group number; [] for a run without them.
+    `trained`: when the job trained (each start's train_start to its end); None: all along."""
     events = list(events)
     lost = list(ev.of(events, ev.ReplicaLost))
     healed = list(ev.of(events, ev.ReplicaHealed))
@@ -63,8 +67,10 @@ def group_lanes(events: Iterable[ev.Event]) -> list[GroupLane]:
     out: list[GroupLane] = []
     for g in groups:
         t1 = ends.get(g, max(e.t for e in mine if getattr(e, "group") == g))
-        out.append(GroupLane(g, t0, max(t0, t1), _outs([x for x in lost if x.group == g],
-                                                          [h for h in healed if h.group == g], t0, t1)))
+        t1 = max(t0, t1)
+        spans = [(max(a, t0), min(b, t1)) for a, b in (trained if trained is not None else [(t0, t1)])]
+        out.append(GroupLane(g, t0, t1, _outs([x for x in lost if x.group == g], [h for h in healed if h.group == g],
+                                              t0, t1), [(a, b) for a, b in spans if b > a]))
     return out
 
 

@@ -351,7 +351,8 @@ def summarize(events: Iterable[Event], skipped_lines: int = 0, target_steps: int
         durability=durability([s.events for s in starts]), health=health_lines(starts),
         trackers=trackerlines.lines(events, str(run_dir)), software=software.change_lines(events),
         completion=completion(starts, events, target_steps, run_dir), eval=eval_summary(starts),
-        replicas=replica_lines(events), replica_lanes=group_lanes(events),
+        replicas=replica_lines(events),
+        replica_lanes=group_lanes(events, [(ts.t, s.end) for s in starts if (ts := s.first(ev.TrainStart))]),
         warm=next((f"{'warm' if e.warm else 'cold'} ({e.warm_reason})" for e in reversed(list(ev.of(events, ev.Submit)))
                    if e.warm is not None), None))
 

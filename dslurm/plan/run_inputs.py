@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dslurm.observe import events as ev
+from dslurm.observe.replica_spans import group_lanes
 
 if TYPE_CHECKING:
     from dslurm.observe.report import Recovered
@@ -105,8 +106,6 @@ def replica_costs(events: list[ev.Event]) -> dict[str, Measured | None]:
     """The replica mode's inputs (`recovery.replicas`) from the replica events (pure): per lost group
     that healed, the heal (`heal_s`), its failure -> back in the quorum less the heal
     (`group_restart_s`), and the survivors' lost time (`quorum_s`); the step (`step_s`) from the windows."""
-    from dslurm.observe.replica_spans import group_lanes
-
     pace = _median([w.step_time_s for w in ev.of(events, ev.Steps)], "steps windows' step_time_s (steps)")
     healed = [(lane.group, o) for lane in group_lanes(events) for o in lane.outs if o.losses and o.healed_step]
     lost = [p for g, o in healed if (p := _survivors_lost(events, g, o.t0, o.step, pace)) is not None]

@@ -186,4 +186,9 @@ def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
                       f"{r['goodput_p05']:.1%}-{r['goodput_p95']:.1%}", f"{r['requeues_per_run']:.1f}",
                       f"{r['shrinks_per_run']:.1f}")
     print_table(console, table)
+    for r in out["results"]:
+        if r["mechanism"] == REPLICA:  # its requeues are the batch node's losses; the rest never stopped the job
+            console.print(f"replica ({r['save']}): {r['groups']} groups; the groups out of the quorum cost "
+                          f"{r['lost_to_groups_out_h']:.2f} h of the whole job's training per run; requeues are the "
+                          "batch node's losses (the batch shell and the Lighthouse)")
     console.print(f"best interval: {out['best_interval_from']}")

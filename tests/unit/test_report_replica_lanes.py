@@ -80,3 +80,11 @@ def test_the_png_has_one_lane_per_group_with_the_shaded_stretches():
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+def test_a_requeue_gap_is_not_drawn_as_time_in_the_quorum():
+    events = [_e(ev.TrainStart, 0.0), _e(ev.ReplicaSteps, 5.0, group=0, first=1, participants=[1]),
+              _e(ev.TrainStart, 100.0), _e(ev.ReplicaEnd, 150.0, group=0, step=20)]
+    (lane,) = group_lanes(events, [(0.0, 40.0), (100.0, 160.0)])
+    assert (lane.t0, lane.t1, lane.trained) == (0.0, 150.0, [(0.0, 40.0), (100.0, 150.0)])
+    assert group_lanes(events)[0].trained == [(0.0, 150.0)]
