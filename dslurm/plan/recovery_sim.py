@@ -17,6 +17,8 @@ the durable tier.
 - `shrink`: as `spare`, but with no spare left the job continues on the nodes it has
   (`swap_s`) at proportionally lower speed (gradient accumulation keeps the global batch),
   and grows back at a later relaunch once repaired nodes are back.
+- `replica`: replica groups train on through a loss; its walk is `dslurm/plan/replica_sim.py`
+  (the survivors pause, the lost group is out, only the batch node's loss requeues).
 
 Repair model: a lost node comes back `repair_h` later and rejoins the spare pool (a site that
 hands repaired nodes back to the job; with a `repair_h` as long as the run, every node loss
