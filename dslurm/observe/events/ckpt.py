@@ -49,6 +49,12 @@ class CkptRestore(Event):
     """node-local restores: the ranks that loaded each copy, {"local": [...], "partner": [...]}"""
     restore_s: float | None = None
     """seconds from the restore's start to the state loaded and checked (partner pulls included)"""
+    last_step: dict[str, float | str | None] = field(default_factory=dict)
+    """the saved step's loss and grad norm as recorded at the save (non-finite ones as strings)"""
+    suspect: str = ""
+    """why that record is suspect (a non-finite loss or grad norm), empty when it is not"""
+    replay_s: float | None = None
+    """verify_resume: replay: seconds the probe loss took (every candidate tried)"""
 
 
 @dataclass(frozen=True, kw_only=True)
