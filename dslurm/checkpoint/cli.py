@@ -147,7 +147,6 @@ def format_ls(rows: list[dict[str, Any]], colour: bool = False) -> list[str]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    import json
     import sys
 
     rows, pointer, ptr_error = ls_rows(args.run_dir, args.full)
