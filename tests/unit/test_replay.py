@@ -8,11 +8,10 @@ import json
 import math
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import yaml
-
-from pathlib import Path
 
 from dslurm import checkpoint as ck
 from dslurm.checkpoint import replay
