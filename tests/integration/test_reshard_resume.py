@@ -100,11 +100,20 @@ def test_resume_across_layouts_matches_uninterrupted(reference, tmp_path):
 
 
 def test_same_layout_resume_is_bit_identical(reference, tmp_path):
+    """With checkpoint.verify_resume: replay (dslurm/checkpoint/replay.py): the stop's save records
+    the trainer's probe loss (a forward on the next step's batch) and the resume recomputes it
+    bit-equal before its first step; neither probe moves the data order or the RNG (the losses are
+    still the reference's, bit for bit)."""
     job = write_job(tmp_path, "same", steps=STEPS)
-    run_link(None, job, (), 3)
-    run_link(None, job, (), None)
-    starts = [e["step"] for e in read_events(tmp_path / "same") if e["event"] == "train_start"]
+    replay = ("checkpoint.verify_resume=replay",)
+    run_link(None, job, replay, 3)
+    run_link(None, job, replay, None)
+    events = list(read_events(tmp_path / "same"))
+    starts = [e["step"] for e in events if e["event"] == "train_start"]
     assert starts == [0, 3]
     got = losses(tmp_path / "same")
     check_deltas("1 process -> 1 process", got, reference, 0.0)
     assert got == reference  # bitwise: same layout, same data order, RNG restored
+    (restore,) = [e for e in events if e["event"] == "ckpt_restore"]
+    assert restore["step"] == 3 and restore["replay_s"] > 0 and not restore["rejected"]
+    assert restore["last_step"]["loss"] == reference[2]  # the saved step's loss, as the step logged it
