@@ -9,7 +9,9 @@ batch, all-reduced). Then, each on its own copy of the run directory, the same l
   can tell; without replay the forged state is restored as if sound; with replay the probe differs,
   `restore_rejected` names the copy, the previous generation is restored, no crash;
 - the same forgery with a NaN (Megatron-LM #5281: a restore assembled from replicas gave a
-  deterministic NaN): the probe is NaN, refused the same way.
+  deterministic NaN): the probe is NaN, refused the same way;
+- two tiers: rank 0's node-local copy forged the same way (its local record agreeing): every
+  rank's local copy of that generation is withdrawn and the sound durable copy restored.
 
 A reshard (the 2-rank save restored in one process, in the test itself) passes within the reshard
 tolerance. This file is also the torchrun worker: `torchrun --nproc_per_node=2 THIS_FILE all RUN OUT`.
@@ -71,12 +73,12 @@ def prober(model: nn.Module) -> Callable[[dict[str, Any]], float]:
     return probe
 
 
-def forge(run: Path, step: int, how: str) -> str:
+def forge(run: Path, step: int, how: str, local: bool = False) -> str:
     """Rewrite one tensor of rank 0's shard of the generation at `step` (+1e-3, or one NaN), and the
-    shard's and rank file's crc32s in the manifest, the tensor's crc32 in rank 0's fingerprint and the
-    pointer to agree. -> the tensor's key."""
+    tensor's crc32 in rank 0's fingerprint, the shard's and rank file's crc32s in the manifest and
+    the pointer (`local`: in rank 0's local commit record) to agree. -> the tensor's key."""
     from dslurm import checkpoint as ck
-    from dslurm.checkpoint import fingerprint
+    from dslurm.checkpoint import fingerprint, tiers
     gen = next(g.path for g in ck.list_generations(run) if g.step == step)
     md = pickle.loads((gen / ".metadata").read_bytes())
     key, info = next((k, v) for k, v in md.storage_data.items()
@@ -98,39 +100,47 @@ def forge(run: Path, step: int, how: str) -> str:
     (fp_key,) = [k for k, v in tensors.items() if v[0] == fingerprint.tensor_crc(t) and v[1] == list(t.shape)]
     tensors[fp_key][0] = fingerprint.tensor_crc(new)
     rank_file.write_text(json.dumps(rec))
-    files = ck.read_manifest(gen)["files"]
+    commit = json.loads(tiers.record_path(gen, 0).read_text()) if local else ck.read_manifest(gen)
     for name in (info.relative_path, f"{ck.RANKS}/rank-00000.json"):
         body = (gen / name).read_bytes()
-        files[name] = {"size": len(body), "crc32": f"{zlib.crc32(body):08x}"}
-    ck.write_manifest(gen, step, files)
+        commit["files"][name] = {"size": len(body), "crc32": f"{zlib.crc32(body):08x}"}
+    if local:
+        tiers.record_path(gen, 0).write_text(json.dumps(commit))
+        return fp_key
+    ck.write_manifest(gen, step, commit["files"])
     ck.write_pointer(run, gen.name, step)
     assert ck.verify_generation(gen) == []  # every checksum agrees
     return fp_key
+
+
+def train_and_save(mgr: Any, model: nn.Module, opt: Any, sched: Any) -> dict[int, float]:
+    """K steps, saves at 2 and K with the loss, grad norm and probe. -> step -> saved probe."""
+    from dslurm.checkpoint.dcp import TrainState
+    rank, world = dist.get_rank(), dist.get_world_size()
+    extra: dict[str, Any] = {"sampler": {"index": 5}}
+    probe, saved = prober(model), {}
+    state = {"train": TrainState(model, opt, sched)}
+    for step in range(1, K + 1):
+        x, y = _batch(extra["sampler"]["index"], world, rank)
+        extra["sampler"]["index"] += 3
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step in (2, K):
+            saved[step] = probe(extra)
+            mgr.save(step, state, extra, blocking=True, loss=float(loss.item()), grad_norm=norm, probe=saved[step])
+    return saved
 
 
 def worker(run_dir: Path, out: Path) -> None:
     from dslurm.checkpoint.dcp import CheckpointManager, TrainState
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = {"dp_shard": world}
-    model, opt, sched = build(world)
-    extra: dict[str, Any] = {"sampler": {"index": 5}}
-    probe = prober(model)
-    saved: dict[int, float] = {}
     with CheckpointManager(run_dir, layout=layout, verify_resume="replay") as mgr:
-        state = {"train": TrainState(model, opt, sched)}
-        for step in range(1, K + 1):
-            x, y = _batch(extra["sampler"]["index"], world, rank)
-            extra["sampler"]["index"] += 3
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor())
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            if step in (2, K):
-                saved[step] = probe(extra)
-                mgr.save(step, state, extra, blocking=True, loss=float(loss.item()), grad_norm=norm,
-                         probe=saved[step])
+        saved = train_and_save(mgr, *build(world))
     results: dict[str, Any] = {"saved": saved}
     for case, how, replay in (("good", None, True), ("forged_unchecked", "shift", False),
                               ("forged", "shift", True), ("nan", "nan", True)):
@@ -148,6 +158,22 @@ def worker(run_dir: Path, out: Path) -> None:
         results[case] = {"step": res.step, "fell_back": res.fell_back, "rejected": [n for n, _ in res.rejected],
                          "reason": res.reason, "phases": res.phases, "last_step": res.last_step,
                          "probe_now": prober(model)(got), "events": ledger.events}
+    # Two tiers: rank 0's node-local copy of K forged (its local record rewritten to agree); the
+    # durable copy of K is sound.
+    from dslurm.checkpoint import tiers
+    os.environ["SLURMD_NODENAME"] = f"node{rank}"  # one "node" per rank: its own scratch
+    run2, scratch = run_dir.parent / "two", run_dir.parent / "scratch"
+    kw: dict[str, Any] = {"layout": layout, "scratch": str(scratch / "%n"), "verify_resume": "replay"}
+    with CheckpointManager(run2, **kw) as mgr:
+        results["two_saved"] = train_and_save(mgr, *build(world))
+    if rank == 0:
+        results["two_key"] = forge(tiers.local_run_dir(scratch / "node0", run2), K, "shift", local=True)
+    dist.barrier()
+    model, opt, sched = build(world, seed=1)
+    ledger, got = ListLedger(), {}
+    with CheckpointManager(run2, ledger=ledger, **kw) as mgr:
+        res = mgr.restore({"train": TrainState(model, opt, sched)}, got, probe=prober(model))
+    results["two"] = {"step": res.step, "tier": res.tier, "probe_now": prober(model)(got), "events": ledger.events}
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, default=str))
 
@@ -205,6 +231,19 @@ def test_a_restore_that_gives_nan_is_caught_and_falls_back(launched):
     (rej,) = [e for e in nan["events"] if e["event"] == "restore_rejected"]
     assert "not finite" in rej["reason"] and "nan" in rej["reason"]
     assert [e["event"] for e in nan["events"]] == ["restore_rejected", "ckpt_fallback"]
+
+
+def test_two_tiers_a_forged_local_copy_is_caught_by_replay_and_the_durable_copy_used(launched):
+    """The local walk (dslurm/checkpoint/local_restore.py) refuses the assembled state: no one rank's
+    copy can be blamed, so every rank's local copy of K is withdrawn and the sound durable K used."""
+    _, r, _ = launched
+    two = r["two"]
+    assert (two["step"], two["tier"]) == (K, "durable")
+    assert two["probe_now"] == r["two_saved"][str(K)]
+    rejected = [e for e in two["events"] if e["event"] == "restore_rejected"]
+    assert sorted((e["copy"], e["node"], e["ranks"][0]) for e in rejected) == [("local", "node0", 0),
+                                                                               ("local", "node1", 1)]
+    assert all(e["reason"].startswith("replay: probe loss") for e in rejected)
 
 
 def test_a_reshard_passes_replay_within_its_tolerance(launched, tmp_path, caplog):
