@@ -1,7 +1,7 @@
 """What `checkpoint.verify_resume: replay` adds to a save and to a restore, side by side, in one process.
 
     .venv/bin/python bench/bench_replay.py [--dir /tmp/dslurm-bench-replay] [--preset small] [--batch 8] [--reps 5]
-        [--interval 50]
+        [--threads 1] [--interval 50]
 
 The trainer's model (train/model.py, a preset shape) with AdamW state after one step, one process.
 Each repetition measures every row once, the two of a pair back to back in alternating order:
@@ -59,9 +59,13 @@ def main() -> None:
     ap.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model shape")
     ap.add_argument("--batch", type=int, default=8, help="sequences in the probe's (and the step's) batch")
     ap.add_argument("--reps", type=int, default=5, help="repetitions")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1, as torchrun gives each worker: more threads than free "
+                         "cores spin against the save's own threads and time the machine, not the save)")
     ap.add_argument("--interval", type=int, default=50, help="steps between saves, for the share printed last")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
     shape = PRESETS[args.preset]
     shutil.rmtree(args.dir, ignore_errors=True)
     torch.manual_seed(0)
@@ -80,7 +84,8 @@ def main() -> None:
     probe = probe_of(model, inputs, targets)
     mb = sum(t.numel() * t.element_size() for t in model.parameters()) * 3 / 1e6
     print(f"preset {args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
-          f"~{mb:.0f} MB with AdamW state; batch {args.batch}x{shape.seq_len}; {args.reps} reps")
+          f"~{mb:.0f} MB with AdamW state; batch {args.batch}x{shape.seq_len}; {args.reps} reps; "
+          f"{args.threads} thread(s)")
     run = args.dir / "run"
     rows: dict[str, list[float]] = {k: [] for k in ("save", "save_replay", "restore", "restore_replay", "step")}
     n = 0
