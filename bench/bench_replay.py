@@ -11,6 +11,9 @@ Each repetition measures every row once, the two of a pair back to back in alter
   restore        CheckpointManager.restore, verify_resume: fingerprint (crc32s, fingerprints)
   restore_replay the same with verify_resume: replay: the probe recomputed and compared
   step           one training step on that batch (forward, backward, AdamW): the probe's scale
+  fingerprint    the fingerprint check's share of a restore (RestoreResult.phases["fingerprint"]: the
+                 crc32 of every floating tensor held, compared); a save computes the same on its
+                 helper thread, beside DCP's write
 A restore's generation is the newest save's: with or without a recorded probe, the replay restore
 runs the same forward (only the comparison differs). Ratios per repetition, then the median.
 """
@@ -87,7 +90,8 @@ def main() -> None:
           f"~{mb:.0f} MB with AdamW state; batch {args.batch}x{shape.seq_len}; {args.reps} reps; "
           f"{args.threads} thread(s)")
     run = args.dir / "run"
-    rows: dict[str, list[float]] = {k: [] for k in ("save", "save_replay", "restore", "restore_replay", "step")}
+    rows: dict[str, list[float]] = {k: [] for k in ("save", "save_replay", "restore", "restore_replay", "step",
+                                                    "fingerprint")}
     n = 0
     with CheckpointManager(run, keep=2) as mgr:
         def save(replay: bool) -> None:
@@ -107,6 +111,8 @@ def main() -> None:
             res = m.restore({"train": TrainState(fresh, fresh_opt)},
                             probe=probe_of(fresh, inputs, targets) if replay else None)
         assert res is not None and not res.fell_back, res
+        if not replay:
+            rows["fingerprint"].append(res.phases["fingerprint"])
 
     for rep in range(args.reps):
         for replay in ((False, True) if rep % 2 == 0 else (True, False)):
@@ -120,6 +126,7 @@ def main() -> None:
           f"(+{med['save_replay'] - med['save']:.3f} s)")
     print(f"restore_replay / restore = {ratio('restore_replay', 'restore'):.2f}x  "
           f"(+{med['restore_replay'] - med['restore']:.3f} s)")
+    print(f"fingerprint / restore    = {ratio('fingerprint', 'restore'):.2f}")
     per_step = statistics.median(timed(probe) for _ in range(args.reps)) / med["step"]
     print(f"probe forward / step     = {per_step:.2f}  (a save every {args.interval} steps: "
           f"+{100 * per_step / args.interval:.2f}% of the training time)")
