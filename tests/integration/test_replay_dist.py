@@ -43,12 +43,10 @@ from test_checkpoint_dist import K, build  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
-class ListLedger:
-    def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
-
-    def append(self, ev: Any) -> None:
-        self.events.append({"event": ev.NAME, **{k: v for k, v in vars(ev).items() if not k.startswith("_")}})
+def as_dicts(ledger: Any) -> list[dict[str, Any]]:
+    """A RecordingLedger's typed events as the ledger would write them (for the results file)."""
+    return [{"event": ev.NAME, **{k: v for k, v in vars(ev).items() if not k.startswith("_")}}
+            for ev in ledger.events]
 
 
 def _batch(index: int, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +135,7 @@ def train_and_save(mgr: Any, model: nn.Module, opt: Any, sched: Any) -> dict[int
 
 def worker(run_dir: Path, out: Path) -> None:
     from dslurm.checkpoint.dcp import CheckpointManager, TrainState
+    from testkit import RecordingLedger
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = {"dp_shard": world}
     with CheckpointManager(run_dir, layout=layout, verify_resume="replay") as mgr:
@@ -150,14 +149,14 @@ def worker(run_dir: Path, out: Path) -> None:
             results[f"{case}_key"] = forge(run, K, how) if how else ""
         dist.barrier()
         model, opt, sched = build(world, seed=1)
-        ledger, got = ListLedger(), {}
+        ledger, got = RecordingLedger(), {}
         with CheckpointManager(run, layout=layout, verify_resume="replay" if replay else "fingerprint",
                                ledger=ledger) as mgr:
             res = mgr.restore({"train": TrainState(model, opt, sched)}, got, probe=prober(model))
         assert res is not None
         results[case] = {"step": res.step, "fell_back": res.fell_back, "rejected": [n for n, _ in res.rejected],
                          "reason": res.reason, "phases": res.phases, "last_step": res.last_step,
-                         "probe_now": prober(model)(got), "events": ledger.events}
+                         "probe_now": prober(model)(got), "events": as_dicts(ledger)}
     # Two tiers: rank 0's node-local copy of K forged (its local record rewritten to agree); the
     # durable copy of K is sound.
     from dslurm.checkpoint import tiers
@@ -170,10 +169,10 @@ def worker(run_dir: Path, out: Path) -> None:
         results["two_key"] = forge(tiers.local_run_dir(scratch / "node0", run2), K, "shift", local=True)
     dist.barrier()
     model, opt, sched = build(world, seed=1)
-    ledger, got = ListLedger(), {}
+    ledger, got = RecordingLedger(), {}
     with CheckpointManager(run2, ledger=ledger, **kw) as mgr:
         res = mgr.restore({"train": TrainState(model, opt, sched)}, got, probe=prober(model))
-    results["two"] = {"step": res.step, "tier": res.tier, "probe_now": prober(model)(got), "events": ledger.events}
+    results["two"] = {"step": res.step, "tier": res.tier, "probe_now": prober(model)(got), "events": as_dicts(ledger)}
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, default=str))
 
