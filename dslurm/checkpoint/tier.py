@@ -97,6 +97,7 @@ class Context:
         self.reapers: list[threading.Thread] = []
         self.attach: Path | None = None  # the next save's folder to move in (CheckpointManager.save files=)
         self.stamp: dict[str, Any] = {}  # the next save's last_step / replay records (CheckpointManager.save)
+        self.stamped: dict[str, dict[str, Any]] = {}  # generation -> its records, until its ckpt_save (finish)
         self.probe: Callable[[dict[str, Any]], float] | None = None  # during a restore (CheckpointManager.restore)
         self._saves = 0
 
@@ -118,6 +119,8 @@ class Context:
                 "dslurm_version": dslurm.__version__, "saved_by": ck.holder_identity(),
                 "per_rank": [e.name for e in self.per_rank]}
         meta.update(self.stamp)
+        if self.stamp:
+            self.stamped[name] = self.stamp
         files, self.attach, self.stamp = self.attach, None, {}
         return Job(name, step, self._saves, meta, capture_rng(), t0, state=per_rank.capture(self.per_rank),
                    files=files)
@@ -140,6 +143,7 @@ class Context:
     def finish(self, out: SaveOutcome) -> None:
         """Log a finished save and write its ledger event; a failure under on_error=stop raises."""
         self.last_outcome = out
+        stamp = self.stamped.pop(out.generation, {})
         if out.ok:
             log.info("[rank %d] checkpoint step %d committed: %s, %.1f MB, training blocked %.3f s, "
                      "total %.2f s", self.rank, out.step, out.generation, out.bytes / 1e6,
@@ -147,7 +151,9 @@ class Context:
             self.event(events.CkptSave(run_dir=str(self.run_dir), step=out.step, generation=out.generation,
                                        bytes=out.bytes, stall_s=round(out.stall_s, 4),
                                        total_s=round(out.total_s, 4), tier=out.tier,
-                                       local_commit_t=out.local_commit_t, lag_s=out.lag_s))
+                                       local_commit_t=out.local_commit_t, lag_s=out.lag_s,
+                                       last_step=stamp.get("last_step") or {},
+                                       probe_loss=(stamp.get("replay") or {}).get("probe_loss")))
             return
         log.error("[rank %d] checkpoint save at step %d FAILED, pointer unchanged (%s), on_error=%s: %s",
                   self.rank, out.step, self.pointer_desc(), self.settings.on_error, out.reason)

@@ -138,9 +138,10 @@ def worker(run_dir: Path, out: Path) -> None:
     from testkit import RecordingLedger
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = {"dp_shard": world}
-    with CheckpointManager(run_dir, layout=layout, verify_resume="replay") as mgr:
+    saves = RecordingLedger()
+    with CheckpointManager(run_dir, layout=layout, verify_resume="replay", ledger=saves) as mgr:
         saved = train_and_save(mgr, *build(world))
-    results: dict[str, Any] = {"saved": saved}
+    results: dict[str, Any] = {"saved": saved, "save_events": as_dicts(saves)}
     for case, how, replay in (("good", None, True), ("forged_unchecked", "shift", False),
                               ("forged", "shift", True), ("nan", "nan", True)):
         run = run_dir.parent / case
@@ -207,6 +208,10 @@ def test_a_good_restore_passes_replay_bit_equal(launched):
     (restore,) = [e for e in good["events"] if e["event"] == "ckpt_restore"]
     assert restore["replay_s"] > 0 and restore["suspect"] == ""
     assert set(restore["last_step"]) == {"loss", "grad_norm"} and restore["last_step"]["loss"] > 0
+    ckpt_saves = [e for e in r["save_events"] if e["event"] == "ckpt_save"]
+    assert [e["step"] for e in ckpt_saves] == [2, K]  # the ledger has each save's records too
+    assert [e["probe_loss"] for e in ckpt_saves] == [r["saved"]["2"], r["saved"][str(K)]]
+    assert ckpt_saves[-1]["last_step"] == restore["last_step"]
 
 
 def test_a_forged_state_that_every_checksum_vouches_for_is_caught_by_replay(launched):
