@@ -66,6 +66,15 @@ def probe_record(loss: float) -> dict[str, Any]:
     return {"probe_loss": _num(loss), "batch": "next"}
 
 
+def bad_probe(meta: dict[str, Any]) -> str:
+    """Why a save's recorded probe refuses its commit ("" when none was recorded or it is finite):
+    finite tensors that compute a non-finite loss would be refused by every restore."""
+    probe = _val((meta.get("replay") or {}).get("probe_loss"))
+    if probe is None or math.isfinite(probe):
+        return ""
+    return f"the state's probe loss is {probe} (verify_resume: replay): finite tensors that compute a non-finite loss"
+
+
 def verdict(saved: dict[str, Any] | None, now: float, *, same_layout: bool) -> str:
     """The problem with a restored state's probe loss `now` against the saved record ("" when it
     passes). A non-finite probe fails even when nothing was recorded."""

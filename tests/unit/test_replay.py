@@ -123,3 +123,23 @@ def test_the_cli_exits_2_on_a_bad_value(tmp_path, capsys):
     site = _write(tmp_path, "site.yaml", yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text()))
     assert main(["render", "--site", str(site), "--job", str(p)]) == 2
     assert "verify_resume" in capsys.readouterr().err
+
+
+def test_bad_probe_refuses_a_commit_only_when_the_probe_is_not_finite():
+    assert replay.bad_probe({}) == "" and replay.bad_probe({"replay": replay.probe_record(2.0)}) == ""
+    assert "probe loss is nan" in replay.bad_probe({"replay": replay.probe_record(float("nan"))})
+
+
+def test_a_save_whose_probe_is_not_finite_is_not_committed(tmp_path):
+    """Nothing bad becomes durable: finite tensors that compute NaN would be refused by every restore."""
+    import torch
+
+    from dslurm.checkpoint.dcp import CheckpointManager
+    lin = torch.nn.Linear(2, 2)
+    with CheckpointManager(tmp_path, verify_resume="replay") as mgr:
+        assert mgr.save(1, {"m": lin}, {}, probe=1.5)
+        assert not mgr.save(2, {"m": lin}, {}, probe=float("nan"))
+        assert "probe loss is nan" in mgr.last_outcome.reason
+    assert ck.read_pointer(tmp_path).step == 1
+    meta = json.loads((ck.generations_dir(tmp_path) / ck.read_pointer(tmp_path).generation / ck.META).read_text())
+    assert meta["replay"] == {"probe_loss": 1.5, "batch": "next"}
