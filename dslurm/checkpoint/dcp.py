@@ -385,8 +385,9 @@ class CheckpointManager:
                             "is committed straight into the run directory. Fix: set checkpoint.tiers: durable "
                             "for this job")
         self.ctx.attach = files
-        self.ctx.stamp = {"last_step": replay.last_step(loss, grad_norm)} if loss is not None or grad_norm is not None \
-            else {}
+        self.ctx.stamp = {}  # what meta.json records about the saved step (dslurm.checkpoint.replay)
+        if loss is not None or grad_norm is not None:
+            self.ctx.stamp["last_step"] = replay.last_step(loss, grad_norm)
         if probe is not None:
             self.ctx.stamp["replay"] = replay.probe_record(probe)
         try:

@@ -230,7 +230,6 @@ class Context:
             log.info("[rank %d] resharding: saved layout %s on %d ranks -> %s on %d ranks", self.rank,
                      meta["layout"], meta["world_size"], s.layout, self.world)
 
-
     def replay_problems(self, gen: Path, phases: dict[str, float]) -> list[str]:
         """Collective, after a load whose files and fingerprints passed: with verify_resume:
         replay, the caller's probe loss of the restored state (on the batch the generation's data
