@@ -223,6 +223,7 @@ TINY_BENCHES: dict[str, tuple[list[str], str, bool]] = {
                           "outage lanes still waiting at the end:", False),
     "bench_render.py": (["--runs", "1"], "dslurm render", False),
     "bench_restore.py": (["--dir", "TMP", "--mb", "8", "--reps", "1"], "restore / plain dcp.load", False),
+    "bench_replay.py": (["--dir", "TMP", "--preset", "tiny", "--reps", "1"], "restore_replay / restore", False),
     "bench_startup.py": (["--reps", "1", "--nproc", "2"], "restart / cold start", False),
     "bench_tokenize.py": (["--mb", "1", "--runs", "1"], "dslurm / encode_batch", False),
     "bench_trainer.py": (["--tiny"], "| 1 process | 1 |", False),

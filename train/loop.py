@@ -97,6 +97,7 @@ class Trainer(Recovery):
         self._poison = False
         self.watch = watchdog if watchdog is not None else NO_WATCHDOG
         self.nonfinite_handled = 0  # non-finite steps skipped or rolled back in this start
+        self.last_step = None  # (loss, grad norm) of the last step taken in this start: each save records it
         self.settled = None  # when and why the ending was decided (Outcome.settled)
         self.skip_positions = set()  # batches (stream positions) never to be read again
         self.step = 0

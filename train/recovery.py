@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from dslurm import exitcodes
@@ -19,7 +20,8 @@ from dslurm.observe import events
 from dslurm.runtime.checkpoint import manager_for, save_final
 from dslurm.runtime.state import train_state
 from train import oom
-from train.step import Step, StepResult
+from train.model import cross_entropy
+from train.step import Step, StepResult, _local
 
 if TYPE_CHECKING:
     from dslurm.checkpoint.dcp import CheckpointManager, RestoreResult
@@ -57,10 +59,40 @@ class Recovery(Step):
         if self.ckpt is not None:
             self.watch.expect_long()
             with self.metrics.phase("checkpoint"), self.watch.collective("checkpoint"):
-                self.ckpt.save(self.step, train_state(self.built.parts, self.optimizers),
-                               {"data": self._data_state if self._data_state is not None else self.loader.state_dict(),
-                                "skip_positions": sorted(self.skip_positions)},
-                               blocking=blocking)
+                extra = {"data": self._data_state if self._data_state is not None else self.loader.state_dict(),
+                         "skip_positions": sorted(self.skip_positions)}
+                loss, norm = self.last_step if self.last_step is not None else (None, None)
+                self.ckpt.save(self.step, train_state(self.built.parts, self.optimizers), extra,
+                               blocking=blocking, loss=loss, grad_norm=norm,
+                               probe=self.probe_loss(extra) if self._replay() else None)
+
+    def _replay(self) -> bool:
+        return self.resolved.job.checkpoint.verify_resume == "replay"
+
+    def probe_loss(self, saved_extra: dict[str, Any]) -> float:
+        """checkpoint.verify_resume: replay: the forward-only loss of the state held now on the
+        batch that the data position `saved_extra["data"]` reads next (the step after the save),
+        the mean over all ranks: recorded with each save, recomputed after a restore
+        (dslurm/checkpoint/replay.py). Eval mode (no dropout, no RNG drawn), no gradients; the
+        loader is put back where it was. Collective (the model's own and one all-reduce);
+        pipeline parallel is refused by the config (no whole forward on one rank)."""
+        snapshot = self.loader.state_dict()
+        self.loader.load_state_dict(saved_extra["data"])
+        try:
+            inputs, targets, *docs = self.loader.next_batch()
+        finally:
+            self.loader.load_state_dict(snapshot)
+        inputs, targets = self.cp_local(inputs, targets)
+        model, was = self.built.parts[0], self.built.parts[0].training
+        model.eval()
+        try:
+            with torch.no_grad(), self._loss_context():
+                loss = _local(cross_entropy(model(inputs, docs[0] if docs else None), targets)).float()
+        finally:
+            model.train(was)
+        vec = loss.detach().reshape(1).to(self.device)
+        dist.all_reduce(vec)
+        return float(vec.item()) / self.dims.world_size
 
     def _save_final(self) -> None:
         """A save the run's ending depends on (the last step, a stop): it must commit, whatever
@@ -77,7 +109,8 @@ class Recovery(Step):
         if self.ckpt is None:
             return None
         extra: dict[str, Any] = {}
-        res = self.ckpt.restore(train_state(self.built.parts, self.optimizers), extra)
+        res = self.ckpt.restore(train_state(self.built.parts, self.optimizers), extra,
+                                probe=self.probe_loss if self._replay() else None)
         if res is not None:
             self.step = res.step
             self.loader.load_state_dict(extra["data"])

@@ -135,6 +135,8 @@ class Step:
     skip_positions: set[int]
     """batches (stream positions) never to be read again"""
     nonfinite_handled: int
+    last_step: tuple[float, float] | None
+    """(loss, grad norm) of the last step taken in this start (None before one): a save records it"""
     _poison: bool
     _profile_req: int
     _data_state: dict[str, Any] | None
@@ -279,6 +281,7 @@ class Step:
         result = StepResult(step=self.step, loss=loss, grad_norm=norm.item(), lr=lr, stop=vec[1].item() > 0,
                             terminated=vec[2].item() > 0, nonfinite=decision, position=position,
                             save_now=vec[4].item() > 0, profile_steps=int(vec[6].item()))
+        self.last_step = (result.loss, result.grad_norm)
         self.step += 1
         return result
 

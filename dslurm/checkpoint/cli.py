@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 from pathlib import Path
 from typing import Any
 
 from dslurm import checkpoint as ck
-from dslurm.checkpoint import unpickle
+from dslurm.checkpoint import replay, unpickle
 from dslurm.errors import UserError
 
 
@@ -101,15 +102,27 @@ def ls_rows(run_dir: Path, full: bool) -> tuple[list[dict[str, Any]], dict[str, 
         else:
             problems = ck.verify_generation(g.path, full=full)
             check = "BAD" if problems else ("crc32" if full else "sizes")
+        meta = _meta(g.path)
         rows.append({"generation": g.name, "step": g.step, "saved_utc": saved,
                      "bytes": sum(p.stat().st_size for p in g.path.rglob("*") if p.is_file()),
-                     "check": check, "problems": problems, "pointer": bool(ptr and ptr.generation == g.name)})
+                     "check": check, "problems": problems, "pointer": bool(ptr and ptr.generation == g.name),
+                     "last_step": meta.get("last_step"), "replay": meta.get("replay"),
+                     "recorded": replay.describe(meta), "suspect": replay.suspect(meta)})
     if ptr and not (run_dir / ck.GENERATIONS / ptr.generation).is_dir():
         rows.append({"generation": ptr.generation, "step": ptr.step, "saved_utc": None, "bytes": None,
                      "check": "missing", "problems": [f"{run_dir / ck.POINTER} names it, but it is gone"],
                      "pointer": True})
     pointer = {"generation": ptr.generation, "step": ptr.step} if ptr else None
     return rows, pointer, ptr_error
+
+
+def _meta(gen: Path) -> dict[str, Any]:
+    """A generation's meta.json for its records ({} when unreadable: its check says why)."""
+    try:
+        meta = json.loads((gen / ck.META).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 _COLOUR = {"sizes": "green", "crc32": "green", "BAD": "red", "missing": "red", "partial": "yellow",
@@ -134,7 +147,6 @@ def format_ls(rows: list[dict[str, Any]], colour: bool = False) -> list[str]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    import json
     import sys
 
     rows, pointer, ptr_error = ls_rows(args.run_dir, args.full)
@@ -150,6 +162,7 @@ def _ls(args: argparse.Namespace) -> int:
             print(line)
     # Problems apart, on stderr: stdout stays one row per generation.
     notes = [f"{r['generation']}: {r['check']}: {p}" for r in rows for p in r["problems"]]
+    notes += [f"{r['generation']}: suspect: {r['suspect']}" for r in rows if r.get("suspect")]
     notes += [f"{args.run_dir / ck.POINTER}: {ptr_error}"] if ptr_error else []
     notes += [f"no generations in {ck.generations_dir(args.run_dir)}"] if not rows else []
     for note in notes:

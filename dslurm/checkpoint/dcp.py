@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dslurm import checkpoint as ck
 from dslurm import faults
-from dslurm.checkpoint import fingerprint, per_rank
+from dslurm.checkpoint import fingerprint, per_rank, replay
 from dslurm.checkpoint.core import Comm, Ledger, SaveOutcome, failure_hint, reason, to_state_dict
 from dslurm.checkpoint.coverage import is_shard, verify_reads
 from dslurm.checkpoint.durable_tier import DurableTier
@@ -141,6 +142,8 @@ class RestoreResult:
     phases: dict[str, float] = field(default_factory=dict)  # seconds: precheck, load, verify, total
     tier: str = "durable"  # "local": node-local copies (two tiers); "partner": some pulled from partner copies
     tier_reason: str = ""  # why that tier (two tiers)
+    last_step: dict[str, Any] = field(default_factory=dict)  # the saved step's loss and grad norm (replay.last_step)
+    suspect: str = ""  # why that record is suspect (replay.suspect), "" when it is not
 
 
 class CheckpointManager:
@@ -153,16 +156,18 @@ class CheckpointManager:
                  verify_on_restore: str = "full", io_threads: int = 1, scratch: str | None = None,
                  keep_local: int = 2, on_lag: str = "wait", overlap_staging: bool = True,
                  per_rank_state: list[per_rank.Entry] | None = None, partner: bool = False,
-                 partner_mbps: float = 0.0):
+                 partner_mbps: float = 0.0, verify_resume: str = "fingerprint"):
         for name, value, allowed in (("on_inflight", on_inflight, ("wait", "skip")),
                                      ("on_error", on_error, ("continue", "stop")),
-                                     ("verify_on_restore", verify_on_restore, ("full", "size"))):
+                                     ("verify_on_restore", verify_on_restore, ("full", "size")),
+                                     ("verify_resume", verify_resume, replay.MODES)):
             if value not in allowed:
                 raise UserError(f"CheckpointManager {name}={value!r}: use one of {allowed}")
         ck.plan_retention([], None, keep)  # validates keep >= 2 before anything is written
         self.run_dir, self.gdir = Path(run_dir), ck.generations_dir(run_dir)
         self.settings = Settings(keep=keep, keep_every=keep_every, async_mode=async_mode, on_inflight=on_inflight,
                                  on_error=on_error, verify_on_restore=verify_on_restore, io_threads=io_threads,
+                                 verify_resume=verify_resume,
                                  overlap_staging=overlap_staging, config_hash=config_hash,
                                  model_shape=model_shape, layout=layout or {})
         on = dist.is_available() and dist.is_initialized()
@@ -203,7 +208,7 @@ class CheckpointManager:
                    scratch=scratch if two else None, keep_local=spec.keep_local, partner_mbps=spec.partner_mbps,
                    partner=two and (spec.partner if spec.partner is not None else site_partner),
                    on_lag=spec.on_lag, ledger=ledger, config_hash=config_hash, model_shape=model_shape,
-                   layout=layout, per_rank_state=per_rank_state)
+                   layout=layout, per_rank_state=per_rank_state, verify_resume=spec.verify_resume)
 
     @property
     def last_outcome(self) -> SaveOutcome | None:
@@ -216,9 +221,20 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, state: dict[str, Any], extra: dict[str, Any] | None = None) -> RestoreResult | None:
+    def restore(self, state: dict[str, Any], extra: dict[str, Any] | None = None,
+                probe: Callable[[dict[str, Any]], float] | None = None) -> RestoreResult | None:
         """Load the pointer's generation (or a verified fallback) into `state`, resharding to the
-        current layout; fill `extra` in place. None means a fresh start (truly nothing saved)."""
+        current layout; fill `extra` in place. None means a fresh start (truly nothing saved).
+        `probe` (verify_resume: replay): given a candidate's saved `extra`, the probe loss of the
+        state now loaded (collective, the same number on every rank); a candidate whose probe
+        differs from the one its save recorded is refused (dslurm.checkpoint.replay)."""
+        self.ctx.probe = probe
+        try:
+            return self._restore(state, extra)
+        finally:
+            self.ctx.probe = None
+
+    def _restore(self, state: dict[str, Any], extra: dict[str, Any] | None) -> RestoreResult | None:
         self.wait()
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
@@ -261,6 +277,9 @@ class CheckpointManager:
                         "streams have no meaning for another set of ranks, so dropout and sampling continue from "
                         "the script's own seeds (resume with %d ranks for the saved streams)", meta["world_size"],
                         self.world, meta["world_size"])
+        if suspect := replay.suspect(meta):
+            log.warning("[rank %d] %s: restoring a generation whose record is suspect: %s", self.rank,
+                        sel.generation, suspect)
         for how in per_rank.restore(self.ctx.per_rank, gen, meta["world_size"], self.rank, self.world):
             log.info("[rank %d] per-rank state %s", self.rank, how)
         if extra is not None:
@@ -268,14 +287,16 @@ class CheckpointManager:
         phases["total"] = time.perf_counter() - t0
         res = RestoreResult(meta["step"], sel.generation, gen, sel.fell_back, sel.reason,
                             dict(meta["extra"]), rng_ok, meta["world_size"], meta["layout"], sel.rejected,
-                            {k: round(v, 4) for k, v in phases.items()}, tier, why)
+                            {k: round(v, 4) for k, v in phases.items()}, tier, why,
+                            dict(meta.get("last_step") or {}), suspect)
         log.info("[rank %d] restored step %d from %s in %.2f s (%s)", self.rank, res.step, gen,
                  phases["total"], ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "total"))
         kind = events.CkptFallback if sel.fell_back else events.CkptRestore
         self.ctx.event(kind(run_dir=str(self.run_dir), step=res.step, generation=res.generation,
                            reason=res.reason, rejected=[n for n, _ in sel.rejected], tier=tier, tier_reason=why,
                            rng_restored=rng_ok, saved_world_size=int(meta["world_size"]), copies=copies,
-                           restore_s=round(phases["total"], 4)))
+                           restore_s=round(phases["total"], 4), last_step=res.last_step, suspect=suspect,
+                           replay_s=round(phases["replay"], 4) if "replay" in phases else None))
         return res
 
     def _load_checked(self, name: str, pointer_crc: str | None, state: dict[str, Any],
@@ -305,7 +326,7 @@ class CheckpointManager:
             problems, reread = verify_reads(self._ctl, gen, entries, reader.sums)
         phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t
         if not problems and not any(self._ctl.gather(err)):
-            problems = self._fingerprint(gen, state, phases)
+            problems = self._fingerprint(gen, state, phases) or self.ctx.replay_problems(gen, phases)
         if reread:
             log.info("[rank %d] %s: %d bytes nobody's load read were read for their crc32", self.rank,
                      name, reread)
@@ -348,22 +369,32 @@ class CheckpointManager:
     # ------------------------------------------------------------ save
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any] | None = None, *,
-             blocking: bool = False, files: Path | None = None) -> bool:
+             blocking: bool = False, files: Path | None = None, loss: float | None = None,
+             grad_norm: float | None = None, probe: float | None = None) -> bool:
         """Start (async) or do (sync, or blocking=True for signal saves) a save of `state` at `step`.
         Returns False when skipped (on_inflight="skip", or two tiers' on_lag) or, for sync saves,
         when it failed. `files`: a finished folder of this rank's (a library's own checkpoint,
         written under `generations/.incoming` on the same file system) moved into the generation
         as `files/` before it commits: listed in its manifest with crc32s, verified on restore,
-        collected with it. Durable tier only: two tiers would commit it on one node's scratch."""
+        collected with it. Durable tier only: two tiers would commit it on one node's scratch.
+        `loss`, `grad_norm`: the saved step's, recorded (dslurm.checkpoint.replay.last_step);
+        `probe`: the state's probe loss for verify_resume: replay (the number `restore`'s probe
+        computes from the `extra` saved here)."""
         if files is not None and self.tier.kind != "durable":
             raise UserError(f"checkpoint.tiers: {self.tier.kind}: a library's own checkpoint folder ({files.name}) "
                             "is committed straight into the run directory. Fix: set checkpoint.tiers: durable "
                             "for this job")
         self.ctx.attach = files
+        self.ctx.stamp = {}  # what meta.json records about the saved step (dslurm.checkpoint.replay)
+        if loss is not None or grad_norm is not None:
+            self.ctx.stamp["last_step"] = replay.last_step(loss, grad_norm)
+        if probe is not None:
+            self.ctx.stamp["replay"] = replay.probe_record(probe)
         try:
             return self.tier.save(step, state, extra or {}, blocking)
         finally:
-            self.ctx.attach = None  # a save skipped before its generation existed leaves it to the caller
+            # a save skipped before its generation existed leaves its folder to the caller
+            self.ctx.attach, self.ctx.stamp = None, {}
 
     def wait(self) -> None:
         """Block until the saves in flight (if any) are committed or failed; apply on_error."""

@@ -18,7 +18,7 @@ import torch
 
 from dslurm import checkpoint as ck
 from dslurm import faults
-from dslurm.checkpoint import fingerprint
+from dslurm.checkpoint import fingerprint, replay
 from dslurm.checkpoint.core import Job, reason, write_reason
 from dslurm.checkpoint.fingerprint import floating_tensors
 from dslurm.checkpoint.io import restore_test
@@ -88,6 +88,8 @@ def _prepare_rest(gen: Path, job: Job, tensors: list[tuple[str, torch.Tensor]], 
         bad = [key for key, t in tensors if not all_finite(t)]
         if bad:
             return f"non-finite values (NaN/inf) in {len(bad)} tensor(s), e.g. {', '.join(bad[:3])}"
+        if why := replay.bad_probe(job.meta):  # a state that computes NaN: no restore would accept it
+            return why
     except Exception as exc:
         return write_reason(exc, gen)
     return None

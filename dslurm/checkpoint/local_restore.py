@@ -136,6 +136,8 @@ class LocalRestore:
         phases["fingerprint"] = phases.get("fingerprint", 0.0) + time.perf_counter() - t
         every = ctx.comm.gather(local)
         errors = [e for e in ctx.comm.gather(err) if e]
+        if not any(every) and not errors and (bad := ctx.replay_problems(gen, phases)):
+            return {r: bad for r in range(ctx.world)}  # the assembled state is wrong: no one copy to blame
         if any(every) or not errors:
             return {r: ps for r, ps in enumerate(every) if ps}
         raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the local commit: {errors[0]}")

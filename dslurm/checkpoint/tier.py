@@ -25,7 +25,7 @@ import torch
 
 import dslurm
 from dslurm import checkpoint as ck
-from dslurm.checkpoint import per_rank
+from dslurm.checkpoint import per_rank, replay
 from dslurm.checkpoint.core import Comm, Job, Ledger, SaveOutcome, failure_hint, reason, to_state_dict
 from dslurm.checkpoint.generation import commit_generation
 from dslurm.checkpoint.io import SafeReader
@@ -74,6 +74,7 @@ class Settings:
     on_inflight: str = "wait"
     on_error: str = "continue"
     verify_on_restore: str = "full"
+    verify_resume: str = "fingerprint"  # dslurm.checkpoint.replay.MODES
     io_threads: int = 1
     overlap_staging: bool = True
     config_hash: str | None = None
@@ -95,6 +96,9 @@ class Context:
         # through os._exit right after close(), which would kill a daemon thread mid-delete.
         self.reapers: list[threading.Thread] = []
         self.attach: Path | None = None  # the next save's folder to move in (CheckpointManager.save files=)
+        self.stamp: dict[str, Any] = {}  # the next save's last_step / replay records (CheckpointManager.save)
+        self.stamped: dict[str, dict[str, Any]] = {}  # generation -> its records, until its ckpt_save (finish)
+        self.probe: Callable[[dict[str, Any]], float] | None = None  # during a restore (CheckpointManager.restore)
         self._saves = 0
 
     # ------------------------------------------------------------ a save's life
@@ -114,7 +118,10 @@ class Context:
                 "model_shape": s.model_shape, "torch_version": torch.__version__,
                 "dslurm_version": dslurm.__version__, "saved_by": ck.holder_identity(),
                 "per_rank": [e.name for e in self.per_rank]}
-        files, self.attach = self.attach, None
+        meta.update(self.stamp)
+        if self.stamp:
+            self.stamped[name] = self.stamp
+        files, self.attach, self.stamp = self.attach, None, {}
         return Job(name, step, self._saves, meta, capture_rng(), t0, state=per_rank.capture(self.per_rank),
                    files=files)
 
@@ -136,6 +143,7 @@ class Context:
     def finish(self, out: SaveOutcome) -> None:
         """Log a finished save and write its ledger event; a failure under on_error=stop raises."""
         self.last_outcome = out
+        stamp = self.stamped.pop(out.generation, {})
         if out.ok:
             log.info("[rank %d] checkpoint step %d committed: %s, %.1f MB, training blocked %.3f s, "
                      "total %.2f s", self.rank, out.step, out.generation, out.bytes / 1e6,
@@ -143,7 +151,9 @@ class Context:
             self.event(events.CkptSave(run_dir=str(self.run_dir), step=out.step, generation=out.generation,
                                        bytes=out.bytes, stall_s=round(out.stall_s, 4),
                                        total_s=round(out.total_s, 4), tier=out.tier,
-                                       local_commit_t=out.local_commit_t, lag_s=out.lag_s))
+                                       local_commit_t=out.local_commit_t, lag_s=out.lag_s,
+                                       last_step=stamp.get("last_step") or {},
+                                       probe_loss=(stamp.get("replay") or {}).get("probe_loss")))
             return
         log.error("[rank %d] checkpoint save at step %d FAILED, pointer unchanged (%s), on_error=%s: %s",
                   self.rank, out.step, self.pointer_desc(), self.settings.on_error, out.reason)
@@ -219,6 +229,35 @@ class Context:
         if meta["layout"] != s.layout or meta["world_size"] != self.world:
             log.info("[rank %d] resharding: saved layout %s on %d ranks -> %s on %d ranks", self.rank,
                      meta["layout"], meta["world_size"], s.layout, self.world)
+
+    def replay_problems(self, gen: Path, phases: dict[str, float]) -> list[str]:
+        """Collective, after a load whose files and fingerprints passed: with verify_resume:
+        replay, the caller's probe loss of the restored state (on the batch the generation's data
+        position fixes) against the one recorded at the save (dslurm.checkpoint.replay). One
+        verdict for every rank: rank 0's number is judged (the probe is all-reduced, so every
+        rank computed the same one). -> problems, the same on every rank."""
+        if self.settings.verify_resume != "replay" or self.probe is None:
+            return []
+        meta = json.loads((gen / ck.META).read_text())
+        t, err = time.perf_counter(), ""
+        try:
+            now = float(self.probe(meta["extra"]))
+        except Exception as exc:  # a state that loads but cannot run is refused like one that runs wrong
+            now, err = float("nan"), f"replay: the probe failed on rank {self.rank}: {reason(exc)}"
+        phases["replay"] = phases.get("replay", 0.0) + time.perf_counter() - t
+        errs = [e for e in self.comm.gather(err) if e]
+        if errs:
+            return errs[:1]
+        now = self.comm.bcast(now)
+        same = meta["world_size"] == self.world and meta["layout"] == self.settings.layout
+        if meta.get("replay") is None:
+            log.warning("[rank %d] %s: no probe loss recorded (saved without verify_resume: replay): only "
+                        "checked finite (%r)", self.rank, gen.name, now)
+        bad = replay.verdict(meta.get("replay"), now, same_layout=same)
+        if not bad:
+            log.info("[rank %d] %s: replay probe loss %r %s", self.rank, gen.name, now,
+                     "matches the saved one" if meta.get("replay") else "is finite")
+        return [bad] if bad else []
 
 
 def _tensor_shape_diffs(state: dict[str, Any], gen: Path) -> list[str]:

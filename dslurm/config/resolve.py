@@ -171,6 +171,10 @@ def resolve(site: SiteConfig, job: JobSpec, *, site_path: str = "site", job_path
         raise UserError(f"{job_path}: field 'checkpoint.tiers': two_tier needs node-local storage, but site "
                         f"{site.name!r} ({site_path}) has no storage.scratch. Fix: set storage.scratch in the site "
                         "(e.g. /local/$USER/%n), or checkpoint.tiers: durable")
+    if job.checkpoint.verify_resume == "replay" and par.pp > 1:
+        raise UserError(f"{job_path}: field 'checkpoint.verify_resume': replay recomputes a probe loss with one "
+                        f"forward of the whole model, which pipeline parallel (pp={par.pp}) splits across ranks. "
+                        "Fix: checkpoint.verify_resume: fingerprint, or parallel.pp: 1")
     run_dir = run_dir_for(site, job, base_dir)
     policy = requeue_policy(site, job, measured)
     if not 0 <= policy.lead_s < time_s:

@@ -210,6 +210,11 @@ class CheckpointSpec:
         None, help="two_tier: also copy each node's local commit to the next node's scratch over the job's network, "
         "so a lost node restores at local speed (unset: the site's storage.partner)")
     partner_mbps: float = field(0.0, help="two_tier partner copies: each rank's send rate cap in MB/s (0: none)")
+    verify_resume: Literal["fingerprint", "replay"] = field(
+        "fingerprint", help="what a restore checks before the first step: fingerprint (each rank's per-tensor crc32s "
+        "against what it saved) or replay (that, plus a forward-only probe loss of the saved state on the next "
+        "step's batch, recorded at each save and recomputed after the restore: one forward per save and per "
+        "restore; not with pipeline parallel)")
 
     def __post_init__(self) -> None:
         if self.interval < 1:

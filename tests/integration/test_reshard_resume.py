@@ -33,9 +33,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(int(load_scaled(400, 
 STEPS = 5
 TOL = 1e-5
 # (name, nproc (None: one plain process), --set overrides, stop after this many steps or None)
+# The first two links also run checkpoint.verify_resume: replay: the trainer's probe under FSDP and
+# under TP's loss parallel, recorded at fsdp4's stop and recomputed after the reshard to 2x2 (within
+# dslurm.checkpoint.replay.RESHARD_RTOL); pipeline parallel refuses replay, so the third does not.
+REPLAY = "checkpoint.verify_resume=replay"
 CHAIN = [
-    ("fsdp4", 4, (), 1),
-    ("fsdp2xtp2", 4, ("parallel.tp=2",), 2),
+    ("fsdp4", 4, (REPLAY,), 1),
+    ("fsdp2xtp2", 4, ("parallel.tp=2", REPLAY), 2),
     ("pp2xfsdp2xtp2", 8, ("parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"), 3),
     ("1 process", None, (), None),
 ]
@@ -94,17 +98,27 @@ def test_resume_across_layouts_matches_uninterrupted(reference, tmp_path):
     assert [s["step"] for s in starts] == [0, 1, 2, 3]
     assert [r["step"] for r in restores] == [1, 2, 3] and not any(
         e["event"] == "ckpt_fallback" for e in events)
+    assert restores[0]["replay_s"] > 0 and restores[1]["replay_s"] is None  # fsdp2xtp2 replayed; pp did not
     assert [tuple(s["layout"][k] for k in ("pp", "dp_shard", "tp")) for s in starts] == [
         (1, 4, 1), (1, 2, 2), (2, 2, 2), (1, 1, 1)]
     check_deltas(" -> ".join(name for name, *_ in CHAIN), losses(tmp_path / "chain"), reference, TOL)
 
 
 def test_same_layout_resume_is_bit_identical(reference, tmp_path):
+    """With checkpoint.verify_resume: replay (dslurm/checkpoint/replay.py): the stop's save records
+    the trainer's probe loss (a forward on the next step's batch) and the resume recomputes it
+    bit-equal before its first step; neither probe moves the data order or the RNG (the losses are
+    still the reference's, bit for bit)."""
     job = write_job(tmp_path, "same", steps=STEPS)
-    run_link(None, job, (), 3)
-    run_link(None, job, (), None)
-    starts = [e["step"] for e in read_events(tmp_path / "same") if e["event"] == "train_start"]
+    replay = ("checkpoint.verify_resume=replay",)
+    run_link(None, job, replay, 3)
+    run_link(None, job, replay, None)
+    events = list(read_events(tmp_path / "same"))
+    starts = [e["step"] for e in events if e["event"] == "train_start"]
     assert starts == [0, 3]
     got = losses(tmp_path / "same")
     check_deltas("1 process -> 1 process", got, reference, 0.0)
     assert got == reference  # bitwise: same layout, same data order, RNG restored
+    (restore,) = [e for e in events if e["event"] == "ckpt_restore"]
+    assert restore["step"] == 3 and restore["replay_s"] > 0 and not restore["rejected"]
+    assert restore["last_step"]["loss"] == reference[2]  # the saved step's loss, as the step logged it

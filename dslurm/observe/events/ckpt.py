@@ -49,6 +49,12 @@ class CkptRestore(Event):
     """node-local restores: the ranks that loaded each copy, {"local": [...], "partner": [...]}"""
     restore_s: float | None = None
     """seconds from the restore's start to the state loaded and checked (partner pulls included)"""
+    last_step: dict[str, float | str | None] = field(default_factory=dict)
+    """the saved step's loss and grad norm as recorded at the save (non-finite ones as strings)"""
+    suspect: str = ""
+    """why that record is suspect (a non-finite loss or grad norm), empty when it is not"""
+    replay_s: float | None = None
+    """verify_resume: replay: seconds the probe loss took (every candidate tried)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +80,10 @@ class CkptSave(Event):
     """two tiers: unix time of the local commit (restorable on the same nodes from then on)"""
     lag_s: float | None = None
     """two tiers: durable commit minus local commit (node loss loses this much more than a restart)"""
+    last_step: dict[str, float | str | None] = field(default_factory=dict)
+    """the saved step's loss and grad norm, as recorded in the generation (dslurm.checkpoint.replay)"""
+    probe_loss: float | str | None = None
+    """verify_resume: replay: the probe loss recorded with the generation"""
 
 
 @dataclass(frozen=True, kw_only=True)
