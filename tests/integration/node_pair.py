@@ -17,12 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from test_checkpoint_dist import STEPS, K, build, full_params, train
-from train_helpers import ROOT, run_procs
 
-__all__ = ["STEPS", "K", "build", "full_params", "train", "first_run", "resumed", "torchrun", "node_local",
-           "copy_base", "same_as_reference", "worker_main"]
+from train_helpers import ROOT, run_procs
 
 
 def scratch_kw(run_dir: Path, world: int, **more: Any) -> dict[str, Any]:
