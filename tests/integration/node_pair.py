@@ -76,7 +76,8 @@ def torchrun(worker: str, mode: str, run_dir: Path, out: Path, env: dict[str, st
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            worker, mode, str(run_dir), str(out)]
-    return run_procs(cmd, 2, 180, {"PYTHONPATH": str(ROOT), **(env or {})})
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])  # the worker imports this module (testkit)
+    return run_procs(cmd, 2, 180, {"PYTHONPATH": path, **(env or {})})
 
 
 def node_local(base: Path, node: str) -> Path:
