@@ -42,19 +42,29 @@ CHUNK = 16 << 20
 
 @dataclass
 class Stream:
-    """The files one rank sends to (or receives from) one peer: directory, {name: {"size", "crc32"}}."""
+    """The files one rank sends to (or receives from) one peer: directory, {name: {"size", "crc32"}},
+    and the rounds they go in: each round one message of at most CHUNK bytes, the pieces of one
+    or more files (name, offset, length); small files share a round (a round costs a round trip)."""
 
     peer: int
     root: Path
     files: dict[str, dict[str, Any]]
-    pieces: list[tuple[str, int, int]] = field(default_factory=list)  # (name, offset, length)
+    rounds: list[list[tuple[str, int, int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # the small files first (.metadata, meta.json, ranks/): a load streamed from the transfer
         # (Landed) needs them before it reads a shard
+        cur: list[tuple[str, int, int]] = []
         for name in sorted(self.files, key=lambda n: (n.endswith(".distcp"), n)):
             size = int(self.files[name]["size"])
-            self.pieces += [(name, off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
+            for off in range(0, size, CHUNK):
+                piece = (name, off, min(CHUNK, size - off))
+                if cur and sum(p[2] for p in cur) + piece[2] > CHUNK:
+                    self.rounds.append(cur)
+                    cur = []
+                cur.append(piece)
+        if cur:
+            self.rounds.append(cur)
 
 
 @dataclass
@@ -71,7 +81,7 @@ class Transfer:
 def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: float = 0.0,
              after_first: Callable[[], None] = lambda: None, landed: Landed | None = None) -> Transfer:
     """Collective over the ranks that appear in some stream: every rank walks rounds 0, 1, ...;
-    in round k it posts the k-th piece of each of its streams (isend, irecv), and while they fly
+    in round k it posts the k-th message of each of its streams (isend, irecv), and while they fly
     it checks and writes what round k-1 received (crc32 once, from the received bytes; two buffers
     per peer at most). A sender sends from its files' page cache (mmap, no copy) and sends zeros
     for a file it cannot read (the receiver's crc32 says so); a receiver never breaks the rounds,
@@ -82,7 +92,7 @@ def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: floa
     t0, out = time.monotonic(), Transfer()
     crcs: dict[tuple[int, str], int] = {}
     handles: dict[tuple[int, str], Any] = {}
-    rounds = max([len(s.pieces) for s in sends + recvs], default=0)
+    rounds = max([len(s.rounds) for s in sends + recvs], default=0)
     for s in recvs:
         for name in s.files:
             (s.root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -90,34 +100,40 @@ def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: floa
             out.written.append(s.root / name)
     sources = [_Source(s, out) for s in sends]
 
-    def land(bufs: list[tuple[Stream, str, torch.Tensor]]) -> None:
-        for s, name, buf in bufs:
-            raw = buf.numpy().data
-            if (s.peer, name) not in handles:
-                handles[(s.peer, name)] = open(s.root / name, "ab")  # noqa: SIM115 - closed below
-            handles[(s.peer, name)].write(raw)
-            crcs[(s.peer, name)] = zlib.crc32(raw, crcs.get((s.peer, name), 0))
-            if landed is not None:
-                handles[(s.peer, name)].flush()  # visible to the load's own open() of the file
-                landed.advance(name, len(raw))
+    started: list[str] = []
+
+    def land(bufs: list[tuple[Stream, list[tuple[str, int, int]], torch.Tensor]]) -> None:
+        for s, pieces, buf in bufs:
+            raw, at = buf.numpy().data, 0
+            for name, _, length in pieces:
+                part = raw[at:at + length]
+                at += length
+                if (s.peer, name) not in handles:
+                    handles[(s.peer, name)] = open(s.root / name, "ab")  # noqa: SIM115 - closed below
+                handles[(s.peer, name)].write(part)
+                crcs[(s.peer, name)] = zlib.crc32(part, crcs.get((s.peer, name), 0))
+                if landed is not None:
+                    handles[(s.peer, name)].flush()  # visible to the load's own open() of the file
+                    landed.advance(name, length)
+                if not started:
+                    started.append(name)
+                    after_first()  # the fault hook: a kill here leaves a copy half-written
 
     try:
-        arrived: list[tuple[Stream, str, torch.Tensor]] = []
+        arrived: list[tuple[Stream, list[tuple[str, int, int]], torch.Tensor]] = []
         for k in range(rounds):
             ops, bufs = [], []
             for src in sources:
-                if k < len(src.s.pieces):
-                    buf = src.piece(*src.s.pieces[k])
+                if k < len(src.s.rounds):
+                    buf = src.message(src.s.rounds[k])
                     ops.append(dist.isend(buf, dst=src.s.peer, group=comm.group))
                     out.sent += buf.numel()
             for s in recvs:
-                if k < len(s.pieces):
-                    buf = torch.empty(s.pieces[k][2], dtype=torch.uint8)
+                if k < len(s.rounds):
+                    buf = torch.empty(sum(p[2] for p in s.rounds[k]), dtype=torch.uint8)
                     ops.append(dist.irecv(buf, src=s.peer, group=comm.group))
-                    bufs.append((s, s.pieces[k][0], buf))
+                    bufs.append((s, s.rounds[k], buf))
             land(arrived)  # round k-1's bytes, while round k's are on the wire
-            if k == 1:
-                after_first()
             for op in ops:
                 if op is not None:  # None: a rank outside the group (never here)
                     op.wait()
@@ -127,8 +143,6 @@ def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: floa
                 if ahead > 0:
                     time.sleep(ahead)
         land(arrived)
-        if rounds == 1:
-            after_first()
     finally:
         for f in handles.values():
             f.close()
@@ -185,6 +199,11 @@ class _Source:
         if m is None:  # the receiver's crc32 will not match: zeros go instead
             return torch.zeros(length, dtype=torch.uint8)
         return torch.frombuffer(m, dtype=torch.uint8, count=length, offset=off)
+
+    def message(self, pieces: list[tuple[str, int, int]]) -> torch.Tensor:
+        """One round's bytes: a shard's chunk as it lies in the page cache, small files joined."""
+        parts = [self.piece(*p) for p in pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def close(self) -> None:
         for m in self.maps.values():
