@@ -54,6 +54,8 @@ class LocalRestore:
                 break
             c = cands[0]
             problems, pull = self._start_pull(c) if c.pulls else ({}, None)
+            if pull is not None and not self._streams(c):
+                problems = self._pulled_first(pull)
             if not problems:
                 problems = self._load(c.name, state, phases, pull)
             pulled = self._joined(pull, c, phases) if pull is not None else None
@@ -85,6 +87,17 @@ class LocalRestore:
                     for r, (h, kind) in c.pulls.items() if r not in records}, None
         self._pull_t = time.perf_counter()
         return {}, partner.Pull(self.side, c, self.local_dir, records)
+
+    def _streams(self, c: replica.Candidate) -> bool:
+        """May the load read the pulled files as they land? Only where each pulling rank is alone on
+        its node: a node's ranks read each other's files (its replicated items are written once per
+        node, by one of them: NodeDedupPlanner), and a rank knows only its own pull's progress."""
+        return all(len(next(g for g in self.groups if r in g)) == 1 for r in c.pulls)
+
+    def _pulled_first(self, pull: partner.Pull) -> dict[int, list[str]]:
+        """Every pull done and checked (sizes, crc32s) before any rank loads. -> rank -> problems."""
+        every = self.ctx.comm.gather(pull.join()[0])
+        return {r: ps for r, ps in enumerate(every) if ps}
 
     def _joined(self, pull: partner.Pull, c: replica.Candidate, phases: dict[str, float]) -> partner.Pulled | None:
         """Wait for this rank's part of the pull (every rank: a holder's sends too)."""
