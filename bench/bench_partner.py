@@ -15,10 +15,12 @@ os.sync():
   partner              the save's partner phase: local commit to partner commit (rank 0's view)
   restore_local        CheckpointManager.restore, both ranks from their own local copy
   restore_partner      node1's scratch gone: rank 1 pulls its files from the partner copy on node0
-                       over gloo (checked as they arrive), then the same checked load
+                       over gloo (checked as they arrive) while its checked load reads them as
+                       they land
   restore_durable      both scratches gone: the durable tier, reads capped at --mbps per rank
                        (DSLURM_FAULT_DURABLE_MBPS: a loaded shared file system)
-Prints medians and best reps, then the ratios of issue 52: restore partner / local (goal <= 1.5),
+Checks every rep's save and restore phases in order first (a rep out of order fails the run),
+then prints medians and best reps, the restores' phases (the slowest rank's), and the ratios of issue 52: restore partner / local (goal <= 1.5),
 partner / durable, and step time partner on / off (goal <= 1.02).
 """
 
