@@ -5,11 +5,14 @@ copies"; the layout and the choices are dslurm.checkpoint.replica's).
 
 The bytes go through the job's processes, never through a path on another node: a node's scratch
 is its own (a real node-local NVMe is not mounted anywhere else). Each transfer is a stream of
-chunks (`CHUNK` bytes, 16 MiB, one buffer per peer at a time: memory is bounded whatever the state's
-size) sent with isend/irecv in rounds every rank walks in the same order, so no pair waits on
-another. The receiver computes each file's crc32 from the bytes as they arrive and compares it
-with the sender's local commit record; only then is the record written beside the files, last:
-a copy cut short (a kill -9 mid-transfer) has no record and is never used.
+messages (at most `CHUNK` bytes, 16 MiB; small files share one) sent with isend/irecv in rounds
+every rank walks in the same order, so no pair waits on another; a sender sends out of the page
+cache (mmap), a receiver holds two messages per peer at most (memory is bounded whatever the
+state's size) and checks and writes one while the next is on the wire. The receiver computes each
+file's crc32 from the bytes as they arrive (once) and compares it with the sender's local commit
+record; only then, fsync'd, is the record written beside the files, last: a copy cut short (a
+kill -9 mid-transfer) has no record and is never used. At a restore the pull runs beside the load
+(Pull, StreamedReader: the load reads each byte range once it landed).
 """
 
 from __future__ import annotations
