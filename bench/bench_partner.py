@@ -20,8 +20,9 @@ os.sync():
   restore_durable      both scratches gone: the durable tier, reads capped at --mbps per rank
                        (DSLURM_FAULT_DURABLE_MBPS: a loaded shared file system)
 Checks every rep's save and restore phases in order first (a rep out of order fails the run),
-then prints medians and best reps, the restores' phases (the slowest rank's), and the ratios of issue 52: restore partner / local (goal <= 1.5),
-partner / durable, and step time partner on / off (goal <= 1.02).
+then prints medians and best reps, the restores' phases (the slowest rank's), and the ratios of
+issue 52: restore partner / local (goal <= 1.5), partner / durable, and step time partner on / off
+(goal <= 1.02).
 """
 
 from __future__ import annotations
