@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from test_checkpoint_dist import STEPS, K, build, full_params, train
 
-from train_helpers import ROOT, run_procs
+from train_helpers import ROOT, run_procs, worker_main  # noqa: F401 - the workers' __main__
 
 
 def scratch_kw(run_dir: Path, world: int, **more: Any) -> dict[str, Any]:
@@ -106,16 +106,3 @@ def same_as_reference(ref_out: Path, out: Path, got: list[dict[str, Any]], start
     ref_p = torch.load(ref_out / "ref-params.pt")
     got_p = torch.load(out / "resume-params.pt")
     assert ref_p.keys() == got_p.keys() and all(torch.equal(ref_p[k], got_p[k]) for k in ref_p)
-
-
-def worker_main(worker: Callable[[str, Path, Path], None]) -> None:
-    """The torchrun worker's `__main__`: MODE RUN_DIR OUT from argv."""
-    import logging
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    dist.init_process_group("gloo")
-    try:
-        worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
-    finally:
-        dist.destroy_process_group()
-    from dslurm.endings.worker_exit import leave
-    leave(0)  # not the interpreter's finalization: it can abort a finished gloo worker (see leave)
