@@ -297,8 +297,12 @@ class Landed:
             self._cond.notify_all()
 
     def wait(self, name: str, end: int | None = None) -> None:
-        """Until [0, end) of `name` (all of it by default) has landed."""
-        end = self.sizes.get(name, 0) if end is None else end
+        """Until [0, end) of `name` (all of it by default) has landed. A file this pull does not
+        bring (the rank's node holds it, or a node peer pulled it and the walk waited for every
+        pull first: LocalRestore._streams) is there already."""
+        if name not in self.sizes:
+            return
+        end = self.sizes[name] if end is None else end
         with self._cond:
             while self._at.get(name, 0) < end:
                 if self._closed:

@@ -47,3 +47,4 @@ def test_a_pull_that_ends_short_fails_the_read_never_hangs_it():
     landed.wait("a", 40)  # what landed is readable
     with pytest.raises(OSError, match="a: the pull ended at 40 of 100 bytes"):
         landed.wait("a")
+    landed.wait("__3_0.distcp", 1261)  # not this pull's: a node peer's, or the node's own
