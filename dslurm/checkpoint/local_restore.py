@@ -189,10 +189,14 @@ class LocalRestore:
             local = fingerprint.check(gen / ck.RANKS / f"rank-{ctx.rank:05d}.json", to_state_dict(state))
         phases["fingerprint"] = phases.get("fingerprint", 0.0) + time.perf_counter() - t
         every = ctx.comm.gather(local)
-        errors = [e for e in ctx.comm.gather(err) if e]
-        if any(every) or not errors:
+        errors = ctx.comm.gather(err)
+        if any(every) or not any(errors):
             return {r: ps for r, ps in enumerate(every) if ps}
-        raise ck.CheckpointError(f"{gen}: dcp.load failed although its files match the local commit: {errors[0]}")
+        # The files match their records and the load still failed: this copy is refused like a bad
+        # one (the walk goes on to the next copy, then durable), never raised -- a raise here was a
+        # crash loop, every requeue meeting the same copy.
+        return {r: [f"{gen}: dcp.load failed although its files match the local commit: {e}"]
+                for r, e in enumerate(errors) if e}
 
 
 def _landed_problems(landed: partner.Landed) -> list[str]:
