@@ -377,7 +377,7 @@ class CrcReader(SafeReader):
                                                       where[it.storage_index].offset)):
             per_file.setdefault(where[req.storage_index].relative_path, []).append(req)
         for name, reqs in per_file.items():
-            with open(self.fs.concat_path(self.path, name), "rb") as f:
+            with self.open_file(name) as f:
                 for req in reqs:
                     _prefetch_records(f, where[req.storage_index].offset, where[req.storage_index].length)
                 for req in reqs:
@@ -385,6 +385,11 @@ class CrcReader(SafeReader):
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+    def open_file(self, name: str) -> Any:
+        """The file `name` of the generation, for reading (a pull held in memory:
+        dslurm.checkpoint.landing.StreamedReader)."""
+        return open(self.fs.concat_path(self.path, name), "rb")  # noqa: SIM115 - the caller's `with`
 
     def before_read(self, name: str, end: int) -> None:
         """Called before an item's bytes [.., end) of file `name` are read: a file still arriving

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dslurm import checkpoint as ck
-from dslurm.checkpoint import fingerprint, partner, replica, tiers
+from dslurm.checkpoint import fingerprint, landing, partner, replica, tiers
 from dslurm.checkpoint.core import Comm, reason, to_state_dict
 from dslurm.checkpoint.coverage import is_shard, plan_gaps, read_crc, whole_crcs
 from dslurm.checkpoint.io import CrcReader, SafeLoadPlanner, SafeReader
@@ -53,7 +53,7 @@ class LocalRestore:
             if not cands:
                 break
             c = cands[0]
-            problems, pull = self._start_pull(c) if c.pulls else ({}, None)
+            problems, pull = self._start_pull(c, self._streams(c)) if c.pulls else ({}, None)
             if pull is not None and not self._streams(c):
                 problems = self._pulled_first(pull)
             if not problems:
@@ -73,7 +73,7 @@ class LocalRestore:
             why = f"local {rejected[0][0]} failed verification ({rejected[0][1][0]}); {why}"
         return LocalPick(None, None, why, rejected)
 
-    def _start_pull(self, c: replica.Candidate) -> tuple[dict[int, list[str]], partner.Pull | None]:
+    def _start_pull(self, c: replica.Candidate, stream: bool) -> tuple[dict[int, list[str]], partner.Pull | None]:
         """The candidate's pulls, started on the side group (partner.Pull): the load reads them as
         they land. -> (rank -> problems when a holder lost its record since it said it held it, the pull)."""
         ctx = self.ctx
@@ -86,7 +86,7 @@ class LocalRestore:
             return {r: [f"{kind} copy of rank {r} on {self.nodes[h]}: record gone"]
                     for r, (h, kind) in c.pulls.items() if r not in records}, None
         self._pull_t = time.perf_counter()
-        return {}, partner.Pull(self.side, c, self.local_dir, records)
+        return {}, partner.Pull(self.side, c, self.local_dir, records, stream)
 
     def _streams(self, c: replica.Candidate) -> bool:
         """May the load read the pulled files as they land? Only where each pulling rank is alone on
@@ -147,7 +147,7 @@ class LocalRestore:
         checks the files it committed (sizes, small files' crc32s), loads through CrcReader, checks
         its own shards' crc32s from what it read plus what it did not (read once more), then the
         state's fingerprint. A rank whose files are being pulled (`pull`) loads them as they land
-        (partner.StreamedReader), without a second crc32: the pull computes each file's from the
+        (landing.StreamedReader), without a second crc32: the pull computes each file's from the
         received bytes and checks size and crc32 against the record before the fingerprint.
         -> rank -> problems."""
         ctx, gen = self.ctx, self.lgdir / name
@@ -169,7 +169,7 @@ class LocalRestore:
             return {r: ps for r, ps in enumerate(every) if ps}
         ctx.check_compat(json.loads((gen / ck.META).read_text()), state, gen)
         full = ctx.settings.verify_on_restore == "full"
-        reader = CrcReader(gen) if landed is None else partner.StreamedReader(gen, landed)
+        reader = CrcReader(gen) if landed is None else landing.StreamedReader(gen, landed)
         t, err = time.perf_counter(), None
         try:
             dcp.load(state, storage_reader=reader if full or landed else SafeReader(gen), planner=SafeLoadPlanner(),
@@ -199,7 +199,7 @@ class LocalRestore:
                 for r, e in enumerate(errors) if e}
 
 
-def _landed_problems(landed: partner.Landed) -> list[str]:
+def _landed_problems(landed: landing.Landed) -> list[str]:
     try:
         for n in landed.sizes:
             if not is_shard(n):

@@ -34,9 +34,8 @@ import torch.distributed as dist
 from dslurm import checkpoint as ck
 from dslurm import faults
 from dslurm.checkpoint import replica, tiers
-from dslurm.checkpoint.compat import reader_fast
 from dslurm.checkpoint.core import Comm, reason
-from dslurm.checkpoint.io import CrcReader
+from dslurm.checkpoint.landing import Landed
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +107,16 @@ def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: floa
     def land(bufs: list[tuple[Stream, list[tuple[str, int, int]], torch.Tensor]]) -> None:
         for s, pieces, buf in bufs:
             raw, at = buf.numpy().data, 0
-            for name, _, length in pieces:
+            for name, off, length in pieces:
                 part = raw[at:at + length]
                 at += length
+                crcs[(s.peer, name)] = zlib.crc32(part, crcs.get((s.peer, name), 0))
+                if landed is not None and landed.holds(name):  # kept in memory for the load
+                    landed.put(name, off, part)
+                    continue
                 if (s.peer, name) not in handles:
                     handles[(s.peer, name)] = open(s.root / name, "ab")  # noqa: SIM115 - closed below
                 handles[(s.peer, name)].write(part)
-                crcs[(s.peer, name)] = zlib.crc32(part, crcs.get((s.peer, name), 0))
                 if landed is not None:
                     handles[(s.peer, name)].flush()  # visible to the load's own open() of the file
                     landed.advance(name, length)
@@ -158,7 +160,7 @@ def exchange(comm: Comm, sends: list[Stream], recvs: list[Stream], *, mbps: floa
             got = f"{crcs.get((s.peer, name), 0):08x}"
             path = s.root / name
             try:
-                size = path.stat().st_size
+                size = landed.held_size(name) if landed is not None and landed.holds(name) else path.stat().st_size
             except OSError as exc:
                 out.problems.append(f"{path}: {reason(exc)}")
                 continue
@@ -261,6 +263,7 @@ class Pulled:
     gen: Path
     record: dict[str, Any]
     xfer: Transfer
+    landed: Landed | None = None  # shards held in memory (a streamed pull): written by keep
 
     def keep(self, rank: int) -> str:
         """Once the load verified them: fsync the files, then write the record, last; from then on
@@ -269,68 +272,14 @@ class Pulled:
         rec = dict(self.record)
         rec["committed_t"] = time.time()
         try:
+            if self.landed is not None:
+                self.landed.spill(self.gen)  # what the load read from memory goes to disk now
             make_durable(self.xfer.written)
             (self.gen / tiers.LOCAL).mkdir(exist_ok=True)
             ck.atomic_write_json(tiers.record_path(self.gen, rank), rec)
         except OSError as exc:
             return f"{self.gen}: {reason(exc)}"
         return ""
-
-
-class Landed:
-    """How far each file of a pull has landed (written, flushed) in the receiver's local tier: the
-    load reads a byte range only once it is there; `close` (the transfer over, or broken) wakes
-    every waiter, and a range that never came is an OSError for the load."""
-
-    def __init__(self, sizes: dict[str, int]) -> None:
-        self.sizes, self._at = sizes, dict.fromkeys(sizes, 0)
-        self._cond, self._closed = threading.Condition(), False
-
-    def advance(self, name: str, n: int) -> None:
-        with self._cond:
-            self._at[name] += n
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def wait(self, name: str, end: int | None = None) -> None:
-        """Until [0, end) of `name` (all of it by default) has landed. A file this pull does not
-        bring (the rank's node holds it, or a node peer pulled it and the walk waited for every
-        pull first: LocalRestore._streams) is there already."""
-        if name not in self.sizes:
-            return
-        end = self.sizes[name] if end is None else end
-        with self._cond:
-            while self._at.get(name, 0) < end:
-                if self._closed:
-                    raise OSError(f"{name}: the pull ended at {self._at.get(name, 0)} of {end} bytes")
-                self._cond.wait()
-
-
-class StreamedReader(CrcReader):
-    """A pulled rank's reader: its files are still arriving (Pull, on a thread of its own); each read
-    waits until its bytes have landed, and reads them from the page cache without summing them
-    again (exchange computed each file's crc32 from the received bytes; Pull.join says)."""
-
-    def __init__(self, path: Path, landed: Landed) -> None:
-        super().__init__(path, summing=False)
-        self.landed = landed
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        self.landed.wait(".metadata" if kwargs.get("rank") is None else f"__{kwargs['rank']}.metadata")
-        return super().read_metadata(*args, **kwargs)
-
-    def before_read(self, name: str, end: int) -> None:
-        self.landed.wait(name, end)
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        if not reader_fast(self):  # DCP's own read (another torch): every file whole first
-            for name in self.landed.sizes:
-                self.landed.wait(name)
-        return super().read_data(plan, planner)
 
 
 class Pull:
@@ -341,14 +290,17 @@ class Pull:
     records (gathered). `join` -> (this rank's problems, transfer, this rank's pull to keep)."""
 
     def __init__(self, comm: Comm, cand: replica.Candidate, local_dir: Path,
-                 records: dict[int, dict[str, Any]]) -> None:
+                 records: dict[int, dict[str, Any]], stream: bool) -> None:
         r, name = comm.rank, cand.name
         sends = [Stream(dst, ck.generations_dir(replica.copy_root(local_dir, kind)) / name, files_of(records[dst]))
                  for dst, (h, kind) in sorted(cand.pulls.items()) if h == r]
         self.gen = ck.generations_dir(local_dir) / name
         recvs = [Stream(cand.pulls[r][0], self.gen, files_of(records[r]))] if r in cand.pulls else []
         self.record = records.get(r)
-        self.landed = Landed({n: int(e["size"]) for n, e in recvs[0].files.items()}) if recvs else None
+        files = recvs[0].files if recvs else {}
+        # streamed: the shards stay in memory until the load has read them (no write, no read back)
+        held = {n for n in files if n.endswith(".distcp")} if stream else set()
+        self.landed = Landed({n: int(e["size"]) for n, e in files.items()}, held) if recvs else None
         self.xfer = Transfer()
 
         def run() -> None:
@@ -367,4 +319,4 @@ class Pull:
         if self.landed is None or self.record is None:
             return [], self.xfer, None
         problems = list(self.xfer.problems)
-        return problems, self.xfer, (None if problems else Pulled(self.gen, self.record, self.xfer))
+        return problems, self.xfer, (None if problems else Pulled(self.gen, self.record, self.xfer, self.landed))

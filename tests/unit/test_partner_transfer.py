@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dslurm.checkpoint.partner import CHUNK, Landed, Stream
+from dslurm.checkpoint.landing import Landed
+from dslurm.checkpoint.partner import CHUNK, Stream
 
 
 def test_small_files_share_the_first_round_and_shards_go_in_chunks():
