@@ -89,7 +89,7 @@ class Landed:
             del self._held[name]
 
 
-class _Held(io.RawIOBase):
+class HeldFile(io.RawIOBase):
     """A held file, read as a file (seek, readinto) by the reader; each read waits for its bytes."""
 
     def __init__(self, landed: Landed, name: str, path: str) -> None:
@@ -138,7 +138,7 @@ class StreamedReader(CrcReader):
 
     def open_file(self, name: str) -> Any:
         if self.landed.holds(name):
-            return _Held(self.landed, name, str(self.fs.concat_path(self.path, name)))
+            return HeldFile(self.landed, name, str(self.fs.concat_path(self.path, name)))
         return super().open_file(name)
 
     def read_data(self, plan: Any, planner: Any) -> Any:

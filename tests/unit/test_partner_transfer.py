@@ -49,3 +49,20 @@ def test_a_pull_that_ends_short_fails_the_read_never_hangs_it():
     with pytest.raises(OSError, match="a: the pull ended at 40 of 100 bytes"):
         landed.wait("a")
     landed.wait("__3_0.distcp", 1261)  # not this pull's: a node peer's, or the node's own
+
+
+def test_held_shards_read_as_a_file_and_spill_to_disk_whole(tmp_path):
+    from dslurm.checkpoint.landing import HeldFile
+    data = bytes(range(256)) * 40  # 10240 bytes in pieces of 4096, as the rounds bring them
+    landed = Landed({"__1_0.distcp": len(data), "meta.json": 3}, held={"__1_0.distcp"})
+    assert landed.holds("__1_0.distcp") and not landed.holds("meta.json")
+    for off in range(0, len(data), 4096):
+        landed.put("__1_0.distcp", off, memoryview(data)[off:off + 4096])
+    f = HeldFile(landed, "__1_0.distcp", str(tmp_path / "__1_0.distcp"))
+    f.seek(4000)
+    assert f.read(200) == data[4000:4200]  # across two pieces
+    f.seek(-10, 2)
+    assert f.read() == data[-10:]
+    assert landed.held_size("__1_0.distcp") == len(data)
+    landed.spill(tmp_path)
+    assert (tmp_path / "__1_0.distcp").read_bytes() == data and not landed.holds("__1_0.distcp")
