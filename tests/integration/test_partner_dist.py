@@ -13,7 +13,10 @@ of its save at K+1, after both local commits, before any durable copy of K+1.
 - a flipped byte in that partner shard: the pull is rejected (restore_rejected, copy partner),
   the copy withdrawn, the durable K restored;
 - a wrong but well-checksummed tensor in rank 0's own local copy (record rewritten to agree): the
-  fingerprint catches it after the load, before the first step; rank 0 takes its partner copy.
+  fingerprint catches it after the load, before the first step; rank 0 takes its partner copy;
+- the same with bytes that do not load at all: refused like a bad copy, never raised (a crash loop).
+
+The worker scaffolding (two processes as two nodes) is node_pair.py's, shared with test_two_tier_dist.py.
 
 This file is also the torchrun worker: `torchrun --nproc_per_node=2 THIS_FILE MODE RUN_DIR OUT_DIR`.
 """
@@ -165,9 +168,10 @@ def test_flipped_byte_in_a_partner_shard_is_rejected_before_the_first_step(first
     _same_as_reference(first, tmp_path, got, K)
 
 
-def _forge(gen: Path, rank: int) -> str:
+def _forge(gen: Path, rank: int, garble: bool = False) -> str:
     """Rewrite one tensor of rank `rank`'s shard in local copy `gen` with other values of the same
-    size, and its local commit record to agree: every crc32 checks, the state is wrong."""
+    size (`garble`: with bytes that are no tensor at all), and its local commit record to agree:
+    every crc32 checks, the state is wrong (or cannot load)."""
     from dslurm.checkpoint import tiers
     md = pickle.loads((gen / ".metadata").read_bytes())
     shard = f"__{rank}_0.distcp"
@@ -178,7 +182,7 @@ def _forge(gen: Path, rank: int) -> str:
     buf = io.BytesIO()
     torch.save(t + 1e-3, buf)
     assert len(buf.getvalue()) == info.length
-    raw[info.offset:info.offset + info.length] = buf.getvalue()
+    raw[info.offset:info.offset + info.length] = bytes(info.length) if garble else buf.getvalue()
     (gen / shard).write_bytes(bytes(raw))
     rec = json.loads(tiers.record_path(gen, rank).read_text())
     rec["files"][shard]["crc32"] = f"{zlib.crc32(bytes(raw)):08x}"
@@ -203,6 +207,26 @@ def test_wrong_but_well_checksummed_tensor_is_caught_by_the_fingerprint(first, t
     assert rej["tensor"].endswith(forged[0]) and "fingerprint" in rej["reason"]
     (restore,) = [e for e in evs if e["event"] in ("ckpt_restore", "ckpt_fallback")]
     assert restore["copies"] == {"local": [1], "partner": [0]}
+    _same_as_reference(first, tmp_path, got, K)
+
+
+def test_a_copy_that_fails_to_load_is_refused_not_raised(first, tmp_path):
+    """Files that match their record but do not load (zeros where a tensor's zip record was): the
+    copy is refused like a bad one and the restore goes on -- a raise here was a crash loop, every
+    requeue meeting the same copy."""
+    from dslurm import checkpoint as ck
+
+    def prepare(new: Path) -> None:
+        for node in ("node0", "node1"):
+            ck.remove_generation(node_local(new, node), _gen(node_local(new, node), K + 1).name)
+        _forge(_gen(node_local(new, "node0"), K), 0, garble=True)
+
+    got, evs, _ = _resume(first, tmp_path, prepare)
+    for rank in (0, 1):
+        assert got[rank]["restored"][:2] == [K, "partner"]  # the partner copies, not a crash
+    rejected = [e for e in evs if e["event"] == "restore_rejected"]
+    assert rejected and all(e["copy"] == "local" and "dcp.load failed" in e["reason"] for e in rejected)
+    assert [0] in [e["ranks"] for e in rejected]
     _same_as_reference(first, tmp_path, got, K)
 
 

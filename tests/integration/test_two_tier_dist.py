@@ -8,6 +8,7 @@ the per-node dedup, metadata and restore are exercised as on two machines). Thre
 2. "resume" on the same "nodes": restores K+1 from the local tier, finishes bit-identically.
 3. "resume" with node1's scratch wiped (node loss): restores K from durable, bit-identically.
 
+The worker scaffolding (two processes as two nodes) is node_pair.py's, shared with test_partner_dist.py.
 This file is also the torchrun worker: `torchrun --nproc_per_node=2 THIS_FILE MODE RUN_DIR OUT_DIR`.
 """
 
