@@ -47,7 +47,7 @@ variable anywhere else.
   DSLURM_FAULT_CKPT_KILL=RANK:PHASE:NTH      RANK SIGKILLs itself at PHASE of its NTH save
                                              (before_write, after_write, before_pointer; two
                                              tiers: after_local_commit, mid_copy; partner copies:
-                                             mid_partner, after the first chunk round)
+                                             mid_partner, once the first piece it receives landed)
   DSLURM_FAULT_SAVE_SLEEP=SECONDS            every background (async) save sleeps SECONDS after
                                              staging: a window in which to kill the whole job
   DSLURM_FAULT_STAGE_DELAY=SECONDS           an overlapped host copy (dslurm/checkpoint/staging.py) starts

@@ -223,10 +223,11 @@ class _CrcView(io.RawIOBase):
     the running crc32 going; a few kB per item. Any other read pattern makes `finish` read the
     whole item again: slower, never unchecked."""
 
-    def __init__(self, f: Any, name: str, start: int, length: int, sums: RangeSums, pace: Pace) -> None:
+    def __init__(self, f: Any, name: str, start: int, length: int, sums: RangeSums, pace: Pace,
+                 summing: bool = True) -> None:
         super().__init__()
         self.f, self.name, self.start, self.end, self.sums = f, name, start, start + length, sums
-        self.pace = pace
+        self.pace, self.summing = pace, summing
         self.pos = 0
         self.done, self.crc = start, sums.prior(name, start)  # summed in order up to `done`
         self.redo = False
@@ -249,7 +250,9 @@ class _CrcView(io.RawIOBase):
         view = memoryview(b).cast("B")
         n = max(0, min(len(view), self.end - self.start - self.pos))
         a = self.start + self.pos
-        if n >= _BIG and a >= self.done:
+        if not self.summing:
+            self._read(view[:n], a)
+        elif n >= _BIG and a >= self.done:
             self._sum_upto(a)
             self.crc, self.done = self._read_summing(view[:n], a), a + n
         else:
@@ -294,6 +297,8 @@ class _CrcView(io.RawIOBase):
 
     def finish(self) -> None:
         """After DCP is done with the item (the file still open): sum the rest, record it."""
+        if not self.summing:
+            return
         if self.redo:
             self.done, self.crc = self.start, self.sums.prior(self.name, self.start)
         self._sum_upto(self.end)
@@ -355,10 +360,11 @@ class CrcReader(SafeReader):
     and the manager would read it once more: slower, never unchecked
     (tests/integration/test_checkpoint_local.py `test_restore_reads_each_shard_file_once`)."""
 
-    def __init__(self, path: str | os.PathLike[str], mbps: float = 0.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], mbps: float = 0.0, summing: bool = True) -> None:
         super().__init__(path)
         self.sums = RangeSums()
         self.pace = Pace(mbps)
+        self.summing = summing  # False: files whose crc32 was just computed (a partner pull): read only
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
         if not reader_fast(self):  # a torch whose reader differs (compat): DCP's own read, nothing summed
@@ -371,7 +377,7 @@ class CrcReader(SafeReader):
                                                       where[it.storage_index].offset)):
             per_file.setdefault(where[req.storage_index].relative_path, []).append(req)
         for name, reqs in per_file.items():
-            with open(self.fs.concat_path(self.path, name), "rb") as f:
+            with self.open_file(name) as f:
                 for req in reqs:
                     _prefetch_records(f, where[req.storage_index].offset, where[req.storage_index].length)
                 for req in reqs:
@@ -380,15 +386,25 @@ class CrcReader(SafeReader):
         done.set_result(None)
         return done
 
+    def open_file(self, name: str) -> Any:
+        """The file `name` of the generation, for reading (a pull held in memory:
+        dslurm.checkpoint.landing.StreamedReader)."""
+        return open(self.fs.concat_path(self.path, name), "rb")  # noqa: SIM115 - the caller's `with`
+
+    def before_read(self, name: str, end: int) -> None:
+        """Called before an item's bytes [.., end) of file `name` are read: a file still arriving
+        (dslurm.checkpoint.partner.StreamedReader) waits here. Nothing by default."""
+
     def _read_item(self, f: Any, req: Any, planner: Any) -> None:
         """One request: checksummed; finished (the rest of its bytes summed) only when it was
         read without error, else its bytes stay a gap that the manager reads again."""
         sinfo = self.storage_data[req.storage_index]
         name, start, length = sinfo.relative_path, sinfo.offset, sinfo.length
+        self.before_read(name, start + length)
         if self.sums.covered(name, start, start + length) or length < _BIG:
             self._serve(self._small(f, name, start, length), req, planner, sinfo)
             return
-        view = _CrcView(f, name, start, length, self.sums, self.pace)
+        view = _CrcView(f, name, start, length, self.sums, self.pace, self.summing)
         plain = not sinfo.transform_descriptors and req.type != LoadItemType.BYTE_IO
         if not (plain and _read_direct(view, req, planner)):
             view.seek(0)
@@ -401,7 +417,8 @@ class CrcReader(SafeReader):
         self.pace.took(len(data))
         if len(data) != length:
             raise OSError(f"{f.name}: {len(data)} bytes at {start}, expected {length} (truncated?)")
-        self.sums.add(name, start, data)
+        if self.summing:
+            self.sums.add(name, start, data)
         return io.BytesIO(data)
 
     def _serve(self, stream: Any, req: Any, planner: Any, sinfo: Any) -> None:

@@ -126,11 +126,13 @@ class TwoTier:
             ctx.reap(self.pdir)
         self._comms = [Comm.new(ctx.comm.group is not None) for _ in range(2)]
         self._flights: list[_Flight] = []
+        self._keeping: threading.Thread | None = None
 
     # ------------------------------------------------------------ save
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any], blocking: bool) -> bool:
         ctx = self.ctx
+        self._kept()  # before any retention of this save's can see the pulled copy without its record
         writing, copying = self._status()
         if not blocking and writing and ctx.settings.on_inflight == "skip":
             return self._skip(step, "in_flight", "previous save still writing its local copy (on_inflight=skip)")
@@ -170,6 +172,7 @@ class TwoTier:
 
     def wait(self) -> None:
         """Join every flight in order and report it (on_error applies)."""
+        self._kept()
         while self._flights:
             fl = self._flights.pop(0)
             assert fl.thread is not None
@@ -372,4 +375,13 @@ class TwoTier:
         """The newest generation every rank has a node-local copy of, its own or (pulled) its
         partner's, not older than the durable pointer, that verifies as it loads
         (dslurm.checkpoint.local_restore)."""
-        return LocalRestore(self.ctx, self.local_dir, self.nodes, self.groups).run(state, pointer, phases)
+        walk = LocalRestore(self.ctx, self.local_dir, self.nodes, self.groups, self._comms[0])  # no flight: wait()ed
+        pick = walk.run(state, pointer, phases)
+        self._keeping = walk.keeping
+        return pick
+
+    def _kept(self) -> None:
+        """Wait for the restore's pulled copy to become this node's own (LocalRestore._keep)."""
+        if self._keeping is not None:
+            self._keeping.join()
+            self._keeping = None

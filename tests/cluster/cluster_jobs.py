@@ -4,8 +4,9 @@ of what a run recorded (ledger events, endings, per-start facts)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -14,7 +15,11 @@ from dslurm.cluster.disrupt import kill_node  # noqa: F401 - re-exported for the
 from dslurm.observe.ledger import read_events
 from testkit import wait_for  # noqa: F401 - re-exported for the cluster tests
 
+if TYPE_CHECKING:
+    import torch
+
 SITE = "site-configs/local.yaml"
+SCRATCH = Path("/tmp/dslurm-cluster/scratch")  # local.yaml's storage.scratch; %n: each slurmd its own
 ROOT = Path(__file__).resolve().parents[2]
 GPUS = 2  # placeholder GPUs per node of the session cluster = site-configs/local-gpu.yaml's node.gpus
 # The shipped GPU sites, each a never-started --test-only partition of the session cluster.
@@ -79,3 +84,58 @@ def trained_steps(run: Path) -> dict[int, int]:
     for e in events(run, "steps"):
         out[e["last"]] = out.get(e["last"], 0) + 1
     return out
+
+
+# -- the two-tier scenarios (test_two_tier.py, test_partner.py): one uninterrupted reference run
+
+TWO_TIER = {"steps": 16, "interval": 4}  # both scenarios and their reference train the same steps
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A submitted uninterrupted run: its run dir and job id (conftest's `two_tier_reference`)."""
+
+    run: Path
+    job: int
+
+
+def submit_reference(cli, env, tmp_path: Path) -> Reference:
+    return Reference(tmp_path / "ref2t", submit(cli, env, job_spec(tmp_path, "ref2t", sleep=0.3, **TWO_TIER)))
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {e["last"]: e["loss"] for e in events(run, "steps")}
+
+
+def final_tensors(run: Path, tmp: Path, step: int) -> dict[str, torch.Tensor]:
+    """The tensors of the run's durable generation at `step` (the pointer's), flattened by name."""
+    import torch  # here: conftest imports this module, and most cluster tests never need torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from dslurm import checkpoint as ck
+    ptr = ck.read_pointer(run)
+    assert ptr is not None and ptr.step == step
+    out = tmp / f"{run.name}.pt"
+    dcp_to_torch_save(ck.generations_dir(run) / ptr.generation, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, obj: object) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}{k}.", v)
+        elif isinstance(obj, torch.Tensor):
+            flat[prefix.rstrip(".")] = obj
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def same_as_reference(ref: Reference, run: Path, env: dict[str, str], tmp: Path) -> None:
+    """Every step's loss and the final checkpoint's tensors equal the reference's, bit for bit."""
+    import torch
+
+    from dslurm import slurm
+    assert slurm.wait_job(ref.job, timeout=300, env=env) == "COMPLETED", logs(ref.run)
+    got, want = losses(run), losses(ref.run)
+    assert sorted(got) == list(range(TWO_TIER["steps"])) and got == want  # bit-identical, every step
+    a, b = final_tensors(ref.run, tmp, TWO_TIER["steps"]), final_tensors(run, tmp, TWO_TIER["steps"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

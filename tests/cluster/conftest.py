@@ -24,9 +24,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster_jobs import GPUS, session_shapes
+from cluster_jobs import GPUS, Reference, session_shapes, submit_reference
 from doc_rows import REPORT
 from dslurm import cluster
+from testkit import run_cli
 
 NODES = 3
 
@@ -58,3 +59,10 @@ def slurm_cluster() -> Iterator[cluster.ClusterInfo]:
     yield info
     if os.environ.get("DSLURM_CLUSTER_TEARDOWN") == "1" and not was_up:
         cluster.down()
+
+
+@pytest.fixture(scope="session")
+def two_tier_reference(slurm_cluster: cluster.ClusterInfo, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The uninterrupted run the two-tier scenarios compare with (test_two_tier.py, test_partner.py):
+    one job per session, not one per scenario. Submitted, not waited for (same_as_reference waits)."""
+    return submit_reference(run_cli, slurm_cluster.env(), tmp_path_factory.mktemp("two_tier_ref"))

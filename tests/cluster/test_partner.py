@@ -1,8 +1,8 @@
 """Partner copies on the real local Slurm (issue 52): 2 nodes x 2 processes, each slurmd its own
 node-local scratch (site-configs/local.yaml: storage.scratch /tmp/dslurm-cluster/scratch/%n), node3
-in the run's blocklist so the requeued start lands on node1 + node2 again. Two jobs in all:
+in the run's blocklist so the requeued start lands on node1 + node2 again. One job of its own, and
+the session's uninterrupted reference run (conftest `two_tier_reference`, shared with test_two_tier.py):
 
-- the reference: the same training uninterrupted (durable only);
 - the two-tier run with `checkpoint.partner: true`. Once step 8's generation is committed locally,
   on the partner node and durably, every rank waits before step 11 (DSLURM_FAULT_AWAIT) while the
   test wipes node2's scratch and deletes step 8's durable copy; then node2's ranks are SIGKILLed
@@ -19,32 +19,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from cluster_jobs import events, job_spec, logs, submit, wait_for
+from cluster_jobs import SCRATCH, TWO_TIER, events, job_spec, logs, same_as_reference, submit, wait_for
 from dslurm import checkpoint as ck
 from dslurm import slurm
 
-STEPS, INTERVAL, NEWEST = 14, 4, 8
-SCRATCH = Path("/tmp/dslurm-cluster/scratch")
-
-
-def _final_tensors(run: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    ptr = ck.read_pointer(run)
-    assert ptr is not None and ptr.step == STEPS
-    out = tmp / f"{run.name}.pt"
-    dcp_to_torch_save(ck.generations_dir(run) / ptr.generation, out)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, obj: object) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}{k}.", v)
-        elif isinstance(obj, torch.Tensor):
-            flat[prefix.rstrip(".")] = obj
-    walk("", torch.load(out, weights_only=False))
-    return flat
+NEWEST = 8
 
 
 def _newest_everywhere(run: Path) -> bool:
@@ -54,11 +34,11 @@ def _newest_everywhere(run: Path) -> bool:
 
 
 @pytest.mark.timeout(900)
-def test_node_loss_resumes_at_the_newest_step_from_the_partner_copy(slurm_cluster, cli, tmp_path):
+def test_node_loss_resumes_at_the_newest_step_from_the_partner_copy(slurm_cluster, two_tier_reference, cli,
+                                                                     tmp_path):
     env = slurm_cluster.env()
-    ref, run = tmp_path / "refp", tmp_path / "partner"
-    common = {"steps": STEPS, "interval": INTERVAL, "sleep": 0.3}
-    job_ref = submit(cli, env, job_spec(tmp_path, "refp", **common))
+    run = tmp_path / "partner"
+    common = {"sleep": 0.3, **TWO_TIER}
     run.mkdir()
     (run / "blocklist.txt").write_text("node3\n")  # every start on node1 + node2
     gate = run / "node2-lost"
@@ -75,7 +55,6 @@ def test_node_loss_resumes_at_the_newest_step_from_the_partner_copy(slurm_cluste
     shutil.rmtree(ck.generations_dir(run) / ptr.generation)  # and the newest durable copy
     gate.write_text("")  # node2's ranks die before step 11
     assert slurm.wait_job(job, timeout=500, env=env) == "COMPLETED", logs(run)
-    assert slurm.wait_job(job_ref, timeout=300, env=env) == "COMPLETED", logs(ref)
 
     restores = {e["restart"]: e for e in events(run, "ckpt_restore") + events(run, "ckpt_fallback")}
     starts = {e["restart"]: e for e in events(run, "train_start")}
@@ -87,9 +66,4 @@ def test_node_loss_resumes_at_the_newest_step_from_the_partner_copy(slurm_cluste
     assert not events(run, "restore_rejected")
     commits = events(run, "ckpt_partner_commit")
     assert commits and all(e["ok"] and e["bytes"] > 0 for e in commits)
-
-    got = {e["last"]: e["loss"] for e in events(run, "steps")}
-    want = {e["last"]: e["loss"] for e in events(ref, "steps")}
-    assert sorted(got) == list(range(STEPS)) and got == want  # bit-identical, every step
-    a, b = _final_tensors(ref, tmp_path), _final_tensors(run, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_as_reference(two_tier_reference, run, env, tmp_path)

@@ -1,8 +1,8 @@
 """Two-tier checkpoints on the real local Slurm (issue 16): 2 nodes x 2 processes, each slurmd its own
 node-local scratch (site-configs/local.yaml: storage.scratch /tmp/dslurm-cluster/scratch/%n, %n =
-SLURMD_NODENAME). Two jobs in all, kept tiny:
+SLURMD_NODENAME). One job of its own, kept tiny, and the session's uninterrupted reference run
+(conftest `two_tier_reference`, shared with test_partner.py):
 
-- the reference: the same training uninterrupted (durable only);
 - the two-tier run, pinned to node1+node2 (node3 in the run's blocklist, so a requeue lands on the
   same nodes): `scontrol requeue` in start 0 (TERM: the stop save reaches durable before exit) ->
   start 1 restores from the local tier; `scontrol requeuehold` in start 1, node2's scratch wiped
@@ -16,37 +16,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from cluster_jobs import events, job_spec, logs, submit, wait_for
-from dslurm import checkpoint as ck
+from cluster_jobs import SCRATCH, TWO_TIER, events, job_spec, logs, same_as_reference, submit, wait_for
 from dslurm import slurm
 from dslurm.checkpoint import tiers
-
-STEPS, INTERVAL = 16, 4
-SCRATCH = Path("/tmp/dslurm-cluster/scratch")
-
-
-def _losses(run: Path) -> dict[int, float]:
-    return {e["last"]: e["loss"] for e in events(run, "steps")}
-
-
-def _final_tensors(run: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    ptr = ck.read_pointer(run)
-    assert ptr is not None and ptr.step == STEPS
-    out = tmp / f"{run.name}.pt"
-    dcp_to_torch_save(ck.generations_dir(run) / ptr.generation, out)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, obj: object) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}{k}.", v)
-        elif isinstance(obj, torch.Tensor):
-            flat[prefix.rstrip(".")] = obj
-    walk("", torch.load(out, weights_only=False))
-    return flat
 
 
 def _steps_in(run: Path, restart: int) -> int:
@@ -54,13 +27,11 @@ def _steps_in(run: Path, restart: int) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_two_tier_preempted_resumes_local_then_durable_after_node_loss(slurm_cluster, cli, tmp_path):
+def test_two_tier_preempted_resumes_local_then_durable_after_node_loss(slurm_cluster, two_tier_reference, cli,
+                                                                        tmp_path):
     env = slurm_cluster.env()
-    ref, run = tmp_path / "ref2t", tmp_path / "twotier"
-    common = {"steps": STEPS, "interval": INTERVAL, "sleep": 0.5}
-    job_ref = submit(cli, env, job_spec(tmp_path, "ref2t", **common))
-    assert slurm.wait_job(job_ref, timeout=400, env=env) == "COMPLETED", logs(ref)
-
+    run = tmp_path / "twotier"
+    common = {"sleep": 0.5, **TWO_TIER}
     run.mkdir()
     (run / "blocklist.txt").write_text("node3\n")  # every start on node1 + node2: "the same nodes"
     spec = job_spec(tmp_path, "twotier", checkpoint={"tiers": "two_tier", "async_save": True}, **common)
@@ -92,8 +63,4 @@ def test_two_tier_preempted_resumes_local_then_durable_after_node_loss(slurm_clu
     # only node1 (ranks 0, 1) still holds local generations of the run
     name = tiers.local_run_dir(SCRATCH / "node1", run).name
     assert (SCRATCH / "node1" / name).is_dir()
-
-    got, want = _losses(run), _losses(ref)
-    assert sorted(got) == list(range(STEPS)) and got == want  # bit-identical, every step
-    a, b = _final_tensors(ref, tmp_path), _final_tensors(run, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_as_reference(two_tier_reference, run, env, tmp_path)

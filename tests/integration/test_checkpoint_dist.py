@@ -220,13 +220,6 @@ def test_reshard_fsdp2x2_to_one_process(first, tmp_path, caplog):
 
 
 if __name__ == "__main__":
-    import logging
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sys.path.insert(0, str(ROOT / "tests"))  # testkit
-    dist.init_process_group("gloo")
-    try:
-        worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
-    finally:
-        dist.destroy_process_group()
-    from dslurm.endings.worker_exit import leave
-    leave(0)  # not the interpreter's finalization: it can abort a finished gloo worker (see leave)
+    from train_helpers import worker_main
+    worker_main(worker)

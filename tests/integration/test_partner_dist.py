@@ -13,7 +13,10 @@ of its save at K+1, after both local commits, before any durable copy of K+1.
 - a flipped byte in that partner shard: the pull is rejected (restore_rejected, copy partner),
   the copy withdrawn, the durable K restored;
 - a wrong but well-checksummed tensor in rank 0's own local copy (record rewritten to agree): the
-  fingerprint catches it after the load, before the first step; rank 0 takes its partner copy.
+  fingerprint catches it after the load, before the first step; rank 0 takes its partner copy;
+- the same with bytes that do not load at all: refused like a bad copy, never raised (a crash loop).
+
+The worker scaffolding (two processes as two nodes) is node_pair.py's, shared with test_two_tier_dist.py.
 
 This file is also the torchrun worker: `torchrun --nproc_per_node=2 THIS_FILE MODE RUN_DIR OUT_DIR`.
 """
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import shutil
 import subprocess
@@ -35,9 +37,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checkpoint_dist import STEPS, K, build, full_params, train  # noqa: E402
+from node_pair import (  # noqa: E402
+    K,
+    copy_base,
+    first_run,
+    node_local,
+    resume_records,
+    resumed,
+    same_as_reference,
+    scratch_kw,
+    worker_main,
+)
+from node_pair import torchrun as _torchrun  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -53,52 +65,21 @@ class ListLedger:
 def worker(mode: str, run_dir: Path, out: Path) -> None:
     from dslurm import checkpoint as ck
     from dslurm.checkpoint import replica
-    from dslurm.checkpoint.dcp import CheckpointManager, TrainState
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ["SLURMD_NODENAME"] = f"node{rank}"  # one "node" per rank: its own scratch
-    ledger = ListLedger()
-    kw = {"layout": {"dp_shard": world}, "scratch": str(run_dir.parent / "scratch" / "%n"), "async_mode": True,
-          "partner": True, "ledger": ledger}
-    fresh = lambda: {"sampler": {"index": 5}}  # noqa: E731
+    world, ledger = dist.get_world_size(), ListLedger()
+    kw = scratch_kw(run_dir, world, partner=True, ledger=ledger)
     if mode == "first":
-        model, opt, sched = build(world)
-        record = train(model, opt, sched, fresh(), 0, STEPS)
-        params = full_params(model)  # collective
-        (out / f"ref-{rank}.json").write_text(json.dumps(record))
-        if rank == 0:
-            torch.save(params, out / "ref-params.pt")
-        model, opt, sched = build(world)
-        with CheckpointManager(run_dir, **kw) as mgr:
-            assert mgr.restore({"train": TrainState(model, opt, sched)}) is None
-            train(model, opt, sched, fresh(), 0, K + 1, mgr, saves=(2, K, K + 1))
+        first_run(run_dir, out, kw, saves=(2, K, K + 1))
     elif mode == "resume":
-        model, opt, sched = build(world, seed=1)
-        extra: dict[str, Any] = {}
-        with CheckpointManager(run_dir, **kw) as mgr:
-            res = mgr.restore({"train": TrainState(model, opt, sched)}, extra)
-            held = replica.held_copies(mgr.tier.local_dir, world, kw["layout"], [[0], [1]])
-            record = train(model, opt, sched, extra, res.step, STEPS)
-            mgr.save(STEPS, {"train": TrainState(model, opt, sched)}, extra, blocking=True)
-        record["restored"] = [res.step, res.tier, res.tier_reason]
-        record["held_after_restore"] = {str(ck.parse_step(n)): v for n, v in held.items()}
-        params = full_params(model)  # collective
-        (out / f"resume-{rank}.json").write_text(json.dumps(record))
-        if rank == 0:
-            torch.save(params, out / "resume-params.pt")
+        def held(mgr: Any) -> dict[str, Any]:
+            copies = replica.held_copies(mgr.tier.local_dir, world, kw["layout"], [[0], [1]])
+            return {"held_after_restore": {str(ck.parse_step(n)): v for n, v in copies.items()}}
+        resumed(run_dir, out, kw, held)
+        if dist.get_rank() == 0:
             (out / "events.json").write_text(json.dumps(ledger.events, default=str))
 
 
 def torchrun(mode: str, run_dir: Path, out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           __file__, mode, str(run_dir), str(out)]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=180, cwd=ROOT)
-
-
-def _local(base: Path, node: str) -> Path:
-    from dslurm.checkpoint import tiers
-    return tiers.local_run_dir(base / "scratch" / node, base / "run")
+    return _torchrun(__file__, mode, run_dir, out, env)
 
 
 def _gen(root: Path, step: int) -> Path:
@@ -121,35 +102,25 @@ def test_kill_9_mid_partner_transfer_leaves_no_partner_copy_that_counts(first):
     assert res.returncode != 0 and "killing myself at mid_partner" in res.stderr
     assert ck.read_pointer(base / "run").step == K
     for rank, node in enumerate(("node0", "node1")):
-        held = replica.held_copies(_local(base, node), 2, {"dp_shard": 2}, [[0], [1]])
+        held = replica.held_copies(node_local(base, node), 2, {"dp_shard": 2}, [[0], [1]])
         partner = {ck.parse_step(n): [r for r, kind in v.items() if kind == "partner"] for n, v in held.items()}
         assert partner == {2: [1 - rank], K: [1 - rank], K + 1: []}  # K+1: locally committed, no partner copy
-        partial = replica.partner_root(_local(base, node)) / "generations"
+        partial = replica.partner_root(node_local(base, node)) / "generations"
         assert any(ck.parse_step(p.name) == K + 1 for p in partial.iterdir())  # bytes, never a record
 
 
 def _resume(first, tmp_path: Path, prepare: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
     base, _, _ = first
     new = tmp_path / "base"
-    shutil.copytree(base, new, ignore=shutil.ignore_patterns("out"))
-    for node in ("node0", "node1"):  # the local dir's name hashes the run dir's path
-        shutil.move(new / "scratch" / node / _local(base, node).name, _local(new, node))
+    copy_base(base, new)
     prepare(new)
     res = torchrun("resume", new / "run", tmp_path / "out")
     assert res.returncode == 0, res.stderr[-4000:]
-    got = [json.loads((tmp_path / "out" / f"resume-{r}.json").read_text()) for r in (0, 1)]
-    return got, json.loads((tmp_path / "out" / "events.json").read_text()), new
+    return resume_records(tmp_path / "out"), json.loads((tmp_path / "out" / "events.json").read_text()), new
 
 
 def _same_as_reference(first, tmp_path: Path, got: list[dict[str, Any]], start: int) -> None:
-    _, ref_out, _ = first
-    for rank in (0, 1):
-        ref = json.loads((ref_out / f"ref-{rank}.json").read_text())
-        assert got[rank]["losses"] == ref["losses"][start:]
-        assert got[rank]["probes"] == ref["probes"][start:]  # per-rank RNG came back
-    ref_p = torch.load(ref_out / "ref-params.pt")
-    got_p = torch.load(tmp_path / "out" / "resume-params.pt")
-    assert ref_p.keys() == got_p.keys() and all(torch.equal(ref_p[k], got_p[k]) for k in ref_p)
+    same_as_reference(first[1], tmp_path / "out", got, start)
 
 
 def _lose_node1(new: Path, durable_too: bool) -> None:
@@ -161,7 +132,7 @@ def _lose_node1(new: Path, durable_too: bool) -> None:
 def test_node_loss_restores_the_newest_from_the_partner_copy(first, tmp_path):
     got, evs, _ = _resume(first, tmp_path, lambda new: _lose_node1(new, durable_too=True))
     for rank in (0, 1):
-        step, tier, why = got[rank]["restored"]
+        step, tier, why, _ = got[rank]["restored"]
         assert (step, tier) == (K, "partner"), why
         assert "rank 1 from the partner copy on node0" in why.replace("ranks 1", "rank 1")
     (restore,) = [e for e in evs if e["event"] in ("ckpt_restore", "ckpt_fallback")]
@@ -184,7 +155,7 @@ def test_flipped_byte_in_a_partner_shard_is_rejected_before_the_first_step(first
 
     def prepare(new: Path) -> None:
         _lose_node1(new, durable_too=False)
-        shard = _gen(replica.partner_root(_local(new, "node0")), K) / "__1_0.distcp"
+        shard = _gen(replica.partner_root(node_local(new, "node0")), K) / "__1_0.distcp"
         _flip(shard, shard.stat().st_size // 2)
 
     got, evs, _ = _resume(first, tmp_path, prepare)
@@ -197,9 +168,10 @@ def test_flipped_byte_in_a_partner_shard_is_rejected_before_the_first_step(first
     _same_as_reference(first, tmp_path, got, K)
 
 
-def _forge(gen: Path, rank: int) -> str:
+def _forge(gen: Path, rank: int, garble: bool = False) -> str:
     """Rewrite one tensor of rank `rank`'s shard in local copy `gen` with other values of the same
-    size, and its local commit record to agree: every crc32 checks, the state is wrong."""
+    size (`garble`: with bytes that are no tensor at all), and its local commit record to agree:
+    every crc32 checks, the state is wrong (or cannot load)."""
     from dslurm.checkpoint import tiers
     md = pickle.loads((gen / ".metadata").read_bytes())
     shard = f"__{rank}_0.distcp"
@@ -210,7 +182,7 @@ def _forge(gen: Path, rank: int) -> str:
     buf = io.BytesIO()
     torch.save(t + 1e-3, buf)
     assert len(buf.getvalue()) == info.length
-    raw[info.offset:info.offset + info.length] = buf.getvalue()
+    raw[info.offset:info.offset + info.length] = bytes(info.length) if garble else buf.getvalue()
     (gen / shard).write_bytes(bytes(raw))
     rec = json.loads(tiers.record_path(gen, rank).read_text())
     rec["files"][shard]["crc32"] = f"{zlib.crc32(bytes(raw)):08x}"
@@ -224,8 +196,8 @@ def test_wrong_but_well_checksummed_tensor_is_caught_by_the_fingerprint(first, t
 
     def prepare(new: Path) -> None:
         for node in ("node0", "node1"):  # K is the newest local generation
-            ck.remove_generation(_local(new, node), _gen(_local(new, node), K + 1).name)
-        forged.append(_forge(_gen(_local(new, "node0"), K), 0))
+            ck.remove_generation(node_local(new, node), _gen(node_local(new, node), K + 1).name)
+        forged.append(_forge(_gen(node_local(new, "node0"), K), 0))
 
     got, evs, _ = _resume(first, tmp_path, prepare)
     for rank in (0, 1):
@@ -235,6 +207,26 @@ def test_wrong_but_well_checksummed_tensor_is_caught_by_the_fingerprint(first, t
     assert rej["tensor"].endswith(forged[0]) and "fingerprint" in rej["reason"]
     (restore,) = [e for e in evs if e["event"] in ("ckpt_restore", "ckpt_fallback")]
     assert restore["copies"] == {"local": [1], "partner": [0]}
+    _same_as_reference(first, tmp_path, got, K)
+
+
+def test_a_copy_that_fails_to_load_is_refused_not_raised(first, tmp_path):
+    """Files that match their record but do not load (zeros where a tensor's zip record was): the
+    copy is refused like a bad one and the restore goes on -- a raise here was a crash loop, every
+    requeue meeting the same copy."""
+    from dslurm import checkpoint as ck
+
+    def prepare(new: Path) -> None:
+        for node in ("node0", "node1"):
+            ck.remove_generation(node_local(new, node), _gen(node_local(new, node), K + 1).name)
+        _forge(_gen(node_local(new, "node0"), K), 0, garble=True)
+
+    got, evs, _ = _resume(first, tmp_path, prepare)
+    for rank in (0, 1):
+        assert got[rank]["restored"][:2] == [K, "partner"]  # the partner copies, not a crash
+    rejected = [e for e in evs if e["event"] == "restore_rejected"]
+    assert rejected and all(e["copy"] == "local" and "dcp.load failed" in e["reason"] for e in rejected)
+    assert [0] in [e["ranks"] for e in rejected]
     _same_as_reference(first, tmp_path, got, K)
 
 
@@ -256,12 +248,4 @@ def test_the_site_default_turns_partner_copies_on_unless_the_job_says_otherwise(
 
 
 if __name__ == "__main__":
-    import logging
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    dist.init_process_group("gloo")
-    try:
-        worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
-    finally:
-        dist.destroy_process_group()
-    from dslurm.endings.worker_exit import leave
-    leave(0)  # not the interpreter's finalization: it can abort a finished gloo worker (see leave)
+    worker_main(worker)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from dslurm.observe.ledger import read_events
@@ -100,3 +101,19 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
 def step_records(run_dir: Path) -> list[dict]:
     """The `steps` events (log_every=1: one per optimizer step), in order."""
     return [e for e in read_events(run_dir) if e["event"] == "steps"]
+
+
+def worker_main(worker: Callable[[str, Path, Path], None]) -> None:
+    """A torchrun worker file's `__main__`: MODE RUN_DIR OUT from argv, in a gloo process group
+    (test_checkpoint_dist.py and the two-node tests of node_pair.py)."""
+    import logging
+
+    import torch.distributed as dist  # here: most users of this module never start a worker
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    dist.init_process_group("gloo")
+    try:
+        worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    finally:
+        dist.destroy_process_group()
+    from dslurm.endings.worker_exit import leave
+    leave(0)  # not the interpreter's finalization: it can abort a finished gloo worker (see leave)
