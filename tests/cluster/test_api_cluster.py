@@ -94,11 +94,19 @@ def test_api_job_matches_dslurm_submit(notebook, slurm_env, cli, tmp_path):
     assert s.nodes == sorted(set(s.hosts))
 
 
-def test_usr2_requeues_the_job_and_it_resumes_with_no_lost_steps(slurm_env, tmp_path):
+def test_usr2_requeues_and_resumes_exactly_then_a_crash_is_retried_as_requeue_me_would(slurm_env, tmp_path):
+    """One API job, two interruptions (one job for both: each start costs a Slurm cycle).
+    Start 0: an external USR2 requeues it through submitit; it saved at the stop and start 1 resumes
+    exactly there, nothing redone. Start 1: rank 0 crashes before its 11th optimizer step (10 steps
+    done). submitit alone retries timeouts and preemptions, never a crash (issue 38): rank 0 of the
+    API job classifies the start's ending from its facts, records it (the restart budget counts it),
+    and requeues through submitit when dslurm's decision says so; start 2 resumes from start 1's
+    newest save and completes."""
     run = tmp_path / "run"
     job = api.submit(JOB, site=SITE, overrides=[
-        "train.steps=12", "train.log_every=2", "checkpoint.interval=100", "preflight.enabled=false",
-        f"checkpoint.run_dir={run}"])
+        "train.steps=12", "train.log_every=1", "train.step_sleep_s=0.2", "checkpoint.interval=4",
+        "checkpoint.async_save=false",  # each save's event when it commits: start 2's resume step is known
+        "preflight.enabled=false", f"checkpoint.run_dir={run}", "env.DSLURM_FAULT_CRASH=11:0@1"])
     wait_for(lambda: job_events(run, job.job_id, "steps"), 180, "the first logged steps")
     # What Slurm sends before the time limit (--signal=USR2@LEAD) and what submitit's own
     # job._interrupt(timeout=True) sends: USR2 to every task of the job.
@@ -106,30 +114,26 @@ def test_usr2_requeues_the_job_and_it_resumes_with_no_lost_steps(slurm_env, tmp_
     s = job.result()
     starts = job_events(run, job.job_id, "train_start")
     stop = [e for e in job_events(run, job.job_id, "exit") if e["reason"] == "requeue"]
-    saves = [e for e in job_events(run, job.job_id, "ckpt_save") if e["restart"] == 0]
-    decision = job_events(run, job.job_id, "requeue")
-    assert [e["restart"] for e in starts] == [0, 1]
-    assert len(stop) == 1 and [e["step"] for e in saves] == [stop[0]["step"]]  # saved at the stop
-    assert starts[1]["step"] == stop[0]["step"] > 0  # resumed exactly there: nothing redone
-    assert decision and decision[0]["decision"] == "requeue" and decision[0]["via"] == "submitit"
+    saves = [(e["restart"], e["step"]) for e in job_events(run, job.job_id, "ckpt_save")]
+    assert [e["restart"] for e in starts] == [0, 1, 2], starts
+    assert len(stop) == 1 and stop[0]["restart"] == 0 and (0, stop[0]["step"]) in saves, (stop, saves)
+    assert max(st for r, st in saves if r == 0) == stop[0]["step"]  # saved at the stop
+    assert starts[1]["step"] == stop[0]["step"] > 0, starts  # resumed exactly there: nothing redone
+    assert stop[0]["step"] < 10, stop  # start 1 trained before its crash
     after = [e for e in job_events(run, job.job_id, "steps") if e["restart"] == 1]
     assert after[0]["first"] == stop[0]["step"]
-    assert (s.final_step, s.restarts, s.lost_steps) == (12, 1, 0)
-
-
-def test_a_crash_is_retried_as_requeue_me_would(slurm_env, tmp_path):
-    """submitit alone retries timeouts and preemptions, never a crash (issue 38): rank 0 of the
-    API job classifies the start's ending from its facts, records it (the restart budget counts
-    it), and requeues through submitit when dslurm's decision says so."""
-    run = tmp_path / "run"
-    job = api.submit(JOB, site=SITE, overrides=[
-        "train.steps=8", "train.log_every=2", "checkpoint.interval=4", "preflight.enabled=false",
-        f"checkpoint.run_dir={run}", "env.DSLURM_FAULT_CRASH=6:0@0"])
-    s = job.result()
-    assert [e["cls"] for e in job_events(run, job.job_id, "ending")] == ["crash"]
-    assert [e["decision"] for e in job_events(run, job.job_id, "requeue")] == ["requeue"]
-    assert [e["step"] for e in job_events(run, job.job_id, "train_start")] == [0, 4]
-    assert (s.final_step, s.restarts) == (8, 1)
+    assert [e["cls"] for e in job_events(run, job.job_id, "ending")] == ["warned_stop", "crash"]
+    decisions = job_events(run, job.job_id, "requeue")
+    assert [e["decision"] for e in decisions] == ["requeue", "requeue"], decisions
+    assert decisions[0]["via"] == "submitit"
+    newest = max(st for r, st in saves if r <= 1)
+    assert starts[2]["step"] == newest < 10, (starts, saves)
+    trained: dict[int, int] = {}
+    for e in job_events(run, job.job_id, "steps"):
+        trained[e["last"]] = trained.get(e["last"], 0) + 1
+    redone = sorted(st for st, n in trained.items() if n > 1)
+    assert redone == list(range(newest, 10)), (redone, newest)  # only the crash cost steps (0-based)
+    assert (s.final_step, s.restarts, s.lost_steps) == (12, 2, len(redone))
 
 
 def test_a_failing_trainer_raises_with_its_error_output(slurm_env, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from dslurm.observe.ledger import read_events
 from outage_servers import silent_server
-from testkit import LoadDeadline
+from testkit import LoadDeadline, load_scaled
 from train_helpers import ROOT, SITE, write_job
 
 pytestmark = [pytest.mark.integration,
@@ -67,7 +67,9 @@ def test_a_silent_tracker_server_never_holds_a_step_and_a_term_ends_the_run_afte
     # an exit never waits on a tracker (issue 53): the stop's exit event (after its committed save)
     # to the process gone, the trackers left at once (the rest is the interpreter's own teardown)
     print(f"exit event -> process gone: {ended_at - exit_ev['t']:.2f} s; TERM -> gone {ended_s:.2f} s")
-    assert ended_at - exit_ev["t"] < 3.0, (ended_at - exit_ev["t"], out)
+    # 3 s idle, stretched by the load (failed at 4.1 s under load 16) but kept under half the trackers'
+    # 30 s open bound, so an exit that waited on them still fails
+    assert ended_at - exit_ev["t"] < min(load_scaled(3.0), 15.0), (ended_at - exit_ev["t"], out)
     accounts = {e["tracker"]: e for e in evs if e["event"] == "tracker_delivery"}
     assert all(not a["closed"] and a["missing"] > 0 for a in accounts.values()), accounts  # left for the next start
     failed = {e["tracker"]: e for e in evs if e["event"] == "tracker_failed"}
