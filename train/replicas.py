@@ -48,7 +48,8 @@ QUORUM_TIMEOUT = timedelta(seconds=120)
 GATHER_S = 60.0
 """At the final step, how long the groups wait for a missing group to come back and heal (`gather`)"""
 OP_TIMEOUT = timedelta(seconds=60)
-"""the Manager's bound on an all-reduce, a commit vote and a heal's transfer"""
+"""the Manager's bound on a commit vote (inside the group) and a heal's transfer; the cross-group
+all-reduce has the job's recovery.replica_timeout_s (`Context.timeout_s`)"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +59,8 @@ class Context:
     group: int
     groups: int
     replicas_min: int
+    timeout_s: float = 2.0
+    """recovery.replica_timeout_s: the bound of every wait in the cross-group all-reduce"""
     lost_step: int | None = None
 
     @classmethod
@@ -67,7 +70,7 @@ class Context:
         group = int(env.get(GROUP_ENV) or 0)
         lost = env.get(LOST_STEP_ENV)
         return cls(group=group, groups=job.parallel.dp_replicate, replicas_min=job.recovery.replicas_min,
-                   lost_step=int(lost) if lost else None)
+                   timeout_s=job.recovery.replica_timeout_s, lost_step=int(lost) if lost else None)
 
     @property
     def replica_id(self) -> str:
@@ -116,8 +119,13 @@ class Replicas:
         self.ctx, self.t, self.rank = ctx, trainer, rank
         self.ledger, self.facts_dir = ledger, facts_dir
         self.transport = _transport()
+        # The cross-group gloo group's timeout bounds each wait inside the gradient all-reduce: a
+        # SIGSTOPped group keeps its sockets open (no reset, unlike a kill), so without it the
+        # survivors would wait the whole OP_TIMEOUT; torchft then discards the step everywhere and the
+        # Lighthouse (same timeout on heartbeats) has left the silent group out of the next quorum.
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=OP_TIMEOUT), load_state_dict=self._load, state_dict=self._state,
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=ctx.timeout_s)), load_state_dict=self._load,
+            state_dict=self._state,
             min_replica_size=ctx.replicas_min, use_async_quorum=False, timeout=OP_TIMEOUT,
             quorum_timeout=QUORUM_TIMEOUT, rank=rank, world_size=world, replica_id=ctx.replica_id,
             checkpoint_transport=self.transport)

@@ -98,8 +98,9 @@ class ReplicaSupervisor:
         self.after_lead_s = 30.0
         self.node_wait_s = 5.0
         # A group that begins no step for this long while another group begins later ones is hung
-        # (`_stalled`): its step is ended and started again.
-        self.stall_s = 30.0
+        # (`_stalled`): its step is ended and started again. The survivors do not wait for this (their
+        # all-reduce and quorum give up on it after recovery.replica_timeout_s); only its return does.
+        self.stall_s = 15.0
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""

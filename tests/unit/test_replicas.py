@@ -13,7 +13,7 @@ from dslurm import endings as E
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.errors import UserError
-from dslurm.launch.slurm_env import lighthouse_port, master_port
+from dslurm.launch.slurm_env import GROUP_ENV, lighthouse_port, master_port
 from dslurm.observe import events as ev
 from dslurm.recover.lighthouse import address
 from dslurm.recover.replicas import PROGRESS, ReplicaSupervisor, group_hosts, last_step
@@ -35,6 +35,8 @@ def _resolved(tmp_path: Path | None = None, **job):
     ({"nodes": 4}, "nodes", "multiple of 3"),
     ({"recovery": {"replicas": True, "replicas_min": 4}}, "recovery.replicas_min", "between 1 and"),
     ({"launch": "srun"}, "launch", "launch: torchrun"),
+    ({"recovery": {"replicas": True, "replica_timeout_s": 0.2}}, "recovery.replica_timeout_s", "(default 2.0)"),
+    ({"recovery": {"replicas": True, "replica_timeout_s": 900}}, "recovery.replica_timeout_s", "at most 600"),
 ])
 def test_replica_settings_that_cannot_work_are_refused_with_the_field_and_the_fix(job, field, fix):
     with pytest.raises(UserError) as err:
@@ -45,13 +47,19 @@ def test_replica_settings_that_cannot_work_are_refused_with_the_field_and_the_fi
 def test_the_script_starts_the_lighthouse_beside_itself_and_supervises_the_groups_with_no_kill():
     text = render_sbatch(_resolved(), RenderRefs(site=SITE, job="job.yaml"))
     assert "#SBATCH --no-kill" in text and "#SBATCH --nodes=3" in text
-    start = text.index("-m dslurm.recover.lighthouse --min-replicas 1")
+    start = text.index("-m dslurm.recover.lighthouse --min-replicas 1 --heartbeat-timeout-s 2.0 )")
     sup = text.index("-m dslurm supervise")
     stop = text.index('kill "$lighthouse_pid"')
     assert start < sup < stop < text.index('exit "$rc"')
     assert "trap '' USR2; exec" in text[start - 40:start]  # USR2 is the batch shell's to forward
     res = subprocess.run(["shellcheck", "-"], input=text, text=True, capture_output=True)
     assert res.returncode == 0, res.stdout
+
+
+def test_the_replica_timeout_reaches_the_lighthouse_and_the_groups_all_reduce():
+    r = _resolved(recovery={"replicas": True, "replica_timeout_s": 0.75})
+    assert "--heartbeat-timeout-s 0.75 )" in render_sbatch(r, RenderRefs(site=SITE, job="job.yaml"))
+    assert Context.from_env(r.job, {GROUP_ENV: "1"}).timeout_s == 0.75
 
 
 def test_a_plain_job_renders_no_lighthouse():
