@@ -30,7 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     from dslurm.launch.slurm_env import lighthouse_port
 
     p = argparse.ArgumentParser(prog="python -m dslurm.recover.lighthouse", description=__doc__.splitlines()[0])
-    p.add_argument("--min-replicas", type=int, required=True, help="recovery.replicas_min")
     p.add_argument("--heartbeat-timeout-s", type=float, required=True,
                    help="recovery.replica_timeout_s: a group silent this long is left out of the next quorum (the "
                    "survivors' step after a loss waits about this long; torchft's default is 5 s)")
@@ -38,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     port = lighthouse_port(os.environ.get("SLURM_JOB_ID", "0"), int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind=f"[::]:{port}", min_replicas=args.min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+    # A quorum forms with any one group: recovery.replicas_min is the groups' Managers' (no step
+    # commits below it) and the supervisor's (it stops the job); a Lighthouse holding the quorum
+    # back would leave the survivors inside it, deaf to that stop, until a crash.
+    server = LighthouseServer(bind=f"[::]:{port}", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
                               heartbeat_timeout_ms=round(args.heartbeat_timeout_s * 1000))
-    print(f"dslurm: torchft Lighthouse at {server.address()} (min_replicas={args.min_replicas}, heartbeat timeout "
-          f"{args.heartbeat_timeout_s} s)", flush=True)
+    print(f"dslurm: torchft Lighthouse at {server.address()} (heartbeat timeout {args.heartbeat_timeout_s} s)",
+          flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

@@ -12,6 +12,8 @@ group; when a group's step ends:
   spare (its nodes blocklisted), else on its nodes once they answer again (probed every 5 s while
   another group trains); the new step heals from a live peer (train/replicas.py). The
   survivors never stop: torchft leaves the lost group out of their next quorum;
+- fewer than `recovery.replicas_min` groups left by a loss: the others stop as for Slurm's USR2
+  (an agreed stop, group 0 saves, the job is requeued from that pointer; `_stop_below_min`);
 - otherwise (completed, a stop, the last group alive failing, no node left for it, the restart
   budget spent, group 0 over) the group is over. A group still running 30 s after group 0 ended
   is stopped (frozen, or started again too late to find a peer: it holds nothing durable). Once
@@ -227,19 +229,25 @@ class ReplicaSupervisor:
         from dslurm.recover.supervisor import failed_at
 
         with self.lock:
-            others = bool(self.running)
+            live = len(self.running)
             stopping = self.stopping
-        if stopping or ending.cls not in E.FAILURES or not others or (g != 0 and 0 in self.over):
+        if stopping or ending.cls not in E.FAILURES or not live or (g != 0 and 0 in self.over):
             return False  # nobody to heal from, or group 0 (the run's truth) is over
         from dslurm.endings.facts import read_start
 
         hosts = self.hosts[g]
         budget = self.r.policy.max_restarts
-        nxt = self._next_hosts(g, hosts) if self.restarts[g] < budget else None
+        below = live < self.r.job.recovery.replicas_min
+        nxt = self._next_hosts(g, hosts) if self.restarts[g] < budget and not below else None
         cause = "hang" if ending.reason.startswith("hang:") else ending.cls
+        why = (f"; {live} of {len(self.hosts)} groups left, below recovery.replicas_min "
+               f"({self.r.job.recovery.replicas_min}): the job stops, saves and is requeued" if below else "")
         Ledger(self.run_dir).append(ev.ReplicaLost(
-            group=g, step=last_step(d), cause=cause, reason=ending.reason[:600], hosts=list(hosts),
+            group=g, step=last_step(d), cause=cause, reason=(ending.reason[:500] + why), hosts=list(hosts),
             next_hosts=list(nxt or ()), failed_t=round(failed_at(read_start(d), t_end), 3)))
+        if below:
+            self._stop_below_min(g, live)
+            return False
         if nxt is None:
             log.error("dslurm supervise: replica group %d lost (%s) and not started again (%s)", g, ending.cls,
                       "restart budget spent" if self.restarts[g] >= budget else "no node left for it")
@@ -250,6 +258,19 @@ class ReplicaSupervisor:
         print(f"dslurm: replica group {g} lost ({ending.cls}: {ending.reason}); the others train on; "
               f"its step starts again on {','.join(nxt)}", flush=True)
         return True
+
+    def _stop_below_min(self, g: int, live: int) -> None:
+        """Fewer groups train than recovery.replicas_min: the groups left stop as for Slurm's USR2
+        (recorded in their batch.signals, forwarded to their sruns: every group agrees the stop at a
+        step boundary, group 0 saves, the chain requeues from that pointer). Their Manager already
+        votes no on every step with fewer than replicas_min groups (train/replicas.py), so nothing
+        trains below it while the stop lands."""
+        import signal
+
+        print(f"dslurm: replica group {g} lost; {live} group(s) left, below recovery.replicas_min "
+              f"({self.r.job.recovery.replicas_min}): stopping with a save (as for USR2), to be requeued", flush=True)
+        self.on_signal("USR2")
+        self.signal(signal.SIGUSR2)
 
     def _next_hosts(self, g: int, hosts: tuple[str, ...]) -> tuple[str, ...] | None:
         """The group's nodes when they answer a probe; a node that does not is swapped for a spare

@@ -6,8 +6,8 @@ torchft (its Lighthouse beside the batch shell, its Manager in every trainer, gl
   from a live peer through torchft's transport, and all three end at the final step with identical
   parameters.
 - One job, three faults of three kinds a few steps apart (two groups and a spare): a SIGSTOP hang,
-  the node lost (`scontrol update state=down`), kill -9 of group 0 (the checkpoints' owner). The
-  run completes, every group at the final step with identical parameters, the ledger's
+  the node lost (`scontrol update state=down` and its processes killed), kill -9 of group 0 (the
+  checkpoints' owner). The run completes, every group at the final step with identical parameters, the ledger's
   participants per step add up, each replica_lost names its cause from the facts.
 """
 
@@ -21,7 +21,7 @@ import pytest
 
 from cluster_jobs import events, job_spec, logs, submit, wait_for
 from dslurm import slurm
-from dslurm.cluster.disrupt import signal_pids, workers
+from dslurm.cluster.disrupt import signal_pids, step_processes, workers
 from dslurm.observe import events as ev
 from dslurm.observe.report import summarize
 from dslurm.run import RunDir
@@ -117,7 +117,7 @@ def test_hang_node_loss_and_kill_in_one_run(slurm_cluster, cli, tmp_path):
     supervisor ends the frozen step), node2 down (group 1 to the spare), kill -9 of group 0."""
     env = slurm_cluster.env()
     run = tmp_path / "faults"
-    steps = 300
+    steps = 600  # ~0.15-0.4 s a step here: the three faults and their returns take ~60-150 s
     spec = job_spec(tmp_path, "faults", steps=steps, nodes=2, spares=1, tp=1, interval=25, sleep=0.1,
                     procs_per_node=1, parallel={"tp": 1, "dp_replicate": 2},
                     recovery={"replicas": True, "replica_timeout_s": 1.0}, train={"global_batch": 4})
@@ -141,8 +141,11 @@ def test_hang_node_loss_and_kill_in_one_run(slurm_cluster, cli, tmp_path):
         t_on = time.time()
         wait_for(lambda: healed_after(1, t_hang), 300, "group 1 back after the hang")
 
+        # The node lost: Slurm marks it down (and drops it from the --no-kill allocation) and what ran
+        # there dies with it (on this one-machine cluster a node marked down keeps its processes).
         slurm.run_cmd(["scontrol", "update", "nodename=node2", "state=down", "reason=dslurm-test"], env=env)
         down, t_down = True, time.time()
+        assert signal_pids([p.pid for p in step_processes(job, "node2")], signal.SIGKILL)
         wait_for(lambda: healed_after(1, t_down), 300, "group 1 back on the spare")
         slurm.run_cmd(["scontrol", "update", "nodename=node2", "state=resume"], env=env)
         down = False

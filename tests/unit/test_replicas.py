@@ -18,7 +18,7 @@ from dslurm.observe import events as ev
 from dslurm.recover.lighthouse import address
 from dslurm.recover.replicas import PROGRESS, ReplicaSupervisor, group_hosts, last_step
 from dslurm.render import RenderRefs, render_sbatch
-from train.replicas import Context, group_overrides
+from train.replicas import Context, agreed_flags, group_overrides
 
 SITE = "site-configs/local.yaml"
 
@@ -47,7 +47,7 @@ def test_replica_settings_that_cannot_work_are_refused_with_the_field_and_the_fi
 def test_the_script_starts_the_lighthouse_beside_itself_and_supervises_the_groups_with_no_kill():
     text = render_sbatch(_resolved(), RenderRefs(site=SITE, job="job.yaml"))
     assert "#SBATCH --no-kill" in text and "#SBATCH --nodes=3" in text
-    start = text.index("-m dslurm.recover.lighthouse --min-replicas 1 --heartbeat-timeout-s 2.0 )")
+    start = text.index("-m dslurm.recover.lighthouse --heartbeat-timeout-s 2.0 )")
     sup = text.index("-m dslurm supervise")
     stop = text.index('kill "$lighthouse_pid"')
     assert start < sup < stop < text.index('exit "$rc"')
@@ -149,6 +149,41 @@ def test_a_lost_node_is_swapped_for_a_spare_or_waited_for(tmp_path):
     sup.running = {}
     runners[2].probes = [("node3",)]
     assert sup._next_hosts(2, ("node3",)) is None  # nobody trains: no wait, the group stays out
+
+
+class SignalRecorder(FakeRunner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.signals: list[int] = []
+
+    def signal(self, signum):
+        self.signals.append(signum)
+
+
+def test_a_loss_below_replicas_min_stops_the_others_as_usr2_does_and_starts_none(tmp_path):
+    import signal
+
+    r = _resolved(tmp_path, recovery={"replicas": True, "replicas_min": 2})
+    runners = [SignalRecorder() for _ in range(3)]
+    sup = ReplicaSupervisor(r, runners, {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
+    g0, g1 = tmp_path / "g0", tmp_path / "g1"
+    g0.mkdir(), g1.mkdir()
+    sup.running = {0: g0, 1: g1}  # group 2 lost: 2 left, not below 2
+    assert sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="killed"), 1.0) is True
+    assert sup.stopping is None and runners[0].signals == []
+    sup.running = {0: g0}  # then group 1 lost: 1 left, below 2
+    assert sup._restart(1, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="killed"), 1.0) is False
+    assert sup.stopping == "USR2" and runners[0].signals == [signal.SIGUSR2]
+    assert (g0 / "batch.signals").read_text().startswith("USR2 ")  # on record for the stop's ending
+    lost = list(ev.of(ev.read(tmp_path), ev.ReplicaLost))[-1]
+    assert lost.group == 1 and lost.next_hosts == [] and "below recovery.replicas_min (2)" in lost.reason
+
+
+def test_the_steps_requests_are_agreed_across_groups():
+    # group 0's rank took `ctl stop` (stop, TERM, ctl) and a save; three groups, averaged by 3
+    assert agreed_flags([0, 0, 0, 0, 0], [1 / 3, 1 / 3, 1 / 3, 0, 1 / 3], 3, failed=False) == [1, 1, 1, 0, 1]
+    assert agreed_flags([1, 0, 0, 5, 0], [2 / 3, 0, 0, 5 / 3, 0], 3, failed=False) == [2, 0, 0, 5, 0]
+    assert agreed_flags([1, 1, 0, 0, 1], [0.0] * 5, 3, failed=True) == [1, 1, 0, 0, 1]  # nothing agreed
 
 
 def test_no_group_starts_again_once_group_0_is_over(tmp_path):
