@@ -103,6 +103,8 @@ class ReplicaSupervisor:
         # (`_stalled`): its step is ended and started again. The survivors do not wait for this (their
         # all-reduce and quorum give up on it after recovery.replica_timeout_s); only its return does.
         self.stall_s = 15.0
+        # A group quiet this long has its nodes' state asked of Slurm (then every as long again).
+        self.node_check_s = 2.0
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
@@ -186,7 +188,7 @@ class ReplicaSupervisor:
             with self.lock:
                 self.running.pop(g, None)
             ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
-            if stalled:  # its step was ended here: a hang, not what srun's end looks like
+            if stalled and ending.cls != E.NODE_FAILURE:  # ended here: a hang, not what srun's end looks like
                 ending = E.Ending(cls=E.CRASH, reason=f"hang: group {g} began no step for {stalled[0]:.0f} s while "
                                   "the other groups trained past it; its step was killed", step=last_step(d))
             self.ends[g] = GroupEnd(d, ending, rc)
@@ -203,6 +205,7 @@ class ReplicaSupervisor:
         its heal) is never stalled."""
         seen: list[int | None] = [None]
         since = [time.monotonic()]
+        asked = [0.0]  # when Slurm was last asked about the group's nodes
 
         def abandon() -> bool:
             mine, now = last_step(d), time.monotonic()
@@ -214,6 +217,15 @@ class ReplicaSupervisor:
                     return False
                 others = [last_step(x) for h, x in self.running.items() if h != g]
             quiet = now - since[0]
+            if quiet >= self.node_check_s and now - asked[0] >= self.node_check_s:
+                # Quiet for a while: is a node of it down? srun waits for a lost node's tasks until
+                # Slurm is done with them; the group is lost now (its step's ending says how).
+                asked[0] = now
+                down = self.runners[g].view(self.hosts[g]).down_nodes
+                if down:
+                    log.warning("dslurm supervise: replica group %d: %s down: ending its step", g, ",".join(down))
+                    stalled.append(quiet)
+                    return True
             if mine is None or quiet < self.stall_s or not any(o is not None and o > mine for o in others):
                 return False
             log.warning("dslurm supervise: replica group %d began no step for %.0f s while the others went on: "

@@ -254,3 +254,22 @@ def test_a_group_that_begins_no_step_while_another_goes_on_is_ended_as_a_hang(tm
     assert abandon() is True and len(stalled) == 1
     sup.stall_s = 3600.0
     assert sup._stalled(2, d2, [])() is False  # not quiet long enough
+
+
+class DownRunner(FakeRunner):
+    def view(self, hosts):
+        return E.SlurmView(state="RUNNING", down_nodes=("node3",))
+
+
+def test_a_quiet_group_on_a_node_slurm_says_is_down_is_ended_at_once(tmp_path):
+    r = _resolved(tmp_path)
+    sup = ReplicaSupervisor(r, [FakeRunner(), FakeRunner(), DownRunner()], {"SLURM_JOB_ID": "77"},
+                            ["node1", "node2", "node3"])
+    d2 = tmp_path / "g2"
+    d2.mkdir()
+    (d2 / PROGRESS).write_text("15\n")
+    stalled: list[float] = []
+    abandon = sup._stalled(2, d2, stalled)
+    sup.running, sup.node_check_s = {2: d2}, 0.0  # nobody ahead of it: not a hang, but its node is down
+    assert abandon() is False  # it just began a step
+    assert abandon() is True and len(stalled) == 1
