@@ -1,4 +1,4 @@
-"""`python -m dslurm.recover.lighthouse --min-replicas N`: torchft's Lighthouse for a job with
+"""`python -m dslurm.recover.lighthouse --heartbeat-timeout-s S`: torchft's Lighthouse for a job with
 `recovery.replicas` (docs/recovery.md), run by the batch script beside itself on the job's first
 node and stopped by it (TERM) once `dslurm supervise` returned.
 

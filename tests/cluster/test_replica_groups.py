@@ -90,7 +90,7 @@ def test_kill9_of_one_group_the_others_train_on_and_it_heals(slurm_cluster, cli,
     assert h["missed_steps"] == h["step"] - lost[0]["step"] and h["missed_samples"] == 2 * h["missed_steps"], h
     # Each survivor committed every step from its first to the last once (no restart, no gap), and
     # the participants say who was out: 2 in each step group 2 missed (none when it was back before
-    # the survivors' next quorum: a restart faster than torchft's 5 s heartbeat timeout).
+    # the survivors' next quorum: a restart faster than recovery.replica_timeout_s).
     for g in (0, 1):
         wins = sorted((w for w in events(run, "replica_steps") if w["group"] == g), key=lambda w: w["first"])
         steps = [w["first"] + i for w in wins for i in range(len(w["participants"]))]
