@@ -56,6 +56,20 @@ def group_hosts(training: Sequence[str], groups: int) -> list[tuple[str, ...]]:
     return [tuple(training[i * per:(i + 1) * per]) for i in range(groups)]
 
 
+def job_allocation(job_id: str, env: Mapping[str, str]) -> list[str] | None:
+    """The job's nodes as slurmctld holds them now (None: unknown, Slurm not answering)."""
+    from dslurm import slurm
+    from dslurm.errors import SlurmError
+
+    try:
+        nodelist = str(slurm.job_info(job_id, env=env).get("nodes") or "")
+        if not nodelist:
+            return None
+        return slurm.run_cmd(["scontrol", "show", "hostnames", nodelist], env=env).stdout.split() or None
+    except (SlurmError, OSError):
+        return None
+
+
 def last_step(facts_dir: Path) -> int | None:
     """The step a group began last, from its rank 0's record (None: it began none)."""
     try:
@@ -105,6 +119,7 @@ class ReplicaSupervisor:
         self.stall_s = 15.0
         # A group quiet this long has its nodes' state asked of Slurm (then every as long again).
         self.node_check_s = 2.0
+        self.allocation: Callable[[], list[str] | None] = lambda: job_allocation(self.job_id, self.env)
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
@@ -188,7 +203,11 @@ class ReplicaSupervisor:
             with self.lock:
                 self.running.pop(g, None)
             ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
-            if stalled and ending.cls != E.NODE_FAILURE:  # ended here: a hang, not what srun's end looks like
+            left = self._left(self.hosts[g]) if ending.cls in E.FAILURES else []
+            if left:  # Slurm took the node out of this --no-kill job (marked down; it may be back up already)
+                ending = E.Ending(cls=E.NODE_FAILURE, reason=f"node failure: {','.join(left)} no longer in the job's "
+                                  "allocation (Slurm marked it down)", step=last_step(d))
+            elif stalled and ending.cls != E.NODE_FAILURE:  # ended here: a hang, not what srun's end looks like
                 ending = E.Ending(cls=E.CRASH, reason=f"hang: group {g} began no step for {stalled[0]:.0f} s while "
                                   "the other groups trained past it; its step was killed", step=last_step(d))
             self.ends[g] = GroupEnd(d, ending, rc)
@@ -218,12 +237,13 @@ class ReplicaSupervisor:
                 others = [last_step(x) for h, x in self.running.items() if h != g]
             quiet = now - since[0]
             if quiet >= self.node_check_s and now - asked[0] >= self.node_check_s:
-                # Quiet for a while: is a node of it down? srun waits for a lost node's tasks until
-                # Slurm is done with them; the group is lost now (its step's ending says how).
+                # Quiet for a while: is a node of it down, or gone from the allocation? srun waits for
+                # a lost node's tasks until Slurm is done with them; the group is lost now.
                 asked[0] = now
-                down = self.runners[g].view(self.hosts[g]).down_nodes
-                if down:
-                    log.warning("dslurm supervise: replica group %d: %s down: ending its step", g, ",".join(down))
+                gone = sorted({*self.runners[g].view(self.hosts[g]).down_nodes, *self._left(self.hosts[g])})
+                if gone:
+                    log.warning("dslurm supervise: replica group %d: %s down or gone from the job: ending its step",
+                                g, ",".join(gone))
                     stalled.append(quiet)
                     return True
             if mine is None or quiet < self.stall_s or not any(o is not None and o > mine for o in others):
@@ -284,12 +304,19 @@ class ReplicaSupervisor:
         self.on_signal("USR2")
         self.signal(signal.SIGUSR2)
 
+    def _left(self, hosts: Sequence[str]) -> list[str]:
+        """The hosts no longer in the job's allocation: a --no-kill job loses a node Slurm marks down
+        for good, even once the node is back up (its probe then answers, but no step of this job
+        can run there)."""
+        now = self.allocation()
+        return [h for h in hosts if h not in now] if now else []
+
     def _next_hosts(self, g: int, hosts: tuple[str, ...]) -> tuple[str, ...] | None:
-        """The group's nodes when they answer a probe; a node that does not is swapped for a spare
-        (and blocklisted); None when no spare is left."""
+        """The group's nodes when they answer a probe; a node that does not, or that left the
+        allocation, is swapped for a spare (and blocklisted); None when no spare is left."""
         from dslurm.run import add_to_blocklist
 
-        dead = set(self.runners[g].probe(hosts, self.probe_s))
+        dead = set(self._left(hosts)) or set(self.runners[g].probe(hosts, self.probe_s))
         while dead:
             with self.lock:
                 take = [self.spares.pop(0) for _ in dead] if len(self.spares) >= len(dead) else None

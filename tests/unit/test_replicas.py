@@ -271,5 +271,19 @@ def test_a_quiet_group_on_a_node_slurm_says_is_down_is_ended_at_once(tmp_path):
     stalled: list[float] = []
     abandon = sup._stalled(2, d2, stalled)
     sup.running, sup.node_check_s = {2: d2}, 0.0  # nobody ahead of it: not a hang, but its node is down
+    sup.allocation = lambda: ["node1", "node2", "node3"]
     assert abandon() is False  # it just began a step
     assert abandon() is True and len(stalled) == 1
+
+
+def test_a_node_slurm_took_out_of_the_allocation_is_lost_even_once_it_answers_again(tmp_path):
+    r = _resolved(tmp_path, spares=1)
+    runners = [FakeRunner() for _ in range(3)]  # every probe answers
+    sup = ReplicaSupervisor(r, runners, {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)},
+                            ["node1", "node2", "node3", "node4"])
+    sup.running, sup.allocation = {0: tmp_path}, lambda: ["node1", "node2", "node4"]
+    assert sup._left(("node3",)) == ["node3"] and sup._left(("node2",)) == []
+    assert sup._next_hosts(2, ("node3",)) == ("node4",)  # to the spare, the node blocklisted
+    assert (tmp_path / "blocklist.txt").read_text().split() == ["node3"]
+    sup.allocation = lambda: None  # Slurm not answering: nothing is taken for gone
+    assert sup._left(("node3",)) == []
