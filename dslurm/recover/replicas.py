@@ -70,6 +70,34 @@ def job_allocation(job_id: str, env: Mapping[str, str]) -> list[str] | None:
         return None
 
 
+def steps_on(squeue_out: str, hosts: Sequence[str], expand: Callable[[str], list[str]]) -> list[str]:
+    """The job steps (`squeue -s -o %i|%N` lines) that run on exactly `hosts`; never the batch step. Pure."""
+    out = []
+    for line in squeue_out.splitlines():
+        step, _, nodes = line.strip().partition("|")
+        if step and not step.endswith((".batch", ".extern")) and nodes and sorted(expand(nodes)) == sorted(hosts):
+            out.append(step)
+    return out
+
+
+def kill_steps_on(job_id: str, hosts: Sequence[str], env: Mapping[str, str]) -> None:
+    """SIGKILL, through Slurm, to the job's steps on a hung group's nodes. Killing srun alone leaves
+    the step's tasks running (a SIGSTOPped trainer, its torchrun) beside the group's next step, and
+    on this cluster past the job's end."""
+    from dslurm import slurm
+    from dslurm.errors import SlurmError
+
+    def expand(nodes: str) -> list[str]:
+        return slurm.run_cmd(["scontrol", "show", "hostnames", nodes], env=env).stdout.split()
+
+    try:
+        out = slurm.run_cmd(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%N"], env=env).stdout
+        for step in steps_on(out, hosts, expand):
+            slurm.run_cmd(["scancel", "--signal=KILL", step], env=env, check=False)
+    except (SlurmError, OSError) as exc:
+        log.error("dslurm supervise: could not kill the steps on %s: %s", ",".join(hosts), exc)
+
+
 def last_step(facts_dir: Path) -> int | None:
     """The step a group began last, from its rank 0's record (None: it began none)."""
     try:
@@ -251,6 +279,7 @@ class ReplicaSupervisor:
             log.warning("dslurm supervise: replica group %d began no step for %.0f s while the others went on: "
                         "ending its step", g, quiet)
             stalled.append(quiet)
+            kill_steps_on(self.job_id, self.hosts[g], self.env)
             return True
         return abandon
 

@@ -16,7 +16,7 @@ from dslurm.errors import UserError
 from dslurm.launch.slurm_env import GROUP_ENV, lighthouse_port, master_port
 from dslurm.observe import events as ev
 from dslurm.recover.lighthouse import address
-from dslurm.recover.replicas import PROGRESS, ReplicaSupervisor, group_hosts, last_step
+from dslurm.recover.replicas import PROGRESS, ReplicaSupervisor, group_hosts, last_step, steps_on
 from dslurm.render import RenderRefs, render_sbatch
 from train.replicas import Context, agreed_flags, group_overrides
 
@@ -287,3 +287,11 @@ def test_a_node_slurm_took_out_of_the_allocation_is_lost_even_once_it_answers_ag
     assert (tmp_path / "blocklist.txt").read_text().split() == ["node3"]
     sup.allocation = lambda: None  # Slurm not answering: nothing is taken for gone
     assert sup._left(("node3",)) == []
+
+
+def test_a_hung_groups_steps_are_found_by_their_nodes():
+    out = "77.0|node1\n77.2|node3\n77.batch|node1\n77.5|node[2-3]\n"
+    expand = {"node1": ["node1"], "node3": ["node3"], "node[2-3]": ["node2", "node3"]}.__getitem__
+    assert steps_on(out, ("node3",), expand) == ["77.2"]
+    assert steps_on(out, ("node1",), expand) == ["77.0"]  # never the batch step (the Lighthouse's shell)
+    assert steps_on(out, ("node3", "node2"), expand) == ["77.5"]
