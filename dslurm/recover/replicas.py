@@ -231,7 +231,10 @@ class ReplicaSupervisor:
             with self.lock:
                 self.running.pop(g, None)
             ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
-            left = self._left(self.hosts[g]) if ending.cls in E.FAILURES else []
+            # (srun may even exit 0 after "Node failure on nodeX": a "completed" short of the last step
+            # with a node gone is that node's loss)
+            short = ending.cls == E.COMPLETED and (last_step(d) or 0) < self.r.job.train.steps
+            left = self._left(self.hosts[g]) if ending.cls in E.FAILURES or short else []
             if left:  # Slurm took the node out of this --no-kill job (marked down; it may be back up already)
                 ending = E.Ending(cls=E.NODE_FAILURE, reason=f"node failure: {','.join(left)} no longer in the job's "
                                   "allocation (Slurm marked it down)", step=last_step(d))
