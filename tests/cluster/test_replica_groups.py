@@ -110,6 +110,14 @@ def test_kill9_of_one_group_the_others_train_on_and_it_heals(slurm_cluster, cli,
     assert line.index("lost at step 1") < line.rindex("healed at step"), sm.replicas
 
 
+def _resume(env) -> None:
+    """node2 back in service (the cluster may have returned it already: its slurmd answers, and
+    then Slurm refuses the resume as an invalid state)."""
+    slurm.run_cmd(["scontrol", "update", "nodename=node2", "state=resume"], env=env, check=False)
+    wait_for(lambda: "down" not in slurm.run_cmd(["sinfo", "-h", "-n", "node2", "-o", "%T"], env=env).stdout, 60,
+             "node2 back in service")
+
+
 @pytest.mark.timeout(900)
 def test_hang_node_loss_and_kill_in_one_run(slurm_cluster, cli, tmp_path):
     """Two groups (node1, node2) and a spare (node3), recovery.replica_timeout_s 1: a SIGSTOP of
@@ -147,7 +155,7 @@ def test_hang_node_loss_and_kill_in_one_run(slurm_cluster, cli, tmp_path):
         down, t_down = True, time.time()
         assert signal_pids([p.pid for p in step_processes(job, "node2")], signal.SIGKILL)
         wait_for(lambda: healed_after(1, t_down), 300, "group 1 back on the spare")
-        slurm.run_cmd(["scontrol", "update", "nodename=node2", "state=resume"], env=env)
+        _resume(env)
         down = False
 
         lead = [p.pid for p in workers(job, marker) if p.node == "node1"]
@@ -157,7 +165,7 @@ def test_hang_node_loss_and_kill_in_one_run(slurm_cluster, cli, tmp_path):
         assert group_step(0) < steps, "the run ended before its last fault: raise steps"
     finally:
         if down:
-            slurm.run_cmd(["scontrol", "update", "nodename=node2", "state=resume"], env=env, check=False)
+            _resume(env)
     assert slurm.wait_job(job, timeout=600, env=env) == "COMPLETED", logs(run)
 
     # The survivor went on within a few timeouts of the freeze (not torchft's 60 s op timeout).
