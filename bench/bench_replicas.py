@@ -20,9 +20,12 @@ process per node, global batch 6, a checkpoint every 5 steps), and the same faul
 Printed per variant: the step time before the fault (median of the 5 step intervals before it); the
 survivors' next step done after the fault (for (a)/(b) the next `steps` event of group 0, which was
 never stopped; for (c)/(d) the next start's first step, by the report's rule,
-`dslurm.observe.endpoints`); the lost time: how much later that step came than it would have without
-the fault (the last step before the fault + one step time; for (c)/(d) the steps retrained from
-the checkpoint are not counted, in their favour), and that as steps; for (a)/(b) the heal: its
+`dslurm.observe.endpoints`); the lost time: for (c)/(d) how much later that step came than it
+would have without the fault (the last step before the fault + one step time; the steps retrained
+from the checkpoint are not counted, in their favour), for (a)/(b) how much later the survivors'
+3rd step after the lost group healed came than that many steps at the step time (a fault that
+lands after the group's part of a step's all-reduce shows in the step after; the heal's serving
+is counted too); and that as steps; for (a)/(b) the heal: its
 seconds and bytes and when the group was back in the quorum (fault -> `replica_healed`). Goal of the
 issue: the survivors lose at most one step's time per fault. Each variant's events are checked to
 be in order (steps before the fault, the fault's replica_lost/ending after it, the next step, the
@@ -138,6 +141,14 @@ def one(tmp: Path, name: str, env: dict[str, str], steps: int,
                         ("healed", back.t if back else None)])
         in_order(name, [("fault", t0), ("replica_lost", lost), ("healed", back.t if back else None)])
         assert nxt is not None and back is not None
+        # The fault may land after the stopped group's part of the step's all-reduce: then the next
+        # step commits on time and the loss shows in the one after (the quorum's wait). So the
+        # survivors' loss is read at their 3rd step after the lost group healed (its heal served
+        # too): how much later that step came than n steps at the step time.
+        after = [e for e in evs if isinstance(e, ev.Steps) and e.t > t0]
+        k = next((i for i, e in enumerate(after) if e.t > back.t), len(after) - 1)
+        k = min(k + 2, len(after) - 1)
+        late = after[k].t - (before[-1].t + (k + 1) * step_s)
         heal = {"heal_s": back.heal_s, "heal_bytes": back.bytes, "back_s": round(back.t - t0, 2),
                 "missed": back.missed_steps}
     else:
@@ -147,7 +158,7 @@ def one(tmp: Path, name: str, env: dict[str, str], steps: int,
         in_order(name, [("last step before the fault", before[-1].t), ("fault", t0), ("the fault's ending", ending),
                         ("the next start's first step", nxt)])
         assert nxt is not None
-    late = nxt - (before[-1].t + step_s)  # how much later the next step came than without the fault
+        late = nxt - (before[-1].t + step_s)  # how much later the next step came than without the fault
     return {"job": int(job_id), "step_s": round(step_s, 3), "to_step_s": round(nxt - t0, 2),
             "lost_s": round(late, 2), "lost_steps": round(late / step_s, 2), **heal}
 
