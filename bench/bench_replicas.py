@@ -111,6 +111,7 @@ def one(tmp: Path, name: str, env: dict[str, str], steps: int,
         raise SystemExit(out.stderr)
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)  # type: ignore[union-attr]
     victim_node = "node3" if name != "in-alloc" else "node2"  # the last training node, never the batch host
+    victims: list[int] = []
     try:
         _wait(f"{name}: step {KILL_AFTER}", lambda: any((e.last or 0) >= KILL_AFTER for e in _steps(run)))
         victims = [p.pid for p in workers(job_id, str(RunDir(run).job_yaml)) if p.node == victim_node]
@@ -124,6 +125,8 @@ def one(tmp: Path, name: str, env: dict[str, str], steps: int,
             _wait(f"{name}: training again", lambda: endpoints.since(ev.read(run), t0).first_step is not None)
     finally:
         slurm.run_cmd(["scancel", job_id], env=env, check=False)
+        if name == "replicas-hang":  # a stopped trainer outside its step's process group outlives
+            signal_pids(victims, signal.SIGKILL)  # the job on this cluster (proctrack/pgid)
         slurm.wait_job(int(job_id), timeout=120, env=env)
     evs = ev.read(run)
     before = [e for e in evs if isinstance(e, ev.Steps) and e.t < t0]

@@ -138,7 +138,7 @@ def test_hang_node_loss_and_kill_in_one_run(slurm_cluster, cli, tmp_path):
     def group_step(group: int) -> int:
         return max(_committed(run).get(group, {0: 0}))
 
-    down = False
+    down, frozen = False, []
     try:
         wait_for(lambda: group_step(0) >= 5 and group_step(1) >= 5, 300, "both groups at step 5")
         frozen = [p.pid for p in workers(job, marker) if p.node == "node2"]
@@ -164,6 +164,7 @@ def test_hang_node_loss_and_kill_in_one_run(slurm_cluster, cli, tmp_path):
         wait_for(lambda: healed_after(0, t_kill), 300, "group 0 back")
         assert group_step(0) < steps, "the run ended before its last fault: raise steps"
     finally:
+        signal_pids(frozen, signal.SIGKILL)  # outside its step's process group it outlives the job here
         if down:
             _resume(env)
     assert slurm.wait_job(job, timeout=600, env=env) == "COMPLETED", logs(run)
