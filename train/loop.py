@@ -126,8 +126,11 @@ class Trainer(Recovery):
         self.ledger = Ledger(self.run_dir.path) if rank == 0 and lead else None
         # TensorBoard / W&B / MLflow from the ledger's own numbers (dslurm/trackers/; rank 0, job.metrics)
         self.trackers = trackers.attach(self.ledger, self.run_dir.path, job.metrics, job.name)
-        self.ctl = ctl.Poller(self.run_dir.path) if rank == 0 else None  # `dslurm ctl save|stop|profile` requests
+        # `dslurm ctl save|stop|profile` requests; with replica groups group 0's to take, and agreed
+        # with the others through the gradient all-reduce (train/replicas.py `average`)
+        self.ctl = ctl.Poller(self.run_dir.path) if rank == 0 and lead else None
         self._profile_req = 0  # rank 0: steps a `dslurm ctl profile` asked for, sent in the next agreement
+        self._ctl_stop = False
         self.profiler = make_profiler(resolved, self.run_dir, rank=rank, world=world_size, device=device,
                                       ledger=self.ledger)
         shape = resolved.shape

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,8 @@ QUORUM_TIMEOUT = timedelta(seconds=120)
 GATHER_S = 60.0
 """At the final step, how long the groups wait for a missing group to come back and heal (`gather`)"""
 OP_TIMEOUT = timedelta(seconds=60)
-"""the Manager's bound on an all-reduce, a commit vote and a heal's transfer"""
+"""the Manager's bound on a commit vote (inside the group) and a heal's transfer; the cross-group
+all-reduce has the job's recovery.replica_timeout_s (`Context.timeout_s`)"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +59,8 @@ class Context:
     group: int
     groups: int
     replicas_min: int
+    timeout_s: float = 2.0
+    """recovery.replica_timeout_s: the bound of every wait in the cross-group all-reduce"""
     lost_step: int | None = None
 
     @classmethod
@@ -67,7 +70,7 @@ class Context:
         group = int(env.get(GROUP_ENV) or 0)
         lost = env.get(LOST_STEP_ENV)
         return cls(group=group, groups=job.parallel.dp_replicate, replicas_min=job.recovery.replicas_min,
-                   lost_step=int(lost) if lost else None)
+                   timeout_s=job.recovery.replica_timeout_s, lost_step=int(lost) if lost else None)
 
     @property
     def replica_id(self) -> str:
@@ -94,6 +97,15 @@ def group_overrides(job: JobSpec) -> list[str]:
             "recovery.replicas=false", "recovery.replicas_min=1"]
 
 
+def agreed_flags(mine: Sequence[float], averaged: Sequence[float], n: int, *, failed: bool) -> list[float]:
+    """The step's requests as every group takes them: the groups' sum (the all-reduce averaged them
+    over its `n` groups), never below this rank's own; a failed all-reduce agrees nothing (the
+    step is discarded; this rank's own go again with the next). Pure."""
+    if failed:
+        return [float(v) for v in mine]
+    return [max(float(m), float(round(v * n))) for m, v in zip(mine, averaged, strict=True)]
+
+
 def params_crc(params: list[torch.nn.Parameter]) -> str:
     """A digest of this rank's parameter shards (the groups' must match)."""
     from torch.distributed.tensor import DTensor
@@ -116,8 +128,13 @@ class Replicas:
         self.ctx, self.t, self.rank = ctx, trainer, rank
         self.ledger, self.facts_dir = ledger, facts_dir
         self.transport = _transport()
+        # The cross-group gloo group's timeout bounds each wait inside the gradient all-reduce: a
+        # SIGSTOPped group keeps its sockets open (no reset, unlike a kill), so without it the
+        # survivors would wait the whole OP_TIMEOUT; torchft then discards the step everywhere and the
+        # Lighthouse (same timeout on heartbeats) has left the silent group out of the next quorum.
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=OP_TIMEOUT), load_state_dict=self._load, state_dict=self._state,
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=ctx.timeout_s)), load_state_dict=self._load,
+            state_dict=self._state,
             min_replica_size=ctx.replicas_min, use_async_quorum=False, timeout=OP_TIMEOUT,
             quorum_timeout=QUORUM_TIMEOUT, rank=rank, world_size=world, replica_id=ctx.replica_id,
             checkpoint_transport=self.transport)
@@ -184,9 +201,13 @@ class Replicas:
                 return
             time.sleep(1.0)
 
-    def average(self, params: list[torch.nn.Parameter]) -> None:
+    def average(self, params: list[torch.nn.Parameter], flags: Sequence[float] = ()) -> list[float]:
         """The gradients averaged over the quorum's groups: one flat buffer of this rank's shards
-        (the same shards in every group: the same layout)."""
+        (the same shards in every group: the same layout). `flags` ride at its end (the step's stop,
+        TERM, save and profile requests): what any group's rank saw, every group acts on in the
+        same step (a `dslurm ctl` request is group 0's to take). Returns them agreed: summed over
+        the groups, never below this rank's own (a failed all-reduce agrees nothing: the step is
+        discarded and this rank's flags go again with the next one)."""
         import torch
         from torch.distributed.tensor import DTensor
 
@@ -196,13 +217,15 @@ class Replicas:
             if g is None:
                 g = p.grad = torch.zeros_like(p)
             grads.append(g.to_local() if isinstance(g, DTensor) else g)
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        flat = torch.cat([*(g.reshape(-1).float() for g in grads), torch.tensor(list(flags), dtype=torch.float32)])
+        n = self.manager.num_participants()  # the AVG's divisor, undone for the flags
         self.manager.allreduce(flat).wait()
         offset = 0
         for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+            k = g.numel()
+            g.copy_(flat[offset:offset + k].view_as(g))
+            offset += k
+        return agreed_flags(flags, flat[offset:].tolist(), n, failed=self.manager.errored() is not None)
 
     def commit(self) -> bool:
         """torchft's vote: every rank of the group applies the step, or none does (a step a peer
@@ -211,9 +234,12 @@ class Replicas:
         if behind:  # not yet healed to the pointer's step: this group's vote is no
             self.manager.report_error(RuntimeError(f"group {self.ctx.group} at step {self.t.step} is behind "
                                                    f"the checkpoint pointer's step {self.floor}: waiting to heal"))
+        few = self.manager.num_participants() < self.ctx.replicas_min  # torchft's Manager votes no then
         ok = bool(self.manager.should_commit())
-        if behind:
-            time.sleep(0.5)  # the peers it waits for are starting: no busy loop of discarded steps
+        if behind or few:
+            # the peers it waits for are starting, or the supervisor's stop is on its way (below
+            # replicas_min, dslurm/recover/replicas.py): no busy loop of discarded steps
+            time.sleep(0.5)
         if ok:
             self.participants.append(self.manager.num_participants())
         else:

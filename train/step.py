@@ -139,6 +139,8 @@ class Step:
     """(loss, grad norm) of the last step taken in this start (None before one): a save records it"""
     _poison: bool
     _profile_req: int
+    _ctl_stop: bool
+    """a `dslurm ctl stop` taken here, or agreed from replica group 0's (sent in every agreement after)"""
     _data_state: dict[str, Any] | None
     _reader: BatchReader
     _fault_crash: int | None
@@ -242,16 +244,20 @@ class Step:
             inputs, targets = self.cp_local(inputs, targets)
         with self.metrics.phase("compute"), self._loss_context(), self.watch.collective("forward_backward"):
             local_loss = self._forward_backward(inputs, targets, *docs)
-        if self.replicas is not None:
+        save_now = self._operator_request()  # rank 0 only: a stop sets the flags read next
+        stop, term = self.stop.local(self.step + 1)  # this rank's stop flags, agreed in the same all-reduce
+        if self.replicas is not None:  # the requests ride with the gradients: every group acts in the same step
             with self.metrics.phase("compute"), self.watch.collective("replica_allreduce"):
-                self.replicas.average(self.params)
+                stop, term, saves, profile, ctl_stop = self.replicas.average(
+                    self.params, [stop, term, float(save_now), float(self._profile_req), float(self._ctl_stop)])
+            save_now, self._profile_req = saves > 0, int(profile)
+            if ctl_stop > 0 and not self._ctl_stop:
+                self._peer_ctl_stop()
         with self.metrics.phase("optimizer"), self.watch.collective("grad_norm"):
             norm = clip_grad_norm_(self.params, self.train.grad_clip, self.pp_group)
         # Only the ranks holding the last stage contribute a loss (world/pp of them, each a
         # dp-rank mean); a non-finite norm on any rank is counted too, so all ranks agree.
         holder = self.built.has_last_stage
-        save_now = self._operator_request()  # rank 0 only: a stop sets the flags read next
-        stop, term = self.stop.local(self.step + 1)  # this rank's stop flags, agreed in the same all-reduce
         vec = torch.stack([local_loss.float() if holder else torch.zeros((), device=self.device),
                            torch.tensor(stop, device=self.device), torch.tensor(term, device=self.device),
                            (~torch.isfinite(norm)).float().to(self.device),
@@ -356,9 +362,19 @@ class Step:
                                            step=self.step + 1, recorded=recorded))
         if req.action == "stop":
             self.stop.stop_requested = self.stop.stop_terminated = True
+            self._ctl_stop = True
         if req.action == "profile":
             self._profile_req = req.steps or self.resolved.job.health.profile_steps
         return req.action == "save"
+
+    def _peer_ctl_stop(self) -> None:
+        """Replica groups: group 0 took a `dslurm ctl stop`; this group stops in the same step, and
+        its rank 0 puts it on record in this group's facts, as group 0 did in its own (the group's
+        ending is then the operator's stop, not an unexplained exit 143)."""
+        self._ctl_stop = True
+        if self.rank == 0:
+            ctl.record_stop(ctl.Request(action="stop", id="replica-peer", user="replica group 0's request"),
+                            self.run_dir.path)
 
     def _event(self, ev: events.Event) -> None:
         if self.ledger is not None:

@@ -71,7 +71,13 @@ class RecoverySpec:
         "heals from a live peer (docs/recovery.md)")
     replicas_min: int = field(
         1, help="with replicas: the fewest groups that may train a step; below it no step commits (the survivors "
-        "wait in the quorum for a group to come back, then end after its timeout)")
+        "stop with an agreed save, as for a stop signal, and the job is requeued)")
+    replica_timeout_s: float = field(
+        2.0, help="with replicas: how long a survivor waits on a silent group before it trains on without it -- "
+        "the Lighthouse's heartbeat timeout (torchft's managers heartbeat every 100 ms from their own thread) and "
+        "the bound of every wait inside the groups' gradient all-reduce (a hung group keeps its sockets open); "
+        "the survivors lose about this long per fault. It must exceed the groups' skew in reaching the "
+        "all-reduce and a heal's transfer, or a step is discarded and trained again (docs/recovery.md)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,6 +127,9 @@ class MetricsSpec:
             raise FieldError("mlflow_uri", "is empty", "remove it (a file store in the run directory) or give a URI")
 
 
+REPLICA_TIMEOUT_S = (0.5, 600.0)
+"""recovery.replica_timeout_s's range: 5 of the managers' 100 ms heartbeats at least (fewer, and a
+scheduling hiccup drops a live group), 10 minutes at most"""
 _DEPENDENCY = r"[a-z]+(:[0-9_+]+)+([,?][a-z]+(:[0-9_+]+)+)*|singleton"  # e.g. afterany:12:13,afterok:14
 
 
@@ -187,6 +196,11 @@ class JobSpec:
             raise FieldError(("recovery.replicas_min", "parallel.dp_replicate"),
                              f"replicas_min={rec.replicas_min} is not in 1..dp_replicate({groups})",
                              "set recovery.replicas_min between 1 and parallel.dp_replicate")
+        if not REPLICA_TIMEOUT_S[0] <= rec.replica_timeout_s <= REPLICA_TIMEOUT_S[1]:
+            raise FieldError("recovery.replica_timeout_s", f"replica_timeout_s={rec.replica_timeout_s} is not in "
+                             f"{REPLICA_TIMEOUT_S[0]}..{REPLICA_TIMEOUT_S[1]} s",
+                             "set recovery.replica_timeout_s to a few of the managers' 100 ms heartbeats or more "
+                             "(default 2.0), and at most 600")
         if not rec.replicas:
             return
         if groups < 2:

@@ -12,6 +12,8 @@ group; when a group's step ends:
   spare (its nodes blocklisted), else on its nodes once they answer again (probed every 5 s while
   another group trains); the new step heals from a live peer (train/replicas.py). The
   survivors never stop: torchft leaves the lost group out of their next quorum;
+- fewer than `recovery.replicas_min` groups left by a loss: the others stop as for Slurm's USR2
+  (an agreed stop, group 0 saves, the job is requeued from that pointer; `_stop_below_min`);
 - otherwise (completed, a stop, the last group alive failing, no node left for it, the restart
   budget spent, group 0 over) the group is over. A group still running 30 s after group 0 ended
   is stopped (frozen, or started again too late to find a peer: it holds nothing durable). Once
@@ -52,6 +54,48 @@ def group_hosts(training: Sequence[str], groups: int) -> list[tuple[str, ...]]:
                         "Fix: set nodes to a multiple of parallel.dp_replicate")
     per = len(training) // groups
     return [tuple(training[i * per:(i + 1) * per]) for i in range(groups)]
+
+
+def job_allocation(job_id: str, env: Mapping[str, str]) -> list[str] | None:
+    """The job's nodes as slurmctld holds them now (None: unknown, Slurm not answering)."""
+    from dslurm import slurm
+    from dslurm.errors import SlurmError
+
+    try:
+        nodelist = str(slurm.job_info(job_id, env=env).get("nodes") or "")
+        if not nodelist:
+            return None
+        return slurm.run_cmd(["scontrol", "show", "hostnames", nodelist], env=env).stdout.split() or None
+    except (SlurmError, OSError):
+        return None
+
+
+def steps_on(squeue_out: str, hosts: Sequence[str], expand: Callable[[str], list[str]]) -> list[str]:
+    """The job steps (`squeue -s -o %i|%N` lines) that run on exactly `hosts`; never the batch step. Pure."""
+    out = []
+    for line in squeue_out.splitlines():
+        step, _, nodes = line.strip().partition("|")
+        if step and not step.endswith((".batch", ".extern")) and nodes and sorted(expand(nodes)) == sorted(hosts):
+            out.append(step)
+    return out
+
+
+def kill_steps_on(job_id: str, hosts: Sequence[str], env: Mapping[str, str]) -> None:
+    """SIGKILL, through Slurm, to the job's steps on a hung group's nodes. Killing srun alone leaves
+    the step's tasks running (a SIGSTOPped trainer, its torchrun) beside the group's next step, and
+    on this cluster past the job's end."""
+    from dslurm import slurm
+    from dslurm.errors import SlurmError
+
+    def expand(nodes: str) -> list[str]:
+        return slurm.run_cmd(["scontrol", "show", "hostnames", nodes], env=env).stdout.split()
+
+    try:
+        out = slurm.run_cmd(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%N"], env=env).stdout
+        for step in steps_on(out, hosts, expand):
+            slurm.run_cmd(["scancel", "--signal=KILL", step], env=env, check=False)
+    except (SlurmError, OSError) as exc:
+        log.error("dslurm supervise: could not kill the steps on %s: %s", ",".join(hosts), exc)
 
 
 def last_step(facts_dir: Path) -> int | None:
@@ -98,8 +142,12 @@ class ReplicaSupervisor:
         self.after_lead_s = 30.0
         self.node_wait_s = 5.0
         # A group that begins no step for this long while another group begins later ones is hung
-        # (`_stalled`): its step is ended and started again.
-        self.stall_s = 30.0
+        # (`_stalled`): its step is ended and started again. The survivors do not wait for this (their
+        # all-reduce and quorum give up on it after recovery.replica_timeout_s); only its return does.
+        self.stall_s = 15.0
+        # A group quiet this long has its nodes' state asked of Slurm (then every as long again).
+        self.node_check_s = 2.0
+        self.allocation: Callable[[], list[str] | None] = lambda: job_allocation(self.job_id, self.env)
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
@@ -183,7 +231,14 @@ class ReplicaSupervisor:
             with self.lock:
                 self.running.pop(g, None)
             ending = E.classify(read_start(d), runner.view(self.hosts[g]), rc)
-            if stalled:  # its step was ended here: a hang, not what srun's end looks like
+            # (srun may even exit 0 after "Node failure on nodeX": a "completed" short of the last step
+            # with a node gone is that node's loss)
+            short = ending.cls == E.COMPLETED and (last_step(d) or 0) < self.r.job.train.steps
+            left = self._left(self.hosts[g]) if ending.cls in E.FAILURES or short else []
+            if left:  # Slurm took the node out of this --no-kill job (marked down; it may be back up already)
+                ending = E.Ending(cls=E.NODE_FAILURE, reason=f"node failure: {','.join(left)} no longer in the job's "
+                                  "allocation (Slurm marked it down)", step=last_step(d))
+            elif stalled and ending.cls != E.NODE_FAILURE:  # ended here: a hang, not what srun's end looks like
                 ending = E.Ending(cls=E.CRASH, reason=f"hang: group {g} began no step for {stalled[0]:.0f} s while "
                                   "the other groups trained past it; its step was killed", step=last_step(d))
             self.ends[g] = GroupEnd(d, ending, rc)
@@ -200,6 +255,7 @@ class ReplicaSupervisor:
         its heal) is never stalled."""
         seen: list[int | None] = [None]
         since = [time.monotonic()]
+        asked = [0.0]  # when Slurm was last asked about the group's nodes
 
         def abandon() -> bool:
             mine, now = last_step(d), time.monotonic()
@@ -211,11 +267,22 @@ class ReplicaSupervisor:
                     return False
                 others = [last_step(x) for h, x in self.running.items() if h != g]
             quiet = now - since[0]
+            if quiet >= self.node_check_s and now - asked[0] >= self.node_check_s:
+                # Quiet for a while: is a node of it down, or gone from the allocation? srun waits for
+                # a lost node's tasks until Slurm is done with them; the group is lost now.
+                asked[0] = now
+                gone = sorted({*self.runners[g].view(self.hosts[g]).down_nodes, *self._left(self.hosts[g])})
+                if gone:
+                    log.warning("dslurm supervise: replica group %d: %s down or gone from the job: ending its step",
+                                g, ",".join(gone))
+                    stalled.append(quiet)
+                    return True
             if mine is None or quiet < self.stall_s or not any(o is not None and o > mine for o in others):
                 return False
             log.warning("dslurm supervise: replica group %d began no step for %.0f s while the others went on: "
                         "ending its step", g, quiet)
             stalled.append(quiet)
+            kill_steps_on(self.job_id, self.hosts[g], self.env)
             return True
         return abandon
 
@@ -226,19 +293,25 @@ class ReplicaSupervisor:
         from dslurm.recover.supervisor import failed_at
 
         with self.lock:
-            others = bool(self.running)
+            live = len(self.running)
             stopping = self.stopping
-        if stopping or ending.cls not in E.FAILURES or not others or (g != 0 and 0 in self.over):
+        if stopping or ending.cls not in E.FAILURES or not live or (g != 0 and 0 in self.over):
             return False  # nobody to heal from, or group 0 (the run's truth) is over
         from dslurm.endings.facts import read_start
 
         hosts = self.hosts[g]
         budget = self.r.policy.max_restarts
-        nxt = self._next_hosts(g, hosts) if self.restarts[g] < budget else None
+        below = live < self.r.job.recovery.replicas_min
+        nxt = self._next_hosts(g, hosts) if self.restarts[g] < budget and not below else None
         cause = "hang" if ending.reason.startswith("hang:") else ending.cls
+        why = (f"; {live} of {len(self.hosts)} groups left, below recovery.replicas_min "
+               f"({self.r.job.recovery.replicas_min}): the job stops, saves and is requeued" if below else "")
         Ledger(self.run_dir).append(ev.ReplicaLost(
-            group=g, step=last_step(d), cause=cause, reason=ending.reason[:600], hosts=list(hosts),
+            group=g, step=last_step(d), cause=cause, reason=(ending.reason[:500] + why), hosts=list(hosts),
             next_hosts=list(nxt or ()), failed_t=round(failed_at(read_start(d), t_end), 3)))
+        if below:
+            self._stop_below_min(g, live)
+            return False
         if nxt is None:
             log.error("dslurm supervise: replica group %d lost (%s) and not started again (%s)", g, ending.cls,
                       "restart budget spent" if self.restarts[g] >= budget else "no node left for it")
@@ -250,12 +323,32 @@ class ReplicaSupervisor:
               f"its step starts again on {','.join(nxt)}", flush=True)
         return True
 
+    def _stop_below_min(self, g: int, live: int) -> None:
+        """Fewer groups train than recovery.replicas_min: the groups left stop as for Slurm's USR2
+        (recorded in their batch.signals, forwarded to their sruns: every group agrees the stop at a
+        step boundary, group 0 saves, the chain requeues from that pointer). Their Manager already
+        votes no on every step with fewer than replicas_min groups (train/replicas.py), so nothing
+        trains below it while the stop lands."""
+        import signal
+
+        print(f"dslurm: replica group {g} lost; {live} group(s) left, below recovery.replicas_min "
+              f"({self.r.job.recovery.replicas_min}): stopping with a save (as for USR2), to be requeued", flush=True)
+        self.on_signal("USR2")
+        self.signal(signal.SIGUSR2)
+
+    def _left(self, hosts: Sequence[str]) -> list[str]:
+        """The hosts no longer in the job's allocation: a --no-kill job loses a node Slurm marks down
+        for good, even once the node is back up (its probe then answers, but no step of this job
+        can run there)."""
+        now = self.allocation()
+        return [h for h in hosts if h not in now] if now else []
+
     def _next_hosts(self, g: int, hosts: tuple[str, ...]) -> tuple[str, ...] | None:
-        """The group's nodes when they answer a probe; a node that does not is swapped for a spare
-        (and blocklisted); None when no spare is left."""
+        """The group's nodes when they answer a probe; a node that does not, or that left the
+        allocation, is swapped for a spare (and blocklisted); None when no spare is left."""
         from dslurm.run import add_to_blocklist
 
-        dead = set(self.runners[g].probe(hosts, self.probe_s))
+        dead = set(self._left(hosts)) or set(self.runners[g].probe(hosts, self.probe_s))
         while dead:
             with self.lock:
                 take = [self.spares.pop(0) for _ in dead] if len(self.spares) >= len(dead) else None

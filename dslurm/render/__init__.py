@@ -335,7 +335,8 @@ def _lighthouse(r: Resolved, py: str) -> list[str]:
     return [
         f"# Replica groups: torchft's Lighthouse (the quorum of the {r.job.parallel.dp_replicate} groups) runs here",
         "# until supervise returns; supervise gives every group its address.",
-        f"( trap '' USR2; exec {py} -m dslurm.recover.lighthouse --min-replicas {q(r.job.recovery.replicas_min)} ) &",
+        f"( trap '' USR2; exec {py} -m dslurm.recover.lighthouse "
+        f"--heartbeat-timeout-s {q(r.job.recovery.replica_timeout_s)} ) &",
         "lighthouse_pid=$!",
         "",
     ]

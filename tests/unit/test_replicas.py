@@ -13,12 +13,12 @@ from dslurm import endings as E
 from dslurm.config import load_job, load_site
 from dslurm.config.resolve import resolve
 from dslurm.errors import UserError
-from dslurm.launch.slurm_env import lighthouse_port, master_port
+from dslurm.launch.slurm_env import GROUP_ENV, lighthouse_port, master_port
 from dslurm.observe import events as ev
 from dslurm.recover.lighthouse import address
-from dslurm.recover.replicas import PROGRESS, ReplicaSupervisor, group_hosts, last_step
+from dslurm.recover.replicas import PROGRESS, ReplicaSupervisor, group_hosts, last_step, steps_on
 from dslurm.render import RenderRefs, render_sbatch
-from train.replicas import Context, group_overrides
+from train.replicas import Context, agreed_flags, group_overrides
 
 SITE = "site-configs/local.yaml"
 
@@ -35,6 +35,8 @@ def _resolved(tmp_path: Path | None = None, **job):
     ({"nodes": 4}, "nodes", "multiple of 3"),
     ({"recovery": {"replicas": True, "replicas_min": 4}}, "recovery.replicas_min", "between 1 and"),
     ({"launch": "srun"}, "launch", "launch: torchrun"),
+    ({"recovery": {"replicas": True, "replica_timeout_s": 0.2}}, "recovery.replica_timeout_s", "(default 2.0)"),
+    ({"recovery": {"replicas": True, "replica_timeout_s": 900}}, "recovery.replica_timeout_s", "at most 600"),
 ])
 def test_replica_settings_that_cannot_work_are_refused_with_the_field_and_the_fix(job, field, fix):
     with pytest.raises(UserError) as err:
@@ -45,13 +47,19 @@ def test_replica_settings_that_cannot_work_are_refused_with_the_field_and_the_fi
 def test_the_script_starts_the_lighthouse_beside_itself_and_supervises_the_groups_with_no_kill():
     text = render_sbatch(_resolved(), RenderRefs(site=SITE, job="job.yaml"))
     assert "#SBATCH --no-kill" in text and "#SBATCH --nodes=3" in text
-    start = text.index("-m dslurm.recover.lighthouse --min-replicas 1")
+    start = text.index("-m dslurm.recover.lighthouse --heartbeat-timeout-s 2.0 )")
     sup = text.index("-m dslurm supervise")
     stop = text.index('kill "$lighthouse_pid"')
     assert start < sup < stop < text.index('exit "$rc"')
     assert "trap '' USR2; exec" in text[start - 40:start]  # USR2 is the batch shell's to forward
     res = subprocess.run(["shellcheck", "-"], input=text, text=True, capture_output=True)
     assert res.returncode == 0, res.stdout
+
+
+def test_the_replica_timeout_reaches_the_lighthouse_and_the_groups_all_reduce():
+    r = _resolved(recovery={"replicas": True, "replica_timeout_s": 0.75})
+    assert "--heartbeat-timeout-s 0.75 )" in render_sbatch(r, RenderRefs(site=SITE, job="job.yaml"))
+    assert Context.from_env(r.job, {GROUP_ENV: "1"}).timeout_s == 0.75
 
 
 def test_a_plain_job_renders_no_lighthouse():
@@ -143,6 +151,41 @@ def test_a_lost_node_is_swapped_for_a_spare_or_waited_for(tmp_path):
     assert sup._next_hosts(2, ("node3",)) is None  # nobody trains: no wait, the group stays out
 
 
+class SignalRecorder(FakeRunner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.signals: list[int] = []
+
+    def signal(self, signum):
+        self.signals.append(signum)
+
+
+def test_a_loss_below_replicas_min_stops_the_others_as_usr2_does_and_starts_none(tmp_path):
+    import signal
+
+    r = _resolved(tmp_path, recovery={"replicas": True, "replicas_min": 2})
+    runners = [SignalRecorder() for _ in range(3)]
+    sup = ReplicaSupervisor(r, runners, {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
+    g0, g1 = tmp_path / "g0", tmp_path / "g1"
+    g0.mkdir(), g1.mkdir()
+    sup.running = {0: g0, 1: g1}  # group 2 lost: 2 left, not below 2
+    assert sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="killed"), 1.0) is True
+    assert sup.stopping is None and runners[0].signals == []
+    sup.running = {0: g0}  # then group 1 lost: 1 left, below 2
+    assert sup._restart(1, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="killed"), 1.0) is False
+    assert sup.stopping == "USR2" and runners[0].signals == [signal.SIGUSR2]
+    assert (g0 / "batch.signals").read_text().startswith("USR2 ")  # on record for the stop's ending
+    lost = list(ev.of(ev.read(tmp_path), ev.ReplicaLost))[-1]
+    assert lost.group == 1 and lost.next_hosts == [] and "below recovery.replicas_min (2)" in lost.reason
+
+
+def test_the_steps_requests_are_agreed_across_groups():
+    # group 0's rank took `ctl stop` (stop, TERM, ctl) and a save; three groups, averaged by 3
+    assert agreed_flags([0, 0, 0, 0, 0], [1 / 3, 1 / 3, 1 / 3, 0, 1 / 3], 3, failed=False) == [1, 1, 1, 0, 1]
+    assert agreed_flags([1, 0, 0, 5, 0], [2 / 3, 0, 0, 5 / 3, 0], 3, failed=False) == [2, 0, 0, 5, 0]
+    assert agreed_flags([1, 1, 0, 0, 1], [0.0] * 5, 3, failed=True) == [1, 1, 0, 0, 1]  # nothing agreed
+
+
 def test_no_group_starts_again_once_group_0_is_over(tmp_path):
     r = _resolved(tmp_path)
     sup = ReplicaSupervisor(r, [FakeRunner() for _ in range(3)], {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
@@ -211,3 +254,44 @@ def test_a_group_that_begins_no_step_while_another_goes_on_is_ended_as_a_hang(tm
     assert abandon() is True and len(stalled) == 1
     sup.stall_s = 3600.0
     assert sup._stalled(2, d2, [])() is False  # not quiet long enough
+
+
+class DownRunner(FakeRunner):
+    def view(self, hosts):
+        return E.SlurmView(state="RUNNING", down_nodes=("node3",))
+
+
+def test_a_quiet_group_on_a_node_slurm_says_is_down_is_ended_at_once(tmp_path):
+    r = _resolved(tmp_path)
+    sup = ReplicaSupervisor(r, [FakeRunner(), FakeRunner(), DownRunner()], {"SLURM_JOB_ID": "77"},
+                            ["node1", "node2", "node3"])
+    d2 = tmp_path / "g2"
+    d2.mkdir()
+    (d2 / PROGRESS).write_text("15\n")
+    stalled: list[float] = []
+    abandon = sup._stalled(2, d2, stalled)
+    sup.running, sup.node_check_s = {2: d2}, 0.0  # nobody ahead of it: not a hang, but its node is down
+    sup.allocation = lambda: ["node1", "node2", "node3"]
+    assert abandon() is False  # it just began a step
+    assert abandon() is True and len(stalled) == 1
+
+
+def test_a_node_slurm_took_out_of_the_allocation_is_lost_even_once_it_answers_again(tmp_path):
+    r = _resolved(tmp_path, spares=1)
+    runners = [FakeRunner() for _ in range(3)]  # every probe answers
+    sup = ReplicaSupervisor(r, runners, {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)},
+                            ["node1", "node2", "node3", "node4"])
+    sup.running, sup.allocation = {0: tmp_path}, lambda: ["node1", "node2", "node4"]
+    assert sup._left(("node3",)) == ["node3"] and sup._left(("node2",)) == []
+    assert sup._next_hosts(2, ("node3",)) == ("node4",)  # to the spare, the node blocklisted
+    assert (tmp_path / "blocklist.txt").read_text().split() == ["node3"]
+    sup.allocation = lambda: None  # Slurm not answering: nothing is taken for gone
+    assert sup._left(("node3",)) == []
+
+
+def test_a_hung_groups_steps_are_found_by_their_nodes():
+    out = "77.0|node1\n77.2|node3\n77.batch|node1\n77.5|node[2-3]\n"
+    expand = {"node1": ["node1"], "node3": ["node3"], "node[2-3]": ["node2", "node3"]}.__getitem__
+    assert steps_on(out, ("node3",), expand) == ["77.2"]
+    assert steps_on(out, ("node1",), expand) == ["77.0"]  # never the batch step (the Lighthouse's shell)
+    assert steps_on(out, ("node3", "node2"), expand) == ["77.5"]
