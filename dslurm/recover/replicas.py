@@ -147,7 +147,9 @@ class ReplicaSupervisor:
         self.stall_s = 15.0
         # A group quiet this long has its nodes' state asked of Slurm (then every as long again).
         self.node_check_s = 2.0
+        # Slurm's answers, as attributes so the unit tests give their own (no Slurm there).
         self.allocation: Callable[[], list[str] | None] = lambda: job_allocation(self.job_id, self.env)
+        self.kill_steps: Callable[[Sequence[str]], None] = lambda hosts: kill_steps_on(self.job_id, hosts, self.env)
 
     def on_signal(self, name: str) -> None:
         """A stop from Slurm: recorded in every running group's batch.signals, no step starts after it."""
@@ -282,7 +284,7 @@ class ReplicaSupervisor:
             log.warning("dslurm supervise: replica group %d began no step for %.0f s while the others went on: "
                         "ending its step", g, quiet)
             stalled.append(quiet)
-            kill_steps_on(self.job_id, self.hosts[g], self.env)
+            self.kill_steps(self.hosts[g])
             return True
         return abandon
 

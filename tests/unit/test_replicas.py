@@ -23,6 +23,14 @@ from train.replicas import Context, agreed_flags, group_overrides
 SITE = "site-configs/local.yaml"
 
 
+
+def _supervisor(*args):
+    """A supervisor that asks no Slurm (a unit test has none): the allocation unknown, no step to kill."""
+    sup = ReplicaSupervisor(*args)
+    sup.allocation = lambda: None
+    sup.kill_steps = lambda hosts: None
+    return sup
+
 def _resolved(tmp_path: Path | None = None, **job):
     data = {"name": "rep", "nodes": 3, "procs_per_node": 1, "model": {"preset": "tiny"},
             "parallel": {"dp_replicate": 3}, "recovery": {"replicas": True}, "train": {"global_batch": 6},
@@ -126,7 +134,7 @@ def test_a_lost_group_is_recorded_and_started_again_while_another_trains(tmp_pat
     r = _resolved(tmp_path)
     env = {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)}
     runners = [FakeRunner(), FakeRunner(), FakeRunner()]
-    sup = ReplicaSupervisor(r, runners, env, ["node1", "node2", "node3"])
+    sup = _supervisor(r, runners, env, ["node1", "node2", "node3"])
     sup.running = {0: tmp_path}  # group 0 still trains while group 2 fails
     end = sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="rank 0 killed"), 1.0)
     assert end is True and sup.hosts[2] == ("node3",) and runners[2].env["DSLURM_REPLICA_LOST_STEP"] == "15"
@@ -140,7 +148,7 @@ def test_a_lost_node_is_swapped_for_a_spare_or_waited_for(tmp_path):
     r = _resolved(tmp_path, spares=1)
     env = {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)}
     runners = [FakeRunner(), FakeRunner(), FakeRunner([("node3",), ("node3",)])]
-    sup = ReplicaSupervisor(r, runners, env, ["node1", "node2", "node3", "node4"])
+    sup = _supervisor(r, runners, env, ["node1", "node2", "node3", "node4"])
     sup.running, sup.node_wait_s = {0: tmp_path}, 0.0
     assert sup._next_hosts(2, ("node3",)) == ("node4",)  # the spare
     assert (tmp_path / "blocklist.txt").read_text().split() == ["node3"]
@@ -165,7 +173,7 @@ def test_a_loss_below_replicas_min_stops_the_others_as_usr2_does_and_starts_none
 
     r = _resolved(tmp_path, recovery={"replicas": True, "replicas_min": 2})
     runners = [SignalRecorder() for _ in range(3)]
-    sup = ReplicaSupervisor(r, runners, {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
+    sup = _supervisor(r, runners, {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
     g0, g1 = tmp_path / "g0", tmp_path / "g1"
     g0.mkdir(), g1.mkdir()
     sup.running = {0: g0, 1: g1}  # group 2 lost: 2 left, not below 2
@@ -188,7 +196,7 @@ def test_the_steps_requests_are_agreed_across_groups():
 
 def test_no_group_starts_again_once_group_0_is_over(tmp_path):
     r = _resolved(tmp_path)
-    sup = ReplicaSupervisor(r, [FakeRunner() for _ in range(3)], {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
+    sup = _supervisor(r, [FakeRunner() for _ in range(3)], {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
     sup.running, sup.over = {1: tmp_path}, {0}
     assert sup._restart(2, _failed_dir(tmp_path), E.Ending(cls=E.CRASH, reason="x"), 1.0) is False
 
@@ -239,7 +247,7 @@ def test_a_fault_knob_aims_at_the_jobs_ranks():
 
 def test_a_group_that_begins_no_step_while_another_goes_on_is_ended_as_a_hang(tmp_path):
     r = _resolved(tmp_path)
-    sup = ReplicaSupervisor(r, [FakeRunner() for _ in range(3)], {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
+    sup = _supervisor(r, [FakeRunner() for _ in range(3)], {"SLURM_JOB_ID": "77"}, ["node1", "node2", "node3"])
     d0, d2 = tmp_path / "g0", tmp_path / "g2"
     d0.mkdir(), d2.mkdir()
     stalled: list[float] = []
@@ -263,7 +271,7 @@ class DownRunner(FakeRunner):
 
 def test_a_quiet_group_on_a_node_slurm_says_is_down_is_ended_at_once(tmp_path):
     r = _resolved(tmp_path)
-    sup = ReplicaSupervisor(r, [FakeRunner(), FakeRunner(), DownRunner()], {"SLURM_JOB_ID": "77"},
+    sup = _supervisor(r, [FakeRunner(), FakeRunner(), DownRunner()], {"SLURM_JOB_ID": "77"},
                             ["node1", "node2", "node3"])
     d2 = tmp_path / "g2"
     d2.mkdir()
@@ -279,7 +287,7 @@ def test_a_quiet_group_on_a_node_slurm_says_is_down_is_ended_at_once(tmp_path):
 def test_a_node_slurm_took_out_of_the_allocation_is_lost_even_once_it_answers_again(tmp_path):
     r = _resolved(tmp_path, spares=1)
     runners = [FakeRunner() for _ in range(3)]  # every probe answers
-    sup = ReplicaSupervisor(r, runners, {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)},
+    sup = _supervisor(r, runners, {"SLURM_JOB_ID": "77", "DSLURM_RUN_DIR": str(tmp_path)},
                             ["node1", "node2", "node3", "node4"])
     sup.running, sup.allocation = {0: tmp_path}, lambda: ["node1", "node2", "node4"]
     assert sup._left(("node3",)) == ["node3"] and sup._left(("node2",)) == []
