@@ -9,6 +9,7 @@ out_dir/rank-R.json: its local shard shapes and its collectives.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,7 +38,14 @@ def main() -> None:
     mb = lay.micro_batch(spec.train.global_batch, spec.train.grad_accum)
     comm = run_micro_batch(built.parts, dims, res.shape, ids, n_stages, mb)
     (out / f"rank-{rank}.json").write_text(json.dumps({"shapes": local_shapes(built.parts), "collectives": rows(comm)}))
+    dist.barrier()  # no rank tears its groups down while a peer's last collective is in flight
     dist.destroy_process_group()
+    # Skip the interpreter's finalization, as the trainer does (dslurm.endings.worker_exit): gloo's
+    # worker threads can still hold tensors then, and freeing them there aborted one rank (SIGABRT,
+    # "terminate called without an active exception") once in a clean-clone run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
