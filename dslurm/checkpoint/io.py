@@ -215,7 +215,32 @@ class Pace:
                 time.sleep(ahead)
 
 
-class _CrcView(io.RawIOBase):
+class SizedRaw(io.RawIOBase):
+    """A read-only raw file of `size()` bytes with a position: what torch.load needs of a file
+    besides `readinto` (each subclass's own: a shard's item checksummed as it is read, a pulled
+    file held in memory, dslurm.checkpoint.landing.HeldFile)."""
+
+    pos = 0
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.size()}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+
+class _CrcView(SizedRaw):
     """One stored item [start, end) of a shard as a read-only file for torch.load. Its large
     reads (the tensor's data record) go straight into torch's buffer, the new storage, and are
     checksummed there: no copy, no buffer of our own. The small parts in between (zip records,
@@ -232,19 +257,8 @@ class _CrcView(io.RawIOBase):
         self.done, self.crc = start, sums.prior(name, start)  # summed in order up to `done`
         self.redo = False
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.end - self.start}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
+    def size(self) -> int:
+        return self.end - self.start
 
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")

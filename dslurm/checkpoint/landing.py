@@ -13,13 +13,12 @@ the fingerprint and the manager read them by path.
 
 from __future__ import annotations
 
-import io
 import threading
 from pathlib import Path
 from typing import Any
 
 from dslurm.checkpoint.compat import reader_fast
-from dslurm.checkpoint.io import CrcReader
+from dslurm.checkpoint.io import CrcReader, SizedRaw
 
 
 class Landed:
@@ -89,26 +88,15 @@ class Landed:
             del self._held[name]
 
 
-class HeldFile(io.RawIOBase):
+class HeldFile(SizedRaw):
     """A held file, read as a file (seek, readinto) by the reader; each read waits for its bytes."""
 
     def __init__(self, landed: Landed, name: str, path: str) -> None:
         super().__init__()
         self.landed, self.key, self.name, self.pos = landed, name, path, 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.landed.sizes[self.key]}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
+    def size(self) -> int:
+        return self.landed.sizes[self.key]
 
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
